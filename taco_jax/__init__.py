@@ -1,0 +1,37 @@
+"""taco-jax: FP8 compression of tensor-parallel communication (TACO) for JAX.
+
+Public API:
+  compressed_psum, compressed_psum_scatter, compressed_all_gather  (collectives.py)
+  TPComm, copy_to_tp, reduce_from_tp, gather_from_sp, scatter_to_sp (tp.py: Megatron f / g)
+  Codec, Payload, get_codec, CODEC_NAMES, roundtrip                 (codecs.py)
+"""
+
+from taco_jax.codecs import CODEC_NAMES, Codec, Payload, get_codec, roundtrip
+from taco_jax.collectives import (
+    CommConfig,
+    comm_config,
+    compressed_all_gather,
+    compressed_psum,
+    compressed_psum_scatter,
+    wire_bytes_per_rank,
+)
+from taco_jax.tp import TPComm, copy_to_tp, gather_from_sp, reduce_from_tp, scatter_to_sp
+
+__all__ = [
+    "CODEC_NAMES",
+    "Codec",
+    "CommConfig",
+    "Payload",
+    "TPComm",
+    "comm_config",
+    "compressed_all_gather",
+    "compressed_psum",
+    "compressed_psum_scatter",
+    "copy_to_tp",
+    "gather_from_sp",
+    "get_codec",
+    "reduce_from_tp",
+    "roundtrip",
+    "scatter_to_sp",
+    "wire_bytes_per_rank",
+]

@@ -1,0 +1,336 @@
+"""Compressed collectives over a named axis: all-reduce, reduce-scatter and all-gather.
+
+Each runs inside `jax.shard_map` (one program per device) or inside
+`jax.vmap(..., axis_name=...)` (a TP group emulated on one device), under `jit`, `grad`, `remat`
+and `lax.scan`. All of them move uint8 wire buffers (codes + scale bytes) and sum in fp32.
+
+The all-reduce is TACO's two-shot scheme (TACO.md section 3): split into N chunks, encode,
+all-to-all, decode + fp32 sum + re-encode, all-gather, decode. Every rank decodes the same bytes,
+so the output is bit-identical on every rank, the reducing rank included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from taco_jax import _backends, codecs
+from taco_jax.codecs import Codec
+
+# Below this message size the plain lax collective runs. 0 compresses every message; the value
+# that pays on real links comes from the multi-GPU measurements (BENCHMARKS.md).
+DEFAULT_MIN_COMPRESS_BYTES = 0
+MAX_SLICES = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class CommConfig:
+    """How one direction of a collective communicates. Static and hashable.
+
+    codec: the codec (`codec.is_identity` means the plain lax collective).
+    impl: "auto" | "xla" | "pallas" | "pallas_interpret"; which codec kernels run.
+    slices: split the message into this many independent pieces (1..16) so that the encode of
+      piece i+1 can overlap the transfer of piece i.
+    min_compress_bytes: messages smaller than this use the plain lax collective.
+    """
+
+    codec: Codec
+    impl: str = "auto"
+    slices: int = 1
+    min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES
+
+    def __post_init__(self):
+        if self.impl not in _backends.IMPLS:
+            raise ValueError(f"unknown impl={self.impl!r}; choose one of {_backends.IMPLS}")
+        if not 1 <= self.slices <= MAX_SLICES:
+            raise ValueError(f"slices={self.slices} must be in [1, {MAX_SLICES}]")
+        if self.min_compress_bytes < 0:
+            raise ValueError(f"min_compress_bytes={self.min_compress_bytes} must be >= 0")
+
+    def compresses(self, x: jax.Array) -> bool:
+        return not self.codec.is_identity and x.size * x.dtype.itemsize >= self.min_compress_bytes
+
+
+def comm_config(codec: str | Codec | CommConfig = "taco", *, group_size: int = 128,
+                impl: str = "auto", slices: int = 1,
+                min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES) -> CommConfig:
+    """Builds a `CommConfig` from a codec name (or passes a `CommConfig` through unchanged)."""
+    if isinstance(codec, CommConfig):
+        return codec
+    return CommConfig(codecs.get_codec(codec, group_size), impl, slices, min_compress_bytes)
+
+
+def axis_size(axis_name) -> int:
+    """Size of a bound axis; a clear error when the axis is not bound."""
+    if not isinstance(axis_name, str):
+        raise TypeError(f"axis_name={axis_name!r} must be a single axis name (a str)")
+    try:
+        return lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(f"axis_name={axis_name!r} is not bound: call inside jax.shard_map over a "
+                         "mesh with that axis, or inside jax.vmap(..., axis_name=...)") from None
+
+
+def _check_floating(x: jax.Array, op: str) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{op} compresses floating arrays, got dtype={x.dtype}")
+
+
+# --------------------------------------------------------------------------------------------
+# Building blocks on flat rows. `rows[j]` is the chunk destined for rank j.
+
+
+def _varying(wire: jax.Array, axis_name: str) -> jax.Array:
+    # Under vmap, all_to_all of an operand that does not vary along the axis returns a wrong
+    # shape (JAX 0.11.2, TACO.md section 6); adding 0 * axis_index makes it vary at no cost.
+    return wire + (lax.axis_index(axis_name) * 0).astype(wire.dtype)
+
+
+def _exchange(wire: jax.Array, axis_name: str) -> jax.Array:
+    """all_to_all of [N, B] wire rows: afterwards row j is what rank j sent to this rank."""
+    return lax.all_to_all(_varying(wire, axis_name), axis_name, 0, 0, tiled=True)
+
+
+def _reduce_scatter_rows(rows: jax.Array, axis_name: str, cfg: CommConfig, *,
+                         reencode: bool) -> jax.Array:
+    """rows [N, n] (n multiple of G) -> this rank's fp32 sum [n], or its re-encoded wire [B]."""
+    ops = _backends.get_ops(cfg.impl)
+    n = rows.shape[-1]
+    received = _exchange(ops.encode(cfg.codec, rows), axis_name)
+    if reencode:
+        return ops.decode_sum_reencode(cfg.codec, received, n)
+    return ops.decode_sum(cfg.codec, received, n)
+
+
+def _gather_wire(wire: jax.Array, n: int, axis_name: str, cfg: CommConfig, dtype) -> jax.Array:
+    """wire [B] of this rank's chunk -> every rank's decoded chunk [N, n]."""
+    ops = _backends.get_ops(cfg.impl)
+    gathered = lax.all_gather(wire, axis_name, axis=0, tiled=False)
+    return ops.decode(cfg.codec, gathered, n, dtype)
+
+
+def _sliced(fn, rows: jax.Array, slices: int) -> jax.Array:
+    """Applies `fn` to `slices` independent column blocks of rows [..., n]; concatenates results.
+
+    The pieces share no data, so XLA may overlap the encode of one with the transfer of another.
+    """
+    if slices == 1:
+        return fn(rows)
+    pieces = jnp.split(rows, slices, axis=-1)
+    return jnp.concatenate([fn(piece) for piece in pieces], axis=-1)
+
+
+def _rows_for(flat: jax.Array, n_ranks: int, cfg: CommConfig) -> tuple[jax.Array, int]:
+    """Pads flat [M] so that each of the N rows is a multiple of G x slices; returns [N, m]."""
+    multiple = n_ranks * cfg.codec.group_size * cfg.slices
+    padded, size = codecs.pad_to_multiple(flat, multiple)
+    return padded.reshape(n_ranks, -1), size
+
+
+def _all_reduce(x: jax.Array, axis_name: str, cfg: CommConfig) -> jax.Array:
+    n_ranks = axis_size(axis_name)
+    if n_ranks == 1:
+        return x  # nothing moves, so nothing is compressed
+    if not cfg.compresses(x):
+        return lax.psum(x, axis_name)
+    rows, size = _rows_for(x.reshape(-1), n_ranks, cfg)
+
+    def two_shot(piece):  # piece: [N, m / slices]
+        n = piece.shape[-1]
+        reduced_wire = _reduce_scatter_rows(piece, axis_name, cfg, reencode=True)
+        return _gather_wire(reduced_wire, n, axis_name, cfg, x.dtype)
+
+    out = _sliced(two_shot, rows, cfg.slices)
+    return out.reshape(-1)[:size].reshape(x.shape)
+
+
+def _reduce_scatter(x: jax.Array, axis_name: str, dim: int, tiled: bool,
+                    cfg: CommConfig) -> jax.Array:
+    n_ranks = axis_size(axis_name)
+    if x.ndim == 0 or x.shape[dim] % n_ranks:
+        raise ValueError(f"scatter_dimension={dim} of shape={x.shape} is not divisible by the "
+                         f"axis size {n_ranks}")
+    if not tiled and x.shape[dim] != n_ranks:
+        raise ValueError(f"tiled=False needs shape[{dim}] == axis size {n_ranks}, got {x.shape}")
+    if n_ranks == 1:
+        return x if tiled else jnp.squeeze(x, dim)
+    if not cfg.compresses(x):
+        return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
+    moved = jnp.moveaxis(x, dim, 0)
+    block_shape = (moved.shape[0] // n_ranks,) + moved.shape[1:]
+    rows, size = codecs.pad_to_multiple(moved.reshape(n_ranks, -1),
+                                        cfg.codec.group_size * cfg.slices)
+    summed = _sliced(lambda piece: _reduce_scatter_rows(piece, axis_name, cfg, reencode=False),
+                     rows, cfg.slices)
+    block = summed[:size].astype(x.dtype).reshape(block_shape)
+    if not tiled:
+        return block[0]
+    return jnp.moveaxis(block, 0, dim)
+
+
+def _all_gather(x: jax.Array, axis_name: str, axis: int, tiled: bool,
+                cfg: CommConfig) -> jax.Array:
+    n_ranks = axis_size(axis_name)
+    if not cfg.compresses(x) or n_ranks == 1:
+        # N = 1 moves nothing; the lax op then only adds or keeps the gathered axis.
+        return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+    ops = _backends.get_ops(cfg.impl)
+    row, size = codecs.pad_to_multiple(x.reshape(1, -1), cfg.codec.group_size * cfg.slices)
+
+    def gather(piece):  # piece: [1, n]
+        return _gather_wire(ops.encode(cfg.codec, piece)[0], piece.shape[-1], axis_name, cfg,
+                            x.dtype)
+
+    stacked = _sliced(gather, row, cfg.slices)[:, :size].reshape((n_ranks,) + x.shape)
+    stacked = jnp.moveaxis(stacked, 0, axis)
+    if not tiled:
+        return stacked
+    return stacked.reshape(x.shape[:axis] + (n_ranks * x.shape[axis],) + x.shape[axis + 1:])
+
+
+# --------------------------------------------------------------------------------------------
+# Public ops. Each is a custom_vjp whose backward is the compressed conjugate collective.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _psum(x, axis_name, cfg):
+    return _all_reduce(x, axis_name, cfg)
+
+
+def _psum_fwd(x, axis_name, cfg):
+    return _all_reduce(x, axis_name, cfg), None
+
+
+def _psum_bwd(axis_name, cfg, _, ct):
+    # The output is replicated, so its cotangent is too: identity, as psum's transpose under
+    # shard_map's check_vma=True and Megatron's g operator.
+    return (ct,)
+
+
+_psum.defvjp(_psum_fwd, _psum_bwd)
+
+
+def compressed_psum(x: jax.Array, axis_name: str, *, codec: str | Codec | CommConfig = "taco",
+                    group_size: int = 128, impl: str = "auto", slices: int = 1,
+                    min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES) -> jax.Array:
+    """All-reduce with compressed traffic: equal to `jax.lax.psum(x, axis_name)` up to FP8 rounding.
+
+    Sharding: `x[...]{U_axis} -> x[...]` (unreduced partial sums in, the replicated sum out,
+    bit-identical on every rank). Each element is quantized twice (TACO.md section 3), so the
+    error is about sqrt(2) times one codec round trip of the sum's scale.
+
+    Backward: identity (the cotangent of a replicated output is replicated), which is the
+    transpose of `lax.psum` under `shard_map(check_vma=True)` and Megatron's g operator. Take
+    gradients inside the per-device function.
+
+    Args:
+      x: floating array, any shape (flattened, padded to N x G x slices, trimmed back).
+      axis_name: a bound `shard_map` mesh axis or `vmap` axis name.
+      codec: a name from `taco_jax.CODEC_NAMES`, a `Codec`, or a `CommConfig` (then the other
+        keyword arguments are ignored). "none" runs `lax.psum` itself.
+      group_size: G, elements per scale group (32..512).
+      impl: "auto" (Pallas kernels on GPU, else XLA), "xla", "pallas" or "pallas_interpret".
+      slices: independent pieces (1..16) for overlapping encode with transfer.
+      min_compress_bytes: messages smaller than this run `lax.psum`.
+    """
+    _check_floating(x, "compressed_psum")
+    return _psum(x, axis_name, comm_config(codec, group_size=group_size, impl=impl, slices=slices,
+                                           min_compress_bytes=min_compress_bytes))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _psum_scatter(x, axis_name, dim, tiled, cfg, bwd_cfg):
+    return _reduce_scatter(x, axis_name, dim, tiled, cfg)
+
+
+def _psum_scatter_fwd(x, axis_name, dim, tiled, cfg, bwd_cfg):
+    return _reduce_scatter(x, axis_name, dim, tiled, cfg), None
+
+
+def _psum_scatter_bwd(axis_name, dim, tiled, cfg, bwd_cfg, _, ct):
+    return (_all_gather(ct, axis_name, dim, tiled, bwd_cfg),)
+
+
+_psum_scatter.defvjp(_psum_scatter_fwd, _psum_scatter_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _all_gather_op(x, axis_name, axis, tiled, cfg, bwd_cfg):
+    return _all_gather(x, axis_name, axis, tiled, cfg)
+
+
+def _all_gather_fwd(x, axis_name, axis, tiled, cfg, bwd_cfg):
+    return _all_gather(x, axis_name, axis, tiled, cfg), None
+
+
+def _all_gather_bwd(axis_name, axis, tiled, cfg, bwd_cfg, _, ct):
+    return (_reduce_scatter(ct, axis_name, axis, tiled, bwd_cfg),)
+
+
+_all_gather_op.defvjp(_all_gather_fwd, _all_gather_bwd)
+
+
+def _normalize_dim(dim: int, ndim: int, name: str) -> int:
+    if not -ndim <= dim < max(ndim, 1):
+        raise ValueError(f"{name}={dim} is out of range for an array of rank {ndim}")
+    return dim % max(ndim, 1)
+
+
+def compressed_psum_scatter(x: jax.Array, axis_name: str, *, scatter_dimension: int = 0,
+                            tiled: bool = True, codec: str | Codec | CommConfig = "taco",
+                            bwd_codec: str | Codec | CommConfig | None = None,
+                            group_size: int = 128, impl: str = "auto", slices: int = 1,
+                            min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES) -> jax.Array:
+    """Reduce-scatter with compressed traffic: equal to
+    `jax.lax.psum_scatter(x, axis_name, scatter_dimension=..., tiled=...)` up to FP8 rounding.
+
+    Sharding: `x[S, ...]{U_axis} -> x[S/N, ...]` sharded along `scatter_dimension` (rank r keeps
+    block r). One quantization per element: encode, all-to-all, decode, fp32 sum.
+    Backward: compressed all-gather of the cotangent with `bwd_codec` (default: `codec`).
+    Arguments as `compressed_psum`.
+    """
+    _check_floating(x, "compressed_psum_scatter")
+    dim = _normalize_dim(scatter_dimension, x.ndim, "scatter_dimension")
+    kwargs = dict(group_size=group_size, impl=impl, slices=slices,
+                  min_compress_bytes=min_compress_bytes)
+    cfg = comm_config(codec, **kwargs)
+    bwd_cfg = cfg if bwd_codec is None else comm_config(bwd_codec, **kwargs)
+    return _psum_scatter(x, axis_name, dim, tiled, cfg, bwd_cfg)
+
+
+def compressed_all_gather(x: jax.Array, axis_name: str, *, axis: int = 0, tiled: bool = False,
+                          codec: str | Codec | CommConfig = "taco",
+                          bwd_codec: str | Codec | CommConfig | None = None,
+                          group_size: int = 128, impl: str = "auto", slices: int = 1,
+                          min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES) -> jax.Array:
+    """All-gather with compressed traffic: equal to
+    `jax.lax.all_gather(x, axis_name, axis=..., tiled=...)` up to FP8 rounding.
+
+    Sharding: `x[s, ...]` sharded -> `x[N s, ...]` replicated (tiled) or `x[N, s, ...]`. Every rank,
+    the owner included, decodes the same bytes, so the result is identical on every rank.
+    Backward: compressed reduce-scatter of the cotangent with `bwd_codec` (default: `codec`).
+    Arguments as `compressed_psum`.
+    """
+    _check_floating(x, "compressed_all_gather")
+    gather_axis = _normalize_dim(axis, x.ndim + (0 if tiled else 1), "axis")
+    kwargs = dict(group_size=group_size, impl=impl, slices=slices,
+                  min_compress_bytes=min_compress_bytes)
+    cfg = comm_config(codec, **kwargs)
+    bwd_cfg = cfg if bwd_codec is None else comm_config(bwd_codec, **kwargs)
+    return _all_gather_op(x, axis_name, gather_axis, tiled, cfg, bwd_cfg)
+
+
+def wire_bytes_per_rank(num_elements: int, n_ranks: int, cfg: CommConfig) -> int:
+    """Bytes one rank sends in `compressed_psum` of `num_elements` (both phases), padding included.
+
+    TACO.md section 3: 2 (N-1)/N x (1 + 8/G) bytes per element for `taco`; a bf16 ring all-reduce
+    sends 2 (N-1)/N x 2.
+    """
+    rows = math.ceil(num_elements / (n_ranks * cfg.codec.group_size * cfg.slices))
+    chunk = rows * cfg.codec.group_size * cfg.slices
+    return 2 * (n_ranks - 1) * cfg.codec.wire_bytes(chunk)

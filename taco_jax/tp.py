@@ -1,0 +1,113 @@
+"""Megatron's conjugate tensor-parallel operators, with compressed communication.
+
+Megatron-LM (Shoeybi et al. 2019, section 3) places two operators around each pair of
+column- and row-parallel layers:
+  f = `copy_to_tp`:       identity forward, all-reduce backward   (before column-parallel)
+  g = `reduce_from_tp`:   all-reduce forward, identity backward   (after row-parallel)
+With sequence parallelism (Korthikanti et al. 2022) they become
+  `gather_from_sp`:       all-gather forward, reduce-scatter backward (before column-parallel)
+  `scatter_to_sp`:        reduce-scatter forward, all-gather backward (after row-parallel)
+
+`TPComm` holds the forward and backward `CommConfig`s, so activations and activation gradients
+can use different codecs (e.g. `taco` forward and `taco_e5m2` or `none` backward). Every
+communication point is tagged with `checkpoint_name` so remat policies and profiles can name it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+from taco_jax import collectives
+from taco_jax.codecs import Codec
+from taco_jax.collectives import CommConfig, comm_config
+
+
+@dataclasses.dataclass(frozen=True)
+class TPComm:
+    """The tensor-parallel axis and how each direction of its traffic is compressed."""
+
+    axis_name: str = "tp"
+    fwd: CommConfig = dataclasses.field(default_factory=lambda: comm_config("taco"))
+    bwd: CommConfig = dataclasses.field(default_factory=lambda: comm_config("taco"))
+
+    @classmethod
+    def create(cls, axis_name: str = "tp", *, fwd: str | Codec | CommConfig = "taco",
+               bwd: str | Codec | CommConfig | None = None, group_size: int = 128,
+               impl: str = "auto", slices: int = 1, min_compress_bytes: int = 0) -> TPComm:
+        """Builds both directions from codec names; `bwd` defaults to `fwd`."""
+        kwargs = dict(group_size=group_size, impl=impl, slices=slices,
+                      min_compress_bytes=min_compress_bytes)
+        fwd_cfg = comm_config(fwd, **kwargs)
+        bwd_cfg = fwd_cfg if bwd is None else comm_config(bwd, **kwargs)
+        return cls(axis_name, fwd_cfg, bwd_cfg)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _copy(x, comm: TPComm):
+    return x
+
+
+def _copy_fwd(x, comm):
+    return x, None
+
+
+def _copy_bwd(comm, _, ct):
+    return (collectives._all_reduce(ct, comm.axis_name, comm.bwd),)
+
+
+_copy.defvjp(_copy_fwd, _copy_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _reduce(x, comm: TPComm):
+    return collectives._all_reduce(x, comm.axis_name, comm.fwd)
+
+
+def _reduce_fwd(x, comm):
+    return _reduce(x, comm), None
+
+
+def _reduce_bwd(comm, _, ct):
+    return (ct,)
+
+
+_reduce.defvjp(_reduce_fwd, _reduce_bwd)
+
+
+def copy_to_tp(x: jax.Array, comm: TPComm) -> jax.Array:
+    """Megatron f: identity forward; backward `compressed_psum` of the cotangent (`comm.bwd`).
+
+    Sharding: `x[B, T, D]` replicated -> the same, now feeding a column-parallel layer.
+    """
+    return checkpoint_name(_copy(x, comm), "tp_copy")
+
+
+def reduce_from_tp(x: jax.Array, comm: TPComm) -> jax.Array:
+    """Megatron g: forward `compressed_psum` (`comm.fwd`), equal to `lax.psum` up to FP8
+    rounding; backward identity. Sharding: `x[B, T, D]{U_tp} -> x[B, T, D]`.
+    """
+    return checkpoint_name(_reduce(x, comm), "tp_reduce")
+
+
+def gather_from_sp(x: jax.Array, comm: TPComm, *, axis: int = 1) -> jax.Array:
+    """Sequence-parallel entry: all-gather forward along `axis`, reduce-scatter backward.
+
+    Equal to `lax.all_gather(x, comm.axis_name, axis=axis, tiled=True)` up to FP8 rounding.
+    Sharding: `x[B, T/N, D] -> x[B, T, D]`.
+    """
+    out = collectives._all_gather_op(x, comm.axis_name, axis, True, comm.fwd, comm.bwd)
+    return checkpoint_name(out, "sp_gather")
+
+
+def scatter_to_sp(x: jax.Array, comm: TPComm, *, axis: int = 1) -> jax.Array:
+    """Sequence-parallel exit: reduce-scatter forward along `axis`, all-gather backward.
+
+    Equal to `lax.psum_scatter(x, comm.axis_name, scatter_dimension=axis, tiled=True)` up to FP8
+    rounding. Sharding: `x[B, T, D]{U_tp} -> x[B, T/N, D]`.
+    """
+    out = collectives._psum_scatter(x, comm.axis_name, axis, True, comm.fwd, comm.bwd)
+    return checkpoint_name(out, "sp_scatter")
