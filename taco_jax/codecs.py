@@ -48,8 +48,9 @@ _FLOAT8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 QMAX = {"e4m3": 448.0, "e5m2": 57344.0, "int8": 127.0}
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["codes", "scales", "prescales"],
-                   meta_fields=[])
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["codes", "scales", "prescales"], meta_fields=[]
+)
 @dataclasses.dataclass(frozen=True)
 class Payload:
     """An encoded array: `codec.decode(payload) ~= x` for `payload = codec.encode(x)`.
@@ -84,7 +85,7 @@ class Codec:
     def __post_init__(self):
         validate_group_size(self.group_size)
         if self.scale_format == "e8m0" and not self.postscale:
-            raise ValueError(f"scale_format='e8m0' needs a post-scale; codec {self.name!r} has none")
+            raise ValueError(f"scale_format=e8m0 needs a post-scale; codec {self.name!r} has none")
         if self.element == "int8" and not self.postscale:
             raise ValueError(f"element='int8' needs a post-scale; codec {self.name!r} has none")
 
@@ -174,8 +175,12 @@ def hadamard_transform(x: jax.Array, group_size: int) -> jax.Array:
     """Applies H_G / sqrt(G) to each group of G along the last axis (fp32, exact products)."""
     groups = x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
     # Entries are +-2^-k/2 or +-1/sqrt(G); HIGHEST keeps the fp32 sums out of TF32/bf16 passes.
-    y = jnp.einsum("...gi,ij->...gj", groups, jnp.asarray(hadamard_matrix(group_size)),
-                   precision=lax.Precision.HIGHEST)
+    y = jnp.einsum(
+        "...gi,ij->...gj",
+        groups,
+        jnp.asarray(hadamard_matrix(group_size)),
+        precision=lax.Precision.HIGHEST,
+    )
     return y.reshape(x.shape)
 
 
@@ -183,8 +188,10 @@ def _check_encodable(codec: Codec, x: jax.Array) -> None:
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"codec {codec.name!r} encodes floating arrays, got dtype={x.dtype}")
     if x.ndim == 0 or x.shape[-1] % codec.group_size:
-        raise ValueError(f"last dim of shape={x.shape} is not a multiple of "
-                         f"group_size={codec.group_size}; pad it first (see pad_to_multiple)")
+        raise ValueError(
+            f"last dim of shape={x.shape} is not a multiple of "
+            f"group_size={codec.group_size}; pad it first (see pad_to_multiple)"
+        )
 
 
 def _grouped(x: jax.Array, group_size: int) -> jax.Array:
@@ -236,8 +243,13 @@ def encode_reference(codec: Codec, x: jax.Array) -> Payload:
     """Pure-jnp encode of the last axis of `x`; the definition every kernel is tested against."""
     _check_encodable(codec, x)
     if codec.is_identity:
-        return Payload(lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint8)
-                       .reshape(*x.shape[:-1], 4 * x.shape[-1]), None, None)
+        return Payload(
+            lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint8).reshape(
+                *x.shape[:-1], 4 * x.shape[-1]
+            ),
+            None,
+            None,
+        )
     g = codec.group_size
     groups = _grouped(x.astype(jnp.float32), g)  # [..., n/G, G]
     alpha = ash_prescale(groups) if codec.prescale else None
@@ -323,8 +335,9 @@ def _scale_from_bytes(data: jax.Array, groups: int, dtype) -> jax.Array:
 
 def pack(codec: Codec, payload: Payload) -> jax.Array:
     """Concatenates codes and scale bytes along the last axis: uint8[..., wire_bytes(n)]."""
-    parts = [payload.codes] + [_scale_bytes(s) for s in (payload.scales, payload.prescales)
-                               if s is not None]
+    parts = [payload.codes] + [
+        _scale_bytes(s) for s in (payload.scales, payload.prescales) if s is not None
+    ]
     return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
 
 
@@ -339,8 +352,10 @@ def unpack(codec: Codec, wire: jax.Array, n: int) -> Payload:
         scales = rest
     else:
         if codec.postscale:
-            scales, rest = _scale_from_bytes(rest[..., :4 * groups], groups, jnp.float32), \
-                rest[..., 4 * groups:]
+            scales, rest = (
+                _scale_from_bytes(rest[..., : 4 * groups], groups, jnp.float32),
+                rest[..., 4 * groups :],
+            )
         if codec.prescale:
             prescales = _scale_from_bytes(rest, groups, jnp.float32)
     return Payload(codes, scales, prescales)

@@ -56,9 +56,14 @@ class CommConfig:
         return not self.codec.is_identity and x.size * x.dtype.itemsize >= self.min_compress_bytes
 
 
-def comm_config(codec: str | Codec | CommConfig = "taco", *, group_size: int = 128,
-                impl: str = "auto", slices: int = 1,
-                min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES) -> CommConfig:
+def comm_config(
+    codec: str | Codec | CommConfig = "taco",
+    *,
+    group_size: int = 128,
+    impl: str = "auto",
+    slices: int = 1,
+    min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES,
+) -> CommConfig:
     """Builds a `CommConfig` from a codec name (or passes a `CommConfig` through unchanged)."""
     if isinstance(codec, CommConfig):
         return codec
@@ -72,8 +77,10 @@ def axis_size(axis_name) -> int:
     try:
         return lax.axis_size(axis_name)
     except NameError:
-        raise ValueError(f"axis_name={axis_name!r} is not bound: call inside jax.shard_map over a "
-                         "mesh with that axis, or inside jax.vmap(..., axis_name=...)") from None
+        raise ValueError(
+            f"axis_name={axis_name!r} is not bound: call inside jax.shard_map over a "
+            "mesh with that axis, or inside jax.vmap(..., axis_name=...)"
+        ) from None
 
 
 def _check_floating(x: jax.Array, op: str) -> None:
@@ -96,8 +103,9 @@ def _exchange(wire: jax.Array, axis_name: str) -> jax.Array:
     return lax.all_to_all(_varying(wire, axis_name), axis_name, 0, 0, tiled=True)
 
 
-def _reduce_scatter_rows(rows: jax.Array, axis_name: str, cfg: CommConfig, *,
-                         reencode: bool) -> jax.Array:
+def _reduce_scatter_rows(
+    rows: jax.Array, axis_name: str, cfg: CommConfig, *, reencode: bool
+) -> jax.Array:
     """rows [N, n] (n multiple of G) -> this rank's fp32 sum [n], or its re-encoded wire [B]."""
     ops = _backends.get_ops(cfg.impl)
     n = rows.shape[-1]
@@ -149,12 +157,15 @@ def _all_reduce(x: jax.Array, axis_name: str, cfg: CommConfig) -> jax.Array:
     return out.reshape(-1)[:size].reshape(x.shape)
 
 
-def _reduce_scatter(x: jax.Array, axis_name: str, dim: int, tiled: bool,
-                    cfg: CommConfig) -> jax.Array:
+def _reduce_scatter(
+    x: jax.Array, axis_name: str, dim: int, tiled: bool, cfg: CommConfig
+) -> jax.Array:
     n_ranks = axis_size(axis_name)
     if x.ndim == 0 or x.shape[dim] % n_ranks:
-        raise ValueError(f"scatter_dimension={dim} of shape={x.shape} is not divisible by the "
-                         f"axis size {n_ranks}")
+        raise ValueError(
+            f"scatter_dimension={dim} of shape={x.shape} is not divisible by the "
+            f"axis size {n_ranks}"
+        )
     if not tiled and x.shape[dim] != n_ranks:
         raise ValueError(f"tiled=False needs shape[{dim}] == axis size {n_ranks}, got {x.shape}")
     if n_ranks == 1:
@@ -163,18 +174,19 @@ def _reduce_scatter(x: jax.Array, axis_name: str, dim: int, tiled: bool,
         return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
     moved = jnp.moveaxis(x, dim, 0)
     block_shape = (moved.shape[0] // n_ranks,) + moved.shape[1:]
-    rows, size = codecs.pad_to_multiple(moved.reshape(n_ranks, -1),
-                                        cfg.codec.group_size * cfg.slices)
-    summed = _sliced(lambda piece: _reduce_scatter_rows(piece, axis_name, cfg, reencode=False),
-                     rows, cfg.slices)
+    rows, size = codecs.pad_to_multiple(
+        moved.reshape(n_ranks, -1), cfg.codec.group_size * cfg.slices
+    )
+    summed = _sliced(
+        lambda piece: _reduce_scatter_rows(piece, axis_name, cfg, reencode=False), rows, cfg.slices
+    )
     block = summed[:size].astype(x.dtype).reshape(block_shape)
     if not tiled:
         return block[0]
     return jnp.moveaxis(block, 0, dim)
 
 
-def _all_gather(x: jax.Array, axis_name: str, axis: int, tiled: bool,
-                cfg: CommConfig) -> jax.Array:
+def _all_gather(x: jax.Array, axis_name: str, axis: int, tiled: bool, cfg: CommConfig) -> jax.Array:
     n_ranks = axis_size(axis_name)
     if not cfg.compresses(x) or n_ranks == 1:
         # N = 1 moves nothing; the lax op then only adds or keeps the gathered axis.
@@ -183,14 +195,15 @@ def _all_gather(x: jax.Array, axis_name: str, axis: int, tiled: bool,
     row, size = codecs.pad_to_multiple(x.reshape(1, -1), cfg.codec.group_size * cfg.slices)
 
     def gather(piece):  # piece: [1, n]
-        return _gather_wire(ops.encode(cfg.codec, piece)[0], piece.shape[-1], axis_name, cfg,
-                            x.dtype)
+        return _gather_wire(
+            ops.encode(cfg.codec, piece)[0], piece.shape[-1], axis_name, cfg, x.dtype
+        )
 
     stacked = _sliced(gather, row, cfg.slices)[:, :size].reshape((n_ranks,) + x.shape)
     stacked = jnp.moveaxis(stacked, 0, axis)
     if not tiled:
         return stacked
-    return stacked.reshape(x.shape[:axis] + (n_ranks * x.shape[axis],) + x.shape[axis + 1:])
+    return stacked.reshape(x.shape[:axis] + (n_ranks * x.shape[axis],) + x.shape[axis + 1 :])
 
 
 # --------------------------------------------------------------------------------------------
@@ -215,9 +228,16 @@ def _psum_bwd(axis_name, cfg, _, ct):
 _psum.defvjp(_psum_fwd, _psum_bwd)
 
 
-def compressed_psum(x: jax.Array, axis_name: str, *, codec: str | Codec | CommConfig = "taco",
-                    group_size: int = 128, impl: str = "auto", slices: int = 1,
-                    min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES) -> jax.Array:
+def compressed_psum(
+    x: jax.Array,
+    axis_name: str,
+    *,
+    codec: str | Codec | CommConfig = "taco",
+    group_size: int = 128,
+    impl: str = "auto",
+    slices: int = 1,
+    min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES,
+) -> jax.Array:
     """All-reduce with compressed traffic: equal to `jax.lax.psum(x, axis_name)` up to FP8 rounding.
 
     Sharding: `x[...]{U_axis} -> x[...]` (unreduced partial sums in, the replicated sum out,
@@ -239,8 +259,17 @@ def compressed_psum(x: jax.Array, axis_name: str, *, codec: str | Codec | CommCo
       min_compress_bytes: messages smaller than this run `lax.psum`.
     """
     _check_floating(x, "compressed_psum")
-    return _psum(x, axis_name, comm_config(codec, group_size=group_size, impl=impl, slices=slices,
-                                           min_compress_bytes=min_compress_bytes))
+    return _psum(
+        x,
+        axis_name,
+        comm_config(
+            codec,
+            group_size=group_size,
+            impl=impl,
+            slices=slices,
+            min_compress_bytes=min_compress_bytes,
+        ),
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
@@ -281,11 +310,19 @@ def _normalize_dim(dim: int, ndim: int, name: str) -> int:
     return dim % max(ndim, 1)
 
 
-def compressed_psum_scatter(x: jax.Array, axis_name: str, *, scatter_dimension: int = 0,
-                            tiled: bool = True, codec: str | Codec | CommConfig = "taco",
-                            bwd_codec: str | Codec | CommConfig | None = None,
-                            group_size: int = 128, impl: str = "auto", slices: int = 1,
-                            min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES) -> jax.Array:
+def compressed_psum_scatter(
+    x: jax.Array,
+    axis_name: str,
+    *,
+    scatter_dimension: int = 0,
+    tiled: bool = True,
+    codec: str | Codec | CommConfig = "taco",
+    bwd_codec: str | Codec | CommConfig | None = None,
+    group_size: int = 128,
+    impl: str = "auto",
+    slices: int = 1,
+    min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES,
+) -> jax.Array:
     """Reduce-scatter with compressed traffic: equal to
     `jax.lax.psum_scatter(x, axis_name, scatter_dimension=..., tiled=...)` up to FP8 rounding.
 
@@ -296,18 +333,27 @@ def compressed_psum_scatter(x: jax.Array, axis_name: str, *, scatter_dimension: 
     """
     _check_floating(x, "compressed_psum_scatter")
     dim = _normalize_dim(scatter_dimension, x.ndim, "scatter_dimension")
-    kwargs = dict(group_size=group_size, impl=impl, slices=slices,
-                  min_compress_bytes=min_compress_bytes)
+    kwargs = dict(
+        group_size=group_size, impl=impl, slices=slices, min_compress_bytes=min_compress_bytes
+    )
     cfg = comm_config(codec, **kwargs)
     bwd_cfg = cfg if bwd_codec is None else comm_config(bwd_codec, **kwargs)
     return _psum_scatter(x, axis_name, dim, tiled, cfg, bwd_cfg)
 
 
-def compressed_all_gather(x: jax.Array, axis_name: str, *, axis: int = 0, tiled: bool = False,
-                          codec: str | Codec | CommConfig = "taco",
-                          bwd_codec: str | Codec | CommConfig | None = None,
-                          group_size: int = 128, impl: str = "auto", slices: int = 1,
-                          min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES) -> jax.Array:
+def compressed_all_gather(
+    x: jax.Array,
+    axis_name: str,
+    *,
+    axis: int = 0,
+    tiled: bool = False,
+    codec: str | Codec | CommConfig = "taco",
+    bwd_codec: str | Codec | CommConfig | None = None,
+    group_size: int = 128,
+    impl: str = "auto",
+    slices: int = 1,
+    min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES,
+) -> jax.Array:
     """All-gather with compressed traffic: equal to
     `jax.lax.all_gather(x, axis_name, axis=..., tiled=...)` up to FP8 rounding.
 
@@ -318,8 +364,9 @@ def compressed_all_gather(x: jax.Array, axis_name: str, *, axis: int = 0, tiled:
     """
     _check_floating(x, "compressed_all_gather")
     gather_axis = _normalize_dim(axis, x.ndim + (0 if tiled else 1), "axis")
-    kwargs = dict(group_size=group_size, impl=impl, slices=slices,
-                  min_compress_bytes=min_compress_bytes)
+    kwargs = dict(
+        group_size=group_size, impl=impl, slices=slices, min_compress_bytes=min_compress_bytes
+    )
     cfg = comm_config(codec, **kwargs)
     bwd_cfg = cfg if bwd_codec is None else comm_config(bwd_codec, **kwargs)
     return _all_gather_op(x, axis_name, gather_axis, tiled, cfg, bwd_cfg)

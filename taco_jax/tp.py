@@ -35,12 +35,21 @@ class TPComm:
     bwd: CommConfig = dataclasses.field(default_factory=lambda: comm_config("taco"))
 
     @classmethod
-    def create(cls, axis_name: str = "tp", *, fwd: str | Codec | CommConfig = "taco",
-               bwd: str | Codec | CommConfig | None = None, group_size: int = 128,
-               impl: str = "auto", slices: int = 1, min_compress_bytes: int = 0) -> TPComm:
+    def create(
+        cls,
+        axis_name: str = "tp",
+        *,
+        fwd: str | Codec | CommConfig = "taco",
+        bwd: str | Codec | CommConfig | None = None,
+        group_size: int = 128,
+        impl: str = "auto",
+        slices: int = 1,
+        min_compress_bytes: int = 0,
+    ) -> TPComm:
         """Builds both directions from codec names; `bwd` defaults to `fwd`."""
-        kwargs = dict(group_size=group_size, impl=impl, slices=slices,
-                      min_compress_bytes=min_compress_bytes)
+        kwargs = dict(
+            group_size=group_size, impl=impl, slices=slices, min_compress_bytes=min_compress_bytes
+        )
         fwd_cfg = comm_config(fwd, **kwargs)
         bwd_cfg = fwd_cfg if bwd is None else comm_config(bwd, **kwargs)
         return cls(axis_name, fwd_cfg, bwd_cfg)
