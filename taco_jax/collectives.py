@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from taco_jax import _backends, codecs
+from taco_jax import _backends, codecs, telemetry
 from taco_jax.codecs import Codec
 
 # Below this message size the plain lax collective runs. 0 compresses every message; the value
@@ -37,12 +37,14 @@ class CommConfig:
     slices: split the message into this many independent pieces (1..16) so that the encode of
       piece i+1 can overlap the transfer of piece i.
     min_compress_bytes: messages smaller than this use the plain lax collective.
+    telemetry: also run the exact collective and record the relative error (`taco_jax.telemetry`).
     """
 
     codec: Codec
     impl: str = "auto"
     slices: int = 1
     min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES
+    telemetry: bool = False
 
     def __post_init__(self):
         if self.impl not in _backends.IMPLS:
@@ -63,11 +65,13 @@ def comm_config(
     impl: str = "auto",
     slices: int = 1,
     min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES,
+    telemetry: bool = False,
 ) -> CommConfig:
     """Builds a `CommConfig` from a codec name (or passes a `CommConfig` through unchanged)."""
     if isinstance(codec, CommConfig):
         return codec
-    return CommConfig(codecs.get_codec(codec, group_size), impl, slices, min_compress_bytes)
+    codec = codecs.get_codec(codec, group_size)
+    return CommConfig(codec, impl, slices, min_compress_bytes, telemetry)
 
 
 def axis_size(axis_name) -> int:
@@ -140,7 +144,9 @@ def _rows_for(flat: jax.Array, n_ranks: int, cfg: CommConfig) -> tuple[jax.Array
     return padded.reshape(n_ranks, -1), size
 
 
-def _all_reduce(x: jax.Array, axis_name: str, cfg: CommConfig) -> jax.Array:
+def _all_reduce(
+    x: jax.Array, axis_name: str, cfg: CommConfig, tag: str = "all_reduce"
+) -> jax.Array:
     n_ranks = axis_size(axis_name)
     if n_ranks == 1:
         return x  # nothing moves, so nothing is compressed
@@ -153,12 +159,19 @@ def _all_reduce(x: jax.Array, axis_name: str, cfg: CommConfig) -> jax.Array:
         reduced_wire = _reduce_scatter_rows(piece, axis_name, cfg, reencode=True)
         return _gather_wire(reduced_wire, n, axis_name, cfg, x.dtype)
 
-    out = _sliced(two_shot, rows, cfg.slices)
-    return out.reshape(-1)[:size].reshape(x.shape)
+    out = _sliced(two_shot, rows, cfg.slices).reshape(-1)[:size].reshape(x.shape)
+    if cfg.telemetry:
+        telemetry.record(f"{tag}:{cfg.codec.name}", out, lax.psum(x, axis_name))
+    return out
 
 
 def _reduce_scatter(
-    x: jax.Array, axis_name: str, dim: int, tiled: bool, cfg: CommConfig
+    x: jax.Array,
+    axis_name: str,
+    dim: int,
+    tiled: bool,
+    cfg: CommConfig,
+    tag: str = "reduce_scatter",
 ) -> jax.Array:
     n_ranks = axis_size(axis_name)
     if x.ndim == 0 or x.shape[dim] % n_ranks:
@@ -181,12 +194,16 @@ def _reduce_scatter(
         lambda piece: _reduce_scatter_rows(piece, axis_name, cfg, reencode=False), rows, cfg.slices
     )
     block = summed[:size].astype(x.dtype).reshape(block_shape)
-    if not tiled:
-        return block[0]
-    return jnp.moveaxis(block, 0, dim)
+    out = jnp.moveaxis(block, 0, dim) if tiled else block[0]
+    if cfg.telemetry:
+        exact = lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
+        telemetry.record(f"{tag}:{cfg.codec.name}", out, exact)
+    return out
 
 
-def _all_gather(x: jax.Array, axis_name: str, axis: int, tiled: bool, cfg: CommConfig) -> jax.Array:
+def _all_gather(
+    x: jax.Array, axis_name: str, axis: int, tiled: bool, cfg: CommConfig, tag: str = "all_gather"
+) -> jax.Array:
     n_ranks = axis_size(axis_name)
     if not cfg.compresses(x) or n_ranks == 1:
         # N = 1 moves nothing; the lax op then only adds or keeps the gathered axis.
@@ -200,10 +217,13 @@ def _all_gather(x: jax.Array, axis_name: str, axis: int, tiled: bool, cfg: CommC
         )
 
     stacked = _sliced(gather, row, cfg.slices)[:, :size].reshape((n_ranks,) + x.shape)
-    stacked = jnp.moveaxis(stacked, 0, axis)
-    if not tiled:
-        return stacked
-    return stacked.reshape(x.shape[:axis] + (n_ranks * x.shape[axis],) + x.shape[axis + 1 :])
+    out = jnp.moveaxis(stacked, 0, axis)
+    if tiled:
+        out = out.reshape(x.shape[:axis] + (n_ranks * x.shape[axis],) + x.shape[axis + 1 :])
+    if cfg.telemetry:
+        exact = lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+        telemetry.record(f"{tag}:{cfg.codec.name}", out, exact)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -282,7 +302,7 @@ def _psum_scatter_fwd(x, axis_name, dim, tiled, cfg, bwd_cfg):
 
 
 def _psum_scatter_bwd(axis_name, dim, tiled, cfg, bwd_cfg, _, ct):
-    return (_all_gather(ct, axis_name, dim, tiled, bwd_cfg),)
+    return (_all_gather(ct, axis_name, dim, tiled, bwd_cfg, "reduce_scatter_bwd"),)
 
 
 _psum_scatter.defvjp(_psum_scatter_fwd, _psum_scatter_bwd)
@@ -298,7 +318,7 @@ def _all_gather_fwd(x, axis_name, axis, tiled, cfg, bwd_cfg):
 
 
 def _all_gather_bwd(axis_name, axis, tiled, cfg, bwd_cfg, _, ct):
-    return (_reduce_scatter(ct, axis_name, axis, tiled, bwd_cfg),)
+    return (_reduce_scatter(ct, axis_name, axis, tiled, bwd_cfg, "all_gather_bwd"),)
 
 
 _all_gather_op.defvjp(_all_gather_fwd, _all_gather_bwd)

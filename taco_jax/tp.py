@@ -45,10 +45,18 @@ class TPComm:
         impl: str = "auto",
         slices: int = 1,
         min_compress_bytes: int = 0,
+        telemetry: bool = False,
     ) -> TPComm:
-        """Builds both directions from codec names; `bwd` defaults to `fwd`."""
+        """Builds both directions from codec names; `bwd` defaults to `fwd`.
+
+        `telemetry=True` records each collective's relative error (see `taco_jax.telemetry`).
+        """
         kwargs = dict(
-            group_size=group_size, impl=impl, slices=slices, min_compress_bytes=min_compress_bytes
+            group_size=group_size,
+            impl=impl,
+            slices=slices,
+            min_compress_bytes=min_compress_bytes,
+            telemetry=telemetry,
         )
         fwd_cfg = comm_config(fwd, **kwargs)
         bwd_cfg = fwd_cfg if bwd is None else comm_config(bwd, **kwargs)
@@ -65,7 +73,7 @@ def _copy_fwd(x, comm):
 
 
 def _copy_bwd(comm, _, ct):
-    return (collectives._all_reduce(ct, comm.axis_name, comm.bwd),)
+    return (collectives._all_reduce(ct, comm.axis_name, comm.bwd, "tp_copy_bwd"),)
 
 
 _copy.defvjp(_copy_fwd, _copy_bwd)
@@ -73,7 +81,7 @@ _copy.defvjp(_copy_fwd, _copy_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _reduce(x, comm: TPComm):
-    return collectives._all_reduce(x, comm.axis_name, comm.fwd)
+    return collectives._all_reduce(x, comm.axis_name, comm.fwd, "tp_reduce_fwd")
 
 
 def _reduce_fwd(x, comm):

