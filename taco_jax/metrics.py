@@ -1,0 +1,96 @@
+"""Run outputs: metrics as JSONL, a PNG of train / validation loss, throughput and MFU."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+# Dense bf16 tensor-core peak per device, FLOP/s (vendor datasheets: H100/H200 SXM 989.4 TFLOP/s,
+# A100 312 TFLOP/s). Keyed by a substring of `jax.Device.device_kind`.
+PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
+
+
+def peak_flops(device_kind: str, override_tflops: float | None = None) -> float | None:
+    """Peak FLOP/s of one device, or None if unknown (then MFU is not reported)."""
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    return next((v for k, v in PEAK_FLOPS.items() if k in device_kind), None)
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, n_devices: int, peak: float | None):
+    """Model FLOPs utilisation (PaLM, Chowdhery et al. 2022, appendix B): achieved model FLOP/s
+    (tokens/s x training FLOPs per token, no remat recompute) over the devices' summed peak."""
+    if peak is None:
+        return None
+    return tokens_per_s * flops_per_token / (n_devices * peak)
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to `path`.
+
+    On resume from `start_step`, records of later steps (written after the checkpoint the run
+    resumes from) are dropped, so the file reads like one uninterrupted run.
+    """
+
+    def __init__(self, path: Path, start_step: int, enabled: bool = True):
+        self.path = path
+        self.enabled = enabled
+        if not enabled:
+            return
+        kept = [r for r in read_jsonl(path) if r.get("step", 0) <= start_step]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")  # NaN / Infinity stay visible.
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_losses(records: list[dict[str, Any]], png: Path, title: str = "") -> None:
+    """Train loss (per logged step) and validation loss (per evaluation) against step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for kind, key, style in (("train", "loss", "-"), ("eval", "val_loss", "o-")):
+        pts = [(r["step"], r[key]) for r in records if r.get("kind") == kind and key in r]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), style, label=f"{kind} loss", markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
+
+
+def format_line(record: dict[str, Any]) -> str:
+    """One progress line: step, loss, tokens/s, MFU (and validation loss on eval records)."""
+    parts = [f"step {record['step']:>6d}"]
+    for key, fmt in (("loss", ".4f"), ("val_loss", ".4f"), ("grad_norm", ".3f"), ("lr", ".2e")):
+        if key in record:
+            parts.append(f"{key} {record[key]:{fmt}}")
+    if "tokens_per_s" in record:
+        parts.append(f"tok/s {record['tokens_per_s']:,.0f}")
+    mfu_value = record.get("mfu")
+    if "tokens_per_s" in record:
+        parts.append("mfu n/a" if mfu_value is None else f"mfu {100 * mfu_value:.1f}%")
+    return " | ".join(parts)
+
+
+def is_finite(value: float) -> bool:
+    return math.isfinite(value)

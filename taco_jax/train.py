@@ -1,0 +1,51 @@
+"""The bundled training script: `python -m taco_jax.train [--config FILE] [--set k=v ...]`.
+
+Parses the configuration and calls `taco_jax.trainer.train_and_evaluate`; see docs/training.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+DEFAULT_CONFIG = "configs/default.toml"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="taco-train", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--config",
+        default=None,
+        help=f"TOML file of overrides (default: {DEFAULT_CONFIG} if it exists, else built-ins)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one value, e.g. --set optimizer.lr=3e-4 --set parallel.tp=4",
+    )
+    parser.add_argument("--print-config", action="store_true", help="print the config and exit")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import json
+    import os
+
+    from taco_jax.config import load_config
+
+    args = parse_args(argv)
+    path = args.config or (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
+    cfg = load_config(path, args.overrides)
+    if args.print_config:
+        print(json.dumps(cfg.to_dict(), indent=1, default=str))
+        return
+    from taco_jax.trainer import train_and_evaluate
+
+    train_and_evaluate(cfg)
+
+
+if __name__ == "__main__":
+    main()

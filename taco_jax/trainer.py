@@ -1,0 +1,208 @@
+"""The training loop: data, optimizer, `models.parallel.make_steps`, eval, checkpoints, metrics.
+
+`train_and_evaluate(cfg)` is the whole run. It resumes from the newest checkpoint in
+`cfg.run.out_dir` when there is one; because the batch of step k is a pure function of
+(data seed, k) and the state is restored bit for bit, a resumed run reproduces the uninterrupted
+run exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from models.parallel import make_steps
+
+from taco_jax import data, metrics, optim, telemetry
+from taco_jax.checkpointing import Checkpointer, abstract_state
+from taco_jax.config import TrainConfig
+
+
+def maybe_initialize_distributed(mode: str) -> None:
+    """`jax.distributed.initialize` for multi-process runs (before any other JAX call).
+
+    "auto": only when `JAX_COORDINATOR_ADDRESS` is set, with `JAX_NUM_PROCESSES` and
+    `JAX_PROCESS_ID` from the environment; "on": let JAX auto-detect the cluster (SLURM, Open MPI,
+    ...); "off": never.
+    """
+    if mode == "off" or (mode == "auto" and "JAX_COORDINATOR_ADDRESS" not in os.environ):
+        return
+    if mode == "auto":
+        jax.distributed.initialize(
+            coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+            num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+            process_id=int(os.environ["JAX_PROCESS_ID"]),
+        )
+    else:
+        jax.distributed.initialize()
+
+
+def _say(message: str) -> None:
+    if jax.process_index() == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
+class _Run:
+    """The per-run pieces the loop needs, built once."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.out = Path(cfg.run.out_dir)
+        self.dataset = data.prepare_dataset(
+            cfg.data.corpus,
+            tokenizer=cfg.data.tokenizer,
+            vocab_size=cfg.model.vocab_size,
+            val_fraction=cfg.data.val_fraction,
+            seed=cfg.data.seed,
+            cache_dir=cfg.data.cache_dir,
+        )
+        b, t = cfg.data.batch_size, cfg.model.seq_len
+        self.train_batches = data.Batches(self.dataset.train, b, t, seed=cfg.data.seed)
+        self.val_batches = data.Batches(self.dataset.val, b, t, seed=cfg.data.seed)
+        optimizer = optim.make_optimizer(cfg.optimizer, cfg.run.steps)
+        self.schedule = optim.lr_schedule(cfg.optimizer, cfg.run.steps)
+        self.steps = make_steps(cfg.model, cfg.parallel, cfg.compression.make_comm(), optimizer)
+        self.n_devices = self.steps.mesh.devices.size
+        device_kind = self.steps.mesh.devices.flat[0].device_kind
+        self.peak = metrics.peak_flops(device_kind, cfg.run.peak_tflops)
+        self.tokens_per_step = b * t
+
+    def global_batch(self, rows: np.ndarray) -> jax.Array:
+        """The global [B, T + 1] batch as one array laid out by `batch_sharding`."""
+        local = data.process_rows(rows, jax.process_index(), jax.process_count())
+        sharding = self.steps.batch_sharding
+        return jax.make_array_from_process_local_data(sharding, local, rows.shape)
+
+    def evaluate(self, state) -> float:
+        n = self.cfg.run.eval_batches
+        losses = [
+            self.steps.eval_step(state, self.global_batch(self.val_batches.eval(i, n)))["loss"]
+            for i in range(n)
+        ]
+        return float(np.mean(jax.device_get(losses)))
+
+
+def _init_or_restore(run: _Run, ckpt: Checkpointer):
+    key = jax.random.key(run.cfg.run.seed)
+    latest = ckpt.latest_step() if run.cfg.run.resume else None
+    if latest is None:
+        return run.steps.init(key), 0
+    target = abstract_state(run.steps.init, run.steps.state_sharding, key)
+    _say(f"resuming from {run.out / 'checkpoints'} at step {latest}")
+    return ckpt.restore(latest, target), latest
+
+
+def _write_config(cfg: TrainConfig, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
+
+
+def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
+    """Runs `cfg.run.steps` optimizer steps (resuming if possible); returns the last records."""
+    maybe_initialize_distributed(cfg.run.distributed)
+    run = _Run(cfg)
+    lead = jax.process_index() == 0
+    if lead:
+        _write_config(cfg, run.out)
+    ckpt = Checkpointer(run.out / "checkpoints", cfg.run.keep_checkpoints)
+    state, start = _init_or_restore(run, ckpt)
+    writer = metrics.MetricsWriter(run.out / "metrics.jsonl", start, enabled=lead)
+    params = cfg.model.num_params()
+    _say(
+        f"model {params / 1e6:.2f}M params | tp={cfg.parallel.tp} ({cfg.parallel.mode}) "
+        f"dp={cfg.parallel.dp} | compression fwd={cfg.compression.fwd} "
+        f"bwd={cfg.compression.bwd or cfg.compression.fwd} | train tokens "
+        f"{run.dataset.train.size:,} | steps {start} -> {cfg.run.steps} | out {run.out}"
+    )
+    try:
+        return _loop(run, state, start, ckpt, writer)
+    finally:  # Also after a non-finite loss: the plot shows where it went wrong.
+        ckpt.close()
+        if lead:
+            records = metrics.read_jsonl(run.out / "metrics.jsonl")
+            metrics.plot_losses(records, run.out / "loss.png", str(run.out))
+
+
+def _loop(run: _Run, state, start: int, ckpt: Checkpointer, writer) -> dict[str, Any]:
+    cfg = run.cfg.run
+    bar = _progress_bar(start, cfg.steps, enabled=cfg.progress and jax.process_index() == 0)
+    last: dict[str, Any] = {}
+    t_mark, steps_since = None, 0
+    end = cfg.steps if cfg.stop_at is None else cfg.stop_at
+    for step in range(start, end):
+        batch = run.global_batch(run.train_batches.train(step))
+        state, out = run.steps.train_step(state, batch)
+        done = step + 1
+        if t_mark is None:  # The first step compiles; time from its end.
+            jax.block_until_ready(out)
+            t_mark, steps_since = time.perf_counter(), 0
+        else:
+            steps_since += 1
+        bar.update(1)
+        if done % cfg.log_every == 0 or done == cfg.steps:
+            record = _train_record(run, done, out, time.perf_counter() - t_mark, steps_since)
+            t_mark, steps_since = time.perf_counter(), 0
+            last["train"] = _emit(record, writer, bar)
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            record = {"kind": "eval", "step": done, "val_loss": run.evaluate(state)}
+            record.update(_telemetry(run, "eval"))
+            last["eval"] = _emit(record, writer, bar)
+            t_mark, steps_since = time.perf_counter(), 0  # Eval time is not training time.
+        if done % cfg.checkpoint_every == 0 or done in (cfg.steps, end):
+            ckpt.save(done, state)
+        _stop_if_not_finite(last)
+    bar.close()
+    return last
+
+
+def _train_record(run: _Run, step: int, out, seconds: float, steps_timed: int) -> dict[str, Any]:
+    values = {k: float(v) for k, v in jax.device_get(out).items()}
+    record = {"kind": "train", "step": step, **values, "lr": float(run.schedule(step - 1))}
+    if steps_timed > 0:
+        tokens_per_s = steps_timed * run.tokens_per_step / seconds
+        flops = run.cfg.model.flops_per_token()
+        record["tokens_per_s"] = tokens_per_s
+        record["mfu"] = metrics.mfu(tokens_per_s, flops, run.n_devices, run.peak)
+    record.update(_telemetry(run, "train"))
+    return record
+
+
+def _telemetry(run: _Run, prefix: str) -> dict[str, float]:
+    """Mean relative error of each compressed collective since the last drain (when enabled)."""
+    if not run.cfg.compression.telemetry:
+        return {}
+    return {f"telemetry/{prefix}/{tag}": err for tag, err in telemetry.drain().items()}
+
+
+def _emit(record: dict[str, Any], writer, bar) -> dict[str, Any]:
+    writer.write(record)
+    if jax.process_index() == 0:
+        bar.write(metrics.format_line(record))
+    return record
+
+
+def _stop_if_not_finite(last: dict[str, Any]) -> None:
+    for kind, key in (("train", "loss"), ("eval", "val_loss")):
+        value = last.get(kind, {}).get(key)
+        if value is not None and not metrics.is_finite(value):
+            raise FloatingPointError(f"{kind} {key}={value} at step {last[kind]['step']}")
+
+
+def _progress_bar(start: int, total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        initial=start,
+        desc="train",
+        unit="step",
+        disable=not enabled or None,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )

@@ -1,0 +1,90 @@
+"""Config files, command-line overrides and validation errors."""
+
+from pathlib import Path
+
+import pytest
+
+from taco_jax.config import TrainConfig, apply_override, build_config, load_config, parse_value
+
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.toml"))
+
+
+def test_configs_dir_is_not_empty():
+    assert {p.name for p in CONFIGS} >= {"default.toml", "tiny.toml", "h200_convergence.toml"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_file_parses(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, TrainConfig)
+    cfg.compression.make_comm()
+
+
+def test_default_config_is_the_laptop_run():
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "default.toml")
+    assert cfg.parallel.tp == 4 and cfg.compression.fwd == "taco"
+    assert cfg.data.corpus == "shakespeare"  # real text, not synthetic
+
+
+def test_h200_preset_is_sized_to_the_corpus():
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "h200_convergence.toml")
+    assert 20e6 <= cfg.model.num_params() <= 40e6
+    assert 256 <= cfg.model.seq_len <= 512 and cfg.parallel.tp == 4
+
+
+def test_overrides_change_only_what_they_name():
+    base = load_config(None)
+    cfg = load_config(None, ["optimizer.lr=3e-4", "parallel.tp=4", "model.d_model=128"])
+    assert cfg.optimizer.lr == 3e-4 and cfg.parallel.tp == 4 and cfg.model.d_model == 128
+    assert cfg.optimizer.warmup_steps == base.optimizer.warmup_steps
+    assert cfg.model.n_layers == base.model.n_layers
+
+
+def test_override_beats_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(
+        '[optimizer]\nlr = 1e-3\n[model]\npreset = "gpt_tiny"\n[data]\ntokenizer = "byte"\n'
+    )
+    assert load_config(path).optimizer.lr == 1e-3
+    assert load_config(path, ["optimizer.lr=2e-3"]).optimizer.lr == 2e-3
+    assert load_config(path).model.d_model == 64  # gpt_tiny
+
+
+def test_int_widens_to_float_and_strings_parse():
+    assert load_config(None, ["optimizer.lr=1"]).optimizer.lr == 1.0
+    assert isinstance(load_config(None, ["optimizer.lr=1"]).optimizer.lr, float)
+    assert parse_value("taco") == "taco" and parse_value('"x"') == "x"
+    assert parse_value("true") is True and parse_value("3e-4") == 3e-4
+    assert load_config(None, ["compression.bwd=none"]).compression.bwd == "none"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optimizer.lr=-1", "optimizer.lr=-1.0"),
+        ("optimizer.lrr=1", "unknown key optimizer.lrr"),
+        ("optim.lr=1", "unknown section 'optim'"),
+        ("optimizer.lr", "section.key=value"),
+        ("compression.fwd=fp4", "compression.fwd='fp4'"),
+        ("data.batch_size=30", "data.batch_size=30 is not a multiple of parallel.dp=4"),
+        ("run.steps=ten", "run.steps='ten'"),
+        ("run.stop_at=5000", "run.stop_at=5000"),
+        ("model.preset='gpt_huge'", "gpt_huge"),
+        ("data.tokenizer=chars", "data.tokenizer='chars'"),
+    ],
+)
+def test_validation_errors_name_the_value(override, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        load_config(None, ["parallel.dp=4", override])
+
+
+def test_bpe_vocab_must_fit_uint16():
+    with pytest.raises(ValueError, match="model.vocab_size=70000"):
+        build_config({"model": {"preset": "gpt_tiny", "vocab_size": 70000}})
+
+
+def test_apply_override_builds_sections():
+    tree = {}
+    apply_override(tree, "run.steps=5")
+    apply_override(tree, "run.out_dir=/tmp/x")
+    assert tree == {"run": {"steps": 5, "out_dir": "/tmp/x"}}
