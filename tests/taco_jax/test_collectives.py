@@ -1,0 +1,375 @@
+"""Compressed collectives on 8 fake CPU devices (shard_map) and under vmap emulation.
+
+Error bounds (E4M3 stores a normal value with relative error <= u = 2^-4; groups scaled to
+absmax 448 make subnormal codes contribute < 1e-4 of that bound for the Gaussian data used here,
+covered by the factor 1.01; L2 norms of group-wise bounds add in quadrature, so the per-group
+bound holds for the whole tensor):
+- all-gather, one quantization of each rank's block:          ||err|| <= u ||x||
+- reduce-scatter, one quantization per rank, then fp32 sum:     ||err|| <= u sum_r ||x_r||
+- all-reduce (two-shot), the sum above is quantized again:
+    ||err|| <= u (1 + u) sum_r ||x_r|| + u ||sum_r x_r||
+"""
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import MODES, run_tp
+from jax import lax
+
+import taco_jax as tj
+from taco_jax import telemetry
+
+U = 2.0**-4
+TP_SIZES = (2, 4, 8)
+
+
+def _ranks(tp, shape, seed=0):
+    return jax.random.normal(jax.random.key(seed), (tp, *shape), jnp.float32)
+
+
+def _rank_norms(x):
+    return float(jnp.sum(jnp.linalg.norm(x.reshape(x.shape[0], -1), axis=1)))
+
+
+def _assert_rank_identical(out):
+    np.testing.assert_array_equal(np.asarray(out), np.broadcast_to(np.asarray(out[0]), out.shape))
+
+
+# ------------------------------------------------------------------------------ codec "none"
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("mode", MODES)
+def test_none_equals_lax_exactly(tp, mode):
+    x = _ranks(tp, (4, 48), seed=tp)
+
+    def both(v):
+        return (
+            tj.compressed_psum(v, "tp", codec="none"),
+            lax.psum(v, "tp"),
+            tj.compressed_psum_scatter(v, "tp", scatter_dimension=1, codec="none"),
+            lax.psum_scatter(v, "tp", scatter_dimension=1, tiled=True),
+            tj.compressed_all_gather(v, "tp", axis=1, tiled=True, codec="none"),
+            lax.all_gather(v, "tp", axis=1, tiled=True),
+        )
+
+    out = run_tp(both, x, tp=tp, mode=mode)
+    for ours, theirs in zip(out[::2], out[1::2], strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+# ------------------------------------------------------------------------------ codec "taco"
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("mode", MODES)
+def test_psum_within_two_quantization_bound(tp, mode):
+    x = _ranks(tp, (3, 1000), seed=10 + tp)  # 3000 elements: not a multiple of tp x G
+    out = run_tp(lambda v: tj.compressed_psum(v, "tp"), x, tp=tp, mode=mode)
+    exact = jnp.sum(x, axis=0)
+    err = float(jnp.linalg.norm(out[0] - exact))
+    bound = U * (1 + U) * _rank_norms(x) + U * float(jnp.linalg.norm(exact))
+    assert err <= 1.01 * bound
+    assert err >= 1e-3 * float(jnp.linalg.norm(exact))  # FP8 rounding really happened
+    _assert_rank_identical(out)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_vmap_emulation_matches_shard_map(tp):
+    """Emulation runs the same math; batching may reorder fp32 sums (the Hadamard, the energy).
+
+    Measured: differences up to 4e-5 relative, no element further apart than that. A code that
+    flipped by one E4M3 step would differ by >= 2^-4 relative, so 1e-3 tells the two apart.
+    """
+    x = _ranks(tp, (2, 640), seed=20 + tp)
+    fn = lambda v: tj.compressed_psum(v, "tp")
+    emulated, real = run_tp(fn, x, tp=tp, mode="vmap"), run_tp(fn, x, tp=tp, mode="shard_map")
+    np.testing.assert_allclose(emulated, real, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("mode", MODES)
+def test_psum_scatter_within_one_quantization_bound(tp, mode):
+    x = _ranks(tp, (5, 8 * 24), seed=30 + tp)
+    out = run_tp(
+        lambda v: tj.compressed_psum_scatter(v, "tp", scatter_dimension=1), x, tp=tp, mode=mode
+    )
+    exact = run_tp(
+        lambda v: lax.psum_scatter(v, "tp", scatter_dimension=1, tiled=True), x, tp=tp, mode=mode
+    )
+    assert out.shape == exact.shape == (tp, 5, 8 * 24 // tp)
+    for r in range(tp):
+        block = x[:, :, r * out.shape[-1] : (r + 1) * out.shape[-1]]
+        assert float(jnp.linalg.norm(out[r] - exact[r])) <= 1.01 * U * _rank_norms(block)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("mode", MODES)
+def test_all_gather_within_one_quantization_bound(tp, mode):
+    x = _ranks(tp, (7, 33), seed=40 + tp)
+    out = run_tp(
+        lambda v: tj.compressed_all_gather(v, "tp", axis=0, tiled=False), x, tp=tp, mode=mode
+    )
+    assert out.shape == (tp, tp, 7, 33)
+    _assert_rank_identical(out)
+    for r in range(tp):
+        err = float(jnp.linalg.norm(out[0, r] - x[r]))
+        assert err <= 1.01 * U * float(jnp.linalg.norm(x[r]))
+
+
+@pytest.mark.parametrize("slices", [2, 4])
+def test_slices_keep_the_bound(slices):
+    tp = 4
+    x = _ranks(tp, (4096,), seed=50)
+    out = run_tp(lambda v: tj.compressed_psum(v, "tp", slices=slices), x, tp=tp, mode="shard_map")
+    exact = jnp.sum(x, axis=0)
+    bound = U * (1 + U) * _rank_norms(x) + U * float(jnp.linalg.norm(exact))
+    assert float(jnp.linalg.norm(out[0] - exact)) <= 1.01 * bound
+    _assert_rank_identical(out)
+
+
+@pytest.mark.parametrize("name", [n for n in tj.CODEC_NAMES if n not in ("none", "taco_no_ds")])
+def test_every_codec_through_psum(name):
+    tp = 4
+    x = _ranks(tp, (1024,), seed=60)
+    out = run_tp(lambda v: tj.compressed_psum(v, "tp", codec=name), x, tp=tp, mode="vmap")
+    exact = jnp.sum(x, axis=0)
+    u = 2.0**-3 if name == "taco_e5m2" else U  # INT8 on Gaussian data is tighter than E4M3
+    bound = u * (1 + u) * _rank_norms(x) + u * float(jnp.linalg.norm(exact))
+    assert float(jnp.linalg.norm(out[0] - exact)) <= 1.01 * bound
+
+
+def test_min_compress_bytes_falls_back_to_lax():
+    x = _ranks(4, (256,), seed=70)
+    small = lambda v: tj.compressed_psum(v, "tp", min_compress_bytes=256 * 4 + 1)
+    np.testing.assert_array_equal(
+        run_tp(small, x, tp=4, mode="shard_map"),
+        run_tp(lambda v: lax.psum(v, "tp"), x, tp=4, mode="shard_map"),
+    )
+
+
+def test_single_rank_is_identity():
+    x = _ranks(1, (3, 5), seed=80)
+    np.testing.assert_array_equal(
+        run_tp(lambda v: tj.compressed_psum(v, "tp"), x, tp=1, mode="shard_map"), x
+    )
+
+
+def test_nonfinite_input_stays_visible():
+    tp = 4
+    x = _ranks(tp, (1024,), seed=90).at[2, 300].set(jnp.nan).at[1, 900].set(jnp.inf)
+    out = run_tp(lambda v: tj.compressed_psum(v, "tp"), x, tp=tp, mode="shard_map")
+    groups = jnp.isnan(out[0]).reshape(-1, 128)
+    assert bool(groups[300 // 128].all()) and bool(groups[900 // 128].all())
+    assert int(jnp.sum(groups)) == 2 * 128  # every other group is finite
+
+
+# ------------------------------------------------------------------------------ wire format
+
+
+def test_collectives_move_uint8():
+    tp = 8
+    x = _ranks(tp, (4096,), seed=100)
+    mesh = jax.make_mesh((tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+    fn = jax.shard_map(
+        lambda v: tj.compressed_psum(v[0], "tp")[None],
+        mesh=mesh,
+        in_specs=jax.P("tp"),
+        out_specs=jax.P("tp"),
+        check_vma=False,
+    )
+    hlo = jax.jit(fn).lower(x).compile().as_text()
+    found = re.findall(r"= (.*?) (all-to-all|all-gather)\(", hlo)
+    assert {op for _, op in found} == {"all-to-all", "all-gather"}, found
+    for result_type, op in found:
+        element_types = set(re.findall(r"(\w+)\[", result_type))
+        assert element_types == {"u8"}, (op, result_type)
+        # Per rank and phase: 4096 / 8 = 512 elements -> 512 + 8 * 512 / 128 = 544 bytes per peer.
+        sizes = [
+            math.prod(map(int, dims.split(",")))
+            for dims in re.findall(r"u8\[([\d,]+)\]", result_type)
+        ]
+        assert sum(sizes) == tp * 544, (op, result_type)
+
+
+def test_wire_bytes_per_rank_formula():
+    cfg = tj.comm_config("taco")
+    # 2 (N-1)/N (1 + 8/G) bytes per element, TACO.md section 3.
+    n = 8 * 128 * 1000
+    assert tj.wire_bytes_per_rank(n, 8, cfg) == 2 * 7 * (n // 8) * (1 + 8 / 128)
+
+
+# ------------------------------------------------------------------------------ gradients
+
+
+def _dyadic(key, shape):
+    """Values in {-1, -1/2, 0, 1/2, 1}: every fp32 product and sum below is exact."""
+    return (jax.random.randint(key, shape, -2, 3) / 2).astype(jnp.float32)
+
+
+def _mlp_problem(tp, batch=4, d=16, f=32):
+    keys = jax.random.split(jax.random.key(tp), 4)
+    x, w1, w2, ct = (
+        _dyadic(k, s) for k, s in zip(keys, [(batch, d), (d, f), (f, d), (batch, d)], strict=True)
+    )
+    return x, w1, w2, ct
+
+
+def _mlp_loss(params, x, ct, comm):
+    """Megatron MLP on one rank: f, column-parallel W1, ReLU, row-parallel W2, g."""
+    w1, w2 = params
+    h = tj.copy_to_tp(x, comm) @ w1
+    y = tj.reduce_from_tp(jax.nn.relu(h) @ w2, comm)
+    return jnp.sum(y * ct)
+
+
+def _sharded_mlp_grads(tp, mode, codec):
+    x, w1, w2, ct = _mlp_problem(tp)
+    comm = tj.TPComm.create(fwd=codec)
+    w1_ranks = jnp.stack(jnp.split(w1, tp, axis=1))  # columns
+    w2_ranks = jnp.stack(jnp.split(w2, tp, axis=0))  # rows
+    per_rank = lambda p, x_: jax.value_and_grad(_mlp_loss, argnums=(0, 1))(p, x_, ct, comm)
+    stacked_x = jnp.broadcast_to(x, (tp, *x.shape))
+    loss, (grads, dx) = run_tp(
+        lambda a: per_rank(a[0], a[1]), ((w1_ranks, w2_ranks), stacked_x), tp=tp, mode=mode
+    )
+    dw1 = jnp.concatenate(list(grads[0]), axis=1)
+    dw2 = jnp.concatenate(list(grads[1]), axis=0)
+    ref_loss, (ref_grads, ref_dx) = jax.value_and_grad(
+        lambda p, x_: jnp.sum((jax.nn.relu(x_ @ p[0]) @ p[1]) * ct), argnums=(0, 1)
+    )((w1, w2), x)
+    return (loss, dw1, dw2, dx), (ref_loss, *ref_grads, ref_dx), (x, w1, w2, ct)
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+@pytest.mark.parametrize("mode", MODES)
+def test_megatron_mlp_gradients_exact_without_compression(tp, mode):
+    (loss, dw1, dw2, dx), (ref_loss, ref_dw1, ref_dw2, ref_dx), _ = _sharded_mlp_grads(
+        tp, mode, "none"
+    )
+    np.testing.assert_array_equal(loss, jnp.broadcast_to(ref_loss, loss.shape))
+    np.testing.assert_array_equal(dw1, ref_dw1)
+    np.testing.assert_array_equal(dw2, ref_dw2)
+    np.testing.assert_array_equal(dx, jnp.broadcast_to(ref_dx, dx.shape))
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+@pytest.mark.parametrize("mode", MODES)
+def test_megatron_mlp_gradients_with_taco(tp, mode):
+    (loss, dw1, dw2, dx), (ref_loss, ref_dw1, ref_dw2, ref_dx), (x, w1, w2, ct) = (
+        _sharded_mlp_grads(tp, mode, "taco")
+    )
+    # The loss is linear in y and g's backward is the identity, so dL/dy = ct exactly, and the
+    # weight gradients see no compression at all: they must match bit for bit.
+    np.testing.assert_array_equal(dw1, ref_dw1)
+    np.testing.assert_array_equal(dw2, ref_dw2)
+    # Forward: |loss - ref| <= ||y_err|| ||ct|| with the all-reduce bound on the partials.
+    partials = jnp.stack(
+        [
+            jax.nn.relu(x @ a) @ b
+            for a, b in zip(jnp.split(w1, tp, 1), jnp.split(w2, tp, 0), strict=True)
+        ]
+    )
+    y = jnp.sum(partials, 0)
+    y_bound = U * (1 + U) * _rank_norms(partials) + U * float(jnp.linalg.norm(y))
+    assert float(jnp.max(jnp.abs(loss - ref_loss))) <= 1.01 * y_bound * float(jnp.linalg.norm(ct))
+    # Backward: dx is the compressed all-reduce of the per-rank input gradients.
+    mask = [(x @ a > 0).astype(jnp.float32) for a in jnp.split(w1, tp, 1)]
+    dx_parts = jnp.stack(
+        [
+            ((ct @ b.T) * m) @ a.T
+            for a, b, m in zip(jnp.split(w1, tp, 1), jnp.split(w2, tp, 0), mask, strict=True)
+        ]
+    )
+    dx_bound = U * (1 + U) * _rank_norms(dx_parts) + U * float(jnp.linalg.norm(ref_dx))
+    assert float(jnp.linalg.norm(dx[0] - ref_dx)) <= 1.01 * dx_bound
+    _assert_rank_identical(dx)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sequence_parallel_operators_transpose_each_other(mode):
+    """gather_from_sp / scatter_to_sp with "none" equal lax and have lax's gradients."""
+    tp = 4
+    x = _ranks(tp, (2, 3, 8), seed=110)  # per rank [B, T/N, D]
+    ct = _ranks(tp, (2, 12, 8), seed=111)
+    comm = tj.TPComm.create(fwd="none")
+
+    def ours(v, c):
+        out, vjp = jax.vjp(lambda a: tj.gather_from_sp(a, comm, axis=1), v)
+        return out, vjp(c)[0]
+
+    def theirs(v, c):
+        out = lax.all_gather(v, "tp", axis=1, tiled=True)
+        return out, lax.psum_scatter(c, "tp", scatter_dimension=1, tiled=True)
+
+    for a, b in zip(
+        run_tp(lambda p: ours(*p), (x, ct), tp=tp, mode=mode),
+        run_tp(lambda p: theirs(*p), (x, ct), tp=tp, mode=mode),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+    scattered = run_tp(lambda c: tj.scatter_to_sp(c, comm, axis=1), ct, tp=tp, mode=mode)
+    np.testing.assert_array_equal(
+        scattered,
+        run_tp(
+            lambda c: lax.psum_scatter(c, "tp", scatter_dimension=1, tiled=True),
+            ct,
+            tp=tp,
+            mode=mode,
+        ),
+    )
+
+
+def test_grad_under_scan_and_remat():
+    """The ops trace under lax.scan + jax.checkpoint + grad, and g's backward is the identity."""
+    tp = 4
+    comm = tj.TPComm.create()
+    x = _ranks(tp, (3, 256), seed=120)
+
+    def loss(v):
+        def step(carry, _):
+            return jax.checkpoint(lambda c: tj.reduce_from_tp(c, comm) * 0.5)(carry), None
+
+        out, _ = lax.scan(step, v, None, length=2)
+        return jnp.sum(out)
+
+    grads = run_tp(jax.grad(loss), x, tp=tp, mode="vmap")
+    np.testing.assert_array_equal(grads, jnp.full_like(x, 0.25))
+
+
+def test_telemetry_records_relative_error():
+    tp = 4
+    comm = tj.TPComm.create(telemetry=True)
+    telemetry.drain()
+    x = _ranks(tp, (2048,), seed=130)
+    out = run_tp(lambda v: tj.reduce_from_tp(v, comm), x, tp=tp, mode="vmap")
+    recorded = telemetry.drain()
+    exact = jnp.sum(x, 0)
+    expected = float(jnp.linalg.norm(out[0] - exact) / jnp.linalg.norm(exact))
+    assert set(recorded) == {"tp_reduce_fwd:taco"}
+    np.testing.assert_allclose(recorded["tp_reduce_fwd:taco"], expected, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+def test_errors_name_the_offending_value():
+    x = _ranks(2, (256,))
+    with pytest.raises(ValueError, match="'model'"):
+        run_tp(lambda v: tj.compressed_psum(v, "model"), x, tp=2, mode="vmap")
+    with pytest.raises(TypeError, match="int32"):
+        run_tp(lambda v: tj.compressed_psum(v.astype(jnp.int32), "tp"), x, tp=2, mode="vmap")
+    with pytest.raises(ValueError, match="'zstd'"):
+        tj.compressed_psum(x, "tp", codec="zstd")
+    with pytest.raises(ValueError, match="group_size=48"):
+        tj.compressed_psum(x, "tp", group_size=48)
+    with pytest.raises(ValueError, match="slices=0"):
+        tj.compressed_psum(x, "tp", slices=0)
+    with pytest.raises(ValueError, match="impl='cuda'"):
+        tj.compressed_psum(x, "tp", impl="cuda")
+    with pytest.raises(ValueError, match="not divisible"):
+        run_tp(lambda v: tj.compressed_psum_scatter(v[:3], "tp"), x, tp=2, mode="vmap")
