@@ -72,7 +72,8 @@ def plot_losses(records: list[dict[str, Any]], png: Path, title: str = "") -> No
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.lines:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(png)
     plt.close(fig)

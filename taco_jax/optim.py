@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import jax
+from typing import Any
+
 import optax
 
 from taco_jax.config import OptimizerConfig
-
-# Parameters whose path has one of these components (or a component containing "norm") are
-# norm gains / biases: weight decay would pull them toward 0 rather than regularise a projection.
-_NO_DECAY_NAMES = ("bias", "scale", "b", "g", "gamma", "beta")
 
 
 def lr_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -23,26 +20,12 @@ def lr_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
     )
 
 
-def _key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def decays(path, leaf) -> bool:
-    """Whether weight decay applies to the parameter at `path` (matrices and embeddings only)."""
-    names = [_key_name(k).lower() for k in path]
-    if any(n in _NO_DECAY_NAMES or "norm" in n or n.startswith("ln") for n in names):
-        return False
-    return getattr(leaf, "ndim", 0) >= 2
-
-
-def decay_mask(params):
-    return jax.tree_util.tree_map_with_path(decays, params)
-
-
-def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(
+    cfg: OptimizerConfig, total_steps: int, decay_mask: Any
+) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW; `decay_mask` (a pytree of bools like the params, e.g.
+    `models.parallel.weight_decay_mask`) says which leaves are decayed: matrices and embeddings,
+    not norms and biases (GPT-3 / Megatron)."""
     return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
         optax.adamw(

@@ -17,8 +17,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from models.parallel import make_steps
 
+from models.parallel import make_steps, weight_decay_mask
 from taco_jax import data, metrics, optim, telemetry
 from taco_jax.checkpointing import Checkpointer, abstract_state
 from taco_jax.config import TrainConfig
@@ -65,7 +65,8 @@ class _Run:
         b, t = cfg.data.batch_size, cfg.model.seq_len
         self.train_batches = data.Batches(self.dataset.train, b, t, seed=cfg.data.seed)
         self.val_batches = data.Batches(self.dataset.val, b, t, seed=cfg.data.seed)
-        optimizer = optim.make_optimizer(cfg.optimizer, cfg.run.steps)
+        mask = weight_decay_mask(cfg.model)
+        optimizer = optim.make_optimizer(cfg.optimizer, cfg.run.steps, mask)
         self.schedule = optim.lr_schedule(cfg.optimizer, cfg.run.steps)
         self.steps = make_steps(cfg.model, cfg.parallel, cfg.compression.make_comm(), optimizer)
         self.n_devices = self.steps.mesh.devices.size
@@ -146,16 +147,21 @@ def _loop(run: _Run, state, start: int, ckpt: Checkpointer, writer) -> dict[str,
             steps_since += 1
         bar.update(1)
         if done % cfg.log_every == 0 or done == cfg.steps:
+            jax.block_until_ready(out)
             record = _train_record(run, done, out, time.perf_counter() - t_mark, steps_since)
             t_mark, steps_since = time.perf_counter(), 0
             last["train"] = _emit(record, writer, bar)
-        if done % cfg.eval_every == 0 or done == cfg.steps:
+        evaluate = done % cfg.eval_every == 0 or done == cfg.steps
+        if evaluate:
             record = {"kind": "eval", "step": done, "val_loss": run.evaluate(state)}
             record.update(_telemetry(run, "eval"))
             last["eval"] = _emit(record, writer, bar)
-            t_mark, steps_since = time.perf_counter(), 0  # Eval time is not training time.
-        if done % cfg.checkpoint_every == 0 or done in (cfg.steps, end):
+        save = done % cfg.checkpoint_every == 0 or done in (cfg.steps, end)
+        if save:
             ckpt.save(done, state)
+        if evaluate or save:  # Evaluation and checkpointing are not training time.
+            jax.block_until_ready(state)
+            t_mark, steps_since = time.perf_counter(), 0
         _stop_if_not_finite(last)
     bar.close()
     return last
