@@ -88,7 +88,7 @@ def main() -> None:
     path.write_text(json.dumps(record, indent=2) + "\n")
     names = list(data)
     print(
-        f"| codec | bits/elem | " + " | ".join(f"{n} rel. L2 (zero collapse)" for n in names) + " |"
+        "| codec | bits/elem | " + " | ".join(f"{n} rel. L2 (zero collapse)" for n in names) + " |"
     )
     print("|---|---|" + "---|" * len(names))
     for c in codecs:
