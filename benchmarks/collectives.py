@@ -1,0 +1,205 @@
+"""compressed_psum / psum_scatter / all_gather against the lax (NCCL) collectives, timed in one run.
+
+For every TP size the machine has (2, 4, 8) and message sizes 64 KiB .. 1 GiB of bf16, times
+`lax.psum` (the baseline) and `compressed_psum` with each codec and `slices` in the same run,
+and checks every output (relative error vs the exact fp32 psum, rank-identical results).
+Each timed call runs `--inner` collectives back to back inside one jitted loop (a data
+dependency between them, so none is elided); the figure is the median over `--reps` calls
+after warm-up, divided by `--inner`. Reports algorithm bandwidth (message bytes / time), bus
+bandwidth (NCCL's convention, x 2 (N-1)/N: both ops here move each byte in two phases) and the
+speedup over the lax collective.
+
+    python benchmarks/collectives.py                      # every GPU of the machine
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/collectives.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import taco_jax as tj
+
+MiB = 1 << 20
+
+
+def _mesh(tp: int):
+    return jax.make_mesh(
+        (tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:tp]
+    )
+
+
+def _looped(op, inner: int, tp: int):
+    """`inner` dependent applications of `op` on one device's block, rescaled to stay bounded."""
+
+    def body(x):
+        def step(_, v):
+            return (op(v) * (1.0 / tp)).astype(v.dtype)
+
+        return lax.fori_loop(0, inner, step, x)
+
+    return body
+
+
+def _time(fn, x, reps: int) -> float:
+    fn(x).block_until_ready()  # compile + warm-up
+    fn(x).block_until_ready()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn(x).block_until_ready()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _ops(codec: str, slices: int):
+    def psum(v):
+        if codec == "lax":
+            return lax.psum(v, "tp")
+        return tj.compressed_psum(v, "tp", codec=codec, slices=slices)
+
+    def psum_scatter_then_gather(v):  # keeps the shape, so it can loop
+        if codec == "lax":
+            part = lax.psum_scatter(v, "tp", scatter_dimension=0, tiled=True)
+            return lax.all_gather(part, "tp", axis=0, tiled=True)
+        part = tj.compressed_psum_scatter(v, "tp", codec=codec, slices=slices)
+        return tj.compressed_all_gather(part, "tp", axis=0, tiled=True, codec=codec, slices=slices)
+
+    return {"all_reduce": psum, "reduce_scatter+all_gather": psum_scatter_then_gather}
+
+
+def _check(tp: int, codec: str, x_global: jax.Array, mesh) -> dict:
+    """One compressed_psum against the exact fp32 sum; rank-identical output."""
+    fn = jax.jit(
+        jax.shard_map(
+            lambda v: tj.compressed_psum(v, "tp", codec=codec),
+            mesh=mesh,
+            in_specs=P("tp"),
+            out_specs=P("tp"),
+            check_vma=False,
+        )
+    )
+    out = fn(x_global).astype(jnp.float32).reshape(tp, -1)
+    exact = jnp.sum(x_global.astype(jnp.float32).reshape(tp, -1), axis=0)
+    return {
+        "rel_err": float(jnp.linalg.norm(out[0] - exact) / jnp.linalg.norm(exact)),
+        "rank_identical": bool(jnp.all(out == out[0])),
+    }
+
+
+def run(args) -> dict:
+    sizes = [int(s * MiB) for s in args.sizes_mib]
+    tps = [t for t in (2, 4, 8) if t <= jax.device_count()]
+    rows = []
+    for tp in tps:
+        mesh = _mesh(tp)
+        for size in sizes:
+            elements = size // 2  # bf16
+            key = jax.random.key(size + tp)
+            x = jax.device_put(
+                jax.random.normal(key, (tp * elements,), jnp.bfloat16), NamedSharding(mesh, P("tp"))
+            )
+            for codec in ["lax", *args.codecs]:
+                for slices in [1] if codec == "lax" else args.slices:
+                    check = _check(tp, codec, x, mesh) if codec != "lax" else {}
+                    for name, op in _ops(codec, slices).items():
+                        fn = jax.jit(
+                            jax.shard_map(
+                                _looped(op, args.inner, tp),
+                                mesh=mesh,
+                                in_specs=P("tp"),
+                                out_specs=P("tp"),
+                                check_vma=False,
+                            )
+                        )
+                        seconds = _time(fn, x, args.reps) / args.inner
+                        # Both ops move every byte twice: (N-1)/N in each of two phases.
+                        bus_factor = 2 * (tp - 1) / tp
+                        rows.append(
+                            dict(
+                                tp=tp,
+                                bytes=size,
+                                op=name,
+                                codec=codec,
+                                slices=slices,
+                                seconds=seconds,
+                                algbw_gbs=size / seconds / 1e9,
+                                busbw_gbs=size * bus_factor / seconds / 1e9,
+                                **check,
+                            )
+                        )
+                        print(_format(rows[-1]), flush=True)
+    for row in rows:
+        base = next(
+            r
+            for r in rows
+            if r["tp"] == row["tp"]
+            and r["bytes"] == row["bytes"]
+            and r["op"] == row["op"]
+            and r["codec"] == "lax"
+        )
+        row["speedup"] = base["seconds"] / row["seconds"]
+    return {"rows": rows}
+
+
+def _format(row: dict) -> str:
+    extra = f" err={row['rel_err']:.4f} same={row['rank_identical']}" if "rel_err" in row else ""
+    return (
+        f"tp={row['tp']} {row['bytes'] / MiB:8.2f} MiB {row['op']:26s} {row['codec']:10s} "
+        f"D={row['slices']:2d} {row['seconds'] * 1e6:9.1f} us "
+        f"bus {row['busbw_gbs']:7.1f} GB/s{extra}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--sizes-mib", type=float, nargs="+", default=[0.0625, 0.25, 1, 4, 16, 64, 256, 1024]
+    )
+    parser.add_argument("--codecs", nargs="+", default=["taco", "taco_e8m0", "int8_hadamard"])
+    parser.add_argument("--slices", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--inner", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CPU")
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = parser.parse_args()
+    if args.smoke:
+        args.sizes_mib, args.codecs, args.slices, args.inner, args.reps = (
+            [0.0625],
+            ["taco"],
+            [1, 2],
+            2,
+            2,
+        )
+    if jax.device_count() < 2:
+        sys.exit(f"needs >= 2 devices, have {jax.device_count()}")
+    record = {
+        "date": datetime.date.today().isoformat(),
+        "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+        "versions": {"jax": jax.__version__, "python": platform.python_version()},
+        "command": " ".join(sys.argv),
+        "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "XLA_FLAGS")},
+        **run(args),
+    }
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"collectives-{record['date']}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
