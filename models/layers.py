@@ -1,0 +1,178 @@
+"""Primitive layers of the per-device model, and the TP context they communicate through.
+
+Every function here sees only this device's shard of a parameter: the head, MLP and vocabulary
+counts come from the parameter shapes, so the same code is the unsharded model (`TPContext()`:
+no collectives) and one rank of a Megatron TP group (`TPContext(comm)`), whether the group is
+a `shard_map` mesh axis or a `vmap` axis. All TP communication goes through `taco_jax.tp`.
+
+Notation: B batch, T positions (T_sp = T / tp with sequence parallelism), D model width,
+K KV heads, R = q_per_kv + 2 projection slots per KV head (its queries, key, value), N query
+heads, H head size, F MLP width, V vocabulary; local sizes are per TP rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from taco_jax import TPComm, comm_config, copy_to_tp, gather_from_sp, reduce_from_tp, scatter_to_sp
+
+
+@dataclasses.dataclass(frozen=True)
+class TPContext:
+    """How one rank of the model communicates. Static and hashable.
+
+    comm: the TP axis and its codecs; None is the unsharded model (every operator is identity).
+    sequence_parallel: activations outside the column/row-parallel pairs are split along T.
+    dtype: compute dtype of matmuls and activations (parameters stay fp32).
+    """
+
+    comm: TPComm | None = None
+    sequence_parallel: bool = False
+    dtype: jnp.dtype = jnp.bfloat16
+
+    @property
+    def sharded(self) -> bool:
+        return self.comm is not None
+
+    @property
+    def exact(self) -> TPComm:
+        """The same axis with uncompressed collectives both ways: loss statistics must be exact."""
+        none = comm_config("none")
+        return dataclasses.replace(self.comm, fwd=none, bwd=none)
+
+    def rank(self) -> jax.Array | int:
+        return lax.axis_index(self.comm.axis_name) if self.sharded else 0
+
+    def size(self) -> int:
+        return lax.axis_size(self.comm.axis_name) if self.sharded else 1
+
+    def enter(self, x: jax.Array) -> jax.Array:
+        """Before a column-parallel layer: f, or the SP all-gather. [B, T(_sp), D] -> [B, T, D]."""
+        if not self.sharded:
+            return x
+        if self.sequence_parallel:
+            return gather_from_sp(x, self.comm, axis=1)
+        return copy_to_tp(x, self.comm)
+
+    def exit(self, x: jax.Array) -> jax.Array:
+        """After a row-parallel layer: g or SP reduce-scatter; [B, T, D]{U} -> [B, T(_sp), D]."""
+        if not self.sharded:
+            return x
+        if self.sequence_parallel:
+            return scatter_to_sp(x, self.comm, axis=1)
+        return reduce_from_tp(x, self.comm)
+
+    def psum_exact(self, x: jax.Array) -> jax.Array:
+        """Exact `lax.psum` over TP with Megatron semantics (identity backward), differentiable."""
+        return reduce_from_tp(x, self.exact) if self.sharded else x
+
+
+def param(rngs: nnx.Rngs, shape, axes, std: float | None) -> nnx.Param:
+    """An fp32 parameter ~ N(0, std^2) (zeros if std is None) with logical axis names `axes`,
+    which `parallel.py` maps to mesh axes."""
+    if std is None:
+        value = jnp.zeros(shape, jnp.float32)
+    else:
+        value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value, axes=tuple(axes))
+
+
+def ones(shape, axes) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, jnp.float32), axes=tuple(axes))
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm over the last axis with fp32 statistics; returns x's dtype."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * lax.rsqrt(var + eps) * scale + bias
+    return y.astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm (Zhang & Sennrich 2019) over the last axis with fp32 statistics."""
+    xf = x.astype(jnp.float32)
+    y = xf * lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps) * scale
+    return y.astype(x.dtype)
+
+
+def rotary(x: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021), half-split layout as in Qwen2 / Llama.
+
+    x: [B, T, N, H] at positions 0..T-1 -> same shape; pairs (i, i + H/2) rotate by
+    position * theta^(-2i/H).
+    """
+    t, h = x.shape[1], x.shape[-1]
+    inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
+    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq  # [T, H/2]
+    cos = jnp.cos(angles)[None, :, None, :]
+    sin = jnp.sin(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal (grouped-query) attention: q [B, T, N, H], k / v [B, T, K, H] -> [B, T, N, H].
+
+    Query head n reads KV head n // (N / K) (the layout of `jax.nn.dot_product_attention`).
+    On GPU with bf16 this is cuDNN's fused flash attention; elsewhere XLA's reference.
+    """
+    cudnn = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+    return jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn" if cudnn else "xla"
+    )
+
+
+def vocab_parallel_embed(
+    table: jax.Array,  # [V_local, D] fp32, rows rank * V_local ...
+    tokens: jax.Array,  # [B, T] int32, full vocabulary ids
+    ctx: TPContext,
+) -> jax.Array:
+    """Megatron's vocab-parallel embedding: equal to `table_full[tokens]`. -> [B, T(_sp), D] partial
+    sums reduced by g (or the SP reduce-scatter). The gather reads the fp32 table so that its
+    gradient (a scatter-add of repeated tokens) accumulates in fp32."""
+    v_local = table.shape[0]
+    local = tokens - ctx.rank() * v_local
+    mine = (local >= 0) & (local < v_local)
+    rows = jnp.take(table, jnp.where(mine, local, 0), axis=0)  # [B, T, D]
+    rows = jnp.where(mine[..., None], rows, 0.0).astype(ctx.dtype)
+    return ctx.exit(rows)
+
+
+def vocab_parallel_cross_entropy(
+    logits: jax.Array,  # [B, T, V_local], this rank's vocabulary shard
+    targets: jax.Array,  # [B, T] int32
+    ctx: TPContext,
+    vocab_size: int,
+) -> jax.Array:
+    """Mean token cross-entropy over the sharded vocabulary; equal to
+    `optax.softmax_cross_entropy_with_integer_labels(full[..., :vocab_size], targets).mean()`
+    with `full` the logits gathered over TP.
+
+    Megatron's vocab-parallel loss: the max is a constant (stop_gradient), and the two psums
+    (sum of exponentials, target logit) are exact and replicate the loss on every rank; their
+    backward is identity, so each rank's logit gradient is softmax - onehot on its own shard.
+    Columns >= vocab_size (padding) are excluded. Statistics in fp32.
+    """
+    v_local = logits.shape[-1]
+    offset = ctx.rank() * v_local
+    z = logits.astype(jnp.float32)
+    column = offset + jnp.arange(v_local)
+    if vocab_size < ctx.size() * v_local:  # padded columns exist (static shapes)
+        z = jnp.where(column < vocab_size, z, -jnp.inf)
+    local_max = lax.stop_gradient(jnp.max(z, axis=-1))
+    m = lax.pmax(local_max, ctx.comm.axis_name) if ctx.sharded else local_max  # [B, T]
+    m = lax.stop_gradient(m)
+    sum_exp = ctx.psum_exact(jnp.sum(jnp.exp(z - m[..., None]), axis=-1))  # [B, T]
+    local = targets - offset
+    mine = (local >= 0) & (local < v_local)
+    picked = jnp.take_along_axis(z, jnp.where(mine, local, 0)[..., None], axis=-1)[..., 0]
+    target_logit = ctx.psum_exact(jnp.where(mine, picked, 0.0))  # [B, T]
+    return jnp.mean(jnp.log(sum_exp) + m - target_logit)

@@ -1,0 +1,185 @@
+"""The decoder-only transformer (GPT-2/Megatron GPT or Qwen2.5-style) as one per-device function.
+
+Megatron TP layout (Shoeybi et al. 2019, section 3), per block:
+  x -> norm -> enter (f / SP all-gather) -> QKV (column-parallel over KV heads) -> attention
+    -> out-projection (row-parallel over heads) -> exit (g / SP reduce-scatter) -> + x
+  x -> norm -> enter -> MLP up / gate (column-parallel over F) -> act -> down (row-parallel)
+    -> exit -> + x
+The embedding and the output head are vocab-parallel. Parameters hold logical axis names
+(`layers.param`); `parallel.py` maps "vocab", "kv_heads", "heads" and "mlp" to the TP mesh axis.
+Blocks are stacked along a leading "layers" axis and run under `lax.scan` (one compiled block).
+
+QKV layout [D, K, R, H]: KV head k owns slots 0..R-3 (its q_per_kv query heads), R-2 (key) and
+R-1 (value), so sharding the K axis gives every rank whole GQA groups (needs K % tp == 0).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from models import layers
+from models.config import ModelConfig
+from models.layers import TPContext
+
+# Saved under remat: the outputs of the TP collectives, so that recomputing a block's forward in
+# the backward pass never repeats communication (Korthikanti et al. 2022 recompute the rest).
+REMAT_SAVED_NAMES = ("tp_reduce", "sp_gather", "sp_scatter")
+
+
+class Norm(nnx.Module):
+    """LayerNorm (gpt) or RMSNorm (qwen2) over D; parameters replicated across TP."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.eps = cfg.norm_eps
+        self.scale = layers.ones((cfg.d_model,), ("embed",))
+        self.bias = (
+            layers.param(rngs, (cfg.d_model,), ("embed",), None) if cfg.arch == "gpt" else None
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, D]
+        if self.bias is None:
+            return layers.rms_norm(x, self.scale[...], self.eps)
+        return layers.layer_norm(x, self.scale[...], self.bias[...], self.eps)
+
+
+class Attention(nnx.Module):
+    """Causal self-attention: column-parallel QKV over KV heads, row-parallel output projection."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, k, r, h = cfg.d_model, cfg.n_kv_heads, cfg.q_per_kv + 2, cfg.head_dim
+        resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # GPT-2: scale residual writes
+        self.rope_theta = cfg.rope_theta if cfg.arch == "qwen2" else None
+        self.wqkv = layers.param(
+            rngs, (d, k, r, h), ("embed", "kv_heads", "slots", "head_dim"), cfg.init_std
+        )
+        self.bqkv = layers.param(rngs, (k, r, h), ("kv_heads", "slots", "head_dim"), None)
+        self.wo = layers.param(rngs, (cfg.n_heads, h, d), ("heads", "head_dim", "embed"), resid_std)
+        self.bo = layers.param(rngs, (d,), ("embed",), None) if cfg.arch == "gpt" else None
+
+    def __call__(self, x: jax.Array, ctx: TPContext) -> jax.Array:  # [B, T(_sp), D] -> same
+        x = ctx.enter(x)  # [B, T, D]
+        w = self.wqkv[...].astype(ctx.dtype)  # [D, K, R, H] local K
+        qkv = jnp.einsum("BTD,DKRH->BTKRH", x, w) + self.bqkv[...].astype(ctx.dtype)
+        b, t, k, r, h = qkv.shape
+        q = qkv[:, :, :, : r - 2].reshape(b, t, k * (r - 2), h)  # [B, T, N, H], n = k (R-2) + j
+        key, value = qkv[:, :, :, r - 2], qkv[:, :, :, r - 1]  # [B, T, K, H]
+        if self.rope_theta is not None:
+            q, key = layers.rotary(q, self.rope_theta), layers.rotary(key, self.rope_theta)
+        o = layers.attention(q, key, value)  # [B, T, N, H]
+        out = jnp.einsum("BTNH,NHD->BTD", o, self.wo[...].astype(ctx.dtype))  # partial sum
+        out = ctx.exit(out)
+        return out if self.bo is None else out + self.bo[...].astype(ctx.dtype)
+
+
+class Mlp(nnx.Module):
+    """GELU MLP (gpt) or SwiGLU (qwen2): column-parallel up / gate, row-parallel down, over F."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.d_ff
+        resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.gpt = cfg.arch == "gpt"
+        if self.gpt:
+            self.w_up = layers.param(rngs, (d, f), ("embed", "mlp"), cfg.init_std)
+            self.b_up = layers.param(rngs, (f,), ("mlp",), None)
+            self.b_down = layers.param(rngs, (d,), ("embed",), None)
+        else:
+            self.w_up = layers.param(rngs, (d, 2, f), ("embed", "gate", "mlp"), cfg.init_std)
+        self.w_down = layers.param(rngs, (f, d), ("mlp", "embed"), resid_std)
+
+    def __call__(self, x: jax.Array, ctx: TPContext) -> jax.Array:  # [B, T(_sp), D] -> same
+        x = ctx.enter(x)  # [B, T, D]
+        w_up = self.w_up[...].astype(ctx.dtype)
+        if self.gpt:
+            hidden = jax.nn.gelu(
+                jnp.einsum("BTD,DF->BTF", x, w_up) + self.b_up[...].astype(ctx.dtype)
+            )
+        else:
+            gate_up = jnp.einsum("BTD,DCF->BTCF", x, w_up)  # C = 2: gate, up
+            hidden = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]  # [B, T, F] local F
+        out = ctx.exit(jnp.einsum("BTF,FD->BTD", hidden, self.w_down[...].astype(ctx.dtype)))
+        return out + self.b_down[...].astype(ctx.dtype) if self.gpt else out
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.norm_attn = Norm(cfg, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.norm_mlp = Norm(cfg, rngs=rngs)
+        self.mlp = Mlp(cfg, rngs=rngs)
+
+    def __call__(self, x: jax.Array, ctx: TPContext) -> jax.Array:  # [B, T(_sp), D] -> same
+        x = x + self.attn(self.norm_attn(x), ctx)
+        return x + self.mlp(self.norm_mlp(x), ctx)
+
+
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+    """`n_layers` independently initialized blocks with every parameter stacked on axis 0."""
+
+    @nnx.split_rngs(splits=cfg.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs: nnx.Rngs) -> Block:
+        return Block(cfg, rngs=rngs)
+
+    return create(rngs)
+
+
+class Transformer(nnx.Module):
+    """The whole model on one TP rank; with `TPContext()` it is the unsharded model."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        v, d = cfg.padded_vocab, cfg.d_model
+        self.wte = layers.param(rngs, (v, d), ("vocab", "embed"), cfg.init_std)
+        if cfg.arch == "gpt":
+            self.wpe = layers.param(rngs, (cfg.seq_len, d), ("seq", "embed"), cfg.init_std)
+        self.blocks = _stacked_blocks(cfg, rngs)
+        self.norm_out = Norm(cfg, rngs=rngs)
+        if not cfg.tied_embeddings:
+            self.lm_head = layers.param(rngs, (d, v), ("embed", "vocab"), cfg.init_std)
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # [B, T] int32, T <= seq_len
+        ctx: TPContext,
+        *,
+        remat: bool = False,
+        scan_layers: bool = True,
+    ) -> jax.Array:  # [B, T, V_local] logits of this rank's vocabulary shard, in ctx.dtype
+        x = layers.vocab_parallel_embed(self.wte[...], tokens, ctx)  # [B, T(_sp), D]
+        if self.cfg.arch == "gpt":
+            x = x + self._positions(tokens.shape[1], ctx).astype(ctx.dtype)
+        x = self._run_blocks(x, ctx, remat=remat, scan_layers=scan_layers)
+        x = ctx.enter(self.norm_out(x))  # [B, T, D]
+        if self.cfg.tied_embeddings:
+            return jnp.einsum("BTD,VD->BTV", x, self.wte[...].astype(ctx.dtype))
+        return jnp.einsum("BTD,DV->BTV", x, self.lm_head[...].astype(ctx.dtype))
+
+    def _positions(self, t: int, ctx: TPContext) -> jax.Array:  # -> [T(_sp), D]
+        if t > self.cfg.seq_len:
+            raise ValueError(f"sequence length {t} exceeds the model's seq_len={self.cfg.seq_len}")
+        if not (ctx.sharded and ctx.sequence_parallel):
+            return self.wpe[...][:t]
+        t_sp = t // ctx.size()
+        return lax.dynamic_slice_in_dim(self.wpe[...], ctx.rank() * t_sp, t_sp, axis=0)
+
+    def _run_blocks(self, x: jax.Array, ctx: TPContext, *, remat: bool, scan_layers: bool):
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def block(x, layer_state):
+            return nnx.merge(graphdef, layer_state)(x, ctx), None
+
+        if remat:
+            policy = jax.checkpoint_policies.save_only_these_names(*REMAT_SAVED_NAMES)
+            block = jax.checkpoint(block, policy=policy)
+        if scan_layers:
+            return lax.scan(block, x, stacked)[0]
+        for i in range(self.cfg.n_layers):
+            x = block(x, jax.tree.map(lambda a, i=i: a[i], stacked))[0]
+        return x

@@ -1,0 +1,458 @@
+"""Runs the per-device model three ways, and builds the jitted train / eval steps.
+
+Parameter layout: every parameter is stored in its full (unsharded) shape, fp32, with logical axis
+names; "vocab", "kv_heads", "heads" and "mlp" map to the TP mesh axis. The same arrays therefore
+serve all three runners, and checkpoints are portable across TP sizes (orbax restores into
+whatever `state_sharding` asks for):
+  - shard_map over a ("dp", "tp") mesh: `NamedSharding(mesh, param_specs(cfg))` places each rank's
+    shard; `shard_map` hands the per-device function local shards.
+  - vmap emulation: `shard_params` splits each TP axis into (tp, local) with a free reshape and
+    `jax.vmap(axis_name="tp", in_axes=that axis)` maps the ranks; `unshard_params` undoes it.
+  - tp = 1: the per-device function with `TPContext()` (no collectives) is the unsharded model.
+
+Gradient convention (TACO.md section 6): `value_and_grad` runs inside the per-device function,
+every TP rank computes the same replicated loss, and the Megatron operators carry the TP
+gradients; then `lax.pmean` over "dp". With sequence parallelism the replicated parameters (norms,
+output biases, positions) see only T / tp positions per rank, so their gradients are summed over
+TP (Korthikanti et al. 2022, section 4.2.2). The optimizer runs outside the per-device function
+on the full, NamedSharding-placed arrays, so global-norm clipping sees the whole gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, Literal
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import taco_jax
+from models import layers
+from models.config import ModelConfig
+from models.layers import TPContext
+from models.model import Transformer
+
+TP_LOGICAL_AXES = ("vocab", "kv_heads", "heads", "mlp")  # split across the TP axis
+DP_AXIS = "dp"
+COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is laid out over devices.
+
+    dp / tp: sizes of the mesh axes "dp" and "tp". mode "shard_map": dp x tp devices; mode "vmap":
+    TP emulated on each device with `jax.vmap(axis_name="tp")`, dp devices. remat: recompute each
+    block in the backward pass, keeping the TP collective outputs. scan_layers: one compiled block
+    under `lax.scan` (fast compiles) or an unrolled loop.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    mode: Literal["shard_map", "vmap"] = "shard_map"
+    sequence_parallel: bool = False
+    remat: bool = False
+    compute_dtype: str = "bfloat16"
+    scan_layers: bool = True
+
+    def __post_init__(self):
+        if self.dp < 1 or self.tp < 1:
+            raise ValueError(f"dp={self.dp} and tp={self.tp} must be >= 1")
+        if self.mode not in ("shard_map", "vmap"):
+            raise ValueError(f"mode={self.mode!r} must be 'shard_map' or 'vmap'")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype={self.compute_dtype!r} is not one of {COMPUTE_DTYPES}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.tp if self.mode == "shard_map" else self.dp
+
+
+def check_config(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Raises ValueError naming the value when `model` cannot be split `parallel.tp` ways."""
+    tp = parallel.tp
+    for name, size in (
+        ("n_kv_heads", model.n_kv_heads),
+        ("n_heads", model.n_heads),
+        ("d_ff", model.d_ff),
+        ("padded_vocab", model.padded_vocab),
+    ):
+        if size % tp:
+            raise ValueError(f"model.{name}={size} is not a multiple of parallel.tp={tp}")
+    if parallel.sequence_parallel and model.seq_len % tp:
+        raise ValueError(
+            f"sequence parallelism splits seq_len={model.seq_len}, not a multiple of tp={tp}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters: creation, logical axes, shardings, vmap layout.
+
+
+def create_model(model: ModelConfig, key: jax.Array) -> Transformer:
+    return Transformer(model, rngs=nnx.Rngs(params=key))
+
+
+def init_params(model: ModelConfig, key: jax.Array) -> dict:
+    """Full fp32 parameters as a nested dict of arrays; independent of any parallel layout."""
+    return nnx.to_pure_dict(nnx.state(create_model(model, key), nnx.Param))
+
+
+@functools.cache
+def _abstract(model: ModelConfig):
+    abstract = nnx.eval_shape(lambda: create_model(model, jax.random.key(0)))
+    graphdef, state = nnx.split(abstract)
+    return graphdef, state
+
+
+def graphdef(model: ModelConfig):
+    return _abstract(model)[0]
+
+
+def abstract_params(model: ModelConfig) -> dict:
+    """`jax.ShapeDtypeStruct`s of `init_params` (no computation)."""
+    return nnx.to_pure_dict(_abstract(model)[1])
+
+
+def logical_axes(model: ModelConfig) -> dict:
+    """Logical axis names of every parameter; the stacked blocks gain a leading "layers"."""
+    flat = {}
+    for path, var in nnx.to_flat_state(_abstract(model)[1]):
+        axes = var.get_metadata("axes")
+        flat[path] = ("layers", *axes) if path[0] == "blocks" else axes
+    return _unflatten(flat)
+
+
+def _unflatten(flat: dict) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
+def _tp_dim(axes: tuple) -> int | None:
+    dims = [i for i, name in enumerate(axes) if name in TP_LOGICAL_AXES]
+    if len(dims) > 1:
+        raise ValueError(f"parameter axes {axes} split more than one axis across TP")
+    return dims[0] if dims else None
+
+
+def _map_axes(fn, model: ModelConfig, *trees):
+    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str | None) for a in x)
+    return jax.tree.map(fn, logical_axes(model), *trees, is_leaf=is_axes)
+
+
+def param_specs(model: ModelConfig, tp_axis: str = "tp") -> dict:
+    """PartitionSpecs of the full parameters over a mesh with a `tp_axis` axis."""
+    return _map_axes(
+        lambda axes: P(*(tp_axis if name in TP_LOGICAL_AXES else None for name in axes)), model
+    )
+
+
+def replicated_mask(model: ModelConfig) -> dict:
+    """True for parameters that every TP rank holds whole (norms, output biases, positions)."""
+    return _map_axes(lambda axes: _tp_dim(axes) is None, model)
+
+
+def weight_decay_mask(model: ModelConfig) -> dict:
+    """True for matrices and embeddings (decayed), False for norms and biases (GPT-3 / Megatron)."""
+    return _map_axes(lambda axes: len([a for a in axes if a != "layers"]) >= 2, model)
+
+
+def shard_params(params: dict, model: ModelConfig, tp: int) -> tuple[dict, dict]:
+    """Full params -> (TP view, vmap in_axes): each TP axis of size n becomes (tp, n / tp) at the
+    same position (a free reshape), and in_axes names that position; replicated leaves keep
+    their shape with in_axes None. `jax.vmap(f, in_axes=(in_axes,), axis_name="tp")` then gives
+    rank r the shard that `NamedSharding(mesh, param_specs(model))` puts on TP rank r."""
+
+    def split(axes, x):
+        dim = _tp_dim(axes)
+        if dim is None:
+            return x
+        return x.reshape(x.shape[:dim] + (tp, x.shape[dim] // tp) + x.shape[dim + 1 :])
+
+    return _map_axes(split, model, params), _map_axes(_tp_dim, model)
+
+
+def unshard_params(stacked: dict, model: ModelConfig, tp: int) -> dict:
+    """Inverse of `shard_params` for per-rank outputs of vmap (out_axes = `vmap_out_axes`):
+    TP axes are merged back; replicated leaves, identical on every rank, keep rank 0's copy."""
+
+    def merge(axes, x):
+        dim = _tp_dim(axes)
+        if dim is None:
+            return x[0]
+        return x.reshape(x.shape[:dim] + (tp * x.shape[dim + 1],) + x.shape[dim + 2 :])
+
+    return _map_axes(merge, model, stacked)
+
+
+def vmap_out_axes(model: ModelConfig) -> dict:
+    """vmap out_axes for per-rank parameter-shaped outputs (gradients): see `unshard_params`."""
+    return _map_axes(lambda axes: 0 if _tp_dim(axes) is None else _tp_dim(axes), model)
+
+
+# --------------------------------------------------------------------------------------------
+# The per-device function and its three runners.
+
+
+def _context(parallel: ParallelConfig, comm: taco_jax.TPComm | None) -> TPContext:
+    return TPContext(comm, parallel.sequence_parallel, jnp.dtype(parallel.compute_dtype))
+
+
+def _logits(model, parallel, ctx, params, inputs):  # inputs [B, T] -> [B, T, V_local]
+    net = nnx.merge(graphdef(model), params)
+    return net(inputs, ctx, remat=parallel.remat, scan_layers=parallel.scan_layers)
+
+
+def _loss(model, parallel, ctx, params, tokens):  # tokens [B, T + 1] -> replicated scalar
+    logits = _logits(model, parallel, ctx, params, tokens[:, :-1])
+    return layers.vocab_parallel_cross_entropy(logits, tokens[:, 1:], ctx, model.vocab_size)
+
+
+def _loss_and_grads(model, parallel, ctx, params, tokens):
+    loss_fn = lambda p: _loss(model, parallel, ctx, p, tokens)
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    if ctx.sharded and ctx.sequence_parallel:
+        axis = ctx.comm.axis_name
+        grads = jax.tree.map(
+            lambda g, rep: lax.psum(g, axis) if rep else g, grads, replicated_mask(model)
+        )
+    return loss, grads
+
+
+def _check_tokens(model: ModelConfig, parallel: ParallelConfig, tokens: jax.Array) -> None:
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise ValueError(f"tokens must be [global_batch, seq_len + 1], got shape={tokens.shape}")
+    if tokens.shape[0] % parallel.dp:
+        raise ValueError(f"global batch {tokens.shape[0]} is not a multiple of dp={parallel.dp}")
+    t = tokens.shape[1] - 1
+    if t > model.seq_len:
+        raise ValueError(f"sequence length {t} exceeds model.seq_len={model.seq_len}")
+    if parallel.sequence_parallel and t % parallel.tp:
+        raise ValueError(f"sequence parallelism needs T={t} to be a multiple of tp={parallel.tp}")
+
+
+def make_mesh(parallel: ParallelConfig, tp_axis: str = "tp") -> jax.sharding.Mesh:
+    """("dp", tp_axis) over dp x tp devices (shard_map), or ("dp",) over dp devices (vmap)."""
+    n = parallel.num_devices
+    if n > jax.device_count():
+        raise ValueError(f"{parallel} needs {n} devices, {jax.device_count()} are visible")
+    devices = jax.devices()[:n]
+    if parallel.mode == "vmap":
+        return jax.make_mesh(
+            (parallel.dp,), (DP_AXIS,), (jax.sharding.AxisType.Auto,), devices=devices
+        )
+    shape, names = (parallel.dp, parallel.tp), (DP_AXIS, tp_axis)
+    return jax.make_mesh(shape, names, (jax.sharding.AxisType.Auto,) * 2, devices=devices)
+
+
+def _mapped(model, parallel, comm, fn, out_kind: str, mesh):
+    """Maps a per-device `fn(ctx, params, tokens)` over TP and DP.
+
+    out_kind: "loss" (a replicated scalar, pmean over dp), "loss_grads" (scalar and parameter
+    gradients, pmean over dp) or "logits" ([B, T, V] with V gathered over TP, B over dp).
+    Returns a function of (full params, tokens) usable under jit.
+    """
+    ctx = _context(parallel, comm)
+    tp_axis = comm.axis_name
+    specs = param_specs(model, tp_axis)
+
+    def dp_reduce(out):
+        if out_kind == "logits":
+            return out
+        return jax.tree.map(lambda x: lax.pmean(x, DP_AXIS), out)
+
+    if parallel.mode == "shard_map":
+        out_specs = {
+            "loss": P(),
+            "loss_grads": (P(), specs),
+            "logits": P(DP_AXIS, None, tp_axis),
+        }[out_kind]
+        return jax.shard_map(
+            lambda params, tokens: dp_reduce(fn(ctx, params, tokens)),
+            mesh=mesh,
+            in_specs=(specs, P(DP_AXIS)),
+            out_specs=out_specs,
+            check_vma=False,
+        )
+
+    tp = parallel.tp
+    out_axes = {"loss": 0, "loss_grads": (0, vmap_out_axes(model)), "logits": 2}[out_kind]
+
+    def per_dp(params, tokens):
+        view, in_axes = shard_params(params, model, tp)
+        out = jax.vmap(
+            lambda p, t: fn(ctx, p, t),
+            in_axes=(in_axes, None),
+            out_axes=out_axes,
+            axis_name=tp_axis,
+        )(view, tokens)
+        if out_kind == "loss":
+            out = out[0]
+        elif out_kind == "loss_grads":
+            out = (out[0][0], unshard_params(out[1], model, tp))
+        else:  # [B, T, tp, V_local] -> [B, T, V]
+            out = out.reshape(out.shape[:2] + (-1,))
+        return dp_reduce(out)
+
+    out_specs = P(DP_AXIS) if out_kind == "logits" else P()
+    return jax.shard_map(
+        per_dp, mesh=mesh, in_specs=(P(), P(DP_AXIS)), out_specs=out_specs, check_vma=False
+    )
+
+
+def make_loss_and_grads(
+    model: ModelConfig, parallel: ParallelConfig, comm: taco_jax.TPComm, mesh=None
+) -> Callable[[dict, jax.Array], tuple[jax.Array, dict]]:
+    """(full params, tokens [B, T + 1]) -> (mean loss, full-layout gradients averaged over dp).
+    Not jitted; place inputs with `NamedSharding`s over `mesh` (default `make_mesh`)."""
+    check_config(model, parallel)
+    mesh = make_mesh(parallel, comm.axis_name) if mesh is None else mesh
+    fn = lambda ctx, p, t: _loss_and_grads(model, parallel, ctx, p, t)
+    return _mapped(model, parallel, comm, fn, "loss_grads", mesh)
+
+
+def make_logits(
+    model: ModelConfig, parallel: ParallelConfig, comm: taco_jax.TPComm, mesh=None
+) -> Callable[[dict, jax.Array], jax.Array]:
+    """(full params, inputs [B, T]) -> logits [B, T, padded_vocab] of the TP model. Not jitted."""
+    check_config(model, parallel)
+    mesh = make_mesh(parallel, comm.axis_name) if mesh is None else mesh
+    fn = lambda ctx, p, t: _logits(model, parallel, ctx, p, t)
+    return _mapped(model, parallel, comm, fn, "logits", mesh)
+
+
+def reference_logits(model: ModelConfig, params: dict, inputs: jax.Array, dtype="float32"):
+    """The unsharded model: logits [B, T, padded_vocab] with no collectives at all."""
+    parallel = ParallelConfig(compute_dtype=dtype)
+    return _logits(model, parallel, _context(parallel, None), params, inputs)
+
+
+def reference_loss_and_grads(model: ModelConfig, params: dict, tokens: jax.Array, dtype="float32"):
+    """The unsharded model's loss and gradients."""
+    parallel = ParallelConfig(compute_dtype=dtype)
+    return _loss_and_grads(model, parallel, _context(parallel, None), params, tokens)
+
+
+# --------------------------------------------------------------------------------------------
+# Train / eval steps.
+
+
+class TrainState(flax.struct.PyTreeNode):
+    """step: int32 scalar; params and opt_state: pytrees of full-shape jax.Arrays."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    init: Callable[[jax.Array], TrainState]
+    train_step: Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]
+    eval_step: Callable[[TrainState, jax.Array], dict[str, jax.Array]]
+    state_sharding: Any
+    batch_sharding: jax.sharding.Sharding
+    mesh: jax.sharding.Mesh
+
+
+def _key_names(path) -> tuple:
+    names = []
+    for key in reversed(path):
+        if not isinstance(key, jax.tree_util.DictKey):
+            break
+        names.append(key.key)
+    return tuple(reversed(names))
+
+
+def _opt_state_sharding(opt_abstract, params_abstract, param_sharding, replicated):
+    """Optimizer-state leaves that mirror a parameter (same trailing dict path and shape, e.g.
+    Adam's mu / nu) take its sharding; everything else (counts, scalars) is replicated."""
+    by_path = {}
+    flat_params = jax.tree_util.tree_flatten_with_path(params_abstract)[0]
+    flat_sh = jax.tree.leaves(param_sharding)
+    for (path, leaf), sharding in zip(flat_params, flat_sh, strict=True):
+        by_path[_key_names(path)] = (leaf.shape, sharding)
+
+    def pick(path, leaf):
+        for start in range(len(path)):
+            match = by_path.get(_key_names(path[start:]))
+            if match is not None and match[0] == getattr(leaf, "shape", None):
+                return match[1]
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(pick, opt_abstract)
+
+
+def make_steps(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    comm: taco_jax.TPComm,
+    optimizer: optax.GradientTransformation,
+) -> Steps:
+    """Jitted init / train / eval steps of `model` laid out by `parallel`, TP traffic by `comm`.
+
+    train_step(state, tokens [global_batch, T + 1]) -> (state, {"loss", "grad_norm"}) donates
+    `state`; eval_step(state, tokens) -> {"loss"} does not (it returns no state to hand back).
+    """
+    check_config(model, parallel)
+    mesh = make_mesh(parallel, comm.axis_name)
+    replicated = NamedSharding(mesh, P())
+    if parallel.mode == "shard_map":
+        param_sharding = jax.tree.map(
+            lambda spec: NamedSharding(mesh, spec), param_specs(model, comm.axis_name)
+        )
+    else:
+        param_sharding = jax.tree.map(lambda _: replicated, abstract_params(model))
+    params_abstract = abstract_params(model)
+    opt_abstract = jax.eval_shape(optimizer.init, params_abstract)
+    state_sharding = TrainState(
+        step=replicated,
+        params=param_sharding,
+        opt_state=_opt_state_sharding(opt_abstract, params_abstract, param_sharding, replicated),
+    )
+    batch_sharding = NamedSharding(mesh, P(DP_AXIS))
+    loss_and_grads = make_loss_and_grads(model, parallel, comm, mesh)
+    loss_only = _mapped(
+        model, parallel, comm, lambda ctx, p, t: _loss(model, parallel, ctx, p, t), "loss", mesh
+    )
+
+    @functools.partial(jax.jit, out_shardings=state_sharding)
+    def init(key: jax.Array) -> TrainState:
+        params = init_params(model, key)
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+    @functools.partial(
+        jax.jit,
+        in_shardings=(state_sharding, batch_sharding),
+        out_shardings=(state_sharding, replicated),
+        donate_argnums=0,
+    )
+    def train_step(state: TrainState, tokens: jax.Array):
+        _check_tokens(model, parallel, tokens)
+        loss, grads = loss_and_grads(state.params, tokens)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new_state = TrainState(state.step + 1, params, opt_state)
+        return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+
+    @functools.partial(
+        jax.jit, in_shardings=(state_sharding, batch_sharding), out_shardings=replicated
+    )
+    def eval_step(state: TrainState, tokens: jax.Array):
+        _check_tokens(model, parallel, tokens)
+        return {"loss": loss_only(state.params, tokens)}
+
+    return Steps(init, train_step, eval_step, state_sharding, batch_sharding, mesh)

@@ -1,0 +1,199 @@
+"""The TP model equals the unsharded model: logits, loss and every parameter gradient.
+
+Runs on 8 fake CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=8`), under
+`shard_map` over a ("dp", "tp") mesh and under `jax.vmap(axis_name="tp")` emulation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import taco_jax
+from models import (
+    ModelConfig,
+    ParallelConfig,
+    init_params,
+    make_logits,
+    make_loss_and_grads,
+    reference_logits,
+    reference_loss_and_grads,
+)
+
+BATCH = 4
+U_FP32 = 2.0**-24  # fp32 unit roundoff
+
+
+def _exact_tolerance(cfg: ModelConfig) -> float:
+    """Normwise tolerance for TP-vs-unsharded in fp32 with uncompressed collectives.
+
+    The TP model computes the same function with its reductions reassociated: contractions over
+    F, N x H and V are split into tp partial sums, SP sums replicated-parameter gradients over
+    B x T in tp pieces, and XLA blocks differently shaped dots differently. Modelling rounding
+    errors as independent and zero-mean (Higham & Mary 2019), a length-n reduction carries a
+    relative error ~ u sqrt(n); two orders differ by sqrt(2) of that; K reductions in sequence
+    (forward and backward, gain ~ 1 at init) add in quadrature: u sqrt(2 n K). The largest
+    reduction is n = max(F, V, B T); K ~ 2 x (7 per block + head + loss). A factor of 8 covers
+    the maximum over ~1e5 elements (~4.5 sigma) measured against max|reference|.
+    """
+    n = max(cfg.d_ff, cfg.padded_vocab, BATCH * cfg.seq_len)
+    k = 2 * (7 * cfg.n_layers + 2)
+    return 8 * U_FP32 * math.sqrt(2 * n * k)
+
+
+# Taco tolerance. One E4M3 rounding (3 mantissa bits, round to nearest) has relative error
+# uniform in +-2^-4 / m for mantissa m in [1, 2); with m log-uniform, E[1/m^2] = 3 / (8 ln 2),
+# so its RMS is 2^-4 sqrt(E[1/m^2] / 3) = 0.0265. The Hadamard rotation is orthonormal and the
+# per-group scales cancel, so a group's relative L2 error is the same. The two-shot all-reduce
+# rounds twice (partials, then the sum): EPS_ALLREDUCE = sqrt(2) x 0.0265 = 0.0375 of its output.
+EPS_E4M3_RMS = 2.0**-4 * math.sqrt(3 / (8 * math.log(2)) / 3)
+EPS_ALLREDUCE = math.sqrt(2) * EPS_E4M3_RMS
+
+
+def _taco_tolerances(cfg: ModelConfig) -> tuple[float, float]:
+    """(logits, gradients) relative-L2 tolerances with every TP collective compressed.
+
+    Each compressed collective adds an independent error of relative size EPS_ALLREDUCE to a
+    contribution no larger than the residual stream (at init), so C of them on the path to an
+    output add in quadrature: EPS_ALLREDUCE sqrt(C). Logits: the embedding's g plus two per
+    block, C = 2 L + 1. Gradients see those plus the backward all-reduces of the f operators
+    (two per block plus the head): C = 2 (2 L + 1).
+    """
+    c_fwd = 2 * cfg.n_layers + 1
+    return EPS_ALLREDUCE * math.sqrt(c_fwd), EPS_ALLREDUCE * math.sqrt(2 * c_fwd)
+
+
+def _tokens(cfg: ModelConfig, seed: int = 1) -> jax.Array:
+    return jax.random.randint(jax.random.key(seed), (BATCH, cfg.seq_len + 1), 0, cfg.vocab_size)
+
+
+def _run_tp(cfg, parallel, comm, params, tokens):
+    """(logits, loss, grads) of the TP model in one compiled function."""
+    logits_fn = make_logits(cfg, parallel, comm)
+    grads_fn = make_loss_and_grads(cfg, parallel, comm)
+    return jax.jit(lambda p, t: (logits_fn(p, t[:, :-1]), *grads_fn(p, t)))(params, tokens)
+
+
+def _run_reference(cfg, params, tokens):
+    def fn(p, t):
+        return (reference_logits(cfg, p, t[:, :-1]), *reference_loss_and_grads(cfg, p, t))
+
+    return jax.jit(fn)(params, tokens)
+
+
+@pytest.fixture(scope="module")
+def reference_cache():
+    return {}
+
+
+def _reference(cache, cfg):
+    if cfg not in cache:
+        params = init_params(cfg, jax.random.key(0))
+        tokens = _tokens(cfg)
+        cache[cfg] = (params, tokens, _run_reference(cfg, params, tokens))
+    return cache[cfg]
+
+
+def _normwise_error(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _relative_l2(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _needs_devices(n: int):
+    if jax.device_count() < n:
+        pytest.skip(f"needs {n} devices; set XLA_FLAGS=--xla_force_host_platform_device_count=8")
+
+
+GPT_VOCAB_200 = ModelConfig.preset("gpt_tiny", vocab_size=200)  # padded to 256: masked columns
+GPT = ModelConfig.preset("gpt_tiny")
+QWEN = ModelConfig.preset("qwen2_tiny")  # GQA: 8 query heads over 4 KV heads
+
+# Every TP size under both runners, SP on and off under both, and GQA under both.
+EXACT_CASES = [
+    ("shard_map", 2, False, GPT),
+    ("shard_map", 4, True, GPT),
+    ("shard_map", 8, False, GPT_VOCAB_200),
+    ("vmap", 2, True, GPT_VOCAB_200),
+    ("vmap", 4, False, GPT),
+    ("vmap", 8, True, GPT),
+    ("shard_map", 4, False, QWEN),
+    ("vmap", 2, True, QWEN),
+]
+
+
+@pytest.mark.parametrize(("mode", "tp", "sp", "cfg"), EXACT_CASES)
+def test_uncompressed_tp_equals_unsharded(reference_cache, mode, tp, sp, cfg):
+    _needs_devices(tp if mode == "shard_map" else 1)
+    params, tokens, (ref_logits, ref_loss, ref_grads) = _reference(reference_cache, cfg)
+    parallel = ParallelConfig(tp=tp, mode=mode, sequence_parallel=sp, compute_dtype="float32")
+    comm = taco_jax.TPComm.create("tp", fwd="none")
+    logits, loss, grads = _run_tp(cfg, parallel, comm, params, tokens)
+    tol = _exact_tolerance(cfg)
+    assert _normwise_error(logits, ref_logits) <= tol
+    assert abs(float(loss) - float(ref_loss)) <= tol * abs(float(ref_loss))
+    errors = jax.tree.map(_normwise_error, grads, ref_grads)
+    worst = max(jax.tree_util.tree_leaves_with_path(errors), key=lambda kv: kv[1])
+    assert worst[1] <= tol, f"gradient {jax.tree_util.keystr(worst[0])}: {worst[1]:.3g} > {tol:.3g}"
+
+
+def test_reference_loss_is_cross_entropy_over_unpadded_vocab(reference_cache):
+    params, tokens, (logits, loss, _) = _reference(reference_cache, GPT_VOCAB_200)
+    expected = optax.softmax_cross_entropy_with_integer_labels(
+        logits[..., : GPT_VOCAB_200.vocab_size], tokens[:, 1:]
+    ).mean()
+    assert abs(float(loss) - float(expected)) <= _exact_tolerance(GPT_VOCAB_200) * float(expected)
+
+
+@pytest.mark.parametrize(("mode", "sp", "cfg"), [("shard_map", False, GPT), ("vmap", True, QWEN)])
+def test_taco_tp_close_to_unsharded(reference_cache, mode, sp, cfg):
+    _needs_devices(4 if mode == "shard_map" else 1)
+    params, tokens, (ref_logits, ref_loss, ref_grads) = _reference(reference_cache, cfg)
+    parallel = ParallelConfig(tp=4, mode=mode, sequence_parallel=sp, compute_dtype="float32")
+    comm = taco_jax.TPComm.create("tp", fwd="taco", impl="xla")
+    logits, loss, grads = _run_tp(cfg, parallel, comm, params, tokens)
+    tol_logits, tol_grads = _taco_tolerances(cfg)
+    logits_error = _relative_l2(logits, ref_logits)
+    assert logits_error <= tol_logits
+    # The codec really rounds to FP8 (TACO.md section 6: XLA may elide an f32 -> f8 -> f32 round
+    # trip): at least a quarter of one all-reduce's expected error reaches the logits.
+    assert logits_error >= EPS_ALLREDUCE / 4
+    # Cross-entropy's gradient in the logits, softmax - onehot, has L1 norm <= 2, so the loss
+    # moves by at most 2 max|dlogits| (mean value theorem); plus fp32 slack.
+    max_dz = float(np.max(np.abs(np.asarray(logits) - np.asarray(ref_logits))))
+    slack = _exact_tolerance(cfg) * float(ref_loss)
+    assert abs(float(loss) - float(ref_loss)) <= 2 * max_dz + slack
+    errors = jax.tree.map(_relative_l2, grads, ref_grads)
+    worst = max(jax.tree_util.tree_leaves_with_path(errors), key=lambda kv: kv[1])
+    assert worst[1] <= tol_grads, f"{jax.tree_util.keystr(worst[0])}: {worst[1]:.3g}"
+
+
+def test_vmap_rank_view_matches_named_sharding_shards():
+    from models.parallel import make_mesh, param_specs, shard_params
+
+    _needs_devices(4)
+    cfg, tp = QWEN, 4
+    params = init_params(cfg, jax.random.key(0))
+    view, in_axes = shard_params(params, cfg, tp)
+    mesh = make_mesh(ParallelConfig(tp=tp))
+    specs = param_specs(cfg)
+    placed = jax.device_put(params, jax.tree.map(lambda s: jax.NamedSharding(mesh, s), specs))
+    for leaf, v, axis in zip(
+        jax.tree.leaves(placed),
+        jax.tree.leaves(view),
+        jax.tree.leaves(in_axes, is_leaf=lambda x: x is None),
+        strict=True,
+    ):
+        for shard in leaf.addressable_shards:
+            rank = mesh.devices.tolist()[0].index(shard.device)
+            expected = v if axis is None else jnp.take(v, rank, axis=axis)
+            np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(expected))
