@@ -166,8 +166,13 @@ def replicated_mask(model: ModelConfig) -> dict:
 
 
 def weight_decay_mask(model: ModelConfig) -> dict:
-    """True for matrices and embeddings (decayed), False for norms and biases (GPT-3 / Megatron)."""
-    return _map_axes(lambda axes: len([a for a in axes if a != "layers"]) >= 2, model)
+    """True for weight matrices and embeddings (decayed), False for norms and biases, as in
+    GPT-3 and Megatron-LM. Weights are the parameters named `w*` or `lm_head`."""
+    flat = {
+        path: path[-1].startswith("w") or path[-1] == "lm_head"
+        for path, _ in nnx.to_flat_state(_abstract(model)[1])
+    }
+    return _unflatten(flat)
 
 
 def shard_params(params: dict, model: ModelConfig, tp: int) -> tuple[dict, dict]:
@@ -446,7 +451,7 @@ def make_steps(
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new_state = TrainState(state.step + 1, params, opt_state)
-        return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     @functools.partial(
         jax.jit, in_shardings=(state_sharding, batch_sharding), out_shardings=replicated
