@@ -64,10 +64,13 @@ def plot_losses(records: list[dict[str, Any]], png: Path, title: str = "") -> No
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for kind, key, style in (("train", "loss", "-"), ("eval", "val_loss", "o-")):
+    for kind, key, style, label in (
+        ("train", "loss", "-", "train loss"),
+        ("eval", "val_loss", "o-", "validation loss"),
+    ):
         pts = [(r["step"], r[key]) for r in records if r.get("kind") == kind and key in r]
         if pts:
-            ax.plot(*zip(*pts, strict=True), style, label=f"{kind} loss", markersize=3)
+            ax.plot(*zip(*pts, strict=True), style, label=label, markersize=3)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title)
