@@ -119,11 +119,32 @@ def _reduce_scatter_rows(
     return ops.decode_sum(cfg.codec, received, n)
 
 
-def _gather_wire(wire: jax.Array, n: int, axis_name: str, cfg: CommConfig, dtype) -> jax.Array:
-    """wire [B] of this rank's chunk -> every rank's decoded chunk [N, n]."""
+def _gather_wire(
+    wire: jax.Array, n: int, axis_name: str, cfg: CommConfig, dtype, *, invariant: bool = False
+) -> jax.Array:
+    """wire [B] of this rank's chunk -> every rank's decoded chunk [N, n].
+
+    `invariant` types the result as replicated (shard_map's check_vma), as `lax.psum`'s is.
+    """
     ops = _backends.get_ops(cfg.impl)
-    gathered = lax.all_gather(wire, axis_name, axis=0, tiled=False)
+    to = "invarying" if invariant else "varying"
+    gathered = lax.all_gather(wire, axis_name, axis=0, tiled=False, to=to)
     return ops.decode(cfg.codec, gathered, n, dtype)
+
+
+def varies_along(x: jax.Array, axis_name: str) -> bool:
+    """Whether `x` is typed as varying along `axis_name` (only under shard_map's check_vma)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.11; older releases name it .vma
+    varying = manual.varying if manual is not None else getattr(aval, "vma", frozenset())
+    return axis_name in varying
+
+
+def cast_varying(ct: jax.Array, axis_name: str, like: jax.Array) -> jax.Array:
+    """Types a cotangent as varying when the primal input `like` was (check_vma=True)."""
+    if varies_along(like, axis_name) and not varies_along(ct, axis_name):
+        return lax.pcast(ct, axis_name, to="varying")
+    return ct
 
 
 def _sliced(fn, rows: jax.Array, slices: int) -> jax.Array:
@@ -148,16 +169,15 @@ def _all_reduce(
     x: jax.Array, axis_name: str, cfg: CommConfig, tag: str = "all_reduce"
 ) -> jax.Array:
     n_ranks = axis_size(axis_name)
-    if n_ranks == 1:
-        return x  # nothing moves, so nothing is compressed
-    if not cfg.compresses(x):
-        return lax.psum(x, axis_name)
+    if n_ranks == 1 or not cfg.compresses(x):
+        return lax.psum(x, axis_name)  # N = 1 moves nothing, so nothing is compressed
     rows, size = _rows_for(x.reshape(-1), n_ranks, cfg)
+    invariant = varies_along(x, axis_name)
 
     def two_shot(piece):  # piece: [N, m / slices]
         n = piece.shape[-1]
         reduced_wire = _reduce_scatter_rows(piece, axis_name, cfg, reencode=True)
-        return _gather_wire(reduced_wire, n, axis_name, cfg, x.dtype)
+        return _gather_wire(reduced_wire, n, axis_name, cfg, x.dtype, invariant=invariant)
 
     out = _sliced(two_shot, rows, cfg.slices).reshape(-1)[:size].reshape(x.shape)
     if cfg.telemetry:
@@ -230,19 +250,20 @@ def _all_gather(
 # Public ops. Each is a custom_vjp whose backward is the compressed conjugate collective.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _psum(x, axis_name, cfg):
-    return _all_reduce(x, axis_name, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _psum(x, axis_name, cfg, tag):
+    return _all_reduce(x, axis_name, cfg, tag)
 
 
-def _psum_fwd(x, axis_name, cfg):
-    return _all_reduce(x, axis_name, cfg), None
+def _psum_fwd(x, axis_name, cfg, tag):
+    # The empty residual carries only x's sharding type, for the backward's cast.
+    return _all_reduce(x, axis_name, cfg, tag), x.reshape(-1)[:0]
 
 
-def _psum_bwd(axis_name, cfg, _, ct):
+def _psum_bwd(axis_name, cfg, tag, like, ct):
     # The output is replicated, so its cotangent is too: identity, as psum's transpose under
     # shard_map's check_vma=True and Megatron's g operator.
-    return (ct,)
+    return (cast_varying(ct, axis_name, like),)
 
 
 _psum.defvjp(_psum_fwd, _psum_bwd)
@@ -289,6 +310,7 @@ def compressed_psum(
             slices=slices,
             min_compress_bytes=min_compress_bytes,
         ),
+        "all_reduce",
     )
 
 

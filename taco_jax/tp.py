@@ -69,30 +69,16 @@ def _copy(x, comm: TPComm):
 
 
 def _copy_fwd(x, comm):
-    return x, None
+    # The empty residual carries only x's sharding type, for the backward's cast.
+    return x, x.reshape(-1)[:0]
 
 
-def _copy_bwd(comm, _, ct):
-    return (collectives._all_reduce(ct, comm.axis_name, comm.bwd, "tp_copy_bwd"),)
+def _copy_bwd(comm, like, ct):
+    reduced = collectives._all_reduce(ct, comm.axis_name, comm.bwd, "tp_copy_bwd")
+    return (collectives.cast_varying(reduced, comm.axis_name, like),)
 
 
 _copy.defvjp(_copy_fwd, _copy_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _reduce(x, comm: TPComm):
-    return collectives._all_reduce(x, comm.axis_name, comm.fwd, "tp_reduce_fwd")
-
-
-def _reduce_fwd(x, comm):
-    return _reduce(x, comm), None
-
-
-def _reduce_bwd(comm, _, ct):
-    return (ct,)
-
-
-_reduce.defvjp(_reduce_fwd, _reduce_bwd)
 
 
 def copy_to_tp(x: jax.Array, comm: TPComm) -> jax.Array:
@@ -107,7 +93,9 @@ def reduce_from_tp(x: jax.Array, comm: TPComm) -> jax.Array:
     """Megatron g: forward `compressed_psum` (`comm.fwd`), equal to `lax.psum` up to FP8
     rounding; backward identity. Sharding: `x[B, T, D]{U_tp} -> x[B, T, D]`.
     """
-    return checkpoint_name(_reduce(x, comm), "tp_reduce")
+    return checkpoint_name(
+        collectives._psum(x, comm.axis_name, comm.fwd, "tp_reduce_fwd"), "tp_reduce"
+    )
 
 
 def gather_from_sp(x: jax.Array, comm: TPComm, *, axis: int = 1) -> jax.Array:

@@ -373,3 +373,37 @@ def test_errors_name_the_offending_value():
         tj.compressed_psum(x, "tp", impl="cuda")
     with pytest.raises(ValueError, match="not divisible"):
         run_tp(lambda v: tj.compressed_psum_scatter(v[:3], "tp"), x, tp=2, mode="vmap")
+
+
+@pytest.mark.parametrize("codec", ["none", "taco"])
+def test_drops_into_check_vma_shard_map(codec):
+    """With shard_map's default check_vma=True the output is typed replicated, like lax.psum's
+    (so out_specs=P() works), and the gradient equals lax.psum's (exactly for "none")."""
+    tp = 8
+    mesh = jax.make_mesh((tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = jax.device_put(
+        _ranks(tp, (512,), seed=140).reshape(tp, 512), jax.sharding.NamedSharding(mesh, jax.P("tp"))
+    )
+
+    def grads(psum):
+        loss = lambda v: jnp.sum(psum(v) ** 2)
+        return jax.jit(
+            jax.shard_map(
+                lambda v: (psum(v), jax.grad(loss)(v)),
+                mesh=mesh,
+                in_specs=jax.P("tp"),
+                out_specs=(jax.P(), jax.P("tp")),
+            )
+        )(x)
+
+    out, grad = grads(lambda v: tj.compressed_psum(v, "tp", codec=codec))
+    ref_out, ref_grad = grads(lambda v: lax.psum(v, "tp"))
+    if codec == "none":
+        np.testing.assert_array_equal(out, ref_out)
+        np.testing.assert_array_equal(grad, ref_grad)
+    else:
+        # grad = 2 psum(x) per rank: the psum bound applies to both.
+        bound = U * (1 + U) * _rank_norms(x) + U * float(jnp.linalg.norm(ref_out))
+        assert float(jnp.linalg.norm(out - ref_out)) <= 1.01 * bound
+        for r in range(tp):
+            assert float(jnp.linalg.norm(grad[r] - ref_grad[r])) <= 2 * 1.01 * bound
