@@ -118,16 +118,27 @@ def rotary(x: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
+# "auto": cuDNN flash attention where it applies (GPU, 16-bit), else XLA; "xla" forces XLA
+# (e.g. where the installed cuDNN lacks the fused kernel).
+ATTENTION_IMPLEMENTATION = "auto"
+
+
+def uses_cudnn(q: jax.Array) -> bool:
+    return (
+        ATTENTION_IMPLEMENTATION == "auto"
+        and jax.default_backend() == "gpu"
+        and q.dtype in (jnp.bfloat16, jnp.float16)
+    )
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal (grouped-query) attention: q [B, T, N, H], k / v [B, T, K, H] -> [B, T, N, H].
 
     Query head n reads KV head n // (N / K) (the layout of `jax.nn.dot_product_attention`).
     On GPU with bf16 this is cuDNN's fused flash attention; elsewhere XLA's reference.
     """
-    cudnn = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-    return jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, implementation="cudnn" if cudnn else "xla"
-    )
+    implementation = "cudnn" if uses_cudnn(q) else "xla"
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
 def vocab_parallel_embed(

@@ -1,0 +1,257 @@
+"""Training-step speed: step time, tokens/s and MFU of the bf16 GPT, and the cost of TACO in TP.
+
+Two parts in one run:
+  1. Uncompressed bf16 GPT-125M and GPT-1.3B on one device, no TP (`make_steps` with tp = 1):
+     step time, tokens/s and MFU = flops_per_token x tokens/s / peak, with flops_per_token
+     = 6 N + 12 L H Q T (PaLM appendix B, nanoGPT's `estimate_mfu`; `ModelConfig.flops_per_token`)
+     and peak the device's dense bf16 rate (H100 / H200 SXM: 989.4 TFLOP/s).
+  2. GPT-125M with TP = 4 emulated on the same device (`jax.vmap(axis_name="tp")`): the step time
+     with every TP collective uncompressed ("none") and compressed ("taco"), and the ratio.
+Each configuration: compile, warm-up steps, then >= 10 timed steps, each ended by
+`jax.block_until_ready`; the median is reported. Tokens are random (speed does not depend on
+them). A configuration that fails (e.g. out of memory) is recorded with its error and the run
+goes on. Writes `train_step-<date>.json` to `$OUT` (else benchmarks/results/) and prints a table.
+
+    python benchmarks/train_step.py              # the H200 run
+    python benchmarks/train_step.py --smoke      # CPU check: tiny preset, 2 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+# Importable from a bare checkout too (an editable install made before models/ existed maps it
+# as an empty namespace package).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import taco_jax  # noqa: E402
+from models import ModelConfig, ParallelConfig, layers, make_steps  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+# Dense bf16 tensor-core peak, FLOP/s, by device_kind substring (NVIDIA H100 / H200 SXM datasheets;
+# the H200 has the H100's compute with more and faster HBM).
+PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    label: str
+    preset: str
+    batch: int
+    parallel: ParallelConfig
+    codec: str = "none"
+    impl: str = "auto"
+    overrides: tuple = ()
+
+    def model(self) -> ModelConfig:
+        return ModelConfig.preset(self.preset, **dict(self.overrides))
+
+
+def default_cases(args) -> list[Case]:
+    remat = args.remat
+    one = ParallelConfig(remat=remat, scan_layers=not args.unroll)
+    emulated = ParallelConfig(tp=4, mode="vmap", remat=remat, scan_layers=not args.unroll)
+    if args.smoke:
+        tiny = ParallelConfig(tp=2, mode="vmap", scan_layers=not args.unroll)
+        return [
+            Case("gpt_tiny", "gpt_tiny", 4, one),
+            Case("gpt_tiny tp=2 (vmap) none", "gpt_tiny", 4, tiny, "none"),
+            Case("gpt_tiny tp=2 (vmap) taco", "gpt_tiny", 4, tiny, "taco", args.impl),
+        ]
+    cases = [
+        # 16 x 2048 tokens; activations ~20 GB without remat.
+        Case("gpt_125m", "gpt_125m", args.batch_125m, one),
+        # 8 x 2048 tokens: ~2 MB of saved activations per token without remat (24 layers x
+        # ~40 D bytes), ~35 GB, plus 21 GB of fp32 weights, gradients and Adam moments.
+        Case("gpt_1p3b", "gpt_1p3b", args.batch_1p3b, one),
+        Case("gpt_125m tp=4 (vmap) none", "gpt_125m", args.batch_tp, emulated, "none"),
+        Case("gpt_125m tp=4 (vmap) taco", "gpt_125m", args.batch_tp, emulated, "taco", args.impl),
+    ]
+    if args.impl == "auto" and jax.default_backend() == "gpu":
+        # The XLA (pure jnp) codec next to the Pallas kernels that "auto" picks on a GPU.
+        cases.append(
+            Case(
+                "gpt_125m tp=4 (vmap) taco xla", "gpt_125m", args.batch_tp, emulated, "taco", "xla"
+            )
+        )
+    return cases
+
+
+def peak_flops() -> float | None:
+    kind = jax.devices()[0].device_kind
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in kind), None)
+
+
+def run_case(case: Case, steps: int, warmup: int) -> dict:
+    cfg = case.model()
+    comm = taco_jax.TPComm.create("tp", fwd=case.codec, impl=case.impl)
+    built = make_steps(cfg, case.parallel, comm, optax.adamw(1e-4, weight_decay=0.1))
+    state = built.init(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, (case.batch, cfg.seq_len + 1), dtype=np.int32)
+    tokens = jax.device_put(tokens, built.batch_sharding)
+
+    start = time.perf_counter()
+    compiled = built.train_step.lower(state, tokens).compile()
+    compile_s = time.perf_counter() - start
+    for _ in range(warmup):
+        state, metrics = compiled(state, tokens)
+    jax.block_until_ready((state, metrics))
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, metrics = compiled(state, tokens)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - start)
+
+    median = statistics.median(times)
+    tokens_per_step = case.batch * cfg.seq_len
+    flops_per_step = cfg.flops_per_token() * tokens_per_step
+    peak = peak_flops()
+    memory = jax.devices()[0].memory_stats() or {}
+    return {
+        "label": case.label,
+        "model": dataclasses.asdict(cfg),
+        "parallel": dataclasses.asdict(case.parallel),
+        "codec": case.codec,
+        "impl": case.impl,
+        "batch": case.batch,
+        "tokens_per_step": tokens_per_step,
+        "num_params": cfg.num_params(),
+        "flops_per_token": cfg.flops_per_token(),
+        "compile_s": compile_s,
+        "step_times_s": times,
+        "median_step_s": median,
+        "tokens_per_s": tokens_per_step / median,
+        "model_tflops_per_s": flops_per_step / median / 1e12,
+        "mfu": flops_per_step / median / peak if peak else None,
+        "final_loss": float(metrics["loss"]),
+        # The allocator's peak since the process started: an upper bound for this config.
+        "peak_bytes_in_use_so_far": memory.get("peak_bytes_in_use"),
+    }
+
+
+def attention_check() -> str:
+    """Runs one small causal bf16 attention the way the model does; returns what ran."""
+    q = jax.numpy.ones((1, 128, 2, 64), jax.numpy.bfloat16)
+    try:
+        jax.block_until_ready(jax.jit(layers.attention)(q, q, q))
+    except Exception as err:  # noqa: BLE001 - report any failure, then fall back
+        layers.ATTENTION_IMPLEMENTATION = "xla"
+        return f"xla (cuDNN attention failed: {type(err).__name__}: {err})"
+    return "cudnn" if layers.uses_cudnn(q) else "xla"
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| config | batch x T | median step (ms) | tokens/s | model TFLOP/s | MFU | compile (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['label']} | - | error: {r['error'].splitlines()[0][:80]} | | | | |")
+            continue
+        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        lines.append(
+            f"| {r['label']} | {r['batch']} x {r['model']['seq_len']} | "
+            f"{1e3 * r['median_step_s']:.1f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['model_tflops_per_s']:.1f} | {mfu} | {r['compile_s']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def overheads(rows: list[dict]) -> dict[str, float]:
+    """Step-time ratio of each compressed emulated-TP row to the uncompressed one."""
+    by_label = {r["label"]: r for r in rows if "error" not in r}
+    out = {}
+    for label, r in by_label.items():
+        if r["codec"] == "none" or r["parallel"]["tp"] == 1:
+            continue
+        base = next(
+            (
+                b
+                for b in by_label.values()
+                if b["codec"] == "none"
+                and b["parallel"] == r["parallel"]
+                and b["model"] == r["model"]
+            ),
+            None,
+        )
+        if base is not None:
+            out[label] = r["median_step_s"] / base["median_step_s"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny preset, 2 steps (CPU check)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch-125m", type=int, default=16)
+    parser.add_argument("--batch-1p3b", type=int, default=8)
+    parser.add_argument("--batch-tp", type=int, default=8, help="batch of the emulated-TP runs")
+    parser.add_argument("--impl", default="auto", help="codec kernels for taco: auto|xla|pallas")
+    parser.add_argument("--remat", action="store_true")
+    parser.add_argument("--unroll", action="store_true", help="unrolled layers instead of scan")
+    parser.add_argument("--only", default=None, help="run only configs whose label contains this")
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(RESULTS))
+    args = parser.parse_args()
+    steps = args.steps or (2 if args.smoke else 10)
+    warmup = 1 if args.smoke else args.warmup
+
+    attention = attention_check()
+    rows = []
+    for case in default_cases(args):
+        if args.only and args.only not in case.label:
+            continue
+        print(f"running {case.label} ...", flush=True)
+        try:
+            rows.append(run_case(case, steps, warmup))
+        except Exception as err:  # noqa: BLE001 - record (e.g. OOM) and go on
+            traceback.print_exc()
+            rows.append({"label": case.label, "error": f"{type(err).__name__}: {err}"})
+        jax.clear_caches()
+
+    record = {
+        "date": datetime.date.today().isoformat(),
+        "device": f"{jax.device_count()} x {jax.devices()[0].device_kind} ({platform.machine()})",
+        "backend": jax.default_backend(),
+        "versions": {"jax": jax.__version__, "python": platform.python_version()},
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "attention": attention,
+        "peak_bf16_flops": peak_flops(),
+        "flops_formula": "6 N + 12 L H Q T per token (PaLM app. B; N = matmul parameters)",
+        "timing": f"median of {steps} steps after {warmup} warm-up steps, block_until_ready each",
+        "results": rows,
+        "taco_over_none_step_time": overheads(rows),
+    }
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    suffix = "-smoke" if args.smoke else ""
+    path = out_dir / f"train_step-{record['date']}{suffix}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"\n{record['device']}, jax {jax.__version__}, attention: {attention}\n")
+    print(table(rows))
+    for label, ratio in record["taco_over_none_step_time"].items():
+        print(f"{label}: {ratio:.3f} x the uncompressed step time")
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
