@@ -1,0 +1,214 @@
+"""Convergence study: the same GPT, data order and schedule under every TP compression codec.
+
+Each run is `taco_jax.trainer.train_and_evaluate` on one config (default
+`configs/h200_convergence.toml`) with `compression.fwd/bwd`, `parallel.tp` and the seeds
+overridden; TP is emulated with `vmap(axis_name="tp")` so one GPU runs every TP size, and
+telemetry logs each collective's relative error. The baseline (`none`) runs with several seeds:
+the spread of its final validation loss is the noise floor a codec's difference must exceed.
+
+Writes `<out>/convergence-<date>.json` (per run: final train/val loss, tokens, steps, wall
+time, mean relative error per TP collective, the validation curve) and `convergence-<date>.png`
+(validation loss curves). With `--merge FILE` earlier runs are kept (a study may span sessions).
+
+    python benchmarks/convergence.py --tp 4 --codecs none taco fp8 taco_no_ds int8 \
+        --baseline-seeds 0 1 --set run.steps=600
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import jax
+
+from taco_jax import metrics
+from taco_jax.config import load_config
+from taco_jax.trainer import train_and_evaluate
+
+DEFAULT_CODECS = ["none", "taco", "fp8", "taco_no_ds", "int8", "int8_hadamard", "taco_e8m0"]
+# Paper figures to compare against (GPT-350M, TACO.md section 5): % over the bf16 baseline.
+PAPER = {"taco": 0.25, "tah_quant_path": 2.9}
+
+
+def run_key(codec: str, tp: int, seed: int) -> str:
+    return f"{codec}/tp{tp}/seed{seed}"
+
+
+def one_run(args, codec: str, tp: int, seed: int, out_root: pathlib.Path) -> dict:
+    out_dir = out_root / run_key(codec, tp, seed).replace("/", "_")
+    overrides = [
+        f"compression.fwd={codec}",
+        f"compression.bwd={codec}",
+        "compression.telemetry=true",
+        f"parallel.tp={tp}",
+        f"run.seed={seed}",
+        f"data.seed={seed}",
+        f"run.out_dir={out_dir}",
+        "run.resume=false",
+        "run.progress=false",
+        *args.set,
+    ]
+    cfg = load_config(args.config, overrides)
+    start = time.perf_counter()
+    diverged = None
+    try:
+        train_and_evaluate(cfg)
+    except FloatingPointError as error:  # a codec that diverges is a result, not a crash
+        diverged = str(error)
+    wall = time.perf_counter() - start
+    records = metrics.read_jsonl(out_dir / "metrics.jsonl")
+    return summarize(records, codec, tp, seed, wall, cfg) | {"diverged": diverged}
+
+
+def summarize(records: list[dict], codec: str, tp: int, seed: int, wall: float, cfg) -> dict:
+    train = [r for r in records if r.get("kind") == "train"]
+    val = [r for r in records if r.get("kind") == "eval"]
+    telemetry = {}
+    for r in train:
+        for key, value in r.items():
+            if key.startswith("telemetry/train/"):
+                telemetry.setdefault(key.removeprefix("telemetry/train/"), []).append(value)
+    tail = train[-5:] if train else []
+    return {
+        "codec": codec,
+        "tp": tp,
+        "seed": seed,
+        "steps": cfg.run.steps,
+        "tokens": cfg.run.steps * cfg.data.batch_size * cfg.model.seq_len,
+        "wall_s": wall,
+        "final_train_loss": statistics.mean(r["loss"] for r in tail) if tail else None,
+        "final_val_loss": val[-1]["val_loss"] if val else None,
+        "val_curve": [(r["step"], r["val_loss"]) for r in val],
+        "comm_rel_err": {k: statistics.mean(v) for k, v in telemetry.items()},
+    }
+
+
+def compare(runs: list[dict]) -> list[dict]:
+    """Final validation loss per codec and TP size, % over the baseline mean, vs the noise."""
+    rows = []
+    for tp in sorted({r["tp"] for r in runs}):
+        base = [r["final_val_loss"] for r in runs if r["tp"] == tp and r["codec"] == "none"]
+        if not base:
+            continue
+        base_mean = statistics.mean(base)
+        spread = (max(base) - min(base)) / base_mean * 100 if len(base) > 1 else None
+        for codec in sorted({r["codec"] for r in runs if r["tp"] == tp}):
+            losses = [r["final_val_loss"] for r in runs if r["tp"] == tp and r["codec"] == codec]
+            if any(loss is None or r_diverged(runs, tp, codec) for loss in losses):
+                rows.append({"tp": tp, "codec": codec, "val_loss": None, "diverged": True})
+                continue
+            mean = statistics.mean(losses)
+            rows.append(
+                {
+                    "tp": tp,
+                    "codec": codec,
+                    "val_loss": mean,
+                    "n_seeds": len(losses),
+                    "pct_vs_bf16": (mean - base_mean) / base_mean * 100,
+                    "baseline_seed_spread_pct": spread,
+                }
+            )
+    return rows
+
+
+def r_diverged(runs: list[dict], tp: int, codec: str) -> bool:
+    return any(r.get("diverged") for r in runs if r["tp"] == tp and r["codec"] == codec)
+
+
+def plot(runs: list[dict], png: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tps = sorted({r["tp"] for r in runs})
+    fig, axes = plt.subplots(1, len(tps), figsize=(6 * len(tps), 4.5), squeeze=False)
+    for ax, tp in zip(axes[0], tps, strict=True):
+        for r in sorted((r for r in runs if r["tp"] == tp), key=lambda r: r["codec"]):
+            steps, losses = zip(*r["val_curve"], strict=True) if r["val_curve"] else ((), ())
+            ax.plot(
+                steps,
+                losses,
+                label=f"{r['codec']} (seed {r['seed']})",
+                linestyle="-" if r["codec"] != "none" else "--",
+            )
+        ax.set_title(f"TP = {tp} (emulated)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("validation loss")
+        ax.legend(fontsize=7)
+        finals = [r["final_val_loss"] for r in runs if r["tp"] == tp and r["final_val_loss"]]
+        if finals:  # zoom on the end of training, where the codecs separate
+            ax.set_ylim(min(finals) - 0.1, min(finals) + 0.6)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="configs/h200_convergence.toml")
+    parser.add_argument("--codecs", nargs="+", default=DEFAULT_CODECS)
+    parser.add_argument("--tp", type=int, nargs="+", default=[4])
+    parser.add_argument("--seed", type=int, default=0, help="seed of every compressed run")
+    parser.add_argument("--baseline-seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    parser.add_argument("--runs-dir", default="runs/convergence")
+    parser.add_argument("--merge", default=None, help="earlier results JSON to extend")
+    args = parser.parse_args()
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    date = datetime.date.today().isoformat()
+    runs = json.loads(pathlib.Path(args.merge).read_text())["runs"] if args.merge else []
+    done = {run_key(r["codec"], r["tp"], r["seed"]) for r in runs}
+    plan = [
+        (c, tp, s)
+        for tp in args.tp
+        for c in args.codecs
+        for s in (args.baseline_seeds if c == "none" else [args.seed])
+    ]
+    for codec, tp, seed in plan:
+        if run_key(codec, tp, seed) in done:
+            continue
+        result = one_run(args, codec, tp, seed, pathlib.Path(args.runs_dir))
+        runs.append(result)
+        print(
+            f"{run_key(codec, tp, seed):28s} val {result['final_val_loss']} "
+            f"train {result['final_train_loss']} {result['wall_s']:.0f} s "
+            f"diverged {result['diverged']} err {result['comm_rel_err']}",
+            flush=True,
+        )
+        record = {
+            "date": date,
+            "device": jax.devices()[0].device_kind,
+            "versions": {"jax": jax.__version__, "python": platform.python_version()},
+            "command": " ".join(sys.argv),
+            "config": args.config,
+            "overrides": args.set,
+            "paper_pct_vs_bf16": PAPER,
+            "comparison": compare(runs),
+            "runs": runs,
+        }
+        (out / f"convergence-{date}.json").write_text(json.dumps(record, indent=1) + "\n")
+    plot(runs, out / f"convergence-{date}.png")
+    for row in compare(runs):
+        if row.get("diverged"):
+            print(f"tp={row['tp']} {row['codec']:14s} diverged")
+            continue
+        spread = row["baseline_seed_spread_pct"]
+        print(
+            f"tp={row['tp']} {row['codec']:14s} val {row['val_loss']:.4f} "
+            f"{row['pct_vs_bf16']:+.2f}% (baseline seed spread "
+            f"{'n/a' if spread is None else f'{spread:.2f}%'})"
+        )
+
+
+if __name__ == "__main__":
+    main()
