@@ -29,7 +29,7 @@ BATCH = 4
 U_FP32 = 2.0**-24  # fp32 unit roundoff
 
 
-def _exact_tolerance(cfg: ModelConfig) -> float:
+def exact_tolerance(cfg: ModelConfig, batch: int = BATCH) -> float:
     """Normwise tolerance for TP-vs-unsharded in fp32 with uncompressed collectives.
 
     The TP model computes the same function with its reductions reassociated: contractions over
@@ -41,7 +41,7 @@ def _exact_tolerance(cfg: ModelConfig) -> float:
     reduction is n = max(F, V, B T); K ~ 2 x (7 per block + head + loss). A factor of 8 covers
     the maximum over ~1e5 elements (~4.5 sigma) measured against max|reference|.
     """
-    n = max(cfg.d_ff, cfg.padded_vocab, BATCH * cfg.seq_len)
+    n = max(cfg.d_ff, cfg.padded_vocab, batch * cfg.seq_len)
     k = 2 * (7 * cfg.n_layers + 2)
     return 8 * U_FP32 * math.sqrt(2 * n * k)
 
@@ -138,7 +138,7 @@ def test_uncompressed_tp_equals_unsharded(reference_cache, mode, tp, sp, cfg):
     parallel = ParallelConfig(tp=tp, mode=mode, sequence_parallel=sp, compute_dtype="float32")
     comm = taco_jax.TPComm.create("tp", fwd="none")
     logits, loss, grads = _run_tp(cfg, parallel, comm, params, tokens)
-    tol = _exact_tolerance(cfg)
+    tol = exact_tolerance(cfg)
     assert _normwise_error(logits, ref_logits) <= tol
     assert abs(float(loss) - float(ref_loss)) <= tol * abs(float(ref_loss))
     errors = jax.tree.map(_normwise_error, grads, ref_grads)
@@ -151,7 +151,7 @@ def test_reference_loss_is_cross_entropy_over_unpadded_vocab(reference_cache):
     expected = optax.softmax_cross_entropy_with_integer_labels(
         logits[..., : GPT_VOCAB_200.vocab_size], tokens[:, 1:]
     ).mean()
-    assert abs(float(loss) - float(expected)) <= _exact_tolerance(GPT_VOCAB_200) * float(expected)
+    assert abs(float(loss) - float(expected)) <= exact_tolerance(GPT_VOCAB_200) * float(expected)
 
 
 @pytest.mark.parametrize(("mode", "sp", "cfg"), [("shard_map", False, GPT), ("vmap", True, QWEN)])
@@ -170,7 +170,7 @@ def test_taco_tp_close_to_unsharded(reference_cache, mode, sp, cfg):
     # Cross-entropy's gradient in the logits, softmax - onehot, has L1 norm <= 2, so the loss
     # moves by at most 2 max|dlogits| (mean value theorem); plus fp32 slack.
     max_dz = float(np.max(np.abs(np.asarray(logits) - np.asarray(ref_logits))))
-    slack = _exact_tolerance(cfg) * float(ref_loss)
+    slack = exact_tolerance(cfg) * float(ref_loss)
     assert abs(float(loss) - float(ref_loss)) <= 2 * max_dz + slack
     errors = jax.tree.map(_relative_l2, grads, ref_grads)
     worst = max(jax.tree_util.tree_leaves_with_path(errors), key=lambda kv: kv[1])
