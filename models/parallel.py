@@ -14,8 +14,9 @@ Gradient convention (TACO.md section 6): `value_and_grad` runs inside the per-de
 every TP rank computes the same replicated loss, and the Megatron operators carry the TP
 gradients; then `lax.pmean` over "dp". With sequence parallelism the replicated parameters (norms,
 output biases, positions) see only T / tp positions per rank, so their gradients are summed over
-TP (Korthikanti et al. 2022, section 4.2.2). The optimizer runs outside the per-device function
-on the full, NamedSharding-placed arrays, so global-norm clipping sees the whole gradient.
+TP (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models").
+The optimizer runs outside the per-device function on the full, NamedSharding-placed arrays, so
+global-norm clipping sees the whole gradient.
 """
 
 from __future__ import annotations
