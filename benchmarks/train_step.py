@@ -82,6 +82,15 @@ def default_cases(args) -> list[Case]:
         Case("gpt_125m tp=4 (vmap) none", "gpt_125m", args.batch_tp, emulated, "none"),
         Case("gpt_125m tp=4 (vmap) taco", "gpt_125m", args.batch_tp, emulated, "taco", args.impl),
     ]
+    n_devices = jax.device_count()
+    if n_devices >= 2:
+        # Real TP over every GPU of the machine (NCCL), GPT-1.3B: bf16 psum vs compressed.
+        real = ParallelConfig(tp=n_devices, remat=remat, scan_layers=not args.unroll)
+        label = f"gpt_1p3b tp={n_devices} (shard_map)"
+        cases += [
+            Case(f"{label} none", "gpt_1p3b", args.batch_1p3b, real, "none"),
+            Case(f"{label} taco", "gpt_1p3b", args.batch_1p3b, real, "taco", args.impl),
+        ]
     if args.impl == "auto" and jax.default_backend() == "gpu":
         # The XLA (pure jnp) codec next to the Pallas kernels that "auto" picks on a GPU.
         cases.append(
@@ -122,7 +131,9 @@ def run_case(case: Case, steps: int, warmup: int) -> dict:
     median = statistics.median(times)
     tokens_per_step = case.batch * cfg.seq_len
     flops_per_step = cfg.flops_per_token() * tokens_per_step
-    peak = peak_flops()
+    # shard_map spreads the step over dp x tp devices; vmap emulation runs it all on one.
+    devices = case.parallel.dp * case.parallel.tp if case.parallel.mode == "shard_map" else 1
+    peak = peak_flops() * devices if peak_flops() else None
     memory = jax.devices()[0].memory_stats() or {}
     return {
         "label": case.label,
