@@ -28,4 +28,3 @@ def test_decay_only_where_the_mask_says():
     # With zero gradients AdamW's only update is -lr * wd * p on decayed leaves: 1 - 0.05.
     np.testing.assert_allclose(new["kernel"], 0.95, rtol=1e-6)
     np.testing.assert_array_equal(new["scale"], 1.0)
-
