@@ -1,0 +1,273 @@
+"""Checks and times the fused codec kernels on a GPU, in one run (BENCHMARKS.md, "Kernels").
+
+PYTHONPATH=. python3 benchmarks/kernels.py --out $OUT   (on the device machine)
+
+1. Checks interpret=False against the references on fresh random data, odd sizes (rows that do
+   not fill a tile), poisoned outputs (0xAB bytes / NaN) to catch unwritten elements.
+2. Times, per bf16 input size (1 MiB .. 1 GiB): a device copy of the same bytes (negate: read +
+   write, the ceiling), the XLA-fused jnp references and the kernels; median of many runs after
+   warm-up, rotating input sets so that small sizes do not sit in L2.
+3. Latency (64 KiB .. 4 MiB) and the launch floor (a one-element jitted op).
+Bandwidth is logical IO: bytes read + bytes written once each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels as pk
+from taco_jax import codecs
+
+PEERS = 8  # rows of the benchmark: an 8-way TP group
+MiB = 1 << 20
+L2_FLUSH_BYTES = 256 * MiB  # > 4x the H200's 60 MB L2
+
+
+def _timeit(fn, inputs, *, min_time=0.2, reps=15):
+    """Median seconds per call; calls rotate over `inputs`, each rep is a dispatched batch."""
+    for a in inputs[:2]:
+        jax.block_until_ready(fn(*a))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*inputs[0]))
+    one = max(time.perf_counter() - t0, 1e-6)
+    batch = int(min(200, max(len(inputs), min_time / reps / one)))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = None
+        for i in range(batch):
+            out = fn(*inputs[i % len(inputs)])
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / batch)
+    return statistics.median(times), (max(times) - min(times)) / statistics.median(times)
+
+
+def _ops(codec):
+    """name -> (fused fn, reference fn, input builder, bytes moved) for `elements` bf16 values."""
+    enc = jax.jit(lambda x: pk.encode(codec, x))
+    enc_ref = jax.jit(lambda x: pk.encode_reference(codec, x))
+    m = lambda el: el // PEERS  # noqa: E731
+    wb = codec.wire_bytes
+    return {
+        "encode": (enc, enc_ref, "x", lambda el: 2 * el + PEERS * wb(m(el))),
+        "decode": (
+            jax.jit(lambda w: pk.decode(codec, w, _n(codec, w), jnp.bfloat16)),
+            jax.jit(lambda w: pk.decode_reference(codec, w, _n(codec, w), jnp.bfloat16)),
+            "wire",
+            lambda el: PEERS * wb(m(el)) + 2 * el,
+        ),
+        "decode_sum": (
+            jax.jit(lambda w: pk.decode_sum(codec, w, _n(codec, w))),
+            jax.jit(lambda w: pk.decode_sum_reference(codec, w, _n(codec, w))),
+            "wire",
+            lambda el: PEERS * wb(m(el)) + 4 * m(el),
+        ),
+        "decode_sum_reencode": (
+            jax.jit(lambda w: pk.decode_sum_reencode(codec, w, _n(codec, w))),
+            jax.jit(lambda w: pk.decode_sum_reencode_reference(codec, w, _n(codec, w))),
+            "wire",
+            lambda el: (PEERS + 1) * wb(m(el)),
+        ),
+    }
+
+
+def _n(codec, wire):
+    return wire.shape[1] * codec.group_size // (codec.group_size + codec.side_bytes_per_group)
+
+
+def _inputs(codec, elements, key, kind):
+    sets = max(1, min(16, L2_FLUSH_BYTES // (2 * elements)))
+    out = []
+    for i in range(sets):
+        x = jax.random.normal(jax.random.fold_in(key, i), (PEERS, elements // PEERS), jnp.bfloat16)
+        out.append((x if kind == "x" else pk.encode_reference(codec, x),))
+    return out
+
+
+def _ulp_mismatch(a, b):
+    """(# differing codes, max distance in code steps) for FP8 sign-magnitude bytes."""
+    a = np.asarray(a).astype(np.int32)
+    b = np.asarray(b).astype(np.int32)
+    ordered = lambda c: np.where(c & 0x80, -(c & 0x7F), c & 0x7F)  # noqa: E731
+    diff = np.abs(ordered(a) - ordered(b))
+    return int(np.sum(a != b)), int(diff.max(initial=0))
+
+
+def check(key):
+    """interpret=False vs reference for every fused codec; returns rows for the JSON."""
+    rows = []
+    cases = [(name, 128) for name in codecs.CODEC_NAMES if name != "none"]
+    cases += [("taco", g) for g in (32, 64, 256, 512)]
+    for i, (name, g) in enumerate(cases):
+        codec = codecs.get_codec(name, g)
+        for dtype in (jnp.bfloat16, jnp.float32):
+            n = g * (37 if i % 2 == 0 else 64)  # 37 groups: a partial (masked) last tile
+            k = jax.random.fold_in(key, i * 2 + (dtype == jnp.float32))
+            x = (jax.random.normal(k, (PEERS, n), jnp.float32) * 3).astype(dtype)
+            b = codec.wire_bytes(n)
+            poison = jnp.full((PEERS, b), 0xAB, jnp.uint8)
+            wire = pk.encode(codec, x, out_init=poison)
+            ref = pk.encode_reference(codec, x)
+            diffs, steps = _ulp_mismatch(wire[:, :n], ref[:, :n])
+            unpacked, unpacked_ref = codecs.unpack(codec, wire, n), codecs.unpack(codec, ref, n)
+            pick = "prescales" if unpacked.scales is None else "scales"
+            side = np.asarray(getattr(unpacked, pick))
+            side_ref = np.asarray(getattr(unpacked_ref, pick))
+            if side.dtype == np.uint8:
+                side_err = float(np.max(np.abs(side.astype(int) - side_ref.astype(int))))
+            else:
+                side_err = float(np.max(np.abs(side / side_ref - 1))) if side.size else 0.0
+            dec = pk.decode(codec, ref, n, jnp.float32, out_init=jnp.full((PEERS, n), jnp.nan))
+            dec_ref = pk.decode_reference(codec, ref, n)
+            dec_err = float(jnp.max(jnp.abs(dec - dec_ref)) / jnp.max(jnp.abs(dec_ref)))
+            s = pk.decode_sum(codec, ref, n, out_init=jnp.full((n,), jnp.nan))
+            s_ref = pk.decode_sum_reference(codec, ref, n)
+            sum_err = float(jnp.max(jnp.abs(s - s_ref)) / jnp.max(jnp.abs(s_ref)))
+            r = pk.decode_sum_reencode(codec, ref, n, out_init=jnp.full((b,), 0xAB, jnp.uint8))
+            r_ref = pk.decode_sum_reencode_reference(codec, ref, n)
+            r_diffs, r_steps = _ulp_mismatch(r[:n], r_ref[:n])
+            row = dict(
+                codec=name,
+                group_size=g,
+                dtype=jnp.dtype(dtype).name,
+                n=n,
+                encode_code_mismatch=diffs,
+                encode_max_code_steps=steps,
+                encode_scale_max_rel=side_err,
+                decode_max_rel=dec_err,
+                decode_finite=bool(jnp.all(jnp.isfinite(dec))),
+                decode_sum_max_rel=sum_err,
+                decode_sum_finite=bool(jnp.all(jnp.isfinite(s))),
+                dsr_code_mismatch=r_diffs,
+                dsr_max_code_steps=r_steps,
+                # Two poisons: an element the kernel never writes keeps the poison, so differs.
+                unwritten=int(jnp.sum(wire != pk.encode(codec, x, out_init=poison ^ 0xFF)))
+                + int(
+                    jnp.sum(r != pk.decode_sum_reencode(codec, ref, n, out_init=poison[0] ^ 0xFF))
+                ),
+            )
+            rows.append(row)
+            print("CHECK", json.dumps(row), flush=True)
+    return rows
+
+
+def bench(key, sizes_mib, latency_kib):
+    codec = codecs.get_codec("taco", 128)
+    copy = jax.jit(lambda x: -x)
+    ops = _ops(codec)
+    results = []
+    for size in [s * 1024 for s in latency_kib] + [s * MiB for s in sizes_mib]:
+        elements = size // 2
+        xs = _inputs(codec, elements, key, "x")
+        t_copy, spread = _timeit(copy, xs)
+        row = dict(bytes=size, copy_s=t_copy, copy_tbps=2 * size / t_copy / 1e12, spread=spread)
+        if size >= 64 * MiB:
+            row["torch_copy_tbps"] = torch_copy_tbps(size)
+        wires = _inputs(codec, elements, key, "wire")
+        for name, (fused, ref, kind, io) in ops.items():
+            inp = xs if kind == "x" else wires
+            t_k, sp = _timeit(fused, inp)
+            t_r, _ = _timeit(ref, inp, reps=5)
+            nbytes = io(elements)
+            row[name] = dict(
+                kernel_s=t_k,
+                ref_s=t_r,
+                kernel_tbps=nbytes / t_k / 1e12,
+                ref_tbps=nbytes / t_r / 1e12,
+                of_copy=(nbytes / t_k) / (2 * size / t_copy),
+                speedup=t_r / t_k,
+                spread=sp,
+            )
+        results.append(row)
+        print("BENCH", json.dumps(row), flush=True)
+        del xs, wires
+    return results
+
+
+def torch_copy_tbps(size: int) -> float | None:
+    """Device-to-device copy of `size` bytes through PyTorch (CUDA events), read + write."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    src = torch.randn(size // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(20):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * size / statistics.median(times) / 1e12
+
+
+def launch_floor():
+    tiny = jax.jit(lambda x: -x)
+    x = jnp.ones((1,), jnp.float32)
+    return _timeit(tiny, [(x,)], min_time=0.05)[0]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--sizes-mib", default="1,4,16,64,256,1024")
+    p.add_argument("--latency-kib", default="64,256")
+    p.add_argument("--skip-check", action="store_true")
+    args = p.parse_args()
+    key = jax.random.key(int(time.time()))  # fresh data every run
+    t0 = time.time()
+    checks = [] if args.skip_check else check(key)
+    t_check = time.time() - t0
+    sizes = [int(s) for s in args.sizes_mib.split(",") if s]
+    lat = [int(s) for s in args.latency_kib.split(",") if s]
+    floor = launch_floor()
+    print("LAUNCH_FLOOR_S", floor, flush=True)
+    results = bench(key, sizes, lat)
+    date = datetime.date.today().isoformat()
+    doc = dict(
+        date=date,
+        device=str(jax.devices()[0].device_kind),
+        jax=jax.__version__,
+        python=platform.python_version(),
+        command=" ".join(sys.argv),
+        codec="taco",
+        group_size=128,
+        peers=PEERS,
+        launch_floor_s=floor,
+        check_seconds=t_check,
+        checks=checks,
+        bench=results,
+    )
+    path = os.path.join(args.out, f"kernels-{date}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(
+        f"{'bytes':>12} {'copyTB/s':>8} "
+        + " ".join(f"{k[:10]:>22}" for k in _ops(codecs.get_codec("taco")))
+    )
+    for r in results:
+        cells = [
+            f"{r[k]['kernel_tbps']:5.2f} {r[k]['of_copy']:4.0%} x{r[k]['speedup']:5.1f}"
+            for k in ("encode", "decode", "decode_sum", "decode_sum_reencode")
+        ]
+        print(f"{r['bytes']:>12} {r['copy_tbps']:8.2f} " + " ".join(f"{c:>22}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()

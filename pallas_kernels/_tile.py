@@ -1,0 +1,267 @@
+"""In-kernel math shared by the kernel families: one tile = T groups of G values, fp32.
+
+Each function mirrors a stage of `taco_jax.codecs` (same constants, same order of clamps) on a
+[T, G] tile held in registers, written only with ops the Triton lowering supports (no `round`,
+no value slicing, `concatenate` only of [..., 1] pieces).
+
+Rounding differences from the reference (all of them O(few fp32 ulp) in a pre-rounding value, so
+an FP8/INT8 code can differ only where the reference value sits within that distance of a
+rounding tie; the tests check exactly that):
+- the Hadamard runs as a bf16 tensor-core dot of exact operands with fp32 accumulation, applied
+  to x and then scaled by alpha (`alpha * H x`, the reference rounds `H (alpha x)`);
+- fp32 inputs are split exactly into three bf16 pieces (8 + 8 + 8 mantissa bits), three dots;
+- decode computes `H(q) * (s / alpha)` (the reference: `H(q s) / alpha`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels import _pallas
+from taco_jax import codecs
+from taco_jax.codecs import Codec
+
+# Largest Hadamard block applied as one dot; larger G is H_a (x) H_b with b = this (Sylvester
+# order factorizes: parity((ia b + ib) & (ja b + jb)) = parity(ia & ja) ^ parity(ib & jb)).
+MAX_DOT_HADAMARD = 128
+# 1.5 * 2^23: adding and subtracting it rounds an fp32 |v| < 2^22 to the nearest integer, ties to
+# even (IEEE add), which is jnp.round's rule; the Triton lowering has no `round`.
+_ROUND_MAGIC = 12582912.0
+_FLOAT8 = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+
+
+def hadamard_block(group_size: int) -> np.ndarray:
+    """The +-1 Sylvester matrix of the dot block (bf16-exact), an input of every kernel."""
+    b = min(group_size, MAX_DOT_HADAMARD)
+    return np.asarray(codecs.hadamard_matrix(b) * np.sqrt(b), np.float32)
+
+
+def _bf16_pieces(x: jnp.ndarray, exact: bool) -> list[jnp.ndarray]:
+    """x == sum(pieces) exactly: one bf16 piece when x is bf16-exact, else three."""
+    if exact:
+        return [x.astype(jnp.bfloat16)]
+    hi = x.astype(jnp.bfloat16)
+    rest = x - hi.astype(jnp.float32)
+    mid = rest.astype(jnp.bfloat16)
+    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+    return [hi, mid, lo]
+
+
+def hadamard(x, hblock, *, exact_bf16: bool, interpret: bool):
+    """H_G x / sqrt(G) along the last axis of x [T, G] (fp32); hblock: +-1 bf16 [b, b].
+
+    In interpret mode (XLA on the CPU) the block product is one fp32 HIGHEST dot: XLA rewrites
+    dot(hi, H) + dot(mid, H) into dot(hi + mid, H) in bf16 and drops the split's low bits.
+    """
+    t, g = x.shape
+    b = hblock.shape[0]
+    a = g // b
+    rows = x.reshape(t * a, b)
+    if interpret:
+        h = jnp.dot(rows, hblock.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    else:
+        h = None
+        for piece in _bf16_pieces(rows, exact_bf16):
+            part = jnp.dot(piece, hblock, preferred_element_type=jnp.float32)
+            h = part if h is None else h + part
+    if a > 1:
+        # Outer factor H_a over the a sub-blocks: y[:, i] = sum_j sign(i, j) h[:, j].
+        i = lax.broadcasted_iota(jnp.int32, (1, a, a, 1), 1)
+        j = lax.broadcasted_iota(jnp.int32, (1, a, a, 1), 2)
+        bits = i & j
+        parity = (bits ^ (bits >> 1) ^ (bits >> 2)) & 1  # a <= 8 here (G <= 1024)
+        sign = (1 - 2 * parity).astype(jnp.float32)
+        h = jnp.sum(h.reshape(t, 1, a, b) * sign, axis=2)
+    return h.reshape(t, g) * np.float32(1.0 / math.sqrt(g))
+
+
+def ash_prescale(energy_source: jnp.ndarray) -> jnp.ndarray:
+    """alpha per row of [T, G], as `codecs.ash_prescale`."""
+    g = energy_source.shape[-1]
+    mean = jnp.sum(energy_source * energy_source, axis=-1) * np.float32(1.0 / g)
+    energy = jnp.maximum(mean + codecs.ENERGY_EPS, codecs.ENERGY_FLOOR)
+    return jnp.clip(
+        codecs.QMAX["e4m3"] * lax.rsqrt(energy), codecs.PRESCALE_MIN, codecs.PRESCALE_MAX
+    )
+
+
+def _nan_if_nonfinite(scale, amax):
+    return jnp.where(jnp.isfinite(amax), scale, jnp.nan)
+
+
+def quantize(codec: Codec, scaled: jnp.ndarray, *, interpret: bool) -> jnp.ndarray:
+    """fp32 values already divided by their scale -> uint8 codes (saturating), as the reference.
+
+    INT8 rounds half to even: `jnp.round` in interpret mode, the magic-number add on the GPU
+    (XLA on the CPU folds `(v + M) - M` back to v, so the trick is GPU-only)."""
+    clipped = jnp.clip(scaled, -codec.qmax, codec.qmax)
+    if codec.element == "int8":
+        rounded = jnp.round(clipped) if interpret else (clipped + _ROUND_MAGIC) - _ROUND_MAGIC
+        return lax.bitcast_convert_type(rounded.astype(jnp.int8), jnp.uint8)
+    return lax.bitcast_convert_type(clipped.astype(_FLOAT8[codec.element]), jnp.uint8)
+
+
+def dequantize(codec: Codec, codes: jnp.ndarray) -> jnp.ndarray:
+    if codec.element == "int8":
+        return lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.float32)
+    return lax.bitcast_convert_type(codes, _FLOAT8[codec.element]).astype(jnp.float32)
+
+
+def e8m0_exponent(scale):
+    exponent = jnp.clip(jnp.ceil(jnp.log2(scale)), -127.0, 127.0)
+    return jnp.where(jnp.isnan(scale), 255.0, exponent + 127.0).astype(jnp.uint8)
+
+
+def e8m0_value(biased):
+    value = jnp.exp2(biased.astype(jnp.float32) - 127.0)
+    return jnp.where(biased == 255, jnp.nan, value)
+
+
+def encode_groups(codec: Codec, hx, energy_source, *, interpret: bool):
+    """hx [T, G]: the groups after the Hadamard (or the raw groups without one).
+
+    Returns (codes uint8 [T, G], scale [T] or None, prescale [T] or None) with the reference's
+    meaning: scale is fp32 s (or the uint8 E8M0 exponent of s / alpha), prescale is alpha.
+    """
+    alpha = ash_prescale(energy_source) if codec.prescale else None
+    y = hx * alpha[:, None] if codec.prescale else hx
+    amax = jnp.max(jnp.abs(y), axis=-1)
+    if not codec.postscale:
+        return quantize(codec, y, interpret=interpret), None, _nan_if_nonfinite(alpha, amax)
+    s = jnp.clip(amax / codec.qmax, codecs.SCALE_MIN, codecs.SCALE_MAX)
+    if codec.scale_format == "e8m0":
+        combined = s / alpha if codec.prescale else s
+        exponent = e8m0_exponent(_nan_if_nonfinite(combined, amax))
+        divisor = e8m0_value(exponent) * (alpha if codec.prescale else 1.0)
+        return quantize(codec, y / divisor[:, None], interpret=interpret), exponent, None
+    s = _nan_if_nonfinite(s, amax)
+    return quantize(codec, y / s[:, None], interpret=interpret), s, alpha
+
+
+def decode_factor(codec: Codec, scale, prescale) -> jnp.ndarray | float:
+    """d [T] with decoded = H(q) * d (or q * d without a Hadamard)."""
+    if codec.scale_format == "e8m0":
+        return e8m0_value(scale)
+    d = scale if codec.postscale else 1.0
+    if codec.prescale:
+        d = d / prescale
+    return d
+
+
+# ------------------------------------------------------------------------------------------
+# Wire layout in one uint8 row: [n codes][n/G scale bytes][n/G prescale bytes] (codecs.pack).
+
+
+def side_offsets(codec: Codec, n: int) -> tuple[int | None, int | None]:
+    """Byte offsets of the scale and prescale sections in a wire row (None: not stored)."""
+    groups = n // codec.group_size
+    if codec.scale_format == "e8m0":
+        return n, None
+    scale_at = n if codec.postscale else None
+    prescale_at = n + 4 * groups * int(codec.postscale) if codec.prescale else None
+    return scale_at, prescale_at
+
+
+def f32_to_bytes(v: jnp.ndarray) -> jnp.ndarray:
+    """fp32 [T] -> its little-endian bytes, uint8 [4T] (as lax.bitcast_convert_type on CPU/GPU)."""
+    bits = lax.bitcast_convert_type(v, jnp.uint32)
+    shift = (8 * lax.broadcasted_iota(jnp.int32, (v.shape[0], 4), 1)).astype(jnp.uint32)
+    return ((bits[:, None] >> shift) & 0xFF).astype(jnp.uint8).reshape(4 * v.shape[0])
+
+
+def bytes_to_f32(b: jnp.ndarray) -> jnp.ndarray:
+    """uint8 [4T] little-endian -> fp32 [T]."""
+    t = b.shape[0] // 4
+    shift = (8 * lax.broadcasted_iota(jnp.int32, (t, 4), 1)).astype(jnp.uint32)
+    words = jnp.sum(b.reshape(t, 4).astype(jnp.uint32) << shift, axis=-1)
+    return lax.bitcast_convert_type(words, jnp.float32)
+
+
+def _mask(start, size: int, limit: int, repeat: int = 1, masked: bool = True):
+    """start + k // repeat < limit for k < size; None when the caller knows it is all true.
+
+    A 1-D iota keeps Triton's mask-constancy analysis intact (vectorized loads/stores)."""
+    if not masked:
+        return None
+    if repeat == 1:
+        return start + lax.broadcasted_iota(jnp.int32, (size,), 0) < limit
+    idx = lax.broadcasted_iota(jnp.int32, (size // repeat, repeat), 0).reshape(size)
+    return start + idx < limit
+
+
+def load_1d(ref, row, start, size: int, limit: int, *, repeat: int = 1, masked: bool = True):
+    """ref[row, start : start + size] (elements at or past `limit` read as 0).
+
+    With repeat > 1, element k is valid when start / repeat + k // repeat < limit (byte views of
+    per-group words: `start` and `limit` then count groups)."""
+    mask = _mask(start // repeat, size, limit, repeat, masked)
+    other = None if mask is None else 0
+    return _pallas.load(ref.at[_row(row), _pallas.ds(start, size)], mask=mask, other=other)
+
+
+def store_1d(ref, row, start, value, limit: int, *, repeat: int = 1, masked: bool = True):
+    mask = _mask(start // repeat, value.shape[0], limit, repeat, masked)
+    _pallas.store(ref.at[_row(row), _pallas.ds(start, value.shape[0])], value, mask=mask)
+
+
+def store_groups(codec: Codec, ref, row, tile, n: int, t: int, codes, scale, prescale):
+    """Writes one tile's codes and side bytes into wire row `row` of ref [R, B]."""
+    g = codec.group_size
+    groups = n // g
+    masked = groups % t != 0
+    store_1d(ref, row, tile * t * g, codes.reshape(t * g), n, masked=masked)
+    scale_at, prescale_at = side_offsets(codec, n)
+    if codec.scale_format == "e8m0":
+        store_1d(ref, row, scale_at + tile * t, scale, scale_at + groups, masked=masked)
+        return
+    for at, value in ((scale_at, scale), (prescale_at, prescale)):
+        if at is not None:
+            # byte k of this section belongs to group k // 4; mask counts groups.
+            mask = _mask(tile * t, 4 * t, groups, 4, masked)
+            _pallas.store(
+                ref.at[_row(row), _pallas.ds(at + 4 * tile * t, 4 * t)],
+                f32_to_bytes(value),
+                mask=mask,
+            )
+
+
+def load_groups(codec: Codec, ref, row, tile, n: int, t: int):
+    """Reads one tile of wire row `row`: (dequantized q [T, G] fp32, decode factor d [T])."""
+    g = codec.group_size
+    groups = n // g
+    masked = groups % t != 0
+    codes = load_1d(ref, row, tile * t * g, t * g, n, masked=masked).reshape(t, g)
+    scale_at, prescale_at = side_offsets(codec, n)
+    scale = prescale = None
+    if codec.scale_format == "e8m0":
+        scale = _pallas.load(
+            ref.at[_row(row), _pallas.ds(scale_at + tile * t, t)],
+            mask=_mask(tile * t, t, groups, 1, masked),
+            other=127 if masked else None,  # 2^0: masked groups decode to finite zeros
+        )
+    else:
+        sides = []
+        for at in (scale_at, prescale_at):
+            if at is None:
+                sides.append(None)
+                continue
+            raw = _pallas.load(
+                ref.at[_row(row), _pallas.ds(at + 4 * tile * t, 4 * t)],
+                mask=_mask(tile * t, 4 * t, groups, 4, masked),
+                other=0 if masked else None,
+            )
+            sides.append(bytes_to_f32(raw))
+        scale, prescale = sides
+        if prescale is not None and masked:
+            # masked groups read alpha = 0; keep their (unstored) values finite.
+            prescale = jnp.where(_mask(tile * t, t, groups), prescale, 1.0)
+    return dequantize(codec, codes), decode_factor(codec, scale, prescale)
+
+
+def _row(row):
+    # A Python int index breaks the interpret-mode discharge of masked loads (jax 0.11.2).
+    return jnp.asarray(row, jnp.int32) if isinstance(row, int) else row

@@ -1,0 +1,77 @@
+"""Fused decode: packed wire rows uint8[R, B] -> x[R, n] in bf16 or fp32, one pass.
+
+Equal to `codecs.decode_reference(codec, codecs.unpack(codec, wire, n), dtype)` up to fp32
+rounding (the Hadamard is a tensor-core dot of the exact codes, then scaled by s / alpha).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _pallas, _tile
+from pallas_kernels.config import block_config, cdiv
+from taco_jax import codecs
+from taco_jax.codecs import Codec
+
+
+def decoded_tile(codec: Codec, wire_ref, h, row, tile, n: int, t: int, interpret: bool):
+    """One tile of a wire row, decoded to fp32 [T, G]."""
+    q, d = _tile.load_groups(codec, wire_ref, row, tile, n, t)
+    if codec.hadamard:
+        q = _tile.hadamard(
+            q, h, exact_bf16=True, interpret=interpret
+        )  # FP8/INT8 codes are exact in bf16
+    return q * d[:, None] if not isinstance(d, float) else q
+
+
+def _decode_kernel(wire_ref, h_ref, out_ref, *, codec: Codec, n: int, t: int, interpret: bool):
+    row, tile = _pallas.program_id(0), _pallas.program_id(1)
+    g = codec.group_size
+    x = decoded_tile(codec, wire_ref, h_ref[...], row, tile, n, t, interpret)
+    _tile.store_1d(
+        out_ref,
+        row,
+        tile * t * g,
+        x.reshape(t * g).astype(out_ref.dtype),
+        n,
+        masked=(n // g) % t != 0,
+    )
+
+
+def decode(
+    codec: Codec, wire: jax.Array, n: int, dtype=jnp.float32, *, interpret=False, out_init=None
+):
+    """wire[R, codec.wire_bytes(n)] -> x[R, n] of `dtype` (out_init: as `encode`)."""
+    _check_wire(codec, wire, n)
+    rows = wire.shape[0]
+    cfg = block_config(codec.group_size, n // codec.group_size)
+    t = cfg.groups_per_tile
+    h = jnp.asarray(_tile.hadamard_block(codec.group_size), jnp.bfloat16)
+    return _pallas.call(
+        _pallas.partial(_decode_kernel, codec=codec, n=n, t=t, interpret=interpret),
+        wire,
+        h,
+        out_init=out_init,
+        out_shape=jax.ShapeDtypeStruct((rows, n), dtype),
+        grid=(rows, cdiv(n // codec.group_size, t)),
+        name=f"taco_decode_{codec.name}_g{codec.group_size}",
+        interpret=interpret,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def _check_wire(codec: Codec, wire: jax.Array, n: int) -> None:
+    if n % codec.group_size:
+        raise ValueError(f"{n=} is not a multiple of group_size={codec.group_size}")
+    if wire.ndim != 2 or wire.shape[1] != codec.wire_bytes(n) or wire.dtype != jnp.uint8:
+        raise ValueError(
+            f"wire shape={wire.shape} dtype={wire.dtype} is not uint8[R, {codec.wire_bytes(n)}] "
+            f"for {n=} and codec {codec.name!r}"
+        )
+
+
+def decode_reference(codec: Codec, wire: jax.Array, n: int, dtype=jnp.float32) -> jax.Array:
+    """The definition: decode_reference(unpack(wire)) from `taco_jax.codecs`."""
+    return codecs.decode_reference(codec, codecs.unpack(codec, wire, n), dtype)

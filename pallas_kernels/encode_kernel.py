@@ -1,0 +1,75 @@
+"""Fused encode: x[R, n] (bf16/fp32) -> packed wire rows uint8[R, codec.wire_bytes(n)].
+
+One pass over HBM per tile of T groups: load, energy, ASH pre-scale, Hadamard (tensor-core dot),
+DS post-scale, cast, store codes and scale bytes straight into their places in the wire row.
+Equal to `codecs.pack(codec, codecs.encode_reference(codec, x))` up to the rounding notes of
+`_tile` (codes may differ from the reference only at FP8/INT8 rounding ties).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _pallas, _tile
+from pallas_kernels.config import block_config, cdiv
+from taco_jax import codecs
+from taco_jax.codecs import Codec
+
+
+def _encode_kernel(
+    x_ref, h_ref, wire_ref, *, codec: Codec, n: int, t: int, exact_bf16: bool, interpret: bool
+):
+    row, tile = _pallas.program_id(0), _pallas.program_id(1)
+    g = codec.group_size
+    x = (
+        _tile.load_1d(x_ref, row, tile * t * g, t * g, n, masked=(n // g) % t != 0)
+        .astype(jnp.float32)
+        .reshape(t, g)
+    )
+    hx = (
+        _tile.hadamard(x, h_ref[...], exact_bf16=exact_bf16, interpret=interpret)
+        if codec.hadamard
+        else x
+    )
+    codes, scale, prescale = _tile.encode_groups(codec, hx, x, interpret=interpret)
+    _tile.store_groups(codec, wire_ref, row, tile, n, t, codes, scale, prescale)
+
+
+def encode(codec: Codec, x: jax.Array, *, interpret: bool = False, out_init=None) -> jax.Array:
+    """x[R, n] -> wire[R, codec.wire_bytes(n)] (n a multiple of G; rows need not fill a tile).
+
+    out_init: optional buffer of the output's shape, aliased to it (checks poison it).
+    """
+    codecs._check_encodable(codec, x)
+    if x.ndim != 2:
+        raise ValueError(f"encode takes rows [R, n], got shape={x.shape}")
+    rows, n = x.shape
+    cfg = block_config(codec.group_size, n // codec.group_size)
+    t = cfg.groups_per_tile
+    kernel = _pallas.partial(
+        _encode_kernel,
+        codec=codec,
+        n=n,
+        t=t,
+        exact_bf16=x.dtype == jnp.bfloat16,
+        interpret=interpret,
+    )
+    h = jnp.asarray(_tile.hadamard_block(codec.group_size), jnp.bfloat16)
+    return _pallas.call(
+        kernel,
+        x,
+        h,
+        out_init=out_init,
+        out_shape=jax.ShapeDtypeStruct((rows, codec.wire_bytes(n)), jnp.uint8),
+        grid=(rows, cdiv(n // codec.group_size, t)),
+        name=f"taco_encode_{codec.name}_g{codec.group_size}",
+        interpret=interpret,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def encode_reference(codec: Codec, x: jax.Array) -> jax.Array:
+    """The definition: pack(encode_reference(x)) from `taco_jax.codecs`."""
+    return codecs.pack(codec, codecs.encode_reference(codec, x))

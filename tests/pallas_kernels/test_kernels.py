@@ -1,0 +1,185 @@
+"""Fused codec kernels vs the jnp references (interpret mode on the CPU; the GPU class on a GPU).
+
+Tolerances (derivations):
+- FP8/INT8 codes: identical, except that a code may move by one step where the reference's
+  pre-rounding value lies within fp32 noise of the midpoint between the two codes (a rounding
+  tie). The kernel's pre-rounding value differs from the reference's only by fp32 rounding of a
+  G-term Hadamard sum, relative error <= G * 2^-24 of the group's l1 mass, which is
+  <= sqrt(G) * l2 = sqrt(G) * (RMS 448 group) -> we allow |v - mid| <= TIE_RTOL * 448 with
+  TIE_RTOL = G^1.5 * 2^-24 (1.1e-4 at G=128), far below a half code step (>= 2^-4 relative).
+- fp32 scales: the same relative bound, SCALE_RTOL = G^1.5 * 2^-24 (amax moves by at most that).
+- decode / decode_sum: outputs of exact codes through one fp32 Hadamard: rtol G * 2^-24 of the
+  row's max magnitude per summed row.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from taco_jax import codecs
+
+FP32_EPS = 2.0**-24
+
+
+def _tie_rtol(g: int) -> float:
+    return g**1.5 * FP32_EPS
+
+
+def _fp8_values(codec, codes):
+    return np.asarray(codecs._dequantize(codec, jnp.asarray(codes)))
+
+
+def _ideal_scaled(codec, x64, ref_payload):
+    """float64 pre-rounding values y / divisor, with the reference's stored scales."""
+    g = codec.group_size
+    groups = x64.reshape(*x64.shape[:-1], -1, g)
+    alpha = ref_payload.prescales
+    # e8m0 stores only s / alpha: y / (2^e alpha) with y = H(alpha x) is H(x) / 2^e.
+    if codec.prescale and alpha is not None:
+        groups = groups * np.asarray(alpha, np.float64)[..., None]
+    y = groups @ codecs.hadamard_matrix(g).astype(np.float64) if codec.hadamard else groups
+    if not codec.postscale:
+        return y.reshape(x64.shape)
+    if codec.scale_format == "e8m0":
+        divisor = np.asarray(codecs.e8m0_value(ref_payload.scales), np.float64)
+    else:
+        divisor = np.asarray(ref_payload.scales, np.float64)
+    return (y / divisor[..., None]).reshape(x64.shape)
+
+
+def assert_codes_match(codec, codes, ref_codes, ideal):
+    """Equal, or one step apart at a rounding tie of the ideal value (see module docstring)."""
+    codes, ref_codes = np.asarray(codes), np.asarray(ref_codes)
+    diff = np.nonzero(codes != ref_codes)
+    if not diff[0].size:
+        return
+    a = _fp8_values(codec, codes[diff])
+    b = _fp8_values(codec, ref_codes[diff])
+    v = np.clip(ideal[diff], -codec.qmax, codec.qmax)
+    # One step apart: v lies between them, and nothing representable lies strictly between.
+    lo, hi = np.minimum(a, b), np.maximum(a, b)
+    assert np.all((lo <= v + 1e-12) & (v - 1e-12 <= hi)), (a, b, v)
+    mid = (a + b) / 2
+    tol = _tie_rtol(codec.group_size) * codec.qmax
+    assert np.all(np.abs(v - mid) <= tol), f"non-tie differences: {a=} {b=} {v=}"
+
+
+def _x(key, shape, dtype):
+    return (jax.random.normal(key, shape, jnp.float32) * 3).astype(dtype)
+
+
+ENCODE_CASES = [(name, 128, jnp.bfloat16) for name in codecs.CODEC_NAMES if name != "none"] + [
+    ("taco", 128, jnp.float32),
+    ("taco", 32, jnp.bfloat16),
+    ("taco", 512, jnp.float32),
+    ("int8_hadamard", 256, jnp.float32),
+]
+OTHER_CASES = [("taco", 128), ("taco_e8m0", 128), ("fp8", 128), ("taco_no_ds", 128),
+               ("int8_hadamard", 128), ("taco", 512)]  # fmt: skip
+
+
+class KernelTest:
+    """Shared suite: INTERPRET=False needs a GPU; the subclass below runs it on the CPU."""
+
+    INTERPRET = False
+    # 5 groups: the one tile is partial, so the masked tail path runs (never a whole tile).
+    GROUPS = 5
+
+    @pytest.fixture(autouse=True)
+    def _need_backend(self):
+        if not self.INTERPRET and jax.default_backend() != "gpu":
+            pytest.skip("needs a GPU")
+
+    @pytest.mark.parametrize("name,g,dtype", ENCODE_CASES)
+    def test_encode_matches_reference(self, name, g, dtype):
+        codec = codecs.get_codec(name, g)
+        n = g * self.GROUPS
+        x = _x(jax.random.key(hash((name, g)) % 2**31), (3, n), dtype)
+        wire = pk.encode(codec, x, interpret=self.INTERPRET)
+        ref = pk.encode_reference(codec, x)
+        assert wire.shape == ref.shape and wire.dtype == jnp.uint8
+        got, want = codecs.unpack(codec, wire, n), codecs.unpack(codec, ref, n)
+        ideal = _ideal_scaled(codec, np.asarray(x, np.float64), want)
+        assert_codes_match(codec, got.codes, want.codes, ideal)
+        for a, b in ((got.scales, want.scales), (got.prescales, want.prescales)):
+            if b is None:
+                assert a is None
+            elif b.dtype == jnp.uint8:
+                np.testing.assert_array_equal(a, b)
+            else:
+                np.testing.assert_allclose(a, b, rtol=_tie_rtol(g), atol=0)
+
+    @pytest.mark.parametrize("name,g", OTHER_CASES)
+    def test_decode_ops_match_reference(self, name, g):
+        codec = codecs.get_codec(name, g)
+        n = g * self.GROUPS
+        wire = pk.encode_reference(codec, _x(jax.random.key(7), (4, n), jnp.float32))
+        rtol = g * FP32_EPS * 4  # one Hadamard per row, 4 rows summed
+        for dtype in (jnp.float32, jnp.bfloat16):
+            got = pk.decode(codec, wire, n, dtype, interpret=self.INTERPRET)
+            want = pk.decode_reference(codec, wire, n, dtype)
+            assert got.dtype == dtype
+            scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
+            # bf16 output: one bf16 rounding (2^-8 relative) may differ at its own ties.
+            atol = scale * (rtol if dtype == jnp.float32 else 2.0**-8)
+            np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32),
+                                       rtol=0, atol=atol)  # fmt: skip
+        total = pk.decode_sum(codec, wire, n, interpret=self.INTERPRET)
+        want = pk.decode_sum_reference(codec, wire, n)
+        np.testing.assert_allclose(total, want, rtol=0, atol=rtol * float(jnp.max(jnp.abs(want))))
+
+    @pytest.mark.parametrize("name,g", OTHER_CASES)
+    def test_decode_sum_reencode_matches_reference(self, name, g):
+        codec = codecs.get_codec(name, g)
+        n = g * self.GROUPS
+        wire = pk.encode_reference(codec, _x(jax.random.key(11), (4, n), jnp.float32))
+        got = pk.decode_sum_reencode(codec, wire, n, interpret=self.INTERPRET)
+        want = pk.decode_sum_reencode_reference(codec, wire, n)
+        total = np.asarray(pk.decode_sum_reference(codec, wire, n), np.float64)[None]
+        want_payload = codecs.unpack(codec, want[None], n)
+        ideal = _ideal_scaled(codec, total, want_payload)[0]
+        got_payload = codecs.unpack(codec, got[None], n)
+        assert_codes_match(codec, got_payload.codes[0], want_payload.codes[0], ideal)
+
+    def test_every_output_element_is_written(self):
+        codec = codecs.get_codec("taco", 32)
+        n = 32 * self.GROUPS
+        x = _x(jax.random.key(3), (2, n), jnp.float32)
+        b = codec.wire_bytes(n)
+        outs = []
+        for fill in (0x00, 0xFF):  # a byte the kernel skips keeps its fill, so the two differ
+            wire = pk.encode(codec, x, interpret=self.INTERPRET,
+                             out_init=jnp.full((2, b), fill, jnp.uint8))  # fmt: skip
+            outs.append(wire)
+            r = pk.decode_sum_reencode(codec, wire, n, interpret=self.INTERPRET,
+                                       out_init=jnp.full((b,), fill, jnp.uint8))  # fmt: skip
+            outs.append(r)
+        np.testing.assert_array_equal(outs[0], outs[2])
+        np.testing.assert_array_equal(outs[1], outs[3])
+        dec = pk.decode(codec, outs[0], n, interpret=self.INTERPRET,
+                        out_init=jnp.full((2, n), jnp.nan))  # fmt: skip
+        assert bool(jnp.all(jnp.isfinite(dec)))
+
+    def test_nonfinite_groups_stay_visible(self):
+        codec = codecs.get_codec("taco", 32)
+        x = _x(jax.random.key(5), (1, 64), jnp.float32).at[0, 3].set(jnp.inf)
+        out = pk.decode(codec, pk.encode(codec, x, interpret=self.INTERPRET), 64,
+                        interpret=self.INTERPRET)  # fmt: skip
+        assert bool(jnp.all(jnp.isnan(out[0, :32]))) and bool(jnp.all(jnp.isfinite(out[0, 32:])))
+
+    def test_bad_wire_shape_names_the_values(self):
+        codec = codecs.get_codec("taco", 32)
+        with pytest.raises(ValueError, match="wire shape"):
+            pk.decode(codec, jnp.zeros((1, 10), jnp.uint8), 32, interpret=self.INTERPRET)
+
+
+@pytest.mark.gpu
+class TestKernelGPU(KernelTest):
+    INTERPRET = False
+    GROUPS = 37  # several tiles at G=32 (tile 256 groups is capped to the row: see config)
+
+
+class TestKernelInterpret(KernelTest):
+    INTERPRET = True
