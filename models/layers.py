@@ -34,6 +34,7 @@ class TPContext:
     comm: TPComm | None = None
     sequence_parallel: bool = False
     dtype: jnp.dtype = jnp.bfloat16
+    attention: str = "auto"  # "auto" | "xla" | "cudnn", see `attention`
 
     @property
     def sharded(self) -> bool:
@@ -120,24 +121,20 @@ def rotary(x: jax.Array, theta: float) -> jax.Array:
 
 # "auto": cuDNN flash attention where it applies (GPU, 16-bit), else XLA; "xla" forces XLA
 # (e.g. where the installed cuDNN lacks the fused kernel).
-ATTENTION_IMPLEMENTATION = "auto"
+def uses_cudnn(q: jax.Array, implementation: str = "auto") -> bool:
+    """Whether `attention` runs cuDNN's fused kernel for `q` under `implementation`."""
+    if implementation != "auto":
+        return implementation == "cudnn"
+    return jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
 
 
-def uses_cudnn(q: jax.Array) -> bool:
-    return (
-        ATTENTION_IMPLEMENTATION == "auto"
-        and jax.default_backend() == "gpu"
-        and q.dtype in (jnp.bfloat16, jnp.float16)
-    )
-
-
-def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str = "auto") -> jax.Array:
     """Causal (grouped-query) attention: q [B, T, N, H], k / v [B, T, K, H] -> [B, T, N, H].
 
     Query head n reads KV head n // (N / K) (the layout of `jax.nn.dot_product_attention`).
-    On GPU with bf16 this is cuDNN's fused flash attention; elsewhere XLA's reference.
+    "auto": cuDNN's fused flash attention on GPU with bf16, XLA's reference elsewhere.
     """
-    implementation = "cudnn" if uses_cudnn(q) else "xla"
+    implementation = "cudnn" if uses_cudnn(q, implementation) else "xla"
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 

@@ -53,7 +53,9 @@ class ParallelConfig:
     dp / tp: sizes of the mesh axes "dp" and "tp". mode "shard_map": dp x tp devices; mode "vmap":
     TP emulated on each device with `jax.vmap(axis_name="tp")`, dp devices. remat: recompute each
     block in the backward pass, keeping the TP collective outputs. scan_layers: one compiled block
-    under `lax.scan` (fast compiles) or an unrolled loop.
+    under `lax.scan` (fast compiles) or an unrolled loop. attention: "auto" (cuDNN flash attention
+    for bf16 on GPU, XLA elsewhere and under vmap emulation, where cuDNN's backward cannot batch),
+    "xla" or "cudnn".
     """
 
     dp: int = 1
@@ -63,6 +65,7 @@ class ParallelConfig:
     remat: bool = False
     compute_dtype: str = "bfloat16"
     scan_layers: bool = True
+    attention: Literal["auto", "xla", "cudnn"] = "auto"
 
     def __post_init__(self):
         if self.dp < 1 or self.tp < 1:
@@ -71,6 +74,8 @@ class ParallelConfig:
             raise ValueError(f"mode={self.mode!r} must be 'shard_map' or 'vmap'")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype={self.compute_dtype!r} is not one of {COMPUTE_DTYPES}")
+        if self.attention not in ("auto", "xla", "cudnn"):
+            raise ValueError(f"attention={self.attention!r} must be 'auto', 'xla' or 'cudnn'")
 
     @property
     def num_devices(self) -> int:
@@ -214,7 +219,10 @@ def vmap_out_axes(model: ModelConfig) -> dict:
 
 
 def _context(parallel: ParallelConfig, comm: taco_jax.TPComm | None) -> TPContext:
-    return TPContext(comm, parallel.sequence_parallel, jnp.dtype(parallel.compute_dtype))
+    attention = parallel.attention
+    if attention == "auto" and parallel.mode == "vmap" and parallel.tp > 1:
+        attention = "xla"  # cuDNN attention's backward does not batch over the vmapped TP axis
+    return TPContext(comm, parallel.sequence_parallel, jnp.dtype(parallel.compute_dtype), attention)
 
 
 def _logits(model, parallel, ctx, params, inputs):  # inputs [B, T] -> [B, T, V_local]
