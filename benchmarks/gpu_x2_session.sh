@@ -12,17 +12,20 @@ python3 -c 'import jax; print(jax.__version__, jax.devices())'
 # Phase A: both GPUs.
 timeout 150 python3 benchmarks/collectives.py --sizes-mib 0.0625 1 16 64 256 1024 \
   --codecs taco int8_hadamard --slices 1 4 --inner 5 --reps 10 --out "$OUT" \
-  > "$OUT/collectives.log" 2>&1
+  > /tmp/collectives.log 2>&1
 timeout 110 python3 benchmarks/train_step.py --only shard_map --out "$OUT/tp2" \
-  > "$OUT/train_step_tp2.log" 2>&1
+  > /tmp/train_step_tp2.log 2>&1
 
 # Phase B: one study per GPU.
 (CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/convergence.py --tp 4 \
   --codecs none taco fp8 taco_no_ds int8 int8_hadamard taco_e8m0 --baseline-seeds 0 1 \
   --set run.steps=600 --set run.eval_every=50 --set compression.impl=xla \
-  --set run.checkpoint_every=600 --out "$OUT" --runs-dir /tmp/runs > "$OUT/conv_tp4.log" 2>&1) &
+  --set run.checkpoint_every=600 --out "$OUT" --runs-dir /tmp/runs > /tmp/conv_tp4.log 2>&1) &
 (CUDA_VISIBLE_DEVICES=1 timeout 200 python3 benchmarks/train_step.py --out "$OUT"
  CUDA_VISIBLE_DEVICES=1 timeout 90 python3 benchmarks/pipeline.py --sizes-mib 1 16 64 256 \
-  --tp 2 4 8 --reps 10 --out "$OUT") > "$OUT/gpu1.log" 2>&1 &
+  --tp 2 4 8 --reps 10 --out "$OUT") > /tmp/gpu1.log 2>&1 &
 wait
-tail -n 25 "$OUT/collectives.log" "$OUT/train_step_tp2.log" "$OUT/conv_tp4.log" "$OUT/gpu1.log"
+# At most 8 files come back: the results plus one log.
+tail -n +1 /tmp/collectives.log /tmp/train_step_tp2.log /tmp/conv_tp4.log /tmp/gpu1.log \
+  > "$OUT/session.log"
+tail -n 20 /tmp/collectives.log /tmp/train_step_tp2.log /tmp/conv_tp4.log /tmp/gpu1.log
