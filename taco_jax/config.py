@@ -20,10 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from models.parallel import ParallelConfig
-
 import taco_jax
 from models.config import ModelConfig
+from models.parallel import ParallelConfig
 
 
 def _check(ok: bool, message: str) -> None:
