@@ -16,17 +16,12 @@ speedup over the lax collective.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import pathlib
-import platform
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
+from _common import median_seconds, write_record
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -52,17 +47,6 @@ def _looped(op, inner: int, tp: int):
         return lax.fori_loop(0, inner, step, x)
 
     return body
-
-
-def _time(fn, x, reps: int) -> float:
-    fn(x).block_until_ready()  # compile + warm-up
-    fn(x).block_until_ready()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn(x).block_until_ready()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def _ops(codec: str, slices: int):
@@ -125,7 +109,7 @@ def run(args) -> dict:
                                 check_vma=False,
                             )
                         )
-                        seconds = _time(fn, x, args.reps) / args.inner
+                        seconds = median_seconds(fn, x, reps=args.reps) / args.inner
                         # Both ops move every byte twice: (N-1)/N in each of two phases.
                         bus_factor = 2 * (tp - 1) / tp
                         rows.append(
@@ -186,19 +170,12 @@ def main() -> None:
         )
     if jax.device_count() < 2:
         sys.exit(f"needs >= 2 devices, have {jax.device_count()}")
-    record = {
-        "date": datetime.date.today().isoformat(),
-        "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
-        "versions": {"jax": jax.__version__, "python": platform.python_version()},
-        "command": " ".join(sys.argv),
-        "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "XLA_FLAGS")},
+    write_record(
+        "collectives",
+        args.out,
+        env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "XLA_FLAGS")},
         **run(args),
-    }
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"collectives-{record['date']}.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {path}")
+    )
 
 
 if __name__ == "__main__":

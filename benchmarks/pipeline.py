@@ -19,33 +19,16 @@ a PCIe-class link (~25 GB/s).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import pathlib
-import platform
-import statistics
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
+from _common import median_seconds, write_record
 
 from taco_jax import _backends, codecs
 
 MiB = 1 << 20
 LINKS_GBS = {"nvlink4_ring": 370.0, "ib_ndr": 48.0, "pcie": 25.0}
-
-
-def _time(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def _stages(ops, codec, n_ranks: int, chunk: int):
@@ -80,12 +63,12 @@ def measure(impl: str, codec_name: str, n_ranks: int, size: int, reps: int) -> d
     wire = stages["encode"](rows)
     reduced = stages["reduce"](wire)
     times = {
-        "encode": _time(stages["encode"], rows, reps=reps),
-        "exchange_copy": _time(stages["exchange"], wire, reps=reps),
-        "decode_sum_reencode": _time(stages["reduce"], wire, reps=reps),
-        "gather_copy": _time(stages["gather"], reduced, reps=reps),
-        "decode": _time(stages["decode"], stages["gather"](reduced), reps=reps),
-        "pipeline": _time(stages["pipeline"], rows, reps=reps),
+        "encode": median_seconds(stages["encode"], rows, reps=reps),
+        "exchange_copy": median_seconds(stages["exchange"], wire, reps=reps),
+        "decode_sum_reencode": median_seconds(stages["reduce"], wire, reps=reps),
+        "gather_copy": median_seconds(stages["gather"], reduced, reps=reps),
+        "decode": median_seconds(stages["decode"], stages["gather"](reduced), reps=reps),
+        "pipeline": median_seconds(stages["pipeline"], rows, reps=reps),
     }
     # Locally every "peer" row is one of this rank's rows, so each output row is ~ their sum.
     out = stages["pipeline"](rows).astype(jnp.float32)
@@ -149,20 +132,13 @@ def main() -> None:
                     f"IB {ib['speedup_serial']:.2f}/{ib['speedup_overlapped']:.2f}",
                     flush=True,
                 )
-    record = {
-        "date": datetime.date.today().isoformat(),
-        "device": jax.devices()[0].device_kind,
-        "versions": {"jax": jax.__version__, "python": platform.python_version()},
-        "command": " ".join(sys.argv),
-        "links_gbs": LINKS_GBS,
-        "note": "projection = measured one-rank compute + modelled wire time; not a multi-GPU run",
-        "rows": rows,
-    }
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"pipeline-{record['date']}.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_record(
+        "pipeline",
+        args.out,
+        links_gbs=LINKS_GBS,
+        note="projection = measured one-rank compute + modelled wire time; not a multi-GPU run",
+        rows=rows,
+    )
 
 
 if __name__ == "__main__":

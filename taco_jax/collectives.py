@@ -74,6 +74,14 @@ def comm_config(
     return CommConfig(codec, impl, slices, min_compress_bytes, telemetry)
 
 
+def fwd_bwd_configs(
+    codec: str | Codec | CommConfig, bwd_codec: str | Codec | CommConfig | None, **kwargs
+) -> tuple[CommConfig, CommConfig]:
+    """The forward and backward `CommConfig`s; the backward defaults to the forward one."""
+    cfg = comm_config(codec, **kwargs)
+    return cfg, cfg if bwd_codec is None else comm_config(bwd_codec, **kwargs)
+
+
 def axis_size(axis_name) -> int:
     """Size of a bound axis; a clear error when the axis is not bound."""
     if not isinstance(axis_name, str):
@@ -375,11 +383,14 @@ def compressed_psum_scatter(
     """
     _check_floating(x, "compressed_psum_scatter")
     dim = _normalize_dim(scatter_dimension, x.ndim, "scatter_dimension")
-    kwargs = dict(
-        group_size=group_size, impl=impl, slices=slices, min_compress_bytes=min_compress_bytes
+    cfg, bwd_cfg = fwd_bwd_configs(
+        codec,
+        bwd_codec,
+        group_size=group_size,
+        impl=impl,
+        slices=slices,
+        min_compress_bytes=min_compress_bytes,
     )
-    cfg = comm_config(codec, **kwargs)
-    bwd_cfg = cfg if bwd_codec is None else comm_config(bwd_codec, **kwargs)
     return _psum_scatter(x, axis_name, dim, tiled, cfg, bwd_cfg)
 
 
@@ -406,11 +417,14 @@ def compressed_all_gather(
     """
     _check_floating(x, "compressed_all_gather")
     gather_axis = _normalize_dim(axis, x.ndim + (0 if tiled else 1), "axis")
-    kwargs = dict(
-        group_size=group_size, impl=impl, slices=slices, min_compress_bytes=min_compress_bytes
+    cfg, bwd_cfg = fwd_bwd_configs(
+        codec,
+        bwd_codec,
+        group_size=group_size,
+        impl=impl,
+        slices=slices,
+        min_compress_bytes=min_compress_bytes,
     )
-    cfg = comm_config(codec, **kwargs)
-    bwd_cfg = cfg if bwd_codec is None else comm_config(bwd_codec, **kwargs)
     return _all_gather_op(x, axis_name, gather_axis, tiled, cfg, bwd_cfg)
 
 

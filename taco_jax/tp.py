@@ -51,15 +51,15 @@ class TPComm:
 
         `telemetry=True` records each collective's relative error (see `taco_jax.telemetry`).
         """
-        kwargs = dict(
+        fwd_cfg, bwd_cfg = collectives.fwd_bwd_configs(
+            fwd,
+            bwd,
             group_size=group_size,
             impl=impl,
             slices=slices,
             min_compress_bytes=min_compress_bytes,
             telemetry=telemetry,
         )
-        fwd_cfg = comm_config(fwd, **kwargs)
-        bwd_cfg = fwd_cfg if bwd is None else comm_config(bwd, **kwargs)
         return cls(axis_name, fwd_cfg, bwd_cfg)
 
 
