@@ -12,14 +12,18 @@ budget went to checking and timing the Triton version (BENCHMARKS.md, "Kernels")
 port is the open comparison. jax-triton is not used: nothing here needs a raw Triton kernel
 unless the Pallas lowering itself proves to be the limit.
 
-`check_vma`: under `jax.shard_map` the kernels run with `check_vma=False` (the tests' setting;
-TACO.md section 6 saw interpret mode fail with `check_vma=True` on the CPU).
+`check_vma`: the kernels are verified under `jax.shard_map(check_vma=False)` and under `vmap`.
+With `check_vma=True` each output takes the manual axis type of its input (`_typed_like`), but
+interpret mode still fails there (a masked load pads a varying ref with an invariant constant),
+and the GPU path is not yet verified, so the collectives' `impl="auto"` uses the XLA ops under
+`check_vma=True`.
 """
 
 from __future__ import annotations
 
 import functools
 
+import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -48,6 +52,7 @@ def call(
     pass a poisoned buffer to catch unwritten elements.
     """
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    out_shape = _typed_like(out_shape, args[0])
     if out_init is None:
         return pl.pallas_call(
             kernel,
@@ -70,6 +75,18 @@ def call(
         compiler_params=params,
         input_output_aliases={len(args): 0},
     )(*args, out_init)
+
+
+def _typed_like(out_shape, like):
+    """`out_shape` typed as varying / replicated along the mesh axes exactly as `like` is.
+
+    Under `shard_map(check_vma=True)` pallas_call needs the output's manual axis type; the
+    kernels map rows to rows, so the output varies wherever the input does.
+    """
+    manual = getattr(jax.typeof(like), "manual_axis_type", None)
+    if manual is None:
+        return out_shape
+    return jax.ShapeDtypeStruct(out_shape.shape, out_shape.dtype, manual_axis_type=manual)
 
 
 partial = functools.partial
