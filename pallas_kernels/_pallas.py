@@ -12,11 +12,11 @@ budget went to checking and timing the Triton version (BENCHMARKS.md, "Kernels")
 port is the open comparison. jax-triton is not used: nothing here needs a raw Triton kernel
 unless the Pallas lowering itself proves to be the limit.
 
-`check_vma`: the kernels are verified under `jax.shard_map(check_vma=False)` and under `vmap`.
-With `check_vma=True` each output takes the manual axis type of its input (`_typed_like`), but
-interpret mode still fails there (a masked load pads a varying ref with an invariant constant),
-and the GPU path is not yet verified, so the collectives' `impl="auto"` uses the XLA ops under
-`check_vma=True`.
+`check_vma`: the kernels run inside `jax.shard_map` with either setting and under `vmap`. With
+`check_vma=True` each output takes the manual axis type of its input (`_typed_like`); that path
+passed on 2 x H200 (tests/pallas_kernels/test_check_vma_gpu.py), while interpret mode fails
+there (a masked load pads a varying ref with an invariant constant): CPU tests use
+`check_vma=False`.
 """
 
 from __future__ import annotations

@@ -62,19 +62,17 @@ def _pallas_ops(interpret: bool) -> CodecOps | None:
     return codec_ops(interpret=interpret)
 
 
-def get_ops(impl: str, *, vma_checked: bool = False) -> CodecOps:
+def get_ops(impl: str) -> CodecOps:
     """Returns the ops for `impl`: "xla", "pallas", "pallas_interpret" (CPU) or "auto".
 
     "auto" picks the Pallas kernels on a GPU backend when they are importable, else "xla".
-    Under `shard_map(check_vma=True)` (`vma_checked`) "auto" picks "xla": the kernels are
-    verified with `check_vma=False`, and Pallas's interpret mode does not type-check there.
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown {impl=}; choose one of {IMPLS}")
     if impl == "xla":
         return XLA_OPS
     if impl == "auto":
-        if jax.default_backend() != "gpu" or vma_checked:
+        if jax.default_backend() != "gpu":
             return XLA_OPS
         return _pallas_ops(interpret=False) or XLA_OPS
     ops = _pallas_ops(interpret=impl == "pallas_interpret")

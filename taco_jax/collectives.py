@@ -119,7 +119,7 @@ def _reduce_scatter_rows(
     rows: jax.Array, axis_name: str, cfg: CommConfig, *, reencode: bool
 ) -> jax.Array:
     """rows [N, n] (n multiple of G) -> this rank's fp32 sum [n], or its re-encoded wire [B]."""
-    ops = _backends.get_ops(cfg.impl, vma_checked=varies_along(rows, axis_name))
+    ops = _backends.get_ops(cfg.impl)
     n = rows.shape[-1]
     received = _exchange(ops.encode(cfg.codec, rows), axis_name)
     if reencode:
@@ -134,7 +134,7 @@ def _gather_wire(
 
     `invariant` types the result as replicated (shard_map's check_vma), as `lax.psum`'s is.
     """
-    ops = _backends.get_ops(cfg.impl, vma_checked=varies_along(wire, axis_name))
+    ops = _backends.get_ops(cfg.impl)
     to = "invarying" if invariant else "varying"
     gathered = lax.all_gather(wire, axis_name, axis=0, tiled=False, to=to)
     return ops.decode(cfg.codec, gathered, n, dtype)
@@ -236,7 +236,7 @@ def _all_gather(
     if not cfg.compresses(x) or n_ranks == 1:
         # N = 1 moves nothing; the lax op then only adds or keeps the gathered axis.
         return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
-    ops = _backends.get_ops(cfg.impl, vma_checked=varies_along(x, axis_name))
+    ops = _backends.get_ops(cfg.impl)
     row, size = codecs.pad_to_multiple(x.reshape(1, -1), cfg.codec.group_size * cfg.slices)
 
     def gather(piece):  # piece: [1, n]
