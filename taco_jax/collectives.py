@@ -258,20 +258,26 @@ def _all_gather(
 # Public ops. Each is a custom_vjp whose backward is the compressed conjugate collective.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _psum(x, axis_name, cfg, tag):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _psum(x, axis_name, cfg, tag, bwd_cfg):
     return _all_reduce(x, axis_name, cfg, tag)
 
 
-def _psum_fwd(x, axis_name, cfg, tag):
+def _psum_fwd(x, axis_name, cfg, tag, bwd_cfg):
     # The empty residual carries only x's sharding type, for the backward's cast.
     return _all_reduce(x, axis_name, cfg, tag), x.reshape(-1)[:0]
 
 
-def _psum_bwd(axis_name, cfg, tag, like, ct):
-    # The output is replicated, so its cotangent is too: identity, as psum's transpose under
-    # shard_map's check_vma=True and Megatron's g operator.
-    return (cast_varying(ct, axis_name, like),)
+def _psum_bwd(axis_name, cfg, tag, bwd_cfg, like, ct):
+    """`bwd_cfg=None`: Megatron's g, identity. Otherwise `lax.psum`'s own transpose.
+
+    lax.psum transposes to the identity where shard_map tracks that the output is replicated
+    (`check_vma=True`, x typed varying) and to a psum of the cotangent elsewhere (`vmap`,
+    `check_vma=False`); the psum is compressed with `bwd_cfg`.
+    """
+    if bwd_cfg is None or varies_along(like, axis_name):
+        return (cast_varying(ct, axis_name, like),)
+    return (_all_reduce(ct, axis_name, bwd_cfg, f"{tag}_bwd"),)
 
 
 _psum.defvjp(_psum_fwd, _psum_bwd)
@@ -282,6 +288,7 @@ def compressed_psum(
     axis_name: str,
     *,
     codec: str | Codec | CommConfig = "taco",
+    bwd_codec: str | Codec | CommConfig | None = None,
     group_size: int = 128,
     impl: str = "auto",
     slices: int = 1,
@@ -293,33 +300,36 @@ def compressed_psum(
     bit-identical on every rank). Each element is quantized twice (TACO.md section 3), so the
     error is about sqrt(2) times one codec round trip of the sum's scale.
 
-    Backward: identity (the cotangent of a replicated output is replicated), which is the
-    transpose of `lax.psum` under `shard_map(check_vma=True)` and Megatron's g operator. Take
-    gradients inside the per-device function.
+    Backward: `lax.psum`'s own, so gradients taken inside or outside `shard_map` match it: the
+    identity under `shard_map(check_vma=True)` (the output is typed replicated), a compressed
+    psum of the cotangent (`bwd_codec`, default `codec`) under `vmap` or `check_vma=False`.
+    Megatron's g with an identity backward everywhere is `taco_jax.reduce_from_tp`.
+
+    When to compress: on 2 NVLink-connected H200s this is slower than NCCL's bf16 all-reduce at
+    every size (BENCHMARKS.md); it pays where the link is slow relative to HBM (projected
+    1.5-1.75x on InfiniBand / PCIe-class links at >= 256 MiB). `axis_name` is one axis name.
 
     Args:
       x: floating array, any shape (flattened, padded to N x G x slices, trimmed back).
       axis_name: a bound `shard_map` mesh axis or `vmap` axis name.
       codec: a name from `taco_jax.CODEC_NAMES`, a `Codec`, or a `CommConfig` (then the other
         keyword arguments are ignored). "none" runs `lax.psum` itself.
+      bwd_codec: codec of the backward psum (see Backward); None means `codec`.
       group_size: G, elements per scale group (32..512).
       impl: "auto" (Pallas kernels on GPU, else XLA), "xla", "pallas" or "pallas_interpret".
       slices: independent pieces (1..16) for overlapping encode with transfer.
       min_compress_bytes: messages smaller than this run `lax.psum`.
     """
     _check_floating(x, "compressed_psum")
-    return _psum(
-        x,
-        axis_name,
-        comm_config(
-            codec,
-            group_size=group_size,
-            impl=impl,
-            slices=slices,
-            min_compress_bytes=min_compress_bytes,
-        ),
-        "all_reduce",
+    cfg, bwd_cfg = fwd_bwd_configs(
+        codec,
+        bwd_codec,
+        group_size=group_size,
+        impl=impl,
+        slices=slices,
+        min_compress_bytes=min_compress_bytes,
     )
+    return _psum(x, axis_name, cfg, "all_reduce", bwd_cfg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))

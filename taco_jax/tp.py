@@ -94,7 +94,7 @@ def reduce_from_tp(x: jax.Array, comm: TPComm) -> jax.Array:
     rounding; backward identity. Sharding: `x[B, T, D]{U_tp} -> x[B, T, D]`.
     """
     return checkpoint_name(
-        collectives._psum(x, comm.axis_name, comm.fwd, "tp_reduce_fwd"), "tp_reduce"
+        collectives._psum(x, comm.axis_name, comm.fwd, "tp_reduce_fwd", None), "tp_reduce"
     )
 
 
