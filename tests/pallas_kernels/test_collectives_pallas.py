@@ -1,12 +1,15 @@
 """The collectives with impl="pallas_interpret" vs impl="xla", under shard_map and vmap.
 
 Both implementations quantize the same values; they differ only where a code sits at a rounding
-tie (test_kernels.py), which moves one code by one FP8 step. Bound on the output difference:
-a one-step move of an E4M3 code is <= 2^-3 of its magnitude <= 2^-3 * 448 * s; through the
-orthonormal inverse Hadamard it moves each output of its group by <= that * s / sqrt(G) / alpha,
-i.e. <= 2^-3 * max|group| * sqrt(G) / sqrt(G)... bounded by 2^-3 * the group's l2 norm. Both
-quantizations (reduce-scatter and all-gather) can move: ATOL = 2 * 2^-3 * max group l2 norm.
-Away from ties the outputs differ only by fp32 rounding, which the median check pins.
+tie (test_kernels.py), which moves one code by one FP8 step. Everywhere else the outputs differ
+by fp32 rounding only: a few Hadamard sums of G terms, each <= G 2^-24 relative to the largest
+magnitude, NOISE = 4 G 2^-24 max|out|. A tie flip moves the outputs of one group (G values) by
+at most one step of its largest code, <= 2^-3 of the group's l2 norm through the orthonormal
+inverse Hadamard, in each of the two quantizations: ATOL = 2 x 2^-3 x max group l2 norm.
+How many groups may flip: a flip needs a pre-rounding value within G^1.5 2^-24 x 448 of a
+midpoint; the GPU check (BENCHMARKS.md) saw 0-3 such codes per 16k, these tests 0 per 3k. We
+allow MAX_TIE_GROUPS = 4 groups beyond NOISE: a bug touching a tile, a scale or a chunk moves
+far more.
 """
 
 import jax
@@ -19,6 +22,7 @@ from taco_jax import collectives
 
 TP = 8
 G = 32
+MAX_TIE_GROUPS = 4
 
 
 def _psum(impl):
@@ -48,10 +52,10 @@ def test_pallas_matches_xla(op, mode):
     assert got.shape == want.shape
     atol = 2 * 2.0**-3 * _max_group_norm(want)
     np.testing.assert_allclose(got, want, rtol=0, atol=atol)
-    # Away from ties the two differ only by fp32 rounding (a few Hadamard sums of G terms, each
-    # <= G * 2^-24 relative): the median difference must sit at that level, not at FP8 steps.
     noise = 4 * G * 2.0**-24 * float(jnp.max(jnp.abs(want)))
-    assert float(jnp.median(jnp.abs(got - want))) <= noise
+    beyond = np.abs(np.asarray(got - want)).reshape(-1)
+    beyond = np.pad(beyond, (0, -beyond.size % G)).reshape(-1, G).max(axis=1) > noise
+    assert int(beyond.sum()) <= MAX_TIE_GROUPS, f"{int(beyond.sum())} groups beyond fp32 noise"
 
 
 def test_pallas_psum_is_identical_on_every_rank():

@@ -85,13 +85,13 @@ def test_int8_error_bound(name):
 def test_prescale_cancels_in_exact_arithmetic():
     """alpha scales s by the same factor, so the codes barely depend on it (TACO.md section 2).
 
-    Measured: 99.999% of codes equal; the rest differ by one code step (fp32 rounding of y/s).
+    Measured: 99.9989% of codes equal; the rest differ by one code step (fp32 rounding of y/s).
     """
     x = _normal((64, 4096), seed=3, scale=3.0)
     with_ash = get_codec("taco").encode(x).codes.astype(jnp.int32)
     without = Codec("hadamard_absmax", hadamard=True, postscale=True).encode(x).codes
     diff = jnp.abs(with_ash - without.astype(jnp.int32))
-    assert float(jnp.mean(diff == 0)) >= 0.999
+    assert float(jnp.mean(diff == 0)) >= 0.9999
     assert int(jnp.max(diff)) <= 1
 
 
@@ -161,11 +161,13 @@ def test_outliers_and_denormals():
     x = _normal((4, 256), seed=8).at[:, 7].set(1e4)
     y = codec.decode(codec.encode(x))
     err = _group_norms(y - x, 128)
-    assert bool(jnp.all(err <= 1.01 * 2.0**-4 * _group_norms(x, 128) + 1e-3))
-    tiny = jnp.full((1, 128), 1e-40, jnp.float32)  # fp32 denormals
-    y_tiny = codec.decode(codec.encode(tiny))
-    assert bool(jnp.all(jnp.isfinite(y_tiny)))
-    assert bool(jnp.all(jnp.abs(y_tiny - tiny) <= jnp.abs(tiny)))
+    # The group bound of test_float_codecs_group_error_bound, subnormal term included.
+    subnormal = np.sqrt(128) * SUBNORMAL_HALF_STEP["e4m3"] * _rotated_absmax(codec, x) / 448
+    assert bool(jnp.all(err <= 1.01 * (2.0**-4 * _group_norms(x, 128) + subnormal)))
+    # fp32 denormals: alpha clamps at 1e3 and s at its 1e-12 floor, so y / s ~ 1e-25 rounds to
+    # the zero code: the group decodes to exactly 0 (an absolute error of 1e-40, finite).
+    tiny = jnp.full((1, 128), 1e-40, jnp.float32)
+    np.testing.assert_array_equal(codec.decode(codec.encode(tiny)), 0.0)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
