@@ -40,12 +40,9 @@ import optax  # noqa: E402
 
 import taco_jax  # noqa: E402
 from models import ModelConfig, ParallelConfig, layers, make_steps  # noqa: E402
+from taco_jax import metrics as run_metrics  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-
-# Dense bf16 tensor-core peak, FLOP/s, by device_kind substring (NVIDIA H100 / H200 SXM datasheets;
-# the H200 has the H100's compute with more and faster HBM).
-PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +99,8 @@ def default_cases(args) -> list[Case]:
 
 
 def peak_flops() -> float | None:
-    kind = jax.devices()[0].device_kind
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in kind), None)
+    """Dense bf16 peak of one device (`taco_jax.metrics.PEAK_FLOPS`), None if unknown."""
+    return run_metrics.peak_flops(jax.devices()[0].device_kind)
 
 
 def run_case(case: Case, steps: int, warmup: int) -> dict:

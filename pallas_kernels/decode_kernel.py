@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _pallas, _tile
 from pallas_kernels.config import block_config, cdiv
-from taco_jax import codecs
+from taco_jax import _backends
 from taco_jax.codecs import Codec
 
 
@@ -43,7 +43,7 @@ def decode(
     codec: Codec, wire: jax.Array, n: int, dtype=jnp.float32, *, interpret=False, out_init=None
 ):
     """wire[R, codec.wire_bytes(n)] -> x[R, n] of `dtype` (out_init: as `encode`)."""
-    _check_wire(codec, wire, n)
+    check_wire(codec, wire, n)
     rows = wire.shape[0]
     cfg = block_config(codec.group_size, n // codec.group_size)
     t = cfg.groups_per_tile
@@ -62,7 +62,7 @@ def decode(
     )
 
 
-def _check_wire(codec: Codec, wire: jax.Array, n: int) -> None:
+def check_wire(codec: Codec, wire: jax.Array, n: int) -> None:
     if n % codec.group_size:
         raise ValueError(f"{n=} is not a multiple of group_size={codec.group_size}")
     if wire.ndim != 2 or wire.shape[1] != codec.wire_bytes(n) or wire.dtype != jnp.uint8:
@@ -73,5 +73,5 @@ def _check_wire(codec: Codec, wire: jax.Array, n: int) -> None:
 
 
 def decode_reference(codec: Codec, wire: jax.Array, n: int, dtype=jnp.float32) -> jax.Array:
-    """The definition: decode_reference(unpack(wire)) from `taco_jax.codecs`."""
-    return codecs.decode_reference(codec, codecs.unpack(codec, wire, n), dtype)
+    """The definition: decode_reference(unpack(wire)) from `taco_jax.codecs` (the XLA op)."""
+    return _backends.XLA_OPS.decode(codec, wire, n, dtype)

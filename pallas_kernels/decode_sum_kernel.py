@@ -18,7 +18,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import _pallas, _tile
 from pallas_kernels.config import block_config, cdiv
-from taco_jax import codecs
+from pallas_kernels.decode_kernel import check_wire
+from taco_jax import _backends
 from taco_jax.codecs import Codec
 
 
@@ -54,7 +55,7 @@ def _decode_sum_reencode_kernel(
 
 
 def _launch(kernel, codec, wire, n, out, name, interpret, out_init, *extra):
-    _check_rows(codec, wire, n)
+    check_wire(codec, wire, n)
     cfg = block_config(codec.group_size, n // codec.group_size)
     t = cfg.groups_per_tile
     return _pallas.call(
@@ -87,22 +88,11 @@ def decode_sum_reencode(codec: Codec, wire: jax.Array, n: int, *, interpret=Fals
     return _launch(_decode_sum_reencode_kernel, codec, wire, n, out, name, interpret, out_init)[0]
 
 
-def _check_rows(codec: Codec, wire: jax.Array, n: int) -> None:
-    if n % codec.group_size:
-        raise ValueError(f"{n=} is not a multiple of group_size={codec.group_size}")
-    if wire.ndim != 2 or wire.shape[1] != codec.wire_bytes(n) or wire.dtype != jnp.uint8:
-        raise ValueError(
-            f"wire shape={wire.shape} dtype={wire.dtype} is not uint8[N, {codec.wire_bytes(n)}]"
-        )
-
-
 def decode_sum_reference(codec: Codec, wire: jax.Array, n: int) -> jax.Array:
-    """The definition: fp32 sum over peers 0..N-1 of `codecs.decode_reference`."""
-    x = codecs.decode_reference(codec, codecs.unpack(codec, wire, n), jnp.float32)
-    return jnp.sum(x, axis=0)
+    """The definition: fp32 sum over peers 0..N-1 of `codecs.decode_reference` (the XLA op)."""
+    return _backends.XLA_OPS.decode_sum(codec, wire, n)
 
 
 def decode_sum_reencode_reference(codec: Codec, wire: jax.Array, n: int) -> jax.Array:
-    """The definition: pack(encode_reference(decode_sum_reference(wire)))."""
-    total = decode_sum_reference(codec, wire, n)[None]
-    return codecs.pack(codec, codecs.encode_reference(codec, total))[0]
+    """The definition: pack(encode_reference(decode_sum_reference(wire))) (the XLA op)."""
+    return _backends.XLA_OPS.decode_sum_reencode(codec, wire, n)
