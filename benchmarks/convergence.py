@@ -21,12 +21,10 @@ import datetime
 import json
 import os
 import pathlib
-import platform
 import statistics
-import sys
 import time
 
-import jax
+from _common import write_record
 
 from taco_jax import metrics
 from taco_jax.config import load_config
@@ -162,21 +160,19 @@ def plot(runs: list[dict], png: pathlib.Path) -> None:
     fig.savefig(png, dpi=120)
 
 
-def write_record(args, date: str, runs: list[dict], out: pathlib.Path) -> None:
-    device = "see the source files" if args.report_only else jax.devices()[0].device_kind
-    record = {
-        "date": date,
-        "device": device,
-        "versions": {"jax": jax.__version__, "python": platform.python_version()},
-        "command": " ".join(sys.argv),
-        "config": args.config,
-        "overrides": args.set,
-        "merged_from": args.merge,
-        "paper_pct_vs_bf16": PAPER,
-        "comparison": compare(runs),
-        "runs": runs,
-    }
-    (out / f"convergence-{date}.json").write_text(json.dumps(record, indent=1) + "\n")
+def write_results(args, runs: list[dict], out: pathlib.Path) -> None:
+    extra = {"device": "see the merged source files"} if args.report_only else {}
+    write_record(
+        "convergence",
+        str(out),
+        **extra,
+        config=args.config,
+        overrides=args.set,
+        merged_from=args.merge,
+        paper_pct_vs_bf16=PAPER,
+        comparison=compare(runs),
+        runs=runs,
+    )
 
 
 def main() -> None:
@@ -216,8 +212,8 @@ def main() -> None:
             f"diverged {result['diverged']} err {result['comm_rel_err']}",
             flush=True,
         )
-        write_record(args, date, runs, out)  # after every run: a killed study keeps its results
-    write_record(args, date, runs, out)
+        write_results(args, runs, out)  # after every run: a killed study keeps its results
+    write_results(args, runs, out)
     plot(runs, out / f"convergence-{date}.png")
     for row in compare(runs):
         if row.get("diverged"):
