@@ -308,6 +308,8 @@ def compressed_psum(
     When to compress: on 2 NVLink-connected H200s this is slower than NCCL's bf16 all-reduce at
     every size (BENCHMARKS.md); it pays where the link is slow relative to HBM (projected
     1.5-1.75x on InfiniBand / PCIe-class links at >= 256 MiB). `axis_name` is one axis name.
+    Under `check_vma=True`, x must be typed varying along the axis (partial sums are); for a
+    replicated x, `lax.psum` returns N x, which this op does not reproduce.
 
     Args:
       x: floating array, any shape (flattened, padded to N x G x slices, trimmed back).
