@@ -82,10 +82,14 @@ def fwd_bwd_configs(
     return cfg, cfg if bwd_codec is None else comm_config(bwd_codec, **kwargs)
 
 
-def axis_size(axis_name) -> int:
-    """Size of a bound axis; a clear error when the axis is not bound."""
-    if not isinstance(axis_name, str):
-        raise TypeError(f"axis_name={axis_name!r} must be a single axis name (a str)")
+AxisName = str | tuple[str, ...]
+
+
+def axis_size(axis_name: AxisName) -> int:
+    """Size of a bound axis (or the product over a tuple of axes); a clear error otherwise."""
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if not names or not all(isinstance(name, str) for name in names):
+        raise TypeError(f"axis_name={axis_name!r} must be an axis name or a tuple of them")
     try:
         return lax.axis_size(axis_name)
     except NameError:
@@ -104,19 +108,19 @@ def _check_floating(x: jax.Array, op: str) -> None:
 # Building blocks on flat rows. `rows[j]` is the chunk destined for rank j.
 
 
-def _varying(wire: jax.Array, axis_name: str) -> jax.Array:
+def _varying(wire: jax.Array, axis_name: AxisName) -> jax.Array:
     # Under vmap, all_to_all of an operand that does not vary along the axis returns a wrong
     # shape (JAX 0.11.2, TACO.md section 6); adding 0 * axis_index makes it vary at no cost.
     return wire + (lax.axis_index(axis_name) * 0).astype(wire.dtype)
 
 
-def _exchange(wire: jax.Array, axis_name: str) -> jax.Array:
+def _exchange(wire: jax.Array, axis_name: AxisName) -> jax.Array:
     """all_to_all of [N, B] wire rows: afterwards row j is what rank j sent to this rank."""
     return lax.all_to_all(_varying(wire, axis_name), axis_name, 0, 0, tiled=True)
 
 
 def _reduce_scatter_rows(
-    rows: jax.Array, axis_name: str, cfg: CommConfig, *, reencode: bool
+    rows: jax.Array, axis_name: AxisName, cfg: CommConfig, *, reencode: bool
 ) -> jax.Array:
     """rows [N, n] (n multiple of G) -> this rank's fp32 sum [n], or its re-encoded wire [B]."""
     ops = _backends.get_ops(cfg.impl)
@@ -128,7 +132,7 @@ def _reduce_scatter_rows(
 
 
 def _gather_wire(
-    wire: jax.Array, n: int, axis_name: str, cfg: CommConfig, dtype, *, invariant: bool = False
+    wire: jax.Array, n: int, axis_name: AxisName, cfg: CommConfig, dtype, *, invariant: bool = False
 ) -> jax.Array:
     """wire [B] of this rank's chunk -> every rank's decoded chunk [N, n].
 
@@ -140,15 +144,16 @@ def _gather_wire(
     return ops.decode(cfg.codec, gathered, n, dtype)
 
 
-def varies_along(x: jax.Array, axis_name: str) -> bool:
+def varies_along(x: jax.Array, axis_name: AxisName) -> bool:
     """Whether `x` is typed as varying along `axis_name` (only under shard_map's check_vma)."""
     aval = jax.typeof(x)
     manual = getattr(aval, "manual_axis_type", None)  # jax 0.11; older releases name it .vma
     varying = manual.varying if manual is not None else getattr(aval, "vma", frozenset())
-    return axis_name in varying
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    return all(name in varying for name in names)
 
 
-def cast_varying(ct: jax.Array, axis_name: str, like: jax.Array) -> jax.Array:
+def cast_varying(ct: jax.Array, axis_name: AxisName, like: jax.Array) -> jax.Array:
     """Types a cotangent as varying when the primal input `like` was (check_vma=True)."""
     if varies_along(like, axis_name) and not varies_along(ct, axis_name):
         return lax.pcast(ct, axis_name, to="varying")
@@ -174,7 +179,7 @@ def _rows_for(flat: jax.Array, n_ranks: int, cfg: CommConfig) -> tuple[jax.Array
 
 
 def _all_reduce(
-    x: jax.Array, axis_name: str, cfg: CommConfig, tag: str = "all_reduce"
+    x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str = "all_reduce"
 ) -> jax.Array:
     n_ranks = axis_size(axis_name)
     if n_ranks == 1 or not cfg.compresses(x):
@@ -195,7 +200,7 @@ def _all_reduce(
 
 def _reduce_scatter(
     x: jax.Array,
-    axis_name: str,
+    axis_name: AxisName,
     dim: int,
     tiled: bool,
     cfg: CommConfig,
@@ -230,7 +235,12 @@ def _reduce_scatter(
 
 
 def _all_gather(
-    x: jax.Array, axis_name: str, axis: int, tiled: bool, cfg: CommConfig, tag: str = "all_gather"
+    x: jax.Array,
+    axis_name: AxisName,
+    axis: int,
+    tiled: bool,
+    cfg: CommConfig,
+    tag: str = "all_gather",
 ) -> jax.Array:
     n_ranks = axis_size(axis_name)
     if not cfg.compresses(x) or n_ranks == 1:
@@ -285,7 +295,7 @@ _psum.defvjp(_psum_fwd, _psum_bwd)
 
 def compressed_psum(
     x: jax.Array,
-    axis_name: str,
+    axis_name: AxisName,
     *,
     codec: str | Codec | CommConfig = "taco",
     bwd_codec: str | Codec | CommConfig | None = None,
@@ -307,13 +317,14 @@ def compressed_psum(
 
     When to compress: on 2 NVLink-connected H200s this is slower than NCCL's bf16 all-reduce at
     every size (BENCHMARKS.md); it pays where the link is slow relative to HBM (projected
-    1.5-1.75x on InfiniBand / PCIe-class links at >= 256 MiB). `axis_name` is one axis name.
+    1.5-1.75x on InfiniBand / PCIe-class links at >= 256 MiB).
     Under `check_vma=True`, x must be typed varying along the axis (partial sums are); for a
     replicated x, `lax.psum` returns N x, which this op does not reproduce.
 
     Args:
       x: floating array, any shape (flattened, padded to N x G x slices, trimmed back).
-      axis_name: a bound `shard_map` mesh axis or `vmap` axis name.
+      axis_name: a bound `shard_map` mesh axis or `vmap` axis name, or a tuple of mesh axes
+        (the group is then their product, in mesh order, as for `lax.psum`).
       codec: a name from `taco_jax.CODEC_NAMES`, a `Codec`, or a `CommConfig` (then the other
         keyword arguments are ignored). "none" runs `lax.psum` itself.
       bwd_codec: codec of the backward psum (see Backward); None means `codec`.
@@ -374,7 +385,7 @@ def _normalize_dim(dim: int, ndim: int, name: str) -> int:
 
 def compressed_psum_scatter(
     x: jax.Array,
-    axis_name: str,
+    axis_name: AxisName,
     *,
     scatter_dimension: int = 0,
     tiled: bool = True,
@@ -408,7 +419,7 @@ def compressed_psum_scatter(
 
 def compressed_all_gather(
     x: jax.Array,
-    axis_name: str,
+    axis_name: AxisName,
     *,
     axis: int = 0,
     tiled: bool = False,

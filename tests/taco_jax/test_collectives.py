@@ -483,3 +483,22 @@ def test_two_shot_matches_a_host_side_replay(tp):
         fp32_level = diff <= 2 * tp * 2.0**-24 * magnitude  # x2: the re-encode's own rounding
         assert int(np.sum(~fp32_level)) <= MAX_TIES
         assert bool(np.all(diff <= 2.0**-3 * np.abs(expected) + 2 * tp * 2.0**-24 * magnitude))
+
+
+def test_tuple_axis_names_reduce_over_the_product():
+    """psum over ("dp", "tp") of a 2 x 4 mesh: one group of 8, as lax.psum does."""
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    x = _ranks(8, (1024,), seed=180)
+    spec = jax.P(("dp", "tp"))
+    placed = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+    run = lambda psum: jax.jit(jax.shard_map(lambda v: psum(v[0])[None], mesh=mesh,
+                                             in_specs=spec, out_specs=spec,
+                                             check_vma=False))(placed)  # fmt: skip
+    exact = run(lambda v: lax.psum(v, ("dp", "tp")))
+    np.testing.assert_array_equal(
+        run(lambda v: tj.compressed_psum(v, ("dp", "tp"), codec="none")), exact
+    )
+    out = run(lambda v: tj.compressed_psum(v, ("dp", "tp")))
+    bound = U * (1 + U) * _rank_norms(x) + U * float(jnp.linalg.norm(exact[0]))
+    assert float(jnp.linalg.norm(out[0] - exact[0])) <= 1.01 * bound
+    _assert_rank_identical(out)
