@@ -24,7 +24,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import taco_jax as tj  # noqa: E402
+import taco_jax as tj
+from taco_jax.telemetry import relative_error  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -52,7 +53,7 @@ def measure(codec: str, x: jax.Array, mesh) -> dict[str, float]:
     out = jax.jit(fn)(jax.device_put(x, NamedSharding(mesh, P("tp"))))[0]
     exact = jnp.sum(x, axis=0)
     return {
-        "rel_l2": float(jnp.linalg.norm(out - exact) / jnp.linalg.norm(exact)),
+        "rel_l2": float(relative_error(out, exact)),
         "zero_collapse": float(jnp.mean((out == 0) & (exact != 0))),
     }
 
