@@ -22,22 +22,53 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels import _pallas
+from pallas_kernels.config import BlockConfig
 from taco_jax import codecs
 from taco_jax.codecs import Codec
 
-# Largest Hadamard block applied as one dot; larger G is H_a (x) H_b with b = this (Sylvester
-# order factorizes: parity((ia b + ib) & (ja b + jb)) = parity(ia & ja) ^ parity(ib & jb)).
-MAX_DOT_HADAMARD = 128
 # 1.5 * 2^23: adding and subtracting it rounds an fp32 |v| < 2^22 to the nearest integer, ties to
 # even (IEEE add), which is jnp.round's rule; the Triton lowering has no `round`.
 _ROUND_MAGIC = 12582912.0
 _FLOAT8 = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 
 
-def hadamard_block(group_size: int) -> np.ndarray:
+def hadamard_block(group_size: int, cfg: BlockConfig) -> np.ndarray:
     """The +-1 Sylvester matrix of the dot block (bf16-exact), an input of every kernel."""
-    b = min(group_size, MAX_DOT_HADAMARD)
-    return np.asarray(codecs.hadamard_matrix(b) * np.sqrt(b), np.float32)
+    b = min(group_size, cfg.hadamard_dot)
+    i, j = np.indices((b, b))
+    return (1 - 2 * _parity(i & j)).astype(np.float32)
+
+
+def _parity(v):
+    """popcount(v) & 1 for 0 <= v < 256 (Sylvester order: H[i, j] = (-1)^parity(i & j))."""
+    v = v ^ (v >> 4)
+    v = v ^ (v >> 2)
+    return (v ^ (v >> 1)) & 1
+
+
+def sylvester_signs(b: int):
+    """The same +-1 block as `hadamard_block`, built from an iota inside the kernel."""
+    i = lax.broadcasted_iota(jnp.int32, (b, b), 0)
+    j = lax.broadcasted_iota(jnp.int32, (b, b), 1)
+    return (1 - 2 * _parity(i & j)).astype(jnp.bfloat16)
+
+
+def signs(h_ref, cfg: BlockConfig):
+    """The kernel's +-1 dot block: loaded from h_ref, or built in registers (cfg)."""
+    return sylvester_signs(h_ref.shape[0]) if cfg.signs_in_kernel else h_ref[...]
+
+
+def for_each_tile(cfg: BlockConfig, program, body) -> None:
+    """Runs body(tile) for each tile of `program` (a loop when cfg.tiles_per_program > 1)."""
+    if cfg.tiles_per_program == 1:
+        body(program)
+        return
+
+    def step(k, carry):
+        body(program * cfg.tiles_per_program + k)
+        return carry
+
+    lax.fori_loop(0, cfg.tiles_per_program, step, 0)
 
 
 def _bf16_pieces(x: jnp.ndarray, exact: bool) -> list[jnp.ndarray]:
@@ -72,9 +103,7 @@ def hadamard(x, hblock, *, exact_bf16: bool, interpret: bool):
         # Outer factor H_a over the a sub-blocks: y[:, i] = sum_j sign(i, j) h[:, j].
         i = lax.broadcasted_iota(jnp.int32, (1, a, a, 1), 1)
         j = lax.broadcasted_iota(jnp.int32, (1, a, a, 1), 2)
-        bits = i & j
-        parity = (bits ^ (bits >> 1) ^ (bits >> 2)) & 1  # a <= 8 here (G <= 1024)
-        sign = (1 - 2 * parity).astype(jnp.float32)
+        sign = (1 - 2 * _parity(i & j)).astype(jnp.float32)
         h = jnp.sum(h.reshape(t, 1, a, b) * sign, axis=2)
     return h.reshape(t, g) * np.float32(1.0 / math.sqrt(g))
 
@@ -208,11 +237,11 @@ def store_1d(ref, row, start, value, limit: int, *, repeat: int = 1, masked: boo
     _pallas.store(ref.at[_row(row), _pallas.ds(start, value.shape[0])], value, mask=mask)
 
 
-def store_groups(codec: Codec, ref, row, tile, n: int, t: int, codes, scale, prescale):
+def store_groups(codec: Codec, ref, row, tile, n: int, cfg: BlockConfig, codes, scale, prescale):
     """Writes one tile's codes and side bytes into wire row `row` of ref [R, B]."""
-    g = codec.group_size
+    g, t = codec.group_size, cfg.groups_per_tile
     groups = n // g
-    masked = groups % t != 0
+    masked = cfg.masked(groups)
     store_1d(ref, row, tile * t * g, codes.reshape(t * g), n, masked=masked)
     scale_at, prescale_at = side_offsets(codec, n)
     if codec.scale_format == "e8m0":
@@ -229,11 +258,11 @@ def store_groups(codec: Codec, ref, row, tile, n: int, t: int, codes, scale, pre
             )
 
 
-def load_groups(codec: Codec, ref, row, tile, n: int, t: int):
+def load_groups(codec: Codec, ref, row, tile, n: int, cfg: BlockConfig):
     """Reads one tile of wire row `row`: (dequantized q [T, G] fp32, decode factor d [T])."""
-    g = codec.group_size
+    g, t = codec.group_size, cfg.groups_per_tile
     groups = n // g
-    masked = groups % t != 0
+    masked = cfg.masked(groups)
     codes = load_1d(ref, row, tile * t * g, t * g, n, masked=masked).reshape(t, g)
     scale_at, prescale_at = side_offsets(codec, n)
     scale = prescale = None

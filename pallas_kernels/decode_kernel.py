@@ -10,51 +10,57 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _pallas, _tile
-from pallas_kernels.config import block_config, cdiv
+from pallas_kernels.config import BlockConfig, block_config
 from taco_jax import _backends
 from taco_jax.codecs import Codec
 
 
-def decoded_tile(codec: Codec, wire_ref, h, row, tile, n: int, t: int, interpret: bool):
+def decoded_tile(codec: Codec, wire_ref, hblock, row, tile, n: int, cfg: BlockConfig, interpret):
     """One tile of a wire row, decoded to fp32 [T, G]."""
-    q, d = _tile.load_groups(codec, wire_ref, row, tile, n, t)
-    if codec.hadamard:
-        q = _tile.hadamard(
-            q, h, exact_bf16=True, interpret=interpret
-        )  # FP8/INT8 codes are exact in bf16
+    q, d = _tile.load_groups(codec, wire_ref, row, tile, n, cfg)
+    if codec.hadamard:  # FP8/INT8 codes are exact in bf16
+        q = _tile.hadamard(q, hblock, exact_bf16=True, interpret=interpret)
     return q * d[:, None] if not isinstance(d, float) else q
 
 
-def _decode_kernel(wire_ref, h_ref, out_ref, *, codec: Codec, n: int, t: int, interpret: bool):
-    row, tile = _pallas.program_id(0), _pallas.program_id(1)
-    g = codec.group_size
-    x = decoded_tile(codec, wire_ref, h_ref[...], row, tile, n, t, interpret)
-    _tile.store_1d(
-        out_ref,
-        row,
-        tile * t * g,
-        x.reshape(t * g).astype(out_ref.dtype),
-        n,
-        masked=(n // g) % t != 0,
-    )
+def _decode_kernel(
+    wire_ref, h_ref, out_ref, *, codec: Codec, n: int, cfg: BlockConfig, interpret: bool
+):
+    row = _pallas.program_id(0)
+    g, t = codec.group_size, cfg.groups_per_tile
+    hblock = _tile.signs(h_ref, cfg) if codec.hadamard else None
+
+    def decode_tile(tile):
+        x = decoded_tile(codec, wire_ref, hblock, row, tile, n, cfg, interpret)
+        x = x.reshape(t * g).astype(out_ref.dtype)
+        _tile.store_1d(out_ref, row, tile * t * g, x, n, masked=cfg.masked(n // g))
+
+    _tile.for_each_tile(cfg, _pallas.program_id(1), decode_tile)
 
 
 def decode(
-    codec: Codec, wire: jax.Array, n: int, dtype=jnp.float32, *, interpret=False, out_init=None
+    codec: Codec,
+    wire: jax.Array,
+    n: int,
+    dtype=jnp.float32,
+    *,
+    interpret=False,
+    out_init=None,
+    config: BlockConfig | None = None,
 ):
-    """wire[R, codec.wire_bytes(n)] -> x[R, n] of `dtype` (out_init: as `encode`)."""
+    """wire[R, codec.wire_bytes(n)] -> x[R, n] of `dtype` (out_init, config: as `encode`)."""
     check_wire(codec, wire, n)
     rows = wire.shape[0]
-    cfg = block_config(codec.group_size, n // codec.group_size)
-    t = cfg.groups_per_tile
-    h = jnp.asarray(_tile.hadamard_block(codec.group_size), jnp.bfloat16)
+    groups = n // codec.group_size
+    cfg = config or block_config(codec.group_size, groups)
+    h = jnp.asarray(_tile.hadamard_block(codec.group_size, cfg), jnp.bfloat16)
     return _pallas.call(
-        _pallas.partial(_decode_kernel, codec=codec, n=n, t=t, interpret=interpret),
+        _pallas.partial(_decode_kernel, codec=codec, n=n, cfg=cfg, interpret=interpret),
         wire,
         h,
         out_init=out_init,
         out_shape=jax.ShapeDtypeStruct((rows, n), dtype),
-        grid=(rows, cdiv(n // codec.group_size, t)),
+        grid=(rows, cfg.grid_size(groups)),
         name=f"taco_decode_{codec.name}_g{codec.group_size}",
         interpret=interpret,
         num_warps=cfg.num_warps,

@@ -17,54 +17,65 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _pallas, _tile
-from pallas_kernels.config import block_config, cdiv
+from pallas_kernels.config import BlockConfig, block_config
 from pallas_kernels.decode_kernel import check_wire
 from taco_jax import _backends
 from taco_jax.codecs import Codec
 
 
-def _summed_h_domain(codec: Codec, wire_ref, tile, n: int, t: int) -> jax.Array:
+def _summed_h_domain(codec: Codec, wire_ref, tile, n: int, cfg: BlockConfig) -> jax.Array:
     """sum_p q_p d_p over the N peers for one tile: the sum, Hadamard-transformed (fp32 [T, G])."""
     total = None
     for peer in range(wire_ref.shape[0]):
-        q, d = _tile.load_groups(codec, wire_ref, peer, tile, n, t)
+        q, d = _tile.load_groups(codec, wire_ref, peer, tile, n, cfg)
         part = q * d[:, None] if not isinstance(d, float) else q
         total = part if total is None else total + part
     return total
 
 
-def _decode_sum_kernel(wire_ref, h_ref, out_ref, *, codec: Codec, n: int, t: int, interpret: bool):
-    tile = _pallas.program_id(0)
-    g = codec.group_size
-    z = _summed_h_domain(codec, wire_ref, tile, n, t)
-    x = (
-        _tile.hadamard(z, h_ref[...], exact_bf16=False, interpret=interpret)
-        if codec.hadamard
-        else z
-    )
-    _tile.store_1d(out_ref, 0, tile * t * g, x.reshape(t * g), n, masked=(n // g) % t != 0)
+def _decode_sum_kernel(
+    wire_ref, h_ref, out_ref, *, codec: Codec, n: int, cfg: BlockConfig, interpret: bool
+):
+    g, t = codec.group_size, cfg.groups_per_tile
+    hblock = _tile.signs(h_ref, cfg) if codec.hadamard else None
+
+    def decode_sum_tile(tile):
+        z = _summed_h_domain(codec, wire_ref, tile, n, cfg)
+        x = (
+            _tile.hadamard(z, hblock, exact_bf16=False, interpret=interpret)
+            if codec.hadamard
+            else z
+        )
+        _tile.store_1d(out_ref, 0, tile * t * g, x.reshape(t * g), n, masked=cfg.masked(n // g))
+
+    _tile.for_each_tile(cfg, _pallas.program_id(0), decode_sum_tile)
 
 
 def _decode_sum_reencode_kernel(
-    wire_ref, out_ref, *, codec: Codec, n: int, t: int, interpret: bool
+    wire_ref, out_ref, *, codec: Codec, n: int, cfg: BlockConfig, interpret: bool
 ):
-    tile = _pallas.program_id(0)
-    hz = _summed_h_domain(codec, wire_ref, tile, n, t)
-    codes, scale, prescale = _tile.encode_groups(codec, hz, hz, interpret=interpret)
-    _tile.store_groups(codec, out_ref, 0, tile, n, t, codes, scale, prescale)
+    def reencode_tile(tile):
+        hz = _summed_h_domain(codec, wire_ref, tile, n, cfg)
+        codes, scale, prescale = _tile.encode_groups(codec, hz, hz, interpret=interpret)
+        _tile.store_groups(codec, out_ref, 0, tile, n, cfg, codes, scale, prescale)
+
+    _tile.for_each_tile(cfg, _pallas.program_id(0), reencode_tile)
 
 
-def _launch(kernel, codec, wire, n, out, name, interpret, out_init, *extra):
+def _launch(kernel, codec, wire, n, out, name, interpret, out_init, config, *, signs: bool):
+    """Launches one program per tile group; `signs`: the kernel takes the Hadamard block."""
     check_wire(codec, wire, n)
-    cfg = block_config(codec.group_size, n // codec.group_size)
-    t = cfg.groups_per_tile
+    groups = n // codec.group_size
+    cfg = config or block_config(codec.group_size, groups)
+    inputs = [wire]
+    if signs:
+        inputs.append(jnp.asarray(_tile.hadamard_block(codec.group_size, cfg), jnp.bfloat16))
     return _pallas.call(
-        _pallas.partial(kernel, codec=codec, n=n, t=t, interpret=interpret),
-        wire,
-        *extra,
+        _pallas.partial(kernel, codec=codec, n=n, cfg=cfg, interpret=interpret),
+        *inputs,
         out_init=None if out_init is None else out_init[None],
         out_shape=out,
-        grid=(cdiv(n // codec.group_size, t),),
+        grid=(cfg.grid_size(groups),),
         name=f"{name}_{codec.name}_g{codec.group_size}",
         interpret=interpret,
         num_warps=cfg.num_warps,
@@ -72,20 +83,35 @@ def _launch(kernel, codec, wire, n, out, name, interpret, out_init, *extra):
     )
 
 
-def decode_sum(codec: Codec, wire: jax.Array, n: int, *, interpret=False, out_init=None):
-    """wire[N, B] -> fp32 [n], the sum of the N decoded rows (out_init: as `encode`)."""
-    h = jnp.asarray(_tile.hadamard_block(codec.group_size), jnp.bfloat16)
+def decode_sum(
+    codec: Codec, wire: jax.Array, n: int, *, interpret=False, out_init=None, config=None
+):
+    """wire[N, B] -> fp32 [n], the sum of the N decoded rows (out_init, config: as `encode`)."""
     out = jax.ShapeDtypeStruct((1, n), jnp.float32)
+    name = "taco_decode_sum"
     return _launch(
-        _decode_sum_kernel, codec, wire, n, out, "taco_decode_sum", interpret, out_init, h
+        _decode_sum_kernel, codec, wire, n, out, name, interpret, out_init, config, signs=True
     )[0]
 
 
-def decode_sum_reencode(codec: Codec, wire: jax.Array, n: int, *, interpret=False, out_init=None):
-    """wire[N, B] -> wire[B] holding encode(sum of the N decoded rows) (out_init: as `encode`)."""
+def decode_sum_reencode(
+    codec: Codec, wire: jax.Array, n: int, *, interpret=False, out_init=None, config=None
+):
+    """wire[N, B] -> wire[B] holding encode(sum of the N decoded rows) (as `decode_sum`)."""
     out = jax.ShapeDtypeStruct((1, codec.wire_bytes(n)), jnp.uint8)
     name = "taco_decode_sum_reencode"
-    return _launch(_decode_sum_reencode_kernel, codec, wire, n, out, name, interpret, out_init)[0]
+    return _launch(
+        _decode_sum_reencode_kernel,
+        codec,
+        wire,
+        n,
+        out,
+        name,
+        interpret,
+        out_init,
+        config,
+        signs=False,
+    )[0]
 
 
 def decode_sum_reference(codec: Codec, wire: jax.Array, n: int) -> jax.Array:

@@ -12,57 +12,67 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _pallas, _tile
-from pallas_kernels.config import block_config, cdiv
+from pallas_kernels.config import BlockConfig, block_config
 from taco_jax import _backends, codecs
 from taco_jax.codecs import Codec
 
 
 def _encode_kernel(
-    x_ref, h_ref, wire_ref, *, codec: Codec, n: int, t: int, exact_bf16: bool, interpret: bool
+    x_ref, h_ref, wire_ref, *, codec: Codec, n: int, cfg: BlockConfig, exact_bf16: bool, interpret
 ):
-    row, tile = _pallas.program_id(0), _pallas.program_id(1)
-    g = codec.group_size
-    x = (
-        _tile.load_1d(x_ref, row, tile * t * g, t * g, n, masked=(n // g) % t != 0)
-        .astype(jnp.float32)
-        .reshape(t, g)
-    )
-    hx = (
-        _tile.hadamard(x, h_ref[...], exact_bf16=exact_bf16, interpret=interpret)
-        if codec.hadamard
-        else x
-    )
-    codes, scale, prescale = _tile.encode_groups(codec, hx, x, interpret=interpret)
-    _tile.store_groups(codec, wire_ref, row, tile, n, t, codes, scale, prescale)
+    row = _pallas.program_id(0)
+    g, t = codec.group_size, cfg.groups_per_tile
+    hblock = _tile.signs(h_ref, cfg) if codec.hadamard else None
+
+    def encode_tile(tile):
+        x = _tile.load_1d(x_ref, row, tile * t * g, t * g, n, masked=cfg.masked(n // g))
+        x = x.astype(jnp.float32).reshape(t, g)
+        hx = (
+            _tile.hadamard(x, hblock, exact_bf16=exact_bf16, interpret=interpret)
+            if codec.hadamard
+            else x
+        )
+        codes, scale, prescale = _tile.encode_groups(codec, hx, x, interpret=interpret)
+        _tile.store_groups(codec, wire_ref, row, tile, n, cfg, codes, scale, prescale)
+
+    _tile.for_each_tile(cfg, _pallas.program_id(1), encode_tile)
 
 
-def encode(codec: Codec, x: jax.Array, *, interpret: bool = False, out_init=None) -> jax.Array:
+def encode(
+    codec: Codec,
+    x: jax.Array,
+    *,
+    interpret: bool = False,
+    out_init=None,
+    config: BlockConfig | None = None,
+) -> jax.Array:
     """x[R, n] -> wire[R, codec.wire_bytes(n)] (n a multiple of G; rows need not fill a tile).
 
     out_init: optional buffer of the output's shape, aliased to it (checks poison it).
+    config: the launch (default: `block_config`).
     """
     codecs._check_encodable(codec, x)
     if x.ndim != 2:
         raise ValueError(f"encode takes rows [R, n], got shape={x.shape}")
     rows, n = x.shape
-    cfg = block_config(codec.group_size, n // codec.group_size)
-    t = cfg.groups_per_tile
+    groups = n // codec.group_size
+    cfg = config or block_config(codec.group_size, groups)
     kernel = _pallas.partial(
         _encode_kernel,
         codec=codec,
         n=n,
-        t=t,
+        cfg=cfg,
         exact_bf16=x.dtype == jnp.bfloat16,
         interpret=interpret,
     )
-    h = jnp.asarray(_tile.hadamard_block(codec.group_size), jnp.bfloat16)
+    h = jnp.asarray(_tile.hadamard_block(codec.group_size, cfg), jnp.bfloat16)
     return _pallas.call(
         kernel,
         x,
         h,
         out_init=out_init,
         out_shape=jax.ShapeDtypeStruct((rows, codec.wire_bytes(n)), jnp.uint8),
-        grid=(rows, cdiv(n // codec.group_size, t)),
+        grid=(rows, cfg.grid_size(groups)),
         name=f"taco_encode_{codec.name}_g{codec.group_size}",
         interpret=interpret,
         num_warps=cfg.num_warps,

@@ -80,6 +80,26 @@ OTHER_CASES = [("taco", 128), ("taco_e8m0", 128), ("fp8", 128), ("taco_no_ds", 1
                ("int8_hadamard", 128), ("taco", 512)]  # fmt: skip
 
 
+# Launch variants (tile size, tile loop, in-kernel signs, factored Hadamard): each must compute
+# the same function as the reference; None is the default `block_config`.
+LAUNCH_CONFIGS = [
+    None,
+    pk.BlockConfig(groups_per_tile=16, tiles_per_program=2),  # the last program overruns the row
+    pk.BlockConfig(groups_per_tile=16, signs_in_kernel=True),
+    pk.BlockConfig(groups_per_tile=32, hadamard_dot=32, num_warps=8),
+    pk.BlockConfig(groups_per_tile=16, hadamard_dot=16, tiles_per_program=4, signs_in_kernel=True),
+]
+
+
+def _config_id(config):
+    if config is None:
+        return "default"
+    c = config
+    return (
+        f"t{c.groups_per_tile}x{c.tiles_per_program}-dot{c.hadamard_dot}-iota{c.signs_in_kernel:d}"
+    )
+
+
 class KernelTest:
     """Shared suite: INTERPRET=False needs a GPU; the subclass below runs it on the CPU."""
 
@@ -143,24 +163,35 @@ class KernelTest:
         got_payload = codecs.unpack(codec, got[None], n)
         assert_codes_match(codec, got_payload.codes[0], want_payload.codes[0], ideal)
 
-    def test_rows_of_several_tiles(self):
-        """Tiles after the first and a partial last tile: offsets of tile t > 0 are exercised."""
+    @pytest.mark.parametrize("config", LAUNCH_CONFIGS, ids=_config_id)
+    def test_rows_of_several_tiles(self, config):
+        """Tiles after the first, a partial last tile, and each launch variant of BlockConfig."""
         codec = codecs.get_codec("taco", 128)
-        tile = pk.block_config(128, 1 << 20).groups_per_tile
+        tile = (config or pk.block_config(128, 1 << 20)).groups_per_tile
         groups = 2 * tile + 5  # two whole tiles and a partial one
         n = 128 * groups
-        assert pk.block_config(128, groups).groups_per_tile == tile
+        if config is None:
+            assert pk.block_config(128, groups).groups_per_tile == tile
         x = _x(jax.random.key(13), (2, n), jnp.float32)
-        wire = pk.encode(codec, x, interpret=self.INTERPRET)
+        run = dict(interpret=self.INTERPRET, config=config)
+        wire = pk.encode(codec, x, **run)
         want = codecs.unpack(codec, pk.encode_reference(codec, x), n)
         got = codecs.unpack(codec, wire, n)
         assert_codes_match(codec, got.codes, want.codes,
                            _ideal_scaled(codec, np.asarray(x, np.float64), want))  # fmt: skip
         np.testing.assert_allclose(got.scales, want.scales, rtol=_tie_rtol(128), atol=0)
-        decoded = pk.decode(codec, wire, n, jnp.float32, interpret=self.INTERPRET)
+        decoded = pk.decode(codec, wire, n, jnp.float32, **run)
         reference = pk.decode_reference(codec, wire, n, jnp.float32)
         scale = float(jnp.max(jnp.abs(reference)))
         np.testing.assert_allclose(decoded, reference, rtol=0, atol=scale * 128 * FP32_EPS)
+        total = pk.decode_sum(codec, wire, n, **run)
+        want_total = pk.decode_sum_reference(codec, wire, n)
+        atol = 2 * 128 * FP32_EPS * float(jnp.max(jnp.abs(want_total)))  # 2 rows summed
+        np.testing.assert_allclose(total, want_total, rtol=0, atol=atol)
+        again = codecs.unpack(codec, pk.decode_sum_reencode(codec, wire, n, **run)[None], n)
+        want_again = codecs.unpack(codec, pk.decode_sum_reencode_reference(codec, wire, n)[None], n)
+        ideal = _ideal_scaled(codec, np.asarray(want_total, np.float64)[None], want_again)
+        assert_codes_match(codec, again.codes, want_again.codes, ideal)
 
     def test_every_output_element_is_written(self):
         codec = codecs.get_codec("taco", 32)
