@@ -34,28 +34,47 @@ from taco_jax import codecs
 
 MiB = 1 << 20
 C = pk.BlockConfig
-SWEEP = [
-    C(64, num_warps=8),  # the default at large sizes
-    C(16, num_warps=4),
-    C(32, num_warps=4),
-    C(32, num_warps=8),
-    C(64, num_warps=4),
-    C(128, num_warps=8),
-    C(128, num_warps=16),
-    C(64, num_warps=8, signs_in_kernel=True),
-    C(64, num_warps=8, hadamard_dot=64),
-    C(64, num_warps=8, hadamard_dot=32),
-    C(16, num_warps=4, tiles_per_program=8, num_stages=3),
-    C(32, num_warps=4, tiles_per_program=4, num_stages=3),
-    C(64, num_warps=8, tiles_per_program=4, num_stages=3),
-    C(32, num_warps=4, tiles_per_program=4, num_stages=1),
-]
+SWEEPS = {
+    # 1: tile size, warps, in-kernel signs, factored dot, pipelined tile loops.
+    1: [
+        C(64, num_warps=8),  # the default at large sizes before sweep 1
+        C(16, num_warps=4),
+        C(32, num_warps=4),
+        C(32, num_warps=8),
+        C(64, num_warps=4),
+        C(128, num_warps=8),
+        C(128, num_warps=16),
+        C(64, num_warps=8, signs_in_kernel=True),
+        C(64, num_warps=8, hadamard_dot=64),
+        C(64, num_warps=8, hadamard_dot=32),
+        C(16, num_warps=4, tiles_per_program=8, num_stages=3),
+        C(32, num_warps=4, tiles_per_program=4, num_stages=3),
+        C(64, num_warps=8, tiles_per_program=4, num_stages=3),
+        C(32, num_warps=4, tiles_per_program=4, num_stages=1),
+    ],
+    # 2: sweep 1's best tiles, and tile loops that prefetch the next tile into registers.
+    2: [
+        C(64, num_warps=4),
+        C(128, num_warps=8),
+        C(16, num_warps=4),
+        C(128, num_warps=4),
+        C(64, num_warps=4, tiles_per_program=4, num_stages=1),
+        C(64, num_warps=4, tiles_per_program=4, num_stages=1, prefetch=True),
+        C(64, num_warps=4, tiles_per_program=8, num_stages=1, prefetch=True),
+        C(32, num_warps=4, tiles_per_program=4, num_stages=1, prefetch=True),
+        C(128, num_warps=8, tiles_per_program=4, num_stages=1, prefetch=True),
+        C(128, num_warps=4, tiles_per_program=4, num_stages=1, prefetch=True),
+        C(16, num_warps=4, tiles_per_program=8, num_stages=1, prefetch=True),
+        C(64, num_warps=8, tiles_per_program=4, num_stages=1, prefetch=True),
+        C(64, num_warps=2, tiles_per_program=4, num_stages=1, prefetch=True),
+    ],
+}
 
 
 def config_name(c: pk.BlockConfig) -> str:
     return (
         f"t{c.groups_per_tile}w{c.num_warps}s{c.num_stages}x{c.tiles_per_program}"
-        f"d{c.hadamard_dot}{'i' if c.signs_in_kernel else ''}"
+        f"d{c.hadamard_dot}{'i' if c.signs_in_kernel else ''}{'p' if c.prefetch else ''}"
     )
 
 
@@ -143,7 +162,7 @@ def time_row(fn, inputs, io_bytes) -> dict:
     return dict(seconds=seconds, tbps=io_bytes / seconds / 1e12, spread=spread)
 
 
-def sweep(size: int, key) -> dict:
+def sweep(size: int, key, configs) -> dict:
     codec = codecs.get_codec("taco", 128)
     elements = size // 2
     xs = _inputs(codec, elements, key, "x")
@@ -155,7 +174,7 @@ def sweep(size: int, key) -> dict:
         out[f"pallas_copy_{tile}w{warps}"] = time_row(fn, xs, 2 * size)
     print("CEILINGS", json.dumps(out), flush=True)
     rows = []
-    for i, cfg in enumerate(SWEEP):
+    for i, cfg in enumerate(configs):
         for op, (fused, ref, kind, io) in ops(codec, cfg).items():
             row = dict(config=config_name(cfg), op=op, **dataclasses.asdict(cfg))
             try:
@@ -169,13 +188,13 @@ def sweep(size: int, key) -> dict:
     out["sweep"] = rows
     diag = []
     with no_hadamard():
-        for op, (fused, _, kind, io) in ops(codec, SWEEP[0]).items():
+        for op, (fused, _, kind, io) in ops(codec, configs[0]).items():
             if op in ("encode", "decode"):
                 r = time_row(fused, xs if kind == "x" else wires, io(elements))
                 diag.append(dict(op=op, variant="no_hadamard", **r))
     fp8 = codecs.get_codec("fp8", 128)
     fxs, fwires = xs, _inputs(fp8, elements, key, "wire")
-    for op, (fused, _, kind, io) in ops(fp8, SWEEP[0]).items():
+    for op, (fused, _, kind, io) in ops(fp8, configs[0]).items():
         r = time_row(fused, fxs if kind == "x" else fwires, io(elements))
         diag.append(dict(op=op, variant="codec_fp8", **r))
     for d in diag:
@@ -216,16 +235,23 @@ def main():
     p.add_argument("--out", default=".")
     p.add_argument("--size-mib", type=int, default=256)
     p.add_argument("--confirm-mib", type=int, default=1024)
+    p.add_argument("--sweep", type=int, default=max(SWEEPS), choices=sorted(SWEEPS))
     args = p.parse_args()
     key = jax.random.key(np.random.SeedSequence().entropy % 2**31)  # fresh data every run
-    result = sweep(args.size_mib * MiB, key)
+    configs = SWEEPS[args.sweep]
+    result = sweep(args.size_mib * MiB, key, configs)
     best = best_configs(result["sweep"])
     result["confirm"] = confirm(args.confirm_mib * MiB, key, best)
     _common.write_record(
-        "kernel_sweep", args.out, size_mib=args.size_mib, confirm_mib=args.confirm_mib, **result
+        f"kernel_sweep{args.sweep}",
+        args.out,
+        sweep=args.sweep,
+        size_mib=args.size_mib,
+        confirm_mib=args.confirm_mib,
+        **result,
     )
     print(f"{'config':<22} " + " ".join(f"{op[:12]:>14}" for op in best))
-    for cfg in SWEEP:
+    for cfg in configs:
         name = config_name(cfg)
         cells = []
         for op in best:

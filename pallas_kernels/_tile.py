@@ -58,17 +58,33 @@ def signs(h_ref, cfg: BlockConfig):
     return sylvester_signs(h_ref.shape[0]) if cfg.signs_in_kernel else h_ref[...]
 
 
-def for_each_tile(cfg: BlockConfig, program, body) -> None:
-    """Runs body(tile) for each tile of `program` (a loop when cfg.tiles_per_program > 1)."""
-    if cfg.tiles_per_program == 1:
-        body(program)
+def for_each_tile(cfg: BlockConfig, program, load, process) -> None:
+    """process(tile, load(tile)) for each tile of `program` (a loop if cfg.tiles_per_program > 1).
+
+    With cfg.prefetch the loop loads tile k + 1 before it processes tile k (a register double
+    buffer): the next tile's bytes are in flight while this one does its math.
+    """
+    first = program * cfg.tiles_per_program
+    count = cfg.tiles_per_program
+    if count == 1:
+        process(first, load(first))
+        return
+    if not cfg.prefetch:
+
+        def step(k, carry):
+            process(first + k, load(first + k))
+            return carry
+
+        lax.fori_loop(0, count, step, 0)
         return
 
-    def step(k, carry):
-        body(program * cfg.tiles_per_program + k)
-        return carry
+    def prefetching_step(k, raw):
+        upcoming = load(first + k + 1)
+        process(first + k, raw)
+        return upcoming
 
-    lax.fori_loop(0, cfg.tiles_per_program, step, 0)
+    last = lax.fori_loop(0, count - 1, prefetching_step, load(first))
+    process(first + count - 1, last)
 
 
 def _bf16_pieces(x: jnp.ndarray, exact: bool) -> list[jnp.ndarray]:
@@ -258,37 +274,53 @@ def store_groups(codec: Codec, ref, row, tile, n: int, cfg: BlockConfig, codes, 
             )
 
 
-def load_groups(codec: Codec, ref, row, tile, n: int, cfg: BlockConfig):
-    """Reads one tile of wire row `row`: (dequantized q [T, G] fp32, decode factor d [T])."""
+def load_wire_tile(codec: Codec, ref, row, tile, n: int, cfg: BlockConfig):
+    """The raw bytes of one tile of wire row `row`: (codes [T*G], scale bytes, prescale bytes).
+
+    Split from `unpack_wire_tile` so a tile loop can issue the next tile's loads early."""
     g, t = codec.group_size, cfg.groups_per_tile
     groups = n // g
     masked = cfg.masked(groups)
-    codes = load_1d(ref, row, tile * t * g, t * g, n, masked=masked).reshape(t, g)
+    codes = load_1d(ref, row, tile * t * g, t * g, n, masked=masked)
     scale_at, prescale_at = side_offsets(codec, n)
-    scale = prescale = None
     if codec.scale_format == "e8m0":
         scale = _pallas.load(
             ref.at[_row(row), _pallas.ds(scale_at + tile * t, t)],
             mask=_mask(tile * t, t, groups, 1, masked),
             other=127 if masked else None,  # 2^0: masked groups decode to finite zeros
         )
-    else:
-        sides = []
-        for at in (scale_at, prescale_at):
-            if at is None:
-                sides.append(None)
-                continue
-            raw = _pallas.load(
+        return codes, scale, None
+    sides = []
+    for at in (scale_at, prescale_at):
+        if at is None:
+            sides.append(None)
+            continue
+        sides.append(
+            _pallas.load(
                 ref.at[_row(row), _pallas.ds(at + 4 * tile * t, 4 * t)],
                 mask=_mask(tile * t, 4 * t, groups, 4, masked),
                 other=0 if masked else None,
             )
-            sides.append(bytes_to_f32(raw))
-        scale, prescale = sides
-        if prescale is not None and masked:
+        )
+    return codes, *sides
+
+
+def unpack_wire_tile(codec: Codec, raw, tile, n: int, cfg: BlockConfig):
+    """`load_wire_tile`'s bytes -> (dequantized q [T, G] fp32, decode factor d [T])."""
+    g, t = codec.group_size, cfg.groups_per_tile
+    codes, scale, prescale = raw
+    if codec.scale_format != "e8m0":
+        scale = None if scale is None else bytes_to_f32(scale)
+        prescale = None if prescale is None else bytes_to_f32(prescale)
+        if prescale is not None and cfg.masked(n // g):
             # masked groups read alpha = 0; keep their (unstored) values finite.
-            prescale = jnp.where(_mask(tile * t, t, groups), prescale, 1.0)
-    return dequantize(codec, codes), decode_factor(codec, scale, prescale)
+            prescale = jnp.where(_mask(tile * t, t, n // g), prescale, 1.0)
+    return dequantize(codec, codes.reshape(t, g)), decode_factor(codec, scale, prescale)
+
+
+def load_groups(codec: Codec, ref, row, tile, n: int, cfg: BlockConfig):
+    """Reads one tile of wire row `row`: (dequantized q [T, G] fp32, decode factor d [T])."""
+    return unpack_wire_tile(codec, load_wire_tile(codec, ref, row, tile, n, cfg), tile, n, cfg)
 
 
 def _row(row):

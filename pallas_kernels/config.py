@@ -22,6 +22,7 @@ class BlockConfig:
     num_warps / num_stages: Triton launch parameters (stages pipeline the tile loop's loads).
     hadamard_dot: size b of the +-1 block applied as one tensor-core dot (G > b: H_{G/b} (x) H_b).
     signs_in_kernel: build that block from an iota in each program instead of loading it.
+    prefetch: in the tile loop, load tile k + 1 before processing tile k.
     """
 
     groups_per_tile: int
@@ -30,6 +31,7 @@ class BlockConfig:
     tiles_per_program: int = 1
     hadamard_dot: int = MAX_DOT_HADAMARD
     signs_in_kernel: bool = False
+    prefetch: bool = False
 
     def __post_init__(self):
         for name in ("groups_per_tile", "tiles_per_program", "hadamard_dot"):

@@ -15,9 +15,8 @@ from taco_jax import _backends
 from taco_jax.codecs import Codec
 
 
-def decoded_tile(codec: Codec, wire_ref, hblock, row, tile, n: int, cfg: BlockConfig, interpret):
-    """One tile of a wire row, decoded to fp32 [T, G]."""
-    q, d = _tile.load_groups(codec, wire_ref, row, tile, n, cfg)
+def decoded_tile(codec: Codec, q, d, hblock, interpret: bool):
+    """One tile's dequantized codes q [T, G] and decode factors d [T] -> fp32 values [T, G]."""
     if codec.hadamard:  # FP8/INT8 codes are exact in bf16
         q = _tile.hadamard(q, hblock, exact_bf16=True, interpret=interpret)
     return q * d[:, None] if not isinstance(d, float) else q
@@ -30,12 +29,15 @@ def _decode_kernel(
     g, t = codec.group_size, cfg.groups_per_tile
     hblock = _tile.signs(h_ref, cfg) if codec.hadamard else None
 
-    def decode_tile(tile):
-        x = decoded_tile(codec, wire_ref, hblock, row, tile, n, cfg, interpret)
-        x = x.reshape(t * g).astype(out_ref.dtype)
+    def load(tile):
+        return _tile.load_wire_tile(codec, wire_ref, row, tile, n, cfg)
+
+    def decode_tile(tile, raw):
+        q, d = _tile.unpack_wire_tile(codec, raw, tile, n, cfg)
+        x = decoded_tile(codec, q, d, hblock, interpret).reshape(t * g).astype(out_ref.dtype)
         _tile.store_1d(out_ref, row, tile * t * g, x, n, masked=cfg.masked(n // g))
 
-    _tile.for_each_tile(cfg, _pallas.program_id(1), decode_tile)
+    _tile.for_each_tile(cfg, _pallas.program_id(1), load, decode_tile)
 
 
 def decode(

@@ -23,11 +23,19 @@ from taco_jax import _backends
 from taco_jax.codecs import Codec
 
 
-def _summed_h_domain(codec: Codec, wire_ref, tile, n: int, cfg: BlockConfig) -> jax.Array:
+def _load_peers(codec: Codec, wire_ref, tile, n: int, cfg: BlockConfig):
+    """The raw wire bytes of one tile from each of the N peers (rows of wire_ref)."""
+    return [
+        _tile.load_wire_tile(codec, wire_ref, peer, tile, n, cfg)
+        for peer in range(wire_ref.shape[0])
+    ]
+
+
+def _summed_h_domain(codec: Codec, raws, tile, n: int, cfg: BlockConfig) -> jax.Array:
     """sum_p q_p d_p over the N peers for one tile: the sum, Hadamard-transformed (fp32 [T, G])."""
     total = None
-    for peer in range(wire_ref.shape[0]):
-        q, d = _tile.load_groups(codec, wire_ref, peer, tile, n, cfg)
+    for raw in raws:
+        q, d = _tile.unpack_wire_tile(codec, raw, tile, n, cfg)
         part = q * d[:, None] if not isinstance(d, float) else q
         total = part if total is None else total + part
     return total
@@ -39,8 +47,8 @@ def _decode_sum_kernel(
     g, t = codec.group_size, cfg.groups_per_tile
     hblock = _tile.signs(h_ref, cfg) if codec.hadamard else None
 
-    def decode_sum_tile(tile):
-        z = _summed_h_domain(codec, wire_ref, tile, n, cfg)
+    def decode_sum_tile(tile, raws):
+        z = _summed_h_domain(codec, raws, tile, n, cfg)
         x = (
             _tile.hadamard(z, hblock, exact_bf16=False, interpret=interpret)
             if codec.hadamard
@@ -48,18 +56,20 @@ def _decode_sum_kernel(
         )
         _tile.store_1d(out_ref, 0, tile * t * g, x.reshape(t * g), n, masked=cfg.masked(n // g))
 
-    _tile.for_each_tile(cfg, _pallas.program_id(0), decode_sum_tile)
+    load = _pallas.partial(_load_peers, codec, wire_ref, n=n, cfg=cfg)
+    _tile.for_each_tile(cfg, _pallas.program_id(0), load, decode_sum_tile)
 
 
 def _decode_sum_reencode_kernel(
     wire_ref, out_ref, *, codec: Codec, n: int, cfg: BlockConfig, interpret: bool
 ):
-    def reencode_tile(tile):
-        hz = _summed_h_domain(codec, wire_ref, tile, n, cfg)
+    def reencode_tile(tile, raws):
+        hz = _summed_h_domain(codec, raws, tile, n, cfg)
         codes, scale, prescale = _tile.encode_groups(codec, hz, hz, interpret=interpret)
         _tile.store_groups(codec, out_ref, 0, tile, n, cfg, codes, scale, prescale)
 
-    _tile.for_each_tile(cfg, _pallas.program_id(0), reencode_tile)
+    load = _pallas.partial(_load_peers, codec, wire_ref, n=n, cfg=cfg)
+    _tile.for_each_tile(cfg, _pallas.program_id(0), load, reencode_tile)
 
 
 def _launch(kernel, codec, wire, n, out, name, interpret, out_init, config, *, signs: bool):

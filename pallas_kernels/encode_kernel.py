@@ -24,8 +24,10 @@ def _encode_kernel(
     g, t = codec.group_size, cfg.groups_per_tile
     hblock = _tile.signs(h_ref, cfg) if codec.hadamard else None
 
-    def encode_tile(tile):
-        x = _tile.load_1d(x_ref, row, tile * t * g, t * g, n, masked=cfg.masked(n // g))
+    def load(tile):
+        return _tile.load_1d(x_ref, row, tile * t * g, t * g, n, masked=cfg.masked(n // g))
+
+    def encode_tile(tile, x):
         x = x.astype(jnp.float32).reshape(t, g)
         hx = (
             _tile.hadamard(x, hblock, exact_bf16=exact_bf16, interpret=interpret)
@@ -35,7 +37,7 @@ def _encode_kernel(
         codes, scale, prescale = _tile.encode_groups(codec, hx, x, interpret=interpret)
         _tile.store_groups(codec, wire_ref, row, tile, n, cfg, codes, scale, prescale)
 
-    _tile.for_each_tile(cfg, _pallas.program_id(1), encode_tile)
+    _tile.for_each_tile(cfg, _pallas.program_id(1), load, encode_tile)
 
 
 def encode(

@@ -111,6 +111,8 @@ OTHER_CASES = [("taco", 128), ("taco_e8m0", 128), ("fp8", 128), ("taco_no_ds", 1
 LAUNCH_CONFIGS = [
     None,
     pk.BlockConfig(groups_per_tile=16, tiles_per_program=2),  # the last program overruns the row
+    pk.BlockConfig(groups_per_tile=16, tiles_per_program=2, prefetch=True),
+    pk.BlockConfig(groups_per_tile=32, tiles_per_program=4, prefetch=True, num_stages=1),
     pk.BlockConfig(groups_per_tile=16, signs_in_kernel=True),
     pk.BlockConfig(groups_per_tile=32, hadamard_dot=32, num_warps=8),
     pk.BlockConfig(groups_per_tile=16, hadamard_dot=16, tiles_per_program=4, signs_in_kernel=True),
