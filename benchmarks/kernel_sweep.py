@@ -68,6 +68,14 @@ SWEEPS = {
         C(64, num_warps=8, tiles_per_program=4, num_stages=1, prefetch=True),
         C(64, num_warps=2, tiles_per_program=4, num_stages=1, prefetch=True),
     ],
+    # 3: longer plain tile loops around the default chosen from sweep 2 (t64 w4 x4).
+    3: [
+        C(64, num_warps=4, tiles_per_program=4, num_stages=1),
+        C(64, num_warps=4, tiles_per_program=8, num_stages=1),
+        C(64, num_warps=4, tiles_per_program=16, num_stages=1),
+        C(32, num_warps=4, tiles_per_program=8, num_stages=1),
+        C(128, num_warps=4, tiles_per_program=4, num_stages=1),
+    ],
 }
 
 
@@ -245,7 +253,7 @@ def main():
     _common.write_record(
         f"kernel_sweep{args.sweep}",
         args.out,
-        sweep=args.sweep,
+        sweep_id=args.sweep,
         size_mib=args.size_mib,
         confirm_mib=args.confirm_mib,
         **result,

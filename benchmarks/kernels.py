@@ -14,6 +14,7 @@ Bandwidth is logical IO: bytes read + bytes written once each.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -217,6 +218,16 @@ def torch_copy_tbps(size: int) -> float | None:
     return 2 * size / statistics.median(times) / 1e12
 
 
+def _default_configs(n: int) -> dict:
+    g = 128
+    launches = {
+        "encode / decode": pk.block_config(g, n // g, rows=PEERS),
+        "decode_sum": pk.block_config(g, n // g, peers=PEERS),
+        "decode_sum_reencode": pk.block_config(g, n // g, peers=PEERS, dot=False),
+    }
+    return {op: dataclasses.asdict(cfg) for op, cfg in launches.items()}
+
+
 def launch_floor():
     tiny = jax.jit(lambda x: -x)
     x = jnp.ones((1,), jnp.float32)
@@ -250,6 +261,8 @@ def main():
         group_size=128,
         peers=PEERS,
         launch_floor_s=floor,
+        # The launches `block_config` picks at the largest size, per op.
+        block_configs=_default_configs(max(sizes) * MiB // 2 // PEERS),
         check_seconds=t_check,
         checks=checks,
         bench=results,

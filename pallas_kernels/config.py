@@ -1,12 +1,25 @@
-"""The one tile-size heuristic of the package (STYLE.md: never pasted into each kernel)."""
+"""The one tile-size heuristic of the package (STYLE.md: never pasted into each kernel).
+
+Chosen by measurement on the H200 (`benchmarks/kernel_sweep.py`, BENCHMARKS.md "Kernels"):
+- kernels that apply the Hadamard dot (encode, decode, decode-sum of a rotating codec) stage the
+  +-1 block in shared memory once per program, so a program walks several 8192-element tiles
+  with 4 warps (sweep 2: encode 1.8 -> 2.5 TB/s from that loop alone);
+- kernels without the dot that hold N peer rows in registers (decode-sum-reencode) take small
+  2048-element tiles, one per program (3.0-3.2 TB/s at 256 MiB, the best launch of sweeps 1-2).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
-# Elements one program handles: 8192 bf16 in + ~8.5 KiB out keeps enough bytes in flight per SM
-# (132 SMs x a few programs) without spilling registers.
-TARGET_TILE_ELEMENTS = 8192
+# Elements and warps of one tile (sweeps 1 and 2, 256 MiB - 1 GiB of bf16 on the H200).
+TILE_DOT = (8192, 4)  # 64 groups of 128: one wgmma M=64 block for the one warpgroup
+TILE_PEERS_NO_DOT = (2048, 4)  # N peer tiles live in registers at once
+TILE_NO_DOT = (8192, 8)  # a plain streaming pass (fp8 / int8 codecs: 3.8 TB/s)
+# Tiles one dot program loops over, once the launch has enough tiles to fill the GPU with
+# programs anyway (132 SMs x ~2 resident programs x TILES_PER_PROGRAM).
+TILES_PER_PROGRAM = 4
+MIN_TILES_FOR_LOOP = 1024
 # tl.dot needs every dimension >= 16 (the Hadamard is a tensor-core dot over groups).
 MIN_GROUPS_PER_TILE = 16
 # Largest Hadamard block applied as one dot; larger G is H_a (x) H_b with b = this.
@@ -61,12 +74,17 @@ def _next_pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
 
-def block_config(group_size: int, num_groups: int) -> BlockConfig:
-    """Tile of ~TARGET_TILE_ELEMENTS elements, no larger than the row needs."""
-    groups = max(MIN_GROUPS_PER_TILE, TARGET_TILE_ELEMENTS // group_size)
+def block_config(group_size: int, num_groups: int, *, rows=1, peers=1, dot=True) -> BlockConfig:
+    """The launch for `rows` rows (or `peers` rows summed into one) of `num_groups` groups.
+
+    dot: the kernel applies the Hadamard dot (then it loops over tiles, see module docstring).
+    """
+    elements, warps = TILE_DOT if dot else TILE_PEERS_NO_DOT if peers > 1 else TILE_NO_DOT
+    groups = max(MIN_GROUPS_PER_TILE, elements // group_size)
     groups = max(MIN_GROUPS_PER_TILE, min(groups, _next_pow2(num_groups)))
-    warps = 8 if groups * group_size >= 8192 else 4
-    return BlockConfig(groups_per_tile=groups, num_warps=warps)
+    tiles = rows * cdiv(num_groups, groups)
+    loop = TILES_PER_PROGRAM if dot and tiles >= MIN_TILES_FOR_LOOP else 1
+    return BlockConfig(groups, num_warps=warps, num_stages=1, tiles_per_program=loop)
 
 
 def cdiv(a: int, b: int) -> int:

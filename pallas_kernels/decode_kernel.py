@@ -54,7 +54,7 @@ def decode(
     check_wire(codec, wire, n)
     rows = wire.shape[0]
     groups = n // codec.group_size
-    cfg = config or block_config(codec.group_size, groups)
+    cfg = config or block_config(codec.group_size, groups, rows=rows, dot=codec.hadamard)
     h = jnp.asarray(_tile.hadamard_block(codec.group_size, cfg), jnp.bfloat16)
     return _pallas.call(
         _pallas.partial(_decode_kernel, codec=codec, n=n, cfg=cfg, interpret=interpret),

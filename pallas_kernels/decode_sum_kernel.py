@@ -76,7 +76,8 @@ def _launch(kernel, codec, wire, n, out, name, interpret, out_init, config, *, s
     """Launches one program per tile group; `signs`: the kernel takes the Hadamard block."""
     check_wire(codec, wire, n)
     groups = n // codec.group_size
-    cfg = config or block_config(codec.group_size, groups)
+    dot = signs and codec.hadamard  # decode-sum-reencode never applies the Hadamard
+    cfg = config or block_config(codec.group_size, groups, peers=wire.shape[0], dot=dot)
     inputs = [wire]
     if signs:
         inputs.append(jnp.asarray(_tile.hadamard_block(codec.group_size, cfg), jnp.bfloat16))

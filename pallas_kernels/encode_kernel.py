@@ -58,7 +58,7 @@ def encode(
         raise ValueError(f"encode takes rows [R, n], got shape={x.shape}")
     rows, n = x.shape
     groups = n // codec.group_size
-    cfg = config or block_config(codec.group_size, groups)
+    cfg = config or block_config(codec.group_size, groups, rows=rows, dot=codec.hadamard)
     kernel = _pallas.partial(
         _encode_kernel,
         codec=codec,

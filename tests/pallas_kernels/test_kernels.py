@@ -277,3 +277,14 @@ class TestKernelInterpret(KernelTest):
     INTERPRET = True
     GROUPS = 37  # as on the GPU: enough groups that E8M0 exponent ties occur (SEED 5 has one)
     SEED = 5
+
+
+@pytest.mark.parametrize("groups", [1, 5, 16, 37, 64, 1000, 4096, 8191])
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("dot", [True, False])
+def test_block_config_covers_every_group(groups, rows, dot):
+    """The launch reaches every group of a row, and masks exactly when it overruns the row."""
+    cfg = pk.block_config(128, groups, rows=rows, peers=rows, dot=dot)
+    covered = cfg.grid_size(groups) * cfg.tiles_per_program * cfg.groups_per_tile
+    assert groups <= covered < groups + cfg.tiles_per_program * cfg.groups_per_tile
+    assert cfg.masked(groups) == (covered != groups)
