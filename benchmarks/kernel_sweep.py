@@ -170,13 +170,19 @@ def time_row(fn, inputs, io_bytes) -> dict:
     return dict(seconds=seconds, tbps=io_bytes / seconds / 1e12, spread=spread)
 
 
-def sweep(size: int, key, configs) -> dict:
+def _data_and_copy(size: int, key):
+    """taco inputs of `size` bf16 bytes (x and its wire) and the two copy ceilings timed on them."""
     codec = codecs.get_codec("taco", 128)
-    elements = size // 2
-    xs = _inputs(codec, elements, key, "x")
-    wires = _inputs(codec, elements, key, "wire")
+    xs = _inputs(codec, size // 2, key, "x")
+    wires = _inputs(codec, size // 2, key, "wire")
     out = {"xla_copy": time_row(jax.jit(lambda x: -x), xs, 2 * size)}
     out["torch_copy_tbps"] = torch_copy_tbps(size)
+    return codec, xs, wires, out
+
+
+def sweep(size: int, key, configs) -> dict:
+    codec, xs, wires, out = _data_and_copy(size, key)
+    elements = size // 2
     for tile, warps in ((4096, 4), (8192, 8), (16384, 8)):
         fn = jax.jit(lambda x, t=tile, w=warps: pallas_copy(x, t, w))
         out[f"pallas_copy_{tile}w{warps}"] = time_row(fn, xs, 2 * size)
@@ -212,12 +218,8 @@ def sweep(size: int, key, configs) -> dict:
 
 
 def confirm(size: int, key, best: dict[str, pk.BlockConfig]) -> dict:
-    codec = codecs.get_codec("taco", 128)
+    codec, xs, wires, out = _data_and_copy(size, key)
     elements = size // 2
-    xs = _inputs(codec, elements, key, "x")
-    wires = _inputs(codec, elements, key, "wire")
-    out = {"xla_copy": time_row(jax.jit(lambda x: -x), xs, 2 * size)}
-    out["torch_copy_tbps"] = torch_copy_tbps(size)
     for op, cfg in best.items():
         for label, c in (("default", None), ("best", cfg)):
             fused, _, kind, io = ops(codec, c)[op]

@@ -7,10 +7,11 @@ passes over HBM with a tiny per-group reduction and one small matmul per tile; t
 lowering reaches that with plain masked loads/stores, works under `jax.vmap` and inside
 `shard_map`, and has an interpret mode that runs the same kernel body on the CPU (CI). Mosaic GPU
 (`plgpu.kernel`) cannot be vmapped (TACO.md section 6), and its `pallas_call` path needs explicit
-TMA/warpgroup staging for the same result. This choice is argued, not measured: the device
-budget went to checking and timing the Triton version (BENCHMARKS.md, "Kernels"); a Mosaic GPU
-port is the open comparison. jax-triton is not used: nothing here needs a raw Triton kernel
-unless the Pallas lowering itself proves to be the limit.
+TMA/warpgroup staging for the same result. Measured (BENCHMARKS.md, "Kernels", sweep 1): a
+Pallas kernel with these kernels' own load/store pattern copies at 95-97% of torch's device copy,
+and the codecs without a Hadamard encode at 3.5-3.8 TB/s, so the lowering streams at HBM speed;
+what remains is the Hadamard dot's layout traffic, which a Mosaic GPU or raw Triton (jax-triton)
+port would have to beat: that comparison is open. jax-triton is not used for the same reason.
 
 `check_vma`: the kernels run inside `jax.shard_map` with either setting and under `vmap`. With
 `check_vma=True` each output takes the manual axis type of its input (`_typed_like`); that path
