@@ -116,7 +116,8 @@ def hadamard(x, hblock, *, exact_bf16: bool, interpret: bool):
             part = jnp.dot(piece, hblock, preferred_element_type=jnp.float32)
             h = part if h is None else h + part
     if a > 1:
-        # Outer factor H_a over the a sub-blocks: y[:, i] = sum_j sign(i, j) h[:, j].
+        # Outer factor H_a over the a sub-blocks: y[:, i] = sum_j sign(i, j) h[:, j]. Sylvester
+        # order factorizes: parity((ia b + ib) & (ja b + jb)) = parity(ia & ja) ^ parity(ib & jb).
         i = lax.broadcasted_iota(jnp.int32, (1, a, a, 1), 1)
         j = lax.broadcasted_iota(jnp.int32, (1, a, a, 1), 2)
         sign = (1 - 2 * _parity(i & j)).astype(jnp.float32)
@@ -316,11 +317,6 @@ def unpack_wire_tile(codec: Codec, raw, tile, n: int, cfg: BlockConfig):
             # masked groups read alpha = 0; keep their (unstored) values finite.
             prescale = jnp.where(_mask(tile * t, t, n // g), prescale, 1.0)
     return dequantize(codec, codes.reshape(t, g)), decode_factor(codec, scale, prescale)
-
-
-def load_groups(codec: Codec, ref, row, tile, n: int, cfg: BlockConfig):
-    """Reads one tile of wire row `row`: (dequantized q [T, G] fp32, decode factor d [T])."""
-    return unpack_wire_tile(codec, load_wire_tile(codec, ref, row, tile, n, cfg), tile, n, cfg)
 
 
 def _row(row):
