@@ -199,17 +199,8 @@ def decode_factor(codec: Codec, scale, prescale) -> jnp.ndarray | float:
 
 
 # ------------------------------------------------------------------------------------------
-# Wire layout in one uint8 row: [n codes][n/G scale bytes][n/G prescale bytes] (codecs.pack).
-
-
-def side_offsets(codec: Codec, n: int) -> tuple[int | None, int | None]:
-    """Byte offsets of the scale and prescale sections in a wire row (None: not stored)."""
-    groups = n // codec.group_size
-    if codec.scale_format == "e8m0":
-        return n, None
-    scale_at = n if codec.postscale else None
-    prescale_at = n + 4 * groups * int(codec.postscale) if codec.prescale else None
-    return scale_at, prescale_at
+# Wire layout in one uint8 row: [n codes][scale bytes][prescale bytes] (codecs.pack; the section
+# offsets come from codecs.side_offsets).
 
 
 def f32_to_bytes(v: jnp.ndarray) -> jnp.ndarray:
@@ -260,7 +251,7 @@ def store_groups(codec: Codec, ref, row, tile, n: int, cfg: BlockConfig, codes, 
     groups = n // g
     masked = cfg.masked(groups)
     store_1d(ref, row, tile * t * g, codes.reshape(t * g), n, masked=masked)
-    scale_at, prescale_at = side_offsets(codec, n)
+    scale_at, prescale_at = codecs.side_offsets(codec, n)
     if codec.scale_format == "e8m0":
         store_1d(ref, row, scale_at + tile * t, scale, scale_at + groups, masked=masked)
         return
@@ -283,7 +274,7 @@ def load_wire_tile(codec: Codec, ref, row, tile, n: int, cfg: BlockConfig):
     groups = n // g
     masked = cfg.masked(groups)
     codes = load_1d(ref, row, tile * t * g, t * g, n, masked=masked)
-    scale_at, prescale_at = side_offsets(codec, n)
+    scale_at, prescale_at = codecs.side_offsets(codec, n)
     if codec.scale_format == "e8m0":
         scale = _pallas.load(
             ref.at[_row(row), _pallas.ds(scale_at + tile * t, t)],

@@ -341,21 +341,35 @@ def pack(codec: Codec, payload: Payload) -> jax.Array:
     return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
 
 
+def side_offsets(codec: Codec, n: int) -> tuple[int | None, int | None]:
+    """Byte offsets of the scale and pre-scale sections in a packed row of `n` codes.
+
+    The row is `[n codes][scale bytes][pre-scale bytes]` (`pack`); None: the section is not
+    stored. E8M0 scales take one byte per group, fp32 ones four. The kernels write and read the
+    same offsets.
+    """
+    if codec.is_identity:
+        return None, None
+    if codec.scale_format == "e8m0":
+        return n, None
+    groups = n // codec.group_size
+    scale_at = n if codec.postscale else None
+    prescale_at = n + 4 * groups * int(codec.postscale) if codec.prescale else None
+    return scale_at, prescale_at
+
+
 def unpack(codec: Codec, wire: jax.Array, n: int) -> Payload:
     """Inverse of `pack` for chunks of `n` elements."""
     if codec.is_identity:
         return Payload(wire, None, None)
     groups = n // codec.group_size
-    codes, rest = wire[..., :n], wire[..., n:]
-    scales = prescales = None
+    scale_at, prescale_at = side_offsets(codec, n)
     if codec.scale_format == "e8m0":
-        scales = rest
-    else:
-        if codec.postscale:
-            scales, rest = (
-                _scale_from_bytes(rest[..., : 4 * groups], groups, jnp.float32),
-                rest[..., 4 * groups :],
-            )
-        if codec.prescale:
-            prescales = _scale_from_bytes(rest, groups, jnp.float32)
-    return Payload(codes, scales, prescales)
+        return Payload(wire[..., :n], wire[..., scale_at : scale_at + groups], None)
+
+    def fp32_section(at):
+        if at is None:
+            return None
+        return _scale_from_bytes(wire[..., at : at + 4 * groups], groups, jnp.float32)
+
+    return Payload(wire[..., :n], fp32_section(scale_at), fp32_section(prescale_at))
