@@ -76,6 +76,13 @@ SWEEPS = {
         C(32, num_warps=4, tiles_per_program=8, num_stages=1),
         C(128, num_warps=4, tiles_per_program=4, num_stages=1),
     ],
+    # 4 (not run yet): encode with the ASH energy taken after the dot, beside the current default.
+    4: [
+        C(64, num_warps=4, tiles_per_program=4, num_stages=1),
+        C(64, num_warps=4, tiles_per_program=4, num_stages=1, energy_after_dot=True),
+        C(64, num_warps=8, tiles_per_program=4, num_stages=1, energy_after_dot=True),
+        C(128, num_warps=8, tiles_per_program=4, num_stages=1, energy_after_dot=True),
+    ],
 }
 
 
@@ -83,6 +90,7 @@ def config_name(c: pk.BlockConfig) -> str:
     return (
         f"t{c.groups_per_tile}w{c.num_warps}s{c.num_stages}x{c.tiles_per_program}"
         f"d{c.hadamard_dot}{'i' if c.signs_in_kernel else ''}{'p' if c.prefetch else ''}"
+        f"{'e' if c.energy_after_dot else ''}"
     )
 
 

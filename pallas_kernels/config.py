@@ -36,6 +36,8 @@ class BlockConfig:
     hadamard_dot: size b of the +-1 block applied as one tensor-core dot (G > b: H_{G/b} (x) H_b).
     signs_in_kernel: build that block from an iota in each program instead of loading it.
     prefetch: in the tile loop, load tile k + 1 before processing tile k.
+    energy_after_dot: encode takes the ASH energy of H x instead of x (equal in exact arithmetic,
+      H is orthonormal), so the input tile is dead once the dot has read it.
     """
 
     groups_per_tile: int
@@ -45,6 +47,7 @@ class BlockConfig:
     hadamard_dot: int = MAX_DOT_HADAMARD
     signs_in_kernel: bool = False
     prefetch: bool = False
+    energy_after_dot: bool = False
 
     def __post_init__(self):
         for name in ("groups_per_tile", "tiles_per_program", "hadamard_dot"):

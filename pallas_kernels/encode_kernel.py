@@ -34,7 +34,8 @@ def _encode_kernel(
             if codec.hadamard
             else x
         )
-        codes, scale, prescale = _tile.encode_groups(codec, hx, x, interpret=interpret)
+        energy_source = hx if cfg.energy_after_dot else x
+        codes, scale, prescale = _tile.encode_groups(codec, hx, energy_source, interpret=interpret)
         _tile.store_groups(codec, wire_ref, row, tile, n, cfg, codes, scale, prescale)
 
     _tile.for_each_tile(cfg, _pallas.program_id(1), load, encode_tile)

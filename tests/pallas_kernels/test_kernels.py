@@ -114,6 +114,7 @@ LAUNCH_CONFIGS = [
     pk.BlockConfig(groups_per_tile=16, tiles_per_program=2, prefetch=True),
     pk.BlockConfig(groups_per_tile=32, tiles_per_program=4, prefetch=True, num_stages=1),
     pk.BlockConfig(groups_per_tile=16, signs_in_kernel=True),
+    pk.BlockConfig(groups_per_tile=64, tiles_per_program=4, energy_after_dot=True),
     pk.BlockConfig(groups_per_tile=32, hadamard_dot=32, num_warps=8),
     pk.BlockConfig(groups_per_tile=16, hadamard_dot=16, tiles_per_program=4, signs_in_kernel=True),
 ]
@@ -123,9 +124,11 @@ def _config_id(config):
     if config is None:
         return "default"
     c = config
-    return (
-        f"t{c.groups_per_tile}x{c.tiles_per_program}-dot{c.hadamard_dot}-iota{c.signs_in_kernel:d}"
+    name = f"t{c.groups_per_tile}x{c.tiles_per_program}-dot{c.hadamard_dot}"
+    flags = (
+        "-iota" * c.signs_in_kernel + "-prefetch" * c.prefetch + "-hx_energy" * c.energy_after_dot
     )
+    return name + flags
 
 
 class KernelTest:
@@ -222,6 +225,8 @@ class KernelTest:
         assert_codes_match(codec, got.codes, want.codes,
                            _ideal_scaled(codec, np.asarray(x, np.float64), want))  # fmt: skip
         np.testing.assert_allclose(got.scales, want.scales, rtol=_tie_rtol(128), atol=0)
+        # alpha = 448 / rms: the energy is a G-term fp32 sum (of x, or of H x), same bound.
+        np.testing.assert_allclose(got.prescales, want.prescales, rtol=_tie_rtol(128), atol=0)
         decoded = pk.decode(codec, wire, n, jnp.float32, **run)
         reference = pk.decode_reference(codec, wire, n, jnp.float32)
         scale = float(jnp.max(jnp.abs(reference)))
