@@ -7,7 +7,10 @@ PYTHONPATH=. python3 benchmarks/kernels.py --out $OUT   (on the device machine)
 2. Times, per bf16 input size (1 MiB .. 1 GiB): a device copy of the same bytes (negate: read +
    write, the ceiling), the XLA-fused jnp references and the kernels; median of many runs after
    warm-up, rotating input sets so that small sizes do not sit in L2.
-3. Latency (64 KiB .. 4 MiB) and the launch floor (a one-element jitted op).
+3. Latency (64 KiB .. 4 MiB) and the launch floor (a one-element jitted op), host-dispatched;
+   and the same sizes inside one jitted loop of dependent calls (`in_program_latency`): the
+   per-op device latency an op has inside a step, without JAX's per-call dispatch (the one input
+   stays in L2 there, as a just-produced activation would).
 Bandwidth is logical IO: bytes read + bytes written once each.
 """
 
@@ -26,6 +29,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 import pallas_kernels as pk
 from taco_jax import codecs
@@ -218,6 +222,40 @@ def torch_copy_tbps(size: int) -> float | None:
     return 2 * size / statistics.median(times) / 1e12
 
 
+def in_program_seconds(fn, arg, iters: int = 200) -> float:
+    """Device time of one `fn(arg)` inside a jitted loop of `iters` dependent calls.
+
+    The host dispatches one program; each iteration's input passes through an optimization
+    barrier together with the previous output, so the calls run one after another and none is
+    hoisted or removed. This is the latency an op has inside a training step (kernel launch
+    included, JAX's per-call dispatch excluded).
+    """
+
+    def body(_, carry):
+        return lax.optimization_barrier((carry[0], fn(carry[0])))
+
+    loop = jax.jit(lambda a: lax.fori_loop(0, iters, body, (a, fn(a)))[1])
+    return _timeit(loop, [(arg,)], reps=7)[0] / iters
+
+
+def latency_in_program(key, sizes_kib) -> list[dict]:
+    """Per-op in-program latency at small sizes, and the same for a one-element negate (floor)."""
+    codec = codecs.get_codec("taco", 128)
+    rows = [dict(bytes=4, floor_s=in_program_seconds(lambda x: -x, jnp.ones((1,), jnp.float32)))]
+    for size in (s * 1024 for s in sizes_kib):
+        elements = size // 2
+        (x,), (wire,) = (
+            _inputs(codec, elements, key, "x")[0],
+            _inputs(codec, elements, key, "wire")[0],
+        )
+        row = dict(bytes=size, copy_s=in_program_seconds(lambda v: -v, x))
+        for name, (fused, _, kind, _) in _ops(codec).items():
+            row[name + "_s"] = in_program_seconds(fused, x if kind == "x" else wire)
+        rows.append(row)
+        print("IN_PROGRAM", json.dumps(row), flush=True)
+    return rows
+
+
 def _default_configs(n: int) -> dict:
     g = 128
     launches = {
@@ -239,6 +277,11 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--sizes-mib", default="1,4,16,64,256,1024")
     p.add_argument("--latency-kib", default="64,256")
+    p.add_argument(
+        "--in-program-kib",
+        default="64,256,1024,4096",
+        help="sizes timed inside one jitted loop (empty: skip)",
+    )
     p.add_argument("--skip-check", action="store_true")
     args = p.parse_args()
     key = jax.random.key(int(time.time()))  # fresh data every run
@@ -250,6 +293,7 @@ def main():
     floor = launch_floor()
     print("LAUNCH_FLOOR_S", floor, flush=True)
     results = bench(key, sizes, lat)
+    in_program = latency_in_program(key, [int(s) for s in args.in_program_kib.split(",") if s])
     date = datetime.date.today().isoformat()
     doc = dict(
         date=date,
@@ -261,6 +305,7 @@ def main():
         group_size=128,
         peers=PEERS,
         launch_floor_s=floor,
+        in_program_latency=in_program,
         # The launches `block_config` picks at the largest size, per op.
         block_configs=_default_configs(max(sizes) * MiB // 2 // PEERS),
         check_seconds=t_check,
