@@ -198,6 +198,11 @@ def decode_factor(codec: Codec, scale, prescale) -> jnp.ndarray | float:
     return d
 
 
+def scale_rows(q, d):
+    """q [T, G] times the per-group decode factor d [T] (`decode_factor`; 1.0: nothing to do)."""
+    return q if isinstance(d, float) else q * d[:, None]
+
+
 # ------------------------------------------------------------------------------------------
 # Wire layout in one uint8 row: [n codes][scale bytes][prescale bytes] (codecs.pack; the section
 # offsets come from codecs.side_offsets).

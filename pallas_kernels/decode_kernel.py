@@ -19,7 +19,7 @@ def decoded_tile(codec: Codec, q, d, hblock, interpret: bool):
     """One tile's dequantized codes q [T, G] and decode factors d [T] -> fp32 values [T, G]."""
     if codec.hadamard:  # FP8/INT8 codes are exact in bf16
         q = _tile.hadamard(q, hblock, exact_bf16=True, interpret=interpret)
-    return q * d[:, None] if not isinstance(d, float) else q
+    return _tile.scale_rows(q, d)
 
 
 def _decode_kernel(

@@ -36,7 +36,7 @@ def _summed_h_domain(codec: Codec, raws, tile, n: int, cfg: BlockConfig) -> jax.
     total = None
     for raw in raws:
         q, d = _tile.unpack_wire_tile(codec, raw, tile, n, cfg)
-        part = q * d[:, None] if not isinstance(d, float) else q
+        part = _tile.scale_rows(q, d)
         total = part if total is None else total + part
     return total
 
