@@ -65,7 +65,7 @@ def assert_codes_match(codec, codes, ref_codes, ideal):
     tol = _tie_rtol(codec.group_size) * codec.qmax
     # One step apart: v lies between them (up to the tie tolerance), and is near their midpoint.
     lo, hi = np.minimum(a, b), np.maximum(a, b)
-    bad = ~((lo <= v + tol) & (v - tol <= hi) & (np.abs(v - (a + b) / 2) <= tol))
+    bad = ~((lo <= v + 1e-12) & (v - 1e-12 <= hi) & (np.abs(v - (a + b) / 2) <= tol))
     assert not bad.any(), (
         f"{int(bad.sum())} of {a.size} differing codes are not ties: at flat indices "
         f"{np.ravel_multi_index(diff, codes.shape)[bad][:8]} kernel={a[bad][:8]} "
