@@ -63,7 +63,7 @@ def assert_codes_match(codec, codes, ref_codes, ideal):
     b = _fp8_values(codec, ref_codes[diff])
     v = np.clip(ideal[diff], -codec.qmax, codec.qmax)
     tol = _tie_rtol(codec.group_size) * codec.qmax
-    # One step apart: v lies between them (up to the tie tolerance), and is near their midpoint.
+    # One step apart: v lies between them, and is within the tie tolerance of their midpoint.
     lo, hi = np.minimum(a, b), np.maximum(a, b)
     bad = ~((lo <= v + 1e-12) & (v - 1e-12 <= hi) & (np.abs(v - (a + b) / 2) <= tol))
     assert not bad.any(), (
