@@ -7,10 +7,12 @@ no value slicing, `concatenate` only of [..., 1] pieces).
 Rounding differences from the reference (all of them O(few fp32 ulp) in a pre-rounding value, so
 an FP8/INT8 code can differ only where the reference value sits within that distance of a
 rounding tie; the tests check exactly that):
-- the Hadamard runs as a bf16 tensor-core dot of exact operands with fp32 accumulation, applied
-  to x and then scaled by alpha (`alpha * H x`, the reference rounds `H (alpha x)`);
-- fp32 inputs are split exactly into three bf16 pieces (8 + 8 + 8 mantissa bits), three dots;
-- decode computes `H(q) * (s / alpha)` (the reference: `H(q s) / alpha`).
+- the Hadamard runs as a bf16 tensor-core dot of exact operands with fp32 accumulation: the +-1
+  product `S x` (S = sqrt(G) H), applied to x before alpha (the reference rounds `H (alpha x)`);
+- every per-group factor is folded into one multiplier per group, so each element takes one
+  multiply: encode codes `Q(S x * (alpha / (sqrt(G) s)))` (the reference: `Q(H(alpha x) / s)`),
+  decode `S q * (s / (sqrt(G) alpha))` (the reference: `H(q s) / alpha`);
+- fp32 inputs are split exactly into three bf16 pieces (8 + 8 + 8 mantissa bits), three dots.
 """
 
 from __future__ import annotations
@@ -98,8 +100,16 @@ def _bf16_pieces(x: jnp.ndarray, exact: bool) -> list[jnp.ndarray]:
     return [hi, mid, lo]
 
 
-def hadamard(x, hblock, *, exact_bf16: bool, interpret: bool):
-    """H_G x / sqrt(G) along the last axis of x [T, G] (fp32); hblock: +-1 bf16 [b, b].
+def hadamard_unit(group_size: int) -> float:
+    """1 / sqrt(G): `signed_hadamard` times this is the orthonormal Hadamard H_G."""
+    return 1.0 / math.sqrt(group_size)
+
+
+def signed_hadamard(x, hblock, *, exact_bf16: bool, interpret: bool):
+    """S_G x along the last axis of x [T, G] (fp32, or bf16 when exact_bf16) -> fp32.
+
+    S_G = sqrt(G) H_G is the +-1 Sylvester matrix (hblock: its bf16 [b, b] dot block). Callers
+    fold `hadamard_unit` into their per-group factors instead of paying a multiply per element.
 
     In interpret mode (XLA on the CPU) the block product is one fp32 HIGHEST dot: XLA rewrites
     dot(hi, H) + dot(mid, H) into dot(hi + mid, H) in bf16 and drops the split's low bits.
@@ -109,7 +119,11 @@ def hadamard(x, hblock, *, exact_bf16: bool, interpret: bool):
     a = g // b
     rows = x.reshape(t * a, b)
     if interpret:
-        h = jnp.dot(rows, hblock.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+        h = jnp.dot(
+            rows.astype(jnp.float32),
+            hblock.astype(jnp.float32),
+            precision=lax.Precision.HIGHEST,
+        )
     else:
         h = None
         for piece in _bf16_pieces(rows, exact_bf16):
@@ -122,14 +136,19 @@ def hadamard(x, hblock, *, exact_bf16: bool, interpret: bool):
         j = lax.broadcasted_iota(jnp.int32, (1, a, a, 1), 2)
         sign = (1 - 2 * _parity(i & j)).astype(jnp.float32)
         h = jnp.sum(h.reshape(t, 1, a, b) * sign, axis=2)
-    return h.reshape(t, g) * np.float32(1.0 / math.sqrt(g))
+    return h.reshape(t, g)
 
 
-def ash_prescale(energy_source: jnp.ndarray) -> jnp.ndarray:
-    """alpha per row of [T, G], as `codecs.ash_prescale`."""
-    g = energy_source.shape[-1]
-    mean = jnp.sum(energy_source * energy_source, axis=-1) * np.float32(1.0 / g)
-    energy = jnp.maximum(mean + codecs.ENERGY_EPS, codecs.ENERGY_FLOOR)
+def mean_square(v: jnp.ndarray, unit: float) -> jnp.ndarray:
+    """mean((v * unit)^2) per row of v [T, G]; exact scaling when unit^2 / G is a power of two
+    (unit 1 or `hadamard_unit(G)`, G a power of two)."""
+    g = v.shape[-1]
+    return jnp.sum(v * v, axis=-1) * np.float32(unit * unit / g)
+
+
+def ash_prescale(mean_sq: jnp.ndarray) -> jnp.ndarray:
+    """alpha per group from the mean square of its values, as `codecs.ash_prescale`."""
+    energy = jnp.maximum(mean_sq + codecs.ENERGY_EPS, codecs.ENERGY_FLOOR)
     return jnp.clip(
         codecs.QMAX["e4m3"] * lax.rsqrt(energy), codecs.PRESCALE_MIN, codecs.PRESCALE_MAX
     )
@@ -167,40 +186,48 @@ def e8m0_value(biased):
     return jnp.where(biased == 255, jnp.nan, value)
 
 
-def encode_groups(codec: Codec, hx, energy_source, *, interpret: bool):
-    """hx [T, G]: the groups after the Hadamard (or the raw groups without one).
+def encode_groups(codec: Codec, v, mean_sq, *, unit: float, interpret: bool):
+    """Encodes the groups v * unit, v [T, G]: after the Hadamard (v = S x, unit = 1 / sqrt(G)),
+    or the raw groups without one (unit = 1). mean_sq [T]: their mean square (ASH energy; H is
+    orthonormal, so the input's serves too), None for codecs without pre-scale.
 
     Returns (codes uint8 [T, G], scale [T] or None, prescale [T] or None) with the reference's
     meaning: scale is fp32 s (or the uint8 E8M0 exponent of s / alpha), prescale is alpha.
+    The reference's y = alpha * H x and y / s become per-group factors: amax(|y|) is
+    amax(|v|) * alpha * unit (rounding is monotone), and codes take one multiply per element.
     """
-    alpha = ash_prescale(energy_source) if codec.prescale else None
-    y = hx * alpha[:, None] if codec.prescale else hx
-    amax = jnp.max(jnp.abs(y), axis=-1)
+    alpha = ash_prescale(mean_sq) if codec.prescale else None
+    to_y = alpha * np.float32(unit) if codec.prescale else unit  # y = v * to_y
+    amax = jnp.max(jnp.abs(v), axis=-1) * to_y
     if not codec.postscale:
-        return quantize(codec, y, interpret=interpret), None, _nan_if_nonfinite(alpha, amax)
+        codes = quantize(codec, scale_rows(v, to_y), interpret=interpret)
+        return codes, None, _nan_if_nonfinite(alpha, amax)
     s = jnp.clip(amax / codec.qmax, codecs.SCALE_MIN, codecs.SCALE_MAX)
     if codec.scale_format == "e8m0":
         combined = s / alpha if codec.prescale else s
         exponent = e8m0_exponent(_nan_if_nonfinite(combined, amax))
-        divisor = e8m0_value(exponent) * (alpha if codec.prescale else 1.0)
-        return quantize(codec, y / divisor[:, None], interpret=interpret), exponent, None
+        # y / (2^e alpha) = v * unit / 2^e: alpha cancels.
+        codes = quantize(codec, scale_rows(v, unit / e8m0_value(exponent)), interpret=interpret)
+        return codes, exponent, None
     s = _nan_if_nonfinite(s, amax)
-    return quantize(codec, y / s[:, None], interpret=interpret), s, alpha
+    return quantize(codec, scale_rows(v, to_y / s), interpret=interpret), s, alpha
 
 
-def decode_factor(codec: Codec, scale, prescale) -> jnp.ndarray | float:
-    """d [T] with decoded = H(q) * d (or q * d without a Hadamard)."""
+def decode_factor(codec: Codec, scale, prescale, unit: float = 1.0) -> jnp.ndarray | float:
+    """d [T] with decoded = S(q) * d when unit = `hadamard_unit(G)` (or q * d, unit = 1)."""
     if codec.scale_format == "e8m0":
-        return e8m0_value(scale)
-    d = scale if codec.postscale else 1.0
+        return e8m0_value(scale) * np.float32(unit)
+    d = scale * np.float32(unit) if codec.postscale else unit
     if codec.prescale:
         d = d / prescale
     return d
 
 
 def scale_rows(q, d):
-    """q [T, G] times the per-group decode factor d [T] (`decode_factor`; 1.0: nothing to do)."""
-    return q if isinstance(d, float) else q * d[:, None]
+    """q [T, G] times a per-group factor d [T] (or a Python float: 1.0 is nothing to do)."""
+    if isinstance(d, float):
+        return q if d == 1.0 else q * np.float32(d)
+    return q * d[:, None]
 
 
 # ------------------------------------------------------------------------------------------
@@ -302,8 +329,8 @@ def load_wire_tile(codec: Codec, ref, row, tile, n: int, cfg: BlockConfig):
     return codes, *sides
 
 
-def unpack_wire_tile(codec: Codec, raw, tile, n: int, cfg: BlockConfig):
-    """`load_wire_tile`'s bytes -> (dequantized q [T, G] fp32, decode factor d [T])."""
+def unpack_wire_tile(codec: Codec, raw, tile, n: int, cfg: BlockConfig, unit: float = 1.0):
+    """`load_wire_tile`'s bytes -> (dequantized q [T, G] fp32, `decode_factor` d [T])."""
     g, t = codec.group_size, cfg.groups_per_tile
     codes, scale, prescale = raw
     if codec.scale_format != "e8m0":
@@ -312,7 +339,7 @@ def unpack_wire_tile(codec: Codec, raw, tile, n: int, cfg: BlockConfig):
         if prescale is not None and cfg.masked(n // g):
             # masked groups read alpha = 0; keep their (unstored) values finite.
             prescale = jnp.where(_mask(tile * t, t, n // g), prescale, 1.0)
-    return dequantize(codec, codes.reshape(t, g)), decode_factor(codec, scale, prescale)
+    return dequantize(codec, codes.reshape(t, g)), decode_factor(codec, scale, prescale, unit)
 
 
 def _row(row):

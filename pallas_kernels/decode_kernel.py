@@ -16,9 +16,11 @@ from taco_jax.codecs import Codec
 
 
 def decoded_tile(codec: Codec, q, d, hblock, interpret: bool):
-    """One tile's dequantized codes q [T, G] and decode factors d [T] -> fp32 values [T, G]."""
+    """One tile's dequantized codes q [T, G] and decode factors d [T] -> fp32 values [T, G].
+
+    d includes `_tile.hadamard_unit` for a rotating codec (`unpack_wire_tile(unit=...)`)."""
     if codec.hadamard:  # FP8/INT8 codes are exact in bf16
-        q = _tile.hadamard(q, hblock, exact_bf16=True, interpret=interpret)
+        q = _tile.signed_hadamard(q, hblock, exact_bf16=True, interpret=interpret)
     return _tile.scale_rows(q, d)
 
 
@@ -28,12 +30,13 @@ def _decode_kernel(
     row = _pallas.program_id(0)
     g, t = codec.group_size, cfg.groups_per_tile
     hblock = _tile.signs(h_ref, cfg) if codec.hadamard else None
+    unit = _tile.hadamard_unit(g) if codec.hadamard else 1.0
 
     def load(tile):
         return _tile.load_wire_tile(codec, wire_ref, row, tile, n, cfg)
 
     def decode_tile(tile, raw):
-        q, d = _tile.unpack_wire_tile(codec, raw, tile, n, cfg)
+        q, d = _tile.unpack_wire_tile(codec, raw, tile, n, cfg, unit)
         x = decoded_tile(codec, q, d, hblock, interpret).reshape(t * g).astype(out_ref.dtype)
         _tile.store_1d(out_ref, row, tile * t * g, x, n, masked=cfg.masked(n // g))
 

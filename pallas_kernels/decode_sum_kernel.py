@@ -31,11 +31,12 @@ def _load_peers(codec: Codec, wire_ref, tile, n: int, cfg: BlockConfig):
     ]
 
 
-def _summed_h_domain(codec: Codec, raws, tile, n: int, cfg: BlockConfig) -> jax.Array:
-    """sum_p q_p d_p over the N peers for one tile: the sum, Hadamard-transformed (fp32 [T, G])."""
+def _summed_h_domain(codec: Codec, raws, tile, n: int, cfg: BlockConfig, unit=1.0) -> jax.Array:
+    """sum_p q_p d_p over the N peers for one tile: the sum, Hadamard-transformed (fp32 [T, G]),
+    times `unit` (folded into each d_p)."""
     total = None
     for raw in raws:
-        q, d = _tile.unpack_wire_tile(codec, raw, tile, n, cfg)
+        q, d = _tile.unpack_wire_tile(codec, raw, tile, n, cfg, unit)
         part = _tile.scale_rows(q, d)
         total = part if total is None else total + part
     return total
@@ -48,12 +49,11 @@ def _decode_sum_kernel(
     hblock = _tile.signs(h_ref, cfg) if codec.hadamard else None
 
     def decode_sum_tile(tile, raws):
-        z = _summed_h_domain(codec, raws, tile, n, cfg)
-        x = (
-            _tile.hadamard(z, hblock, exact_bf16=False, interpret=interpret)
-            if codec.hadamard
-            else z
-        )
+        if codec.hadamard:  # S (z / sqrt(G)) = H z
+            z = _summed_h_domain(codec, raws, tile, n, cfg, _tile.hadamard_unit(g))
+            x = _tile.signed_hadamard(z, hblock, exact_bf16=False, interpret=interpret)
+        else:
+            x = _summed_h_domain(codec, raws, tile, n, cfg)
         _tile.store_1d(out_ref, 0, tile * t * g, x.reshape(t * g), n, masked=cfg.masked(n // g))
 
     load = _pallas.partial(_load_peers, codec, wire_ref, n=n, cfg=cfg)
@@ -65,7 +65,10 @@ def _decode_sum_reencode_kernel(
 ):
     def reencode_tile(tile, raws):
         hz = _summed_h_domain(codec, raws, tile, n, cfg)
-        codes, scale, prescale = _tile.encode_groups(codec, hz, hz, interpret=interpret)
+        mean_sq = _tile.mean_square(hz, 1.0) if codec.prescale else None
+        codes, scale, prescale = _tile.encode_groups(
+            codec, hz, mean_sq, unit=1.0, interpret=interpret
+        )
         _tile.store_groups(codec, out_ref, 0, tile, n, cfg, codes, scale, prescale)
 
     load = _pallas.partial(_load_peers, codec, wire_ref, n=n, cfg=cfg)

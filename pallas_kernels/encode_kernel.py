@@ -27,15 +27,25 @@ def _encode_kernel(
     def load(tile):
         return _tile.load_1d(x_ref, row, tile * t * g, t * g, n, masked=cfg.masked(n // g))
 
+    unit = _tile.hadamard_unit(g) if codec.hadamard else 1.0
+
     def encode_tile(tile, x):
-        x = x.astype(jnp.float32).reshape(t, g)
-        hx = (
-            _tile.hadamard(x, hblock, exact_bf16=exact_bf16, interpret=interpret)
+        # A bf16 tile feeds the dot as loaded (an exact operand): no fp32 copy of x stays live
+        # through the dot unless the energy is taken from x.
+        x = x.reshape(t, g)
+        x32 = x.astype(jnp.float32)
+        v = (
+            _tile.signed_hadamard(x, hblock, exact_bf16=exact_bf16, interpret=interpret)
             if codec.hadamard
-            else x
+            else x32
         )
-        energy_source = hx if cfg.energy_after_dot else x
-        codes, scale, prescale = _tile.encode_groups(codec, hx, energy_source, interpret=interpret)
+        mean_sq = None
+        if codec.prescale:  # H is orthonormal: S x * unit has the energy of x
+            source, source_unit = (v, unit) if cfg.energy_after_dot else (x32, 1.0)
+            mean_sq = _tile.mean_square(source, source_unit)
+        codes, scale, prescale = _tile.encode_groups(
+            codec, v, mean_sq, unit=unit, interpret=interpret
+        )
         _tile.store_groups(codec, wire_ref, row, tile, n, cfg, codes, scale, prescale)
 
     _tile.for_each_tile(cfg, _pallas.program_id(1), load, encode_tile)
