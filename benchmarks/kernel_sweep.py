@@ -13,6 +13,9 @@ same run, to place the time inside a kernel by leaving a stage out (METHOD.md):
   time only): what the dot and its layout shuffles cost;
 - codec `fp8` (no pre-scale, no Hadamard): a real codec without the dot.
 The best config per op is then timed at `--confirm-mib` beside the copy ceilings.
+
+--baseline times the kernels of an earlier revision at their own default launches in the same
+run (`bash benchmarks/baseline_package.sh REV` exports them to build/baseline; carry that path).
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib
 import json
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -76,12 +82,20 @@ SWEEPS = {
         C(32, num_warps=4, tiles_per_program=8, num_stages=1),
         C(128, num_warps=4, tiles_per_program=4, num_stages=1),
     ],
-    # 4 (not run yet): encode with the ASH energy taken after the dot, beside the current default.
+    # 4: after folding the per-group factors (one multiply per element, no division) and feeding
+    # bf16 tiles to the dot as loaded: the ASH energy after the dot, which lets the input tile die
+    # at the dot, so that prefetch, Triton pipelining and larger tiles may fit in registers again.
     4: [
         C(64, num_warps=4, tiles_per_program=4, num_stages=1),
         C(64, num_warps=4, tiles_per_program=4, num_stages=1, energy_after_dot=True),
+        C(64, num_warps=4, tiles_per_program=4, num_stages=1, energy_after_dot=True, prefetch=True),
+        C(64, num_warps=4, tiles_per_program=4, num_stages=2, energy_after_dot=True),
         C(64, num_warps=8, tiles_per_program=4, num_stages=1, energy_after_dot=True),
         C(128, num_warps=8, tiles_per_program=4, num_stages=1, energy_after_dot=True),
+        C(128, num_warps=4, tiles_per_program=4, num_stages=1, energy_after_dot=True),
+        C(32, num_warps=4, tiles_per_program=8, num_stages=1, energy_after_dot=True),
+        C(16, num_warps=4, tiles_per_program=1, num_stages=1),
+        C(16, num_warps=4, tiles_per_program=4, num_stages=1),
     ],
 }
 
@@ -94,32 +108,34 @@ def config_name(c: pk.BlockConfig) -> str:
     )
 
 
-def ops(codec, cfg):
-    """name -> (jitted fused op, reference op, input kind, logical IO bytes for `elements`)."""
+def ops(codec, cfg, kernels=pk):
+    """name -> (jitted fused op, reference op, input kind, logical IO bytes for `elements`).
+
+    kernels: the package whose kernels run (pallas_kernels, or the --baseline one)."""
     wb = codec.wire_bytes
     m = lambda el: el // PEERS  # noqa: E731
     kw = dict(config=cfg)
     return {
         "encode": (
-            jax.jit(lambda x: pk.encode(codec, x, **kw)),
+            jax.jit(lambda x: kernels.encode(codec, x, **kw)),
             pk.encode_reference,
             "x",
             lambda el: 2 * el + PEERS * wb(m(el)),
         ),
         "decode": (
-            jax.jit(lambda w: pk.decode(codec, w, _n(codec, w), jnp.bfloat16, **kw)),
+            jax.jit(lambda w: kernels.decode(codec, w, _n(codec, w), jnp.bfloat16, **kw)),
             lambda c, w: pk.decode_reference(c, w, _n(c, w), jnp.bfloat16),
             "wire",
             lambda el: PEERS * wb(m(el)) + 2 * el,
         ),
         "decode_sum": (
-            jax.jit(lambda w: pk.decode_sum(codec, w, _n(codec, w), **kw)),
+            jax.jit(lambda w: kernels.decode_sum(codec, w, _n(codec, w), **kw)),
             lambda c, w: pk.decode_sum_reference(c, w, _n(c, w)),
             "wire",
             lambda el: PEERS * wb(m(el)) + 4 * m(el),
         ),
         "decode_sum_reencode": (
-            jax.jit(lambda w: pk.decode_sum_reencode(codec, w, _n(codec, w), **kw)),
+            jax.jit(lambda w: kernels.decode_sum_reencode(codec, w, _n(codec, w), **kw)),
             lambda c, w: pk.decode_sum_reencode_reference(c, w, _n(c, w)),
             "wire",
             lambda el: (PEERS + 1) * wb(m(el)),
@@ -165,12 +181,12 @@ def pallas_copy(x, tile: int, warps: int):
 @contextlib.contextmanager
 def no_hadamard():
     """Diagnostic: the kernels' Hadamard becomes the identity (output wrong, time only)."""
-    saved = _tile.hadamard
-    _tile.hadamard = lambda x, *a, **k: x
+    saved = _tile.signed_hadamard
+    _tile.signed_hadamard = lambda x, *a, **k: x.astype(jnp.float32)
     try:
         yield
     finally:
-        _tile.hadamard = saved
+        _tile.signed_hadamard = saved
 
 
 def time_row(fn, inputs, io_bytes) -> dict:
@@ -188,7 +204,15 @@ def _data_and_copy(size: int, key):
     return codec, xs, wires, out
 
 
-def sweep(size: int, key, configs) -> dict:
+def _launches(configs, baseline):
+    """(row label, config, kernels package) of each launch the sweep times."""
+    runs = [(config_name(c), c, pk) for c in configs]
+    if baseline is not None:
+        runs.append((f"baseline_{baseline.REVISION[:7]}", None, baseline))
+    return runs
+
+
+def sweep(size: int, key, configs, baseline=None) -> dict:
     codec, xs, wires, out = _data_and_copy(size, key)
     elements = size // 2
     for tile, warps in ((4096, 4), (8192, 8), (16384, 8)):
@@ -196,9 +220,10 @@ def sweep(size: int, key, configs) -> dict:
         out[f"pallas_copy_{tile}w{warps}"] = time_row(fn, xs, 2 * size)
     print("CEILINGS", json.dumps(out), flush=True)
     rows = []
-    for i, cfg in enumerate(configs):
-        for op, (fused, ref, kind, io) in ops(codec, cfg).items():
-            row = dict(config=config_name(cfg), op=op, **dataclasses.asdict(cfg))
+    for i, (label, cfg, kernels) in enumerate(_launches(configs, baseline)):
+        for op, (fused, ref, kind, io) in ops(codec, cfg, kernels).items():
+            fields = {} if cfg is None else dataclasses.asdict(cfg)
+            row = dict(config=label, op=op, **fields)
             try:
                 row["check"] = check(codec, op, fused, ref, jax.random.fold_in(key, i))
                 row.update(time_row(fused, xs if kind == "x" else wires, io(elements)))
@@ -225,12 +250,15 @@ def sweep(size: int, key, configs) -> dict:
     return out
 
 
-def confirm(size: int, key, best: dict[str, pk.BlockConfig]) -> dict:
+def confirm(size: int, key, best: dict[str, pk.BlockConfig], baseline=None) -> dict:
     codec, xs, wires, out = _data_and_copy(size, key)
     elements = size // 2
     for op, cfg in best.items():
-        for label, c in (("default", None), ("best", cfg)):
-            fused, _, kind, io = ops(codec, c)[op]
+        runs = [("default", None, pk), ("best", cfg, pk)]
+        if baseline is not None:
+            runs.append(("baseline", None, baseline))
+        for label, c, kernels in runs:
+            fused, _, kind, io = ops(codec, c, kernels)[op]
             r = time_row(fused, xs if kind == "x" else wires, io(elements))
             r["of_torch_copy"] = r["tbps"] / out["torch_copy_tbps"]
             out[f"{op}_{label}"] = dict(config=None if c is None else config_name(c), **r)
@@ -241,7 +269,7 @@ def confirm(size: int, key, best: dict[str, pk.BlockConfig]) -> dict:
 def best_configs(rows) -> dict[str, pk.BlockConfig]:
     best = {}
     for op in ("encode", "decode", "decode_sum", "decode_sum_reencode"):
-        ok = [r for r in rows if r["op"] == op and "tbps" in r]
+        ok = [r for r in rows if r["op"] == op and "tbps" in r and "groups_per_tile" in r]
         top = max(ok, key=lambda r: r["tbps"])
         fields = {f.name: top[f.name] for f in dataclasses.fields(pk.BlockConfig)}
         best[op] = pk.BlockConfig(**fields)
@@ -254,28 +282,40 @@ def main():
     p.add_argument("--size-mib", type=int, default=256)
     p.add_argument("--confirm-mib", type=int, default=1024)
     p.add_argument("--sweep", type=int, default=max(SWEEPS), choices=sorted(SWEEPS))
+    p.add_argument("--baseline", action="store_true", help="also time build/baseline's kernels")
     args = p.parse_args()
     key = jax.random.key(np.random.SeedSequence().entropy % 2**31)  # fresh data every run
     configs = SWEEPS[args.sweep]
-    result = sweep(args.size_mib * MiB, key, configs)
+    baseline = load_baseline() if args.baseline else None
+    result = sweep(args.size_mib * MiB, key, configs, baseline)
     best = best_configs(result["sweep"])
-    result["confirm"] = confirm(args.confirm_mib * MiB, key, best)
+    result["confirm"] = confirm(args.confirm_mib * MiB, key, best, baseline)
     _common.write_record(
         f"kernel_sweep{args.sweep}",
         args.out,
         sweep_id=args.sweep,
         size_mib=args.size_mib,
         confirm_mib=args.confirm_mib,
+        baseline_revision=None if baseline is None else baseline.REVISION,
         **result,
     )
     print(f"{'config':<22} " + " ".join(f"{op[:12]:>14}" for op in best))
-    for cfg in configs:
-        name = config_name(cfg)
+    for name, _, _ in _launches(configs, baseline):
         cells = []
         for op in best:
             r = next(r for r in result["sweep"] if r["config"] == name and r["op"] == op)
             cells.append(f"{r['tbps']:5.2f} {r['of_torch_copy']:4.0%}" if "tbps" in r else "err")
         print(f"{name:<22} " + " ".join(f"{c:>14}" for c in cells))
+
+
+def load_baseline():
+    """The package `benchmarks/baseline_package.sh` exported, with its git revision."""
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build")
+    sys.path.insert(0, os.path.join(root, "baseline"))
+    kernels = importlib.import_module("pallas_kernels_base")
+    with open(os.path.join(root, "baseline", "pallas_kernels_base", "REVISION")) as f:
+        kernels.REVISION = f.read().strip()
+    return kernels
 
 
 if __name__ == "__main__":

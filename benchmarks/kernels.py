@@ -6,9 +6,12 @@ PYTHONPATH=. python3 benchmarks/kernels.py --out $OUT   (on the device machine)
    not fill a tile), poisoned outputs (0xAB bytes / NaN) to catch unwritten elements.
 2. Times, per bf16 input size (1 MiB .. 1 GiB): a device copy of the same bytes (negate: read +
    write, the ceiling), the XLA-fused jnp references and the kernels; median of many runs after
-   warm-up, rotating input sets so that small sizes do not sit in L2.
+   warm-up, rotating input sets so that small sizes do not sit in L2. Two timings of the copy
+   and the kernels: host-dispatched calls (`kernel_s`), and dependent calls inside one jitted
+   program (`kernel_in_program_s`, no per-call dispatch: at 64 MiB a kernel is as short as JAX's
+   ~40 us dispatch, which the first timing then measures).
 3. Latency (64 KiB .. 4 MiB) and the launch floor (a one-element jitted op), host-dispatched;
-   and the same sizes inside one jitted loop of dependent calls (`in_program_latency`): the
+   and the same sizes inside one jitted program of dependent calls (`in_program_latency`): the
    per-op device latency an op has inside a step, without JAX's per-call dispatch (the one input
    stays in L2 there, as a just-produced activation would).
 Bandwidth is logical IO: bytes read + bytes written once each.
@@ -37,6 +40,7 @@ from taco_jax import codecs
 PEERS = 8  # rows of the benchmark: an 8-way TP group
 MiB = 1 << 20
 L2_FLUSH_BYTES = 256 * MiB  # > 4x the H200's 60 MB L2
+IN_PROGRAM_CALLS = 16  # dependent calls per program at bandwidth sizes (inputs rotate)
 
 
 def _timeit(fn, inputs, *, min_time=0.2, reps=15):
@@ -176,7 +180,15 @@ def bench(key, sizes_mib, latency_kib):
         elements = size // 2
         xs = _inputs(codec, elements, key, "x")
         t_copy, spread = _timeit(copy, xs)
-        row = dict(bytes=size, copy_s=t_copy, copy_tbps=2 * size / t_copy / 1e12, spread=spread)
+        t_copy_prog = in_program_seconds(copy, xs, IN_PROGRAM_CALLS)
+        row = dict(
+            bytes=size,
+            copy_s=t_copy,
+            copy_tbps=2 * size / t_copy / 1e12,
+            spread=spread,
+            copy_in_program_s=t_copy_prog,
+            copy_in_program_tbps=2 * size / t_copy_prog / 1e12,
+        )
         if size >= 64 * MiB:
             row["torch_copy_tbps"] = torch_copy_tbps(size)
         wires = _inputs(codec, elements, key, "wire")
@@ -184,6 +196,7 @@ def bench(key, sizes_mib, latency_kib):
             inp = xs if kind == "x" else wires
             t_k, sp = _timeit(fused, inp)
             t_r, _ = _timeit(ref, inp, reps=5)
+            t_prog = in_program_seconds(fused, inp, IN_PROGRAM_CALLS)
             nbytes = io(elements)
             row[name] = dict(
                 kernel_s=t_k,
@@ -193,6 +206,9 @@ def bench(key, sizes_mib, latency_kib):
                 of_copy=(nbytes / t_k) / (2 * size / t_copy),
                 speedup=t_r / t_k,
                 spread=sp,
+                kernel_in_program_s=t_prog,
+                in_program_tbps=nbytes / t_prog / 1e12,
+                in_program_of_copy=(nbytes / t_prog) / (2 * size / t_copy_prog),
             )
         results.append(row)
         print("BENCH", json.dumps(row), flush=True)
@@ -222,35 +238,41 @@ def torch_copy_tbps(size: int) -> float | None:
     return 2 * size / statistics.median(times) / 1e12
 
 
-def in_program_seconds(fn, arg, iters: int = 200) -> float:
-    """Device time of one `fn(arg)` inside a jitted loop of `iters` dependent calls.
+def in_program_seconds(fn, inputs, calls: int) -> float:
+    """Device time of one `fn` call inside one jitted program of `calls` dependent calls.
 
-    The host dispatches one program; each iteration's input passes through an optimization
-    barrier together with the previous output, so the calls run one after another and none is
-    hoisted or removed. This is the latency an op has inside a training step (kernel launch
-    included, JAX's per-call dispatch excluded).
+    inputs: a list of 1-tuples, taken in turn. The host dispatches one straight-line program
+    (no device loop, whose per-iteration bookkeeping would be timed too); each call's input
+    passes through an optimization barrier together with the previous output, so the calls run
+    one after another, and every output is returned, so none is removed as dead code. This is
+    the time an op has inside a training step (kernel launch included, JAX's per-call dispatch
+    excluded).
     """
+    args = [a for (a,) in inputs]
 
-    def body(_, carry):
-        return lax.optimization_barrier((carry[0], fn(carry[0])))
+    def program(*xs):
+        outs = [fn(xs[0])]
+        for i in range(1, calls):
+            x, _ = lax.optimization_barrier((xs[i % len(xs)], outs[-1]))
+            outs.append(fn(x))
+        return outs
 
-    loop = jax.jit(lambda a: lax.fori_loop(0, iters, body, (a, fn(a)))[1])
-    return _timeit(loop, [(arg,)], reps=7)[0] / iters
+    return _timeit(jax.jit(program), [tuple(args)], reps=7)[0] / calls
 
 
 def latency_in_program(key, sizes_kib) -> list[dict]:
     """Per-op in-program latency at small sizes, and the same for a one-element negate (floor)."""
     codec = codecs.get_codec("taco", 128)
-    rows = [dict(bytes=4, floor_s=in_program_seconds(lambda x: -x, jnp.ones((1,), jnp.float32)))]
+    calls = 200
+    tiny = [(jnp.ones((1,), jnp.float32),)]
+    rows = [dict(bytes=4, floor_s=in_program_seconds(lambda x: -x, tiny, calls))]
     for size in (s * 1024 for s in sizes_kib):
         elements = size // 2
-        (x,), (wire,) = (
-            _inputs(codec, elements, key, "x")[0],
-            _inputs(codec, elements, key, "wire")[0],
-        )
-        row = dict(bytes=size, copy_s=in_program_seconds(lambda v: -v, x))
+        x = _inputs(codec, elements, key, "x")[:1]
+        wire = _inputs(codec, elements, key, "wire")[:1]
+        row = dict(bytes=size, copy_s=in_program_seconds(lambda v: -v, x, calls))
         for name, (fused, _, kind, _) in _ops(codec).items():
-            row[name + "_s"] = in_program_seconds(fused, x if kind == "x" else wire)
+            row[name + "_s"] = in_program_seconds(fused, x if kind == "x" else wire, calls)
         rows.append(row)
         print("IN_PROGRAM", json.dumps(row), flush=True)
     return rows
@@ -315,16 +337,20 @@ def main():
     path = os.path.join(args.out, f"kernels-{date}.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
+    print("TB/s and % of copy: host-dispatched | in one program; x: speedup over the XLA ref")
     print(
-        f"{'bytes':>12} {'copyTB/s':>8} "
-        + " ".join(f"{k[:10]:>22}" for k in _ops(codecs.get_codec("taco")))
+        f"{'bytes':>12} {'copy TB/s':>11} "
+        + " ".join(f"{k[:10]:>28}" for k in _ops(codecs.get_codec("taco")))
     )
     for r in results:
+        ops = [r[k] for k in ("encode", "decode", "decode_sum", "decode_sum_reencode")]
         cells = [
-            f"{r[k]['kernel_tbps']:5.2f} {r[k]['of_copy']:4.0%} x{r[k]['speedup']:5.1f}"
-            for k in ("encode", "decode", "decode_sum", "decode_sum_reencode")
+            f"{o['kernel_tbps']:4.2f} {o['of_copy']:4.0%}|"
+            f"{o['in_program_tbps']:4.2f} {o['in_program_of_copy']:4.0%} x{o['speedup']:4.1f}"
+            for o in ops
         ]
-        print(f"{r['bytes']:>12} {r['copy_tbps']:8.2f} " + " ".join(f"{c:>22}" for c in cells))
+        copies = f"{r['copy_tbps']:.2f}|{r['copy_in_program_tbps']:.2f}"
+        print(f"{r['bytes']:>12} {copies:>11} " + " ".join(f"{c:>28}" for c in cells))
 
 
 if __name__ == "__main__":
