@@ -97,6 +97,21 @@ SWEEPS = {
         C(16, num_warps=4, tiles_per_program=1, num_stages=1),
         C(16, num_warps=4, tiles_per_program=4, num_stages=1),
     ],
+    # 5: smaller dots. The 64 x 128 x 128 dot of a tile is 256 flop per element, ~30% of the
+    # tensor cores at encode's 2.75 TB/s; peeling the low index bits off as fp32 butterflies
+    # (hadamard_dot b < G: G / b dots of b columns) divides that by G / b.
+    5: [
+        C(64, num_warps=4, tiles_per_program=4, num_stages=1),
+        C(64, num_warps=4, tiles_per_program=4, num_stages=1, hadamard_dot=64),
+        C(64, num_warps=4, tiles_per_program=4, num_stages=1, hadamard_dot=32),
+        C(64, num_warps=4, tiles_per_program=4, num_stages=1, hadamard_dot=16),
+        C(64, num_warps=8, tiles_per_program=4, num_stages=1, hadamard_dot=64),
+        C(128, num_warps=4, tiles_per_program=4, num_stages=1, hadamard_dot=64),
+        C(128, num_warps=8, tiles_per_program=4, num_stages=1, hadamard_dot=32),
+        C(32, num_warps=4, tiles_per_program=4, num_stages=1, hadamard_dot=64),
+        C(16, num_warps=4, tiles_per_program=4, num_stages=1),
+        C(16, num_warps=4, tiles_per_program=4, num_stages=1, hadamard_dot=64),
+    ],
 }
 
 

@@ -110,33 +110,45 @@ def signed_hadamard(x, hblock, *, exact_bf16: bool, interpret: bool):
 
     S_G = sqrt(G) H_G is the +-1 Sylvester matrix (hblock: its bf16 [b, b] dot block). Callers
     fold `hadamard_unit` into their per-group factors instead of paying a multiply per element.
+    For G > b the low index bits are peeled off first (`_split_low_bit`), so the dots shrink.
+    """
+    if x.shape[-1] > hblock.shape[0]:
+        return _split_low_bit(x, hblock, exact_bf16=exact_bf16, interpret=interpret)
+    return _block_dot(x, hblock, exact_bf16=exact_bf16, interpret=interpret)
 
-    In interpret mode (XLA on the CPU) the block product is one fp32 HIGHEST dot: XLA rewrites
+
+def _split_low_bit(x, hblock, **kw):
+    """S_G x = (S_{G/2} (x) S_2) x on the low index bit, i = 2 i' + i1:
+
+      y[2 j'] = S_{G/2} a + S_{G/2} b,  y[2 j' + 1] = S_{G/2} a - S_{G/2} b,
+
+    with a, b the even and odd elements. The halves go through the dots as they are (exact bf16
+    operands stay exact) and the butterfly runs after, in fp32. Splitting and interleaving pairs
+    on the last axis stays inside each thread's registers (Triton's split / join)."""
+    t, g = x.shape
+    even, odd = lax.unstack(x.reshape(t, g // 2, 2), axis=2)
+    sa = signed_hadamard(even, hblock, **kw)
+    sb = signed_hadamard(odd, hblock, **kw)
+    return lax.stack([sa + sb, sa - sb], axis=2).reshape(t, g)
+
+
+def _block_dot(x, hblock, *, exact_bf16: bool, interpret: bool):
+    """x [T, b] @ S_b on the tensor cores (fp32 accumulation of exact bf16 pieces of x).
+
+    In interpret mode (XLA on the CPU) the product is one fp32 HIGHEST dot: XLA rewrites
     dot(hi, H) + dot(mid, H) into dot(hi + mid, H) in bf16 and drops the split's low bits.
     """
-    t, g = x.shape
-    b = hblock.shape[0]
-    a = g // b
-    rows = x.reshape(t * a, b)
     if interpret:
-        h = jnp.dot(
-            rows.astype(jnp.float32),
+        return jnp.dot(
+            x.astype(jnp.float32),
             hblock.astype(jnp.float32),
             precision=lax.Precision.HIGHEST,
         )
-    else:
-        h = None
-        for piece in _bf16_pieces(rows, exact_bf16):
-            part = jnp.dot(piece, hblock, preferred_element_type=jnp.float32)
-            h = part if h is None else h + part
-    if a > 1:
-        # Outer factor H_a over the a sub-blocks: y[:, i] = sum_j sign(i, j) h[:, j]. Sylvester
-        # order factorizes: parity((ia b + ib) & (ja b + jb)) = parity(ia & ja) ^ parity(ib & jb).
-        i = lax.broadcasted_iota(jnp.int32, (1, a, a, 1), 1)
-        j = lax.broadcasted_iota(jnp.int32, (1, a, a, 1), 2)
-        sign = (1 - 2 * _parity(i & j)).astype(jnp.float32)
-        h = jnp.sum(h.reshape(t, 1, a, b) * sign, axis=2)
-    return h.reshape(t, g)
+    h = None
+    for piece in _bf16_pieces(x, exact_bf16):
+        part = jnp.dot(piece, hblock, preferred_element_type=jnp.float32)
+        h = part if h is None else h + part
+    return h
 
 
 def mean_square(v: jnp.ndarray, unit: float) -> jnp.ndarray:

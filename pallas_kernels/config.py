@@ -22,7 +22,8 @@ TILES_PER_PROGRAM = 4
 MIN_TILES_FOR_LOOP = 1024
 # tl.dot needs every dimension >= 16 (the Hadamard is a tensor-core dot over groups).
 MIN_GROUPS_PER_TILE = 16
-# Largest Hadamard block applied as one dot; larger G is H_a (x) H_b with b = this.
+# Largest Hadamard block applied as one dot; larger G peels its low index bits off first:
+# S_G = S_b (x) S_{G/b}, G/b dots of b columns and fp32 butterflies (`_tile.signed_hadamard`).
 MAX_DOT_HADAMARD = 128
 
 
@@ -33,7 +34,8 @@ class BlockConfig:
     groups_per_tile: groups of G one tile holds (a power of two, >= 16).
     tiles_per_program: consecutive tiles one program walks through in a loop (1: no loop).
     num_warps / num_stages: Triton launch parameters (stages pipeline the tile loop's loads).
-    hadamard_dot: size b of the +-1 block applied as one tensor-core dot (G > b: H_{G/b} (x) H_b).
+    hadamard_dot: size b of the +-1 block applied as one tensor-core dot (G > b: G / b dots of
+      b columns, combined by butterflies on the low index bits).
     signs_in_kernel: build that block from an iota in each program instead of loading it.
     prefetch: in the tile loop, load tile k + 1 before processing tile k.
     energy_after_dot: encode takes the ASH energy of H x instead of x (equal in exact arithmetic,
