@@ -1,21 +1,25 @@
 """The one tile-size heuristic of the package (STYLE.md: never pasted into each kernel).
 
 Chosen by measurement on the H200 (`benchmarks/kernel_sweep.py`, BENCHMARKS.md "Kernels"):
-- kernels that apply the Hadamard dot (encode, decode, decode-sum of a rotating codec) stage the
-  +-1 block in shared memory once per program, so a program walks several 8192-element tiles
-  with 4 warps (sweep 2: encode 1.8 -> 2.5 TB/s from that loop alone);
-- kernels without the dot that hold N peer rows in registers (decode-sum-reencode) take small
-  2048-element tiles, one per program (3.0-3.2 TB/s at 256 MiB, the best launch of sweeps 1-2).
+- kernels that apply the Hadamard dot stage the +-1 block in shared memory once per program, so
+  a program walks several tiles with 4 warps (sweep 2: encode 1.8 -> 2.5 TB/s from that loop);
+- encode and decode take 8192-element tiles and 16-column dots, the rest of the Hadamard as
+  fp32 butterflies (sweep 5: +6% encode, +5% decode over one 128-column dot at 1 GiB);
+- kernels that hold N peer rows in registers take 2048-element tiles: decode-sum with 64-column
+  dots (sweep 5: 2.06 -> 2.96 TB/s at 1 GiB), decode-sum-reencode (no dot) one tile per program
+  (sweeps 1-2: 3.0-3.2 TB/s at 256 MiB).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-# Elements and warps of one tile (sweeps 1 and 2, 256 MiB - 1 GiB of bf16 on the H200).
-TILE_DOT = (8192, 4)  # 64 groups of 128: one wgmma M=64 block for the one warpgroup
-TILE_PEERS_NO_DOT = (2048, 4)  # N peer tiles live in registers at once
-TILE_NO_DOT = (8192, 8)  # a plain streaming pass (fp8 / int8 codecs: 3.8 TB/s)
+# Elements per tile, warps and Hadamard dot columns per kind of kernel (sweeps 1-5, 256 MiB -
+# 1 GiB of bf16 on the H200; None: no dot).
+TILE_DOT = (8192, 4, 16)  # encode / decode: 64 groups of 128, one M=64 block per warpgroup
+TILE_PEERS_DOT = (2048, 4, 64)  # decode-sum: N peer tiles live in registers at once
+TILE_PEERS_NO_DOT = (2048, 4, None)  # decode-sum-reencode, and decode-sum without a Hadamard
+TILE_NO_DOT = (8192, 8, None)  # a plain streaming pass (fp8 / int8 codecs: 3.6-3.8 TB/s)
 # Tiles one dot program loops over, once the launch has enough tiles to fill the GPU with
 # programs anyway (132 SMs x ~2 resident programs x TILES_PER_PROGRAM).
 TILES_PER_PROGRAM = 4
@@ -84,12 +88,21 @@ def block_config(group_size: int, num_groups: int, *, rows=1, peers=1, dot=True)
 
     dot: the kernel applies the Hadamard dot (then it loops over tiles, see module docstring).
     """
-    elements, warps = TILE_DOT if dot else TILE_PEERS_NO_DOT if peers > 1 else TILE_NO_DOT
+    if peers > 1:
+        elements, warps, dot_columns = TILE_PEERS_DOT if dot else TILE_PEERS_NO_DOT
+    else:
+        elements, warps, dot_columns = TILE_DOT if dot else TILE_NO_DOT
     groups = max(MIN_GROUPS_PER_TILE, elements // group_size)
     groups = max(MIN_GROUPS_PER_TILE, min(groups, _next_pow2(num_groups)))
     tiles = rows * cdiv(num_groups, groups)
     loop = TILES_PER_PROGRAM if dot and tiles >= MIN_TILES_FOR_LOOP else 1
-    return BlockConfig(groups, num_warps=warps, num_stages=1, tiles_per_program=loop)
+    return BlockConfig(
+        groups,
+        num_warps=warps,
+        num_stages=1,
+        tiles_per_program=loop,
+        hadamard_dot=dot_columns or MAX_DOT_HADAMARD,  # unused without a dot
+    )
 
 
 def cdiv(a: int, b: int) -> int:
