@@ -34,7 +34,16 @@ import numpy as np
 
 import pallas_kernels as pk
 from benchmarks import _common
-from benchmarks.kernels import PEERS, _inputs, _n, _timeit, _ulp_mismatch, torch_copy_tbps
+from benchmarks.kernels import (
+    IN_PROGRAM_CALLS,
+    PEERS,
+    _inputs,
+    _n,
+    _timeit,
+    _ulp_mismatch,
+    in_program_seconds,
+    torch_copy_tbps,
+)
 from pallas_kernels import _pallas, _tile
 from taco_jax import codecs
 
@@ -111,6 +120,19 @@ SWEEPS = {
         C(32, num_warps=4, tiles_per_program=4, num_stages=1, hadamard_dot=64),
         C(16, num_warps=4, tiles_per_program=4, num_stages=1),
         C(16, num_warps=4, tiles_per_program=4, num_stages=1, hadamard_dot=64),
+    ],
+    # 6: tile loops again, now that the staged +-1 block is 0.5-8 KiB instead of 32 KiB: a loop
+    # of 4 leaves a tail of up to half a program per SM, ~10% of a 64 MiB call (2 waves).
+    # Run at 64 MiB with --timing in_program.
+    6: [
+        C(64, num_warps=4, tiles_per_program=4, num_stages=1, hadamard_dot=16),
+        C(64, num_warps=4, tiles_per_program=2, num_stages=1, hadamard_dot=16),
+        C(64, num_warps=4, tiles_per_program=1, num_stages=1, hadamard_dot=16),
+        C(32, num_warps=4, tiles_per_program=1, num_stages=1, hadamard_dot=16),
+        C(128, num_warps=4, tiles_per_program=1, num_stages=1, hadamard_dot=16),
+        C(16, num_warps=4, tiles_per_program=4, num_stages=1, hadamard_dot=64),
+        C(16, num_warps=4, tiles_per_program=1, num_stages=1, hadamard_dot=64),
+        C(16, num_warps=4, tiles_per_program=1, num_stages=1, hadamard_dot=16),
     ],
 }
 
@@ -204,8 +226,16 @@ def no_hadamard():
         _tile.signed_hadamard = saved
 
 
+# "host": batches of host-dispatched calls; "in_program": dependent calls inside one jitted
+# program (no per-call dispatch, which a kernel of <= 64 MiB does not outlast). Set by --timing.
+TIMING = "host"
+
+
 def time_row(fn, inputs, io_bytes) -> dict:
-    seconds, spread = _timeit(fn, inputs)
+    if TIMING == "in_program":
+        seconds, spread = in_program_seconds(fn, inputs, IN_PROGRAM_CALLS), None
+    else:
+        seconds, spread = _timeit(fn, inputs)
     return dict(seconds=seconds, tbps=io_bytes / seconds / 1e12, spread=spread)
 
 
@@ -298,7 +328,10 @@ def main():
     p.add_argument("--confirm-mib", type=int, default=1024)
     p.add_argument("--sweep", type=int, default=max(SWEEPS), choices=sorted(SWEEPS))
     p.add_argument("--baseline", action="store_true", help="also time build/baseline's kernels")
+    p.add_argument("--timing", choices=("host", "in_program"), default="host")
     args = p.parse_args()
+    global TIMING
+    TIMING = args.timing
     key = jax.random.key(np.random.SeedSequence().entropy % 2**31)  # fresh data every run
     configs = SWEEPS[args.sweep]
     baseline = load_baseline() if args.baseline else None
@@ -312,6 +345,7 @@ def main():
         size_mib=args.size_mib,
         confirm_mib=args.confirm_mib,
         baseline_revision=None if baseline is None else baseline.REVISION,
+        timing=TIMING,
         **result,
     )
     print(f"{'config':<22} " + " ".join(f"{op[:12]:>14}" for op in best))
