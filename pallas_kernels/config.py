@@ -4,7 +4,8 @@ Chosen by measurement on the H200 (`benchmarks/kernel_sweep.py`, BENCHMARKS.md "
 - kernels that apply the Hadamard dot stage the +-1 block in shared memory once per program, so
   a program walks several tiles with 4 warps (sweep 2: encode 1.8 -> 2.5 TB/s from that loop);
 - encode and decode take 8192-element tiles and 16-column dots, the rest of the Hadamard as
-  fp32 butterflies (sweep 5: +6% encode, +5% decode over one 128-column dot at 1 GiB);
+  fp32 butterflies (sweep 5: +6% encode, +5% decode over one 128-column dot at 1 GiB), two tiles
+  per program (sweep 6: the tail of a 4-tile loop costs encode 4% at 64 MiB);
 - kernels that hold N peer rows in registers take 2048-element tiles: decode-sum with 64-column
   dots (sweep 5: 2.06 -> 2.96 TB/s at 1 GiB), decode-sum-reencode (no dot) one tile per program
   (sweeps 1-2: 3.0-3.2 TB/s at 256 MiB).
@@ -14,15 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 
-# Elements per tile, warps and Hadamard dot columns per kind of kernel (sweeps 1-5, 256 MiB -
-# 1 GiB of bf16 on the H200; None: no dot).
-TILE_DOT = (8192, 4, 16)  # encode / decode: 64 groups of 128, one M=64 block per warpgroup
-TILE_PEERS_DOT = (2048, 4, 64)  # decode-sum: N peer tiles live in registers at once
-TILE_PEERS_NO_DOT = (2048, 4, None)  # decode-sum-reencode, and decode-sum without a Hadamard
-TILE_NO_DOT = (8192, 8, None)  # a plain streaming pass (fp8 / int8 codecs: 3.6-3.8 TB/s)
-# Tiles one dot program loops over, once the launch has enough tiles to fill the GPU with
-# programs anyway (132 SMs x ~2 resident programs x TILES_PER_PROGRAM).
-TILES_PER_PROGRAM = 4
+# Per kind of kernel (sweeps 1-6, 64 MiB - 1 GiB of bf16 on the H200): elements per tile,
+# warps, Hadamard dot columns (None: no dot) and tiles per program (a loop, see below).
+TILE_DOT = (8192, 4, 16, 2)  # encode / decode: 64 groups of 128, one M=64 block per warpgroup
+TILE_PEERS_DOT = (2048, 4, 64, 4)  # decode-sum: N peer tiles live in registers at once
+TILE_PEERS_NO_DOT = (2048, 4, None, 1)  # decode-sum-reencode; decode-sum without a Hadamard
+TILE_NO_DOT = (8192, 8, None, 1)  # a plain streaming pass (fp8 / int8 codecs: 3.6-3.8 TB/s)
+# A dot program loops over its tiles only once the launch has enough tiles to fill the GPU with
+# programs anyway (132 SMs x ~4 resident programs x the loop).
 MIN_TILES_FOR_LOOP = 1024
 # tl.dot needs every dimension >= 16 (the Hadamard is a tensor-core dot over groups).
 MIN_GROUPS_PER_TILE = 16
@@ -89,13 +89,13 @@ def block_config(group_size: int, num_groups: int, *, rows=1, peers=1, dot=True)
     dot: the kernel applies the Hadamard dot (then it loops over tiles, see module docstring).
     """
     if peers > 1:
-        elements, warps, dot_columns = TILE_PEERS_DOT if dot else TILE_PEERS_NO_DOT
+        elements, warps, dot_columns, loop = TILE_PEERS_DOT if dot else TILE_PEERS_NO_DOT
     else:
-        elements, warps, dot_columns = TILE_DOT if dot else TILE_NO_DOT
+        elements, warps, dot_columns, loop = TILE_DOT if dot else TILE_NO_DOT
     groups = max(MIN_GROUPS_PER_TILE, elements // group_size)
     groups = max(MIN_GROUPS_PER_TILE, min(groups, _next_pow2(num_groups)))
     tiles = rows * cdiv(num_groups, groups)
-    loop = TILES_PER_PROGRAM if dot and tiles >= MIN_TILES_FOR_LOOP else 1
+    loop = loop if tiles >= MIN_TILES_FOR_LOOP else 1
     return BlockConfig(
         groups,
         num_warps=warps,
