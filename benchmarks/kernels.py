@@ -113,6 +113,20 @@ def _ulp_mismatch(a, b):
     return int(np.sum(a != b)), int(diff.max(initial=0))
 
 
+def _side_difference(codec, wire, ref, n: int) -> float:
+    """Largest difference of the stored per-group scale (else pre-scale), kernel vs reference:
+    relative for fp32 scales; for E8M0 exponents, the number of groups that differ."""
+    unpacked, unpacked_ref = codecs.unpack(codec, wire, n), codecs.unpack(codec, ref, n)
+    pick = "prescales" if unpacked.scales is None else "scales"
+    side = np.asarray(getattr(unpacked, pick))
+    side_ref = np.asarray(getattr(unpacked_ref, pick))
+    if not side.size:
+        return 0.0
+    if side.dtype == np.uint8:
+        return float(np.sum(side != side_ref))
+    return float(np.max(np.abs(side / side_ref - 1)))
+
+
 def check(key):
     """interpret=False vs reference for every fused codec; returns rows for the JSON."""
     rows = []
@@ -129,14 +143,6 @@ def check(key):
             wire = pk.encode(codec, x, out_init=poison)
             ref = pk.encode_reference(codec, x)
             diffs, steps = _ulp_mismatch(wire[:, :n], ref[:, :n])
-            unpacked, unpacked_ref = codecs.unpack(codec, wire, n), codecs.unpack(codec, ref, n)
-            pick = "prescales" if unpacked.scales is None else "scales"
-            side = np.asarray(getattr(unpacked, pick))
-            side_ref = np.asarray(getattr(unpacked_ref, pick))
-            if side.dtype == np.uint8:
-                side_err = float(np.max(np.abs(side.astype(int) - side_ref.astype(int))))
-            else:
-                side_err = float(np.max(np.abs(side / side_ref - 1))) if side.size else 0.0
             dec = pk.decode(codec, ref, n, jnp.float32, out_init=jnp.full((PEERS, n), jnp.nan))
             dec_ref = pk.decode_reference(codec, ref, n)
             dec_err = float(jnp.max(jnp.abs(dec - dec_ref)) / jnp.max(jnp.abs(dec_ref)))
@@ -153,13 +159,15 @@ def check(key):
                 n=n,
                 encode_code_mismatch=diffs,
                 encode_max_code_steps=steps,
-                encode_scale_max_rel=side_err,
+                encode_scale_max_rel=_side_difference(codec, wire, ref, n),
                 decode_max_rel=dec_err,
                 decode_finite=bool(jnp.all(jnp.isfinite(dec))),
                 decode_sum_max_rel=sum_err,
                 decode_sum_finite=bool(jnp.all(jnp.isfinite(s))),
                 dsr_code_mismatch=r_diffs,
                 dsr_max_code_steps=r_steps,
+                # E8M0: groups whose exponent differs (a flip moves its codes by ~8 steps).
+                dsr_scale_difference=_side_difference(codec, r, r_ref, n),
                 # Two poisons: an element the kernel never writes keeps the poison, so differs.
                 unwritten=int(jnp.sum(wire != pk.encode(codec, x, out_init=poison ^ 0xFF)))
                 + int(
