@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
+from pallas_kernels import _tile
 from taco_jax import codecs
 
 FP32_EPS = 2.0**-24
@@ -293,3 +294,21 @@ def test_block_config_covers_every_group(groups, rows, dot):
     covered = cfg.grid_size(groups) * cfg.tiles_per_program * cfg.groups_per_tile
     assert groups <= covered < groups + cfg.tiles_per_program * cfg.groups_per_tile
     assert cfg.masked(groups) == (covered != groups)
+
+
+@pytest.mark.parametrize(
+    "group_size, dot_columns", [(32, 16), (128, 16), (128, 64), (128, 128), (512, 16), (512, 128)]
+)
+def test_signed_hadamard_factorization(group_size, dot_columns):
+    """Dots of `dot_columns` plus low-bit butterflies equal x @ (sqrt(G) H_G), the +-1 matrix.
+
+    Tolerance: each output is a G-term sum of +-x_i in fp32 (dot accumulation, then butterflies),
+    so its error is at most (G - 1) 2^-24 sum_i |x_i| (recursive summation bound)."""
+    x = _x(jax.random.key(3), (6, group_size), jnp.float32)
+    cfg = pk.BlockConfig(16, hadamard_dot=dot_columns)
+    hblock = jnp.asarray(_tile.hadamard_block(group_size, cfg), jnp.bfloat16)
+    got = _tile.signed_hadamard(x, hblock, exact_bf16=False, interpret=True)
+    x64 = np.asarray(x, np.float64)
+    signs = np.round(codecs.hadamard_matrix(group_size).astype(np.float64) * np.sqrt(group_size))
+    bound = (group_size - 1) * FP32_EPS * np.abs(x64).sum(axis=-1, keepdims=True)
+    assert np.all(np.abs(np.asarray(got, np.float64) - x64 @ signs) <= bound)
