@@ -7,11 +7,13 @@ passes over HBM with a tiny per-group reduction and one small matmul per tile; t
 lowering reaches that with plain masked loads/stores, works under `jax.vmap` and inside
 `shard_map`, and has an interpret mode that runs the same kernel body on the CPU (CI). Mosaic GPU
 (`plgpu.kernel`) cannot be vmapped (TACO.md section 6), and its `pallas_call` path needs explicit
-TMA/warpgroup staging for the same result. Measured (BENCHMARKS.md, "Kernels", sweep 1): a
+TMA/warpgroup staging for the same result. Measured (BENCHMARKS.md, "Kernels", sweeps 1-6): a
 Pallas kernel with these kernels' own load/store pattern copies at 95-97% of torch's device copy,
-and the codecs without a Hadamard encode at 3.5-3.8 TB/s, so the lowering streams at HBM speed;
-what remains is the Hadamard dot's layout traffic, which a Mosaic GPU or raw Triton (jax-triton)
-port would have to beat: that comparison is open. jax-triton is not used for the same reason.
+and the codecs without a Hadamard encode at 3.5-3.8 TB/s, so the lowering streams at HBM speed.
+With the Hadamard as 16-column dots plus butterflies, encode runs at 2.96 TB/s and decode at
+3.37 (1 GiB): the remaining ~20% is the dot's layout traffic at 116 registers per thread, which
+a Mosaic GPU or raw Triton (jax-triton) port would have to beat; that comparison is open, so
+jax-triton is not used.
 
 `check_vma`: the kernels run inside `jax.shard_map` with either setting and under `vmap`. With
 `check_vma=True` each output takes the manual axis type of its input (`_typed_like`); that path
