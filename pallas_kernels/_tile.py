@@ -2,7 +2,8 @@
 
 Each function mirrors a stage of `taco_jax.codecs` (same constants, same order of clamps) on a
 [T, G] tile held in registers, written only with ops the Triton lowering supports (no `round`,
-no value slicing, `concatenate` only of [..., 1] pieces).
+no value slicing, `concatenate` only of [..., 1] pieces, `unstack` / `stack` only of a last axis
+of size 2).
 
 Rounding differences from the reference (all of them O(few fp32 ulp) in a pre-rounding value, so
 an FP8/INT8 code can differ only where the reference value sits within that distance of a
