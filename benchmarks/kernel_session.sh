@@ -10,7 +10,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
 nvidia-smi -L
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels -m gpu 2>&1 \
+  timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels -m gpu 2>&1 \
     | tail -n 15 | tee "$OUT/tests.log"
 fi
 if [ -n "${SWEEP:-}" ]; then

@@ -27,7 +27,9 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 
 load = pltriton.load
@@ -93,3 +95,97 @@ def _typed_like(out_shape, like):
 
 
 partial = functools.partial
+
+
+# ------------------------------------------------------------------------------------------
+# Mosaic GPU (`encode_mosaic`): Hopper only (wgmma, TMA), GPU only (no interpret mode here: the
+# GPU interpreter of jax 0.11.2 does not run `emit_pipeline`'s predicated stores).
+
+_SWIZZLE_BYTES = 128
+
+
+def hopper_gpu() -> bool:
+    """Whether the default device is a Hopper GPU (compute capability 9.x: wgmma)."""
+    if jax.default_backend() != "gpu":
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+
+
+def _swizzle(dtype) -> tuple:
+    """Tiling + 128-byte swizzle of a shared-memory tile that wgmma reads (rows of 128 bytes)."""
+    elements = _SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, elements)), plgpu.SwizzleTransform(_SWIZZLE_BYTES))
+
+
+def smem(shape, dtype, *, swizzled: bool = False):
+    return plgpu.SMEM(shape, dtype, transforms=_swizzle(dtype) if swizzled else ())
+
+
+def smem_union(*shapes_and_dtypes):
+    """One shared buffer seen as each (shape, dtype): written as one, TMA-stored as another."""
+    return plgpu.RefUnion(*(plgpu.SMEM(shape, dtype) for shape, dtype in shapes_and_dtypes))
+
+
+def barrier():
+    return plgpu.Barrier(num_barriers=1)
+
+
+def block(shape, index_map, *, swizzled: bool = False, dtype=jnp.bfloat16):
+    """A pipeline block of a GMEM ref (swizzled: for a wgmma operand of `dtype`)."""
+    return plgpu.BlockSpec(shape, index_map, transforms=_swizzle(dtype) if swizzled else ())
+
+
+def pipeline(body, *, steps: int, in_specs, out_specs, in_flight: int):
+    """`steps` pipeline steps over GMEM refs, `in_flight` of them loading/storing at once."""
+    return plgpu.emit_pipeline(
+        body,
+        grid=(steps,),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        max_concurrent_steps=in_flight,
+    )
+
+
+def copy_in(gmem_ref, smem_ref, done):
+    """Blocking TMA load of a whole GMEM ref into shared memory."""
+    plgpu.copy_gmem_to_smem(gmem_ref, smem_ref, done)
+    plgpu.barrier_wait(done)
+
+
+def copy_out(smem_ref, gmem_ref):
+    """Asynchronous TMA store (commit shared-memory writes first: `commit_smem`)."""
+    plgpu.copy_smem_to_gmem(smem_ref, gmem_ref)
+
+
+def wait_stores(pending: int):
+    """Waits until at most `pending` TMA stores have not yet read their shared memory."""
+    plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
+
+
+commit_smem = plgpu.commit_smem
+
+
+def wgmma(a_smem, b_smem, shape):
+    """a @ b (shared-memory bf16 operands) on the tensor cores -> fp32 registers of `shape`."""
+
+    def dot(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, b_smem)
+        return acc_ref[...]
+
+    return pl.run_scoped(dot, plgpu.ACC(shape, jnp.float32))
+
+
+def mosaic_kernel(body, *args, out_shape, scratch, grid, grid_names, name: str):
+    """Runs a Mosaic GPU kernel `body(*arg_refs, out_ref, *scratch_refs)` over `grid`.
+
+    `jax.vmap` adds a grid axis (`plgpu.kernel`'s batching rule); under `shard_map` the output
+    is typed like args[0] (`_typed_like`).
+    """
+    return plgpu.kernel(
+        body,
+        out_type=_typed_like(out_shape, args[0]),
+        scratch_types=scratch,
+        grid=grid,
+        grid_names=grid_names,
+        kernel_name=name,
+    )(*args)

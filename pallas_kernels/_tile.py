@@ -168,7 +168,8 @@ def ash_prescale(mean_sq: jnp.ndarray) -> jnp.ndarray:
 
 
 def _nan_if_nonfinite(scale, amax):
-    return jnp.where(jnp.isfinite(amax), scale, jnp.nan)
+    # amax >= 0 or NaN, so `amax < inf` is isfinite(amax), in ops Mosaic GPU lowers too.
+    return jnp.where(amax < jnp.inf, scale, jnp.nan)
 
 
 def quantize(codec: Codec, scaled: jnp.ndarray, *, interpret: bool) -> jnp.ndarray:
@@ -240,7 +241,7 @@ def scale_rows(q, d):
     """q [T, G] times a per-group factor d [T] (or a Python float: 1.0 is nothing to do)."""
     if isinstance(d, float):
         return q if d == 1.0 else q * np.float32(d)
-    return q * d[:, None]
+    return q * lax.broadcast_in_dim(d, q.shape, (0,))
 
 
 # ------------------------------------------------------------------------------------------

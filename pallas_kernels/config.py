@@ -107,3 +107,27 @@ def block_config(group_size: int, num_groups: int, *, rows=1, peers=1, dot=True)
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# Mosaic GPU encode (`encode_mosaic`, mosaic_study 1-3 on the H200): a program pipelines
+# MOSAIC_TILES_PER_PROGRAM tiles of 64 groups with MOSAIC_STEPS_IN_FLIGHT TMA stages (16 / 3:
+# 3.6-4.0 TB/s from 64 MiB; 64 tiles starve a 64 MiB call of programs), fewer when the call is
+# too small to give every SM ~2 programs.
+MOSAIC_GROUPS_PER_TILE = 64  # one wgmma M block of a warpgroup
+MOSAIC_TILES_PER_PROGRAM = 16
+MOSAIC_STEPS_IN_FLIGHT = 3
+MOSAIC_MIN_PROGRAMS = 256
+# "auto" takes the Mosaic encode from this many tiles (64 MiB of bf16), where it measured 1.19x
+# (64 MiB) - 1.33x (1 GiB) the Triton kernel; at 4 MiB it took twice as long (9.5 vs 4.5 us in
+# one program: 1-tile programs each stage the 32 KiB sign matrix). 4 - 64 MiB is not measured.
+MOSAIC_MIN_TILES = MOSAIC_TILES_PER_PROGRAM * MOSAIC_MIN_PROGRAMS
+
+
+def mosaic_launch(rows: int, tiles_per_row: int) -> tuple[int, int]:
+    """(tiles per program, pipeline steps in flight) of the Mosaic encode."""
+    per_program = MOSAIC_TILES_PER_PROGRAM
+    while per_program > 1 and (
+        tiles_per_row % per_program or rows * tiles_per_row // per_program < MOSAIC_MIN_PROGRAMS
+    ):
+        per_program //= 2
+    return per_program, min(MOSAIC_STEPS_IN_FLIGHT, per_program)

@@ -1,0 +1,158 @@
+"""Fused encode on Hopper through Mosaic GPU: x[R, n] bf16 -> packed wire rows, G = 128.
+
+The same function as the Triton-lowered `encode_kernel.encode` (and so as
+`codecs.pack(codec, codecs.encode_reference(codec, x))` up to `_tile`'s rounding notes), for the
+codec `taco` (Hadamard, ASH pre-scale, fp32 DS scales, E4M3 codes). The ASH
+energy is taken from S x rather than x: H is orthonormal, so the two agree up to fp32 rounding
+of alpha, which cancels in y / s.
+
+Why a second backend for this kernel (BENCHMARKS.md, "Kernels", note 12): the Triton lowering
+moves every tile through registers, then shared memory for the dot, then back, at 116 registers
+per thread; encode ran at 84-92% of the copy. Here a program walks `tiles_per_program` tiles of
+64 groups of one row in a software pipeline (`emit_pipeline`): TMA loads each bf16 tile into
+swizzled shared memory, where one 64 x 128 x 128 wgmma reads it together with the +-1 Sylvester
+matrix (staged once per program); `_tile.encode_groups` turns the accumulator into codes, which
+TMA stores into the wire row. The scales and pre-scales go through an fp32 shared buffer, stored
+by TMA through a uint8 alias of it (`RefUnion`) into the row's side sections.
+
+The wire row is addressed as [W / 128, 128] bytes: Mosaic GPU indexes GMEM refs but does not
+reshape them, and with 128-byte rows a tile's codes (64 rows) and each of its side sections
+(2 rows) are whole rows. TMA stores of uint8 rows tile them by 8 rows, so the row count,
+17 / 16 of the groups, must be a multiple of 8: whole pairs of tiles. Hence `unsupported`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels import _pallas, _tile
+from pallas_kernels.config import MOSAIC_GROUPS_PER_TILE, MOSAIC_MIN_TILES, mosaic_launch
+from taco_jax import codecs
+from taco_jax.codecs import Codec
+
+GROUP_SIZE = 128
+ROW_BYTES = 128  # the wire row is addressed in rows of this many bytes
+_TILE = MOSAIC_GROUPS_PER_TILE
+
+
+def unsupported(codec: Codec, x: jax.Array) -> str | None:
+    """Why this kernel cannot encode `x` with `codec` (None: it can)."""
+    if codec.group_size != GROUP_SIZE:
+        return f"group_size={codec.group_size} (needs {GROUP_SIZE})"
+    if not (codec.hadamard and codec.prescale and codec.postscale):
+        return f"codec {codec.name!r} (needs a Hadamard, ASH pre-scale and DS post-scale)"
+    if codec.scale_format != "fp32" or codec.element != "e4m3":
+        return f"codec {codec.name!r} (needs fp32 scales and E4M3 codes)"
+    if x.ndim != 2 or x.dtype != jnp.bfloat16:
+        return f"x of shape={x.shape} dtype={x.dtype} (needs bf16 rows [R, n])"
+    if x.shape[1] % (2 * _TILE * GROUP_SIZE):
+        return f"n={x.shape[1]} (needs a multiple of {2 * _TILE * GROUP_SIZE}: tile pairs)"
+    if not _pallas.hopper_gpu():
+        return "the default device is not a Hopper GPU (wgmma)"
+    return None
+
+
+def preferred(codec: Codec, x: jax.Array) -> bool:
+    """Whether "auto" takes this kernel: it applies, and the call has >= MOSAIC_MIN_TILES tiles."""
+    if unsupported(codec, x) is not None:
+        return False
+    return x.shape[0] * x.shape[1] >= MOSAIC_MIN_TILES * _TILE * GROUP_SIZE
+
+
+def encode(codec: Codec, x: jax.Array) -> jax.Array:
+    """x[R, n] -> wire[R, codec.wire_bytes(n)] (raises ValueError where `unsupported`)."""
+    reason = unsupported(codec, x)
+    if reason is not None:
+        raise ValueError(f"the Mosaic GPU encode cannot take {reason}")
+    rows, n = x.shape
+    groups = n // GROUP_SIZE
+    tiles_per_program, steps = mosaic_launch(rows, groups // _TILE)
+    scale_at, prescale_at = codecs.side_offsets(codec, n)
+    body = _pallas.partial(
+        _encode_body,
+        codec=codec,
+        tiles_per_program=tiles_per_program,
+        steps=steps,
+        side_rows=(scale_at // ROW_BYTES, prescale_at // ROW_BYTES),
+    )
+    wire_rows = codec.wire_bytes(n) // ROW_BYTES
+    out_shape = jax.ShapeDtypeStruct((rows, wire_rows, ROW_BYTES), jnp.uint8)
+    signs = np.sign(codecs.hadamard_matrix(GROUP_SIZE))  # S = sqrt(G) H, exact in bf16
+    wire = _pallas.mosaic_kernel(
+        body,
+        x.reshape(rows, groups, GROUP_SIZE),
+        jnp.asarray(signs, jnp.bfloat16),
+        out_shape=out_shape,
+        scratch=[
+            _pallas.smem((GROUP_SIZE, GROUP_SIZE), jnp.bfloat16, swizzled=True),
+            _pallas.barrier(),
+            _pallas.smem_union(  # fp32 sides of two tiles, and the same bytes as uint8 rows
+                ((2, 2, _TILE), jnp.float32), ((2, 4, ROW_BYTES), jnp.uint8)
+            ),
+        ],
+        grid=(rows, (groups // _TILE) // tiles_per_program),
+        grid_names=("row", "program"),
+        name=f"taco_encode_mosaic_{codec.name}_g{GROUP_SIZE}",
+    )
+    return wire.reshape(rows, wire_rows * ROW_BYTES)
+
+
+def _encode_body(
+    x_gmem, signs_gmem, wire_gmem, signs_smem, signs_barrier, sides, *, codec, **launch
+):
+    """One program: `tiles_per_program` consecutive tiles of row `row`."""
+    _pallas.copy_in(signs_gmem, signs_smem, signs_barrier)
+    row = lax.axis_index("row")
+    first = lax.axis_index("program") * launch["tiles_per_program"]
+    step = _pallas.partial(
+        _encode_step,
+        codec=codec,
+        signs_smem=signs_smem,
+        sides=sides,
+        wire_row=wire_gmem.at[row],
+        first=first,
+        side_rows=launch["side_rows"],
+    )
+    tile_block = lambda i: (first + i, 0)  # noqa: E731
+    _pallas.pipeline(
+        step,
+        steps=launch["tiles_per_program"],
+        in_specs=[_pallas.block((_TILE, GROUP_SIZE), tile_block, swizzled=True)],
+        out_specs=[_pallas.block((_TILE, GROUP_SIZE), tile_block)],
+        in_flight=launch["steps"],
+    )(x_gmem.at[row], wire_gmem.at[row])
+
+
+def _encode_step(
+    index, x_smem, codes_smem, *, codec, signs_smem, sides, wire_row, first, side_rows
+):
+    (i,) = index
+    v = _pallas.wgmma(x_smem, signs_smem, (_TILE, GROUP_SIZE))  # S x, fp32
+    unit = _tile.hadamard_unit(GROUP_SIZE)
+    mean_sq = _tile.mean_square(v, unit)
+    codes, scale, prescale = _tile.encode_groups(codec, v, mean_sq, unit=unit, interpret=False)
+    codes_smem[...] = codes
+    _store_sides(sides, wire_row, first + i, side_rows, (scale, prescale))
+
+
+def _store_sides(sides, wire_row, tile, side_rows, values):
+    """TMA-stores one tile's fp32 scale and pre-scale into the row's two side sections.
+
+    Two slots alternate between tiles. Each tile issues 3 bulk stores (2 here, the codes by the
+    pipeline), so waiting until at most 3 are pending frees the slot of two tiles ago.
+    """
+    sides_f32, sides_u8 = sides
+    slot = lax.rem(tile, 2)
+    _pallas.wait_stores(3)
+    for k, value in enumerate(values):
+        sides_f32[slot, k] = value
+    _pallas.commit_smem()
+    rows_per_tile = 4 * _TILE // ROW_BYTES  # 64 fp32 values = 2 rows
+    for k, section in enumerate(side_rows):
+        _pallas.copy_out(
+            sides_u8.at[slot, _pallas.ds(rows_per_tile * k, rows_per_tile)],
+            wire_row.at[_pallas.ds(section + rows_per_tile * tile, rows_per_tile)],
+        )

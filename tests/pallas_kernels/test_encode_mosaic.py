@@ -1,0 +1,150 @@
+"""The Mosaic GPU encode (`pallas_kernels.encode_mosaic`): when it applies, and on a Hopper GPU
+that it computes the reference's encode.
+
+Tolerances: those of test_kernels.py (codes one step apart only at rounding ties, fp32 scales
+within TIE_RTOL). The ASH energy here is taken from S x instead of x; alpha then differs by a
+few fp32 ulp, which moves the pre-rounding value y / s by a few ulp as well (alpha cancels in
+y / s up to rounding): inside the same G^1.5 * 2^-24 tie bound.
+
+Unwritten bytes: the Mosaic kernel cannot alias a poisoned output buffer (`plgpu.kernel` has no
+input/output aliasing), so each check encodes two different fresh inputs in a row; a byte the
+kernel skipped would keep the first call's value and fail the second comparison.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_kernels import _ideal_scaled, _tie_rtol, _x, assert_codes_match
+
+import pallas_kernels as pk
+from pallas_kernels import _pallas, encode_mosaic
+from pallas_kernels.config import (
+    MOSAIC_MIN_PROGRAMS,
+    MOSAIC_MIN_TILES,
+    MOSAIC_TILES_PER_PROGRAM,
+    mosaic_launch,
+)
+from taco_jax import codecs
+
+TILE_ELEMENTS = 64 * 128  # one 64-group tile of G = 128
+
+hopper = pytest.mark.skipif(not _pallas.hopper_gpu(), reason="needs a Hopper GPU")
+
+
+def _x_tiles(key, rows, tiles):
+    return _x(key, (rows, tiles * TILE_ELEMENTS), jnp.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "name,group_size,dtype,tiles,reason",
+    [
+        ("taco", 64, jnp.bfloat16, 1, "group_size=64"),
+        ("fp8", 128, jnp.bfloat16, 1, "codec 'fp8'"),
+        ("taco_e8m0", 128, jnp.bfloat16, 1, "fp32 scales"),
+        ("taco_e5m2", 128, jnp.bfloat16, 1, "E4M3 codes"),
+        ("taco", 128, jnp.float32, 1, "dtype=float32"),
+    ],
+)
+def test_unsupported_names_the_value(name, group_size, dtype, tiles, reason):
+    codec = codecs.get_codec(name, group_size)
+    x = jnp.zeros((2, tiles * 64 * group_size), dtype)
+    assert reason in encode_mosaic.unsupported(codec, x)
+
+
+@pytest.mark.parametrize("n", [TILE_ELEMENTS + 128, TILE_ELEMENTS, 3 * TILE_ELEMENTS])
+def test_partial_tile_pairs_are_unsupported(n):
+    x = jnp.zeros((2, n), jnp.bfloat16)
+    assert f"n={n}" in encode_mosaic.unsupported(codecs.get_codec("taco"), x)
+
+
+@pytest.mark.skipif(_pallas.hopper_gpu(), reason="checks the error off Hopper")
+def test_mosaic_backend_off_hopper_says_why():
+    x = jnp.zeros((2, 2 * TILE_ELEMENTS), jnp.bfloat16)
+    with pytest.raises(ValueError, match="not a Hopper GPU"):
+        pk.encode(codecs.get_codec("taco"), x, backend="mosaic")
+
+
+def test_auto_prefers_mosaic_only_for_large_calls():
+    codec = codecs.get_codec("taco")
+    small = jnp.zeros((8, 2 * TILE_ELEMENTS), jnp.bfloat16)
+    large = jnp.zeros((8, MOSAIC_MIN_TILES // 8 * TILE_ELEMENTS), jnp.bfloat16)
+    assert not encode_mosaic.preferred(codec, small)
+    assert encode_mosaic.preferred(codec, large) == _pallas.hopper_gpu()
+
+
+def test_encode_backend_errors_name_the_value():
+    codec, x = codecs.get_codec("taco"), jnp.zeros((2, TILE_ELEMENTS), jnp.bfloat16)
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        pk.encode(codec, x, backend="cuda")
+    with pytest.raises(ValueError, match="takes no interpret"):
+        pk.encode(codec, x, backend="mosaic", interpret=True)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("tiles_per_row", [1, 6, 64, 512, 2048])
+def test_mosaic_launch_divides_rows_and_fills_the_gpu(rows, tiles_per_row):
+    per_program, in_flight = mosaic_launch(rows, tiles_per_row)
+    assert tiles_per_row % per_program == 0 and per_program & (per_program - 1) == 0
+    assert 1 <= in_flight <= per_program
+    if per_program == MOSAIC_TILES_PER_PROGRAM:
+        assert rows * tiles_per_row // per_program >= MOSAIC_MIN_PROGRAMS
+    elif per_program > 1:  # the next larger loop would leave too few programs or not divide
+        bigger = 2 * per_program
+        assert tiles_per_row % bigger or rows * tiles_per_row // bigger < MOSAIC_MIN_PROGRAMS
+
+
+def assert_encodes_like_reference(codec, x, wire):
+    n = x.shape[1]
+    ref = pk.encode_reference(codec, x)
+    assert wire.shape == ref.shape and wire.dtype == jnp.uint8
+    got, want = codecs.unpack(codec, wire, n), codecs.unpack(codec, ref, n)
+    ideal = _ideal_scaled(codec, np.asarray(x, np.float64), want)
+    finite = np.repeat(np.isfinite(np.asarray(want.scales)), codec.group_size, axis=-1)
+    assert_codes_match(codec, np.asarray(got.codes)[finite], np.asarray(want.codes)[finite],
+                       ideal[finite])  # fmt: skip
+    for a, b in ((got.scales, want.scales), (got.prescales, want.prescales)):
+        np.testing.assert_allclose(a, b, rtol=_tie_rtol(codec.group_size), atol=0)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("rows,tiles", [(3, 2), (3, 6), (8, 64), (8, 512)])
+def test_matches_reference_on_fresh_data(rows, tiles):
+    codec = codecs.get_codec("taco", 128)
+    for seed in range(2):  # two inputs in a row: see the module docstring on unwritten bytes
+        x = _x_tiles(jax.random.key(hash((rows, tiles, seed)) % 2**31), rows, tiles)
+        assert_encodes_like_reference(codec, x, pk.encode(codec, x, backend="mosaic"))
+
+
+@pytest.mark.gpu
+@hopper
+def test_nonfinite_groups_stay_visible():
+    codec = codecs.get_codec("taco", 128)
+    x = _x_tiles(jax.random.key(7), 2, 2).at[1, 300].set(jnp.inf).at[0, 5].set(jnp.nan)
+    wire = pk.encode(codec, x, backend="mosaic")
+    scales = np.asarray(codecs.unpack(codec, wire, x.shape[1]).scales)
+    assert np.isnan(scales[0, 0]) and np.isnan(scales[1, 2])
+    assert np.isfinite(np.delete(scales.reshape(-1), [0, scales.shape[1] + 2])).all()
+    assert_encodes_like_reference(codec, x, wire)
+
+
+@pytest.mark.gpu
+@hopper
+def test_auto_picks_mosaic_and_composes_with_vmap_and_shard_map():
+    codec = codecs.get_codec("taco", 128)
+    big = jnp.zeros((8, MOSAIC_MIN_TILES // 8 * TILE_ELEMENTS), jnp.bfloat16)
+    assert "mosaic" in jax.jit(lambda x: pk.encode(codec, x)).lower(big).as_text().lower()
+    assert "mosaic" not in jax.jit(lambda x: pk.encode(codec, x)).lower(big[:, :32768]).as_text()
+    xs = _x_tiles(jax.random.key(9), 4 * 2, 4).reshape(4, 2, -1)
+    encode = lambda x: pk.encode(codec, x, backend="mosaic")  # noqa: E731
+    batched = jax.vmap(encode)(xs)
+    for b in range(4):
+        np.testing.assert_array_equal(batched[b], encode(xs[b]))
+    # check_vma=True (the default) types the Mosaic kernel's output like its input.
+    mesh = jax.make_mesh((1,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = jax.device_put(xs[0], jax.sharding.NamedSharding(mesh, jax.P("tp")))
+    sharded = jax.jit(
+        jax.shard_map(encode, mesh=mesh, in_specs=jax.P("tp"), out_specs=jax.P("tp"))
+    )(x)
+    np.testing.assert_array_equal(sharded, encode(xs[0]))
