@@ -10,8 +10,11 @@ consecutive tiles (`emit_pipeline`). This script builds that kernel for the `tac
 wgmma), checks it against the reference on fresh data, and times it beside the Pallas encode and
 the XLA copy of the same bytes in one run (program timing: dependent calls inside one program).
 
-The Mosaic kernel writes codes, scales and pre-scales to three arrays, not to the packed wire
-row: the same bytes, so its time bounds what a wire-row version could reach.
+Variants: "arrays" writes codes, scales and pre-scales to three arrays (study 1: the same bytes
+as the wire, a bound for it); "packed" writes the real wire row, scales through a uint8 alias
+of an fp32 shared buffer (what `pallas_kernels/encode_mosaic.py` became); "planar64" writes a
+byte-planar side layout that needs no alias (studies 2-3, BENCHMARKS.md note 12). The Triton
+encode is timed as `pk.encode(..., backend="triton")`.
 """
 
 from __future__ import annotations
@@ -310,7 +313,7 @@ def time_sizes(key, sizes_mib, variants) -> list[dict]:
         row = dict(size_mib=size_mib)
         row["xla_copy_s"] = in_program_seconds(lambda x: -x, xs, IN_PROGRAM_CALLS)
         row["xla_copy_tbps"] = copy_bytes / row["xla_copy_s"] / 1e12
-        fns = {"pallas_encode": lambda x: pk.encode(codec, x), **variants}
+        fns = {"pallas_encode": lambda x: pk.encode(codec, x, backend="triton"), **variants}
         for name, fn in fns.items():
             try:
                 sec = in_program_seconds(fn, xs, IN_PROGRAM_CALLS)

@@ -1,19 +1,24 @@
 """Every Pallas and backend import of the package, in one place (STYLE.md: paths and
 `CompilerParams` classes move between JAX versions).
 
-Backend: the Triton lowering of `pl.pallas_call` (jax 0.11.2 picks it when the compiler params
-are `triton.CompilerParams`). Why not Mosaic GPU: these kernels are streaming, element-wise
-passes over HBM with a tiny per-group reduction and one small matmul per tile; the Triton
-lowering reaches that with plain masked loads/stores, works under `jax.vmap` and inside
-`shard_map`, and has an interpret mode that runs the same kernel body on the CPU (CI). Mosaic GPU
-(`plgpu.kernel`) cannot be vmapped (TACO.md section 6), and its `pallas_call` path needs explicit
-TMA/warpgroup staging for the same result. Measured (BENCHMARKS.md, "Kernels", sweeps 1-6): a
-Pallas kernel with these kernels' own load/store pattern copies at 95-97% of torch's device copy,
-and the codecs without a Hadamard encode at 3.5-3.8 TB/s, so the lowering streams at HBM speed.
-With the Hadamard as 16-column dots plus butterflies, encode runs at 2.96 TB/s and decode at
-3.37 (1 GiB): the remaining ~20% is the dot's layout traffic at 116 registers per thread, which
-a Mosaic GPU or raw Triton (jax-triton) port would have to beat; that comparison is open, so
-jax-triton is not used.
+Backends, chosen per kernel by measurement (BENCHMARKS.md, "Kernels", notes 1-12):
+- the Triton lowering of `pl.pallas_call` (jax 0.11.2 picks it for `triton.CompilerParams`) for
+  decode, decode-sum, decode-sum-reencode and every encode the Mosaic kernel does not take. These
+  are streaming passes over HBM with a small per-group reduction and small dots; the lowering
+  streams at HBM speed (a Pallas copy with their load/store pattern: 95-97% of torch's copy),
+  works under `jax.vmap` and `shard_map`, and runs the same bodies on the CPU in interpret mode
+  (CI). Decode and decode-sum-reencode reach 93-118% of the XLA copy from 64 MiB. jax 0.11
+  deprecates this lowering (a DeprecationWarning at lowering time); it is kept while it is the
+  fastest path for these kernels and the only one with a CPU interpret mode that runs them.
+- Mosaic GPU (`plgpu.kernel`, below) for the `taco` encode of bf16 on Hopper from 64 MiB
+  (`encode_mosaic`): there the Triton lowering stopped at 84-91% of the copy, losing ~20% to the
+  dot's register/shared-memory layout traffic (116 registers per thread), while TMA-staged tiles
+  that wgmma reads in place run at 100-121% (1.19-1.33x). `plgpu.kernel` batches under `vmap` by
+  adding a grid axis; its GPU interpreter (jax 0.11.2) does not run `emit_pipeline`, so that
+  kernel is tested on the GPU only.
+- jax-triton (raw Triton): not used. Its 0.4.1 release needs triton >= 3.7 (the GPU image has
+  3.6) and does not batch under `vmap`, which TP emulation needs; Mosaic GPU closed the one gap
+  a raw Triton kernel was to address (a register cap, `maxnreg`, for the encode).
 
 `check_vma`: the kernels run inside `jax.shard_map` with either setting and under `vmap`. With
 `check_vma=True` each output takes the manual axis type of its input (`_typed_like`); that path
