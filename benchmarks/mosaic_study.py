@@ -340,8 +340,16 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
     p.add_argument("--sizes-mib", default="64,256,1024")
+    p.add_argument("--package-only", action="store_true", help="time only pallas_kernels' encoders")
     args = p.parse_args()
     key = jax.random.key(np.random.SeedSequence().entropy % 2**31)  # fresh data every run
+    sizes = [int(s) for s in args.sizes_mib.split(",")]
+    if args.package_only:
+        codec = codecs.get_codec("taco", G)
+        mosaic = {"package_mosaic": lambda x: pk.encode(codec, x, backend="mosaic")}
+        rows = time_sizes(key, sizes, mosaic)
+        _common.write_record("mosaic_study_package", args.out, timings=rows)
+        return
     checks = {}
     wire_cases = {
         "planar64_t16_s3": (16, 3, "planar64"),
@@ -361,7 +369,6 @@ def main():
     for name, (tpp, steps, layout) in wire_cases.items():
         if "error" not in checks[name]:
             variants[name] = _wire(tpp, steps, layout)
-    sizes = [int(s) for s in args.sizes_mib.split(",")]
     rows = time_sizes(key, sizes, variants)
     _common.write_record("mosaic_study", args.out, checks=checks, timings=rows)
 

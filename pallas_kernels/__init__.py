@@ -4,7 +4,8 @@ Every codec of `taco_jax.CODEC_NAMES` except "none" is fused (encode, decode, de
 decode-sum-reencode); "none" (raw fp32 bytes, no arithmetic) runs the reference ops. Kernels are
 `pl.pallas_call`s on the Triton lowering, except the `taco` encode of large bf16 messages on
 Hopper, a Mosaic GPU kernel (`encode_mosaic`; why: `_pallas.py`). All work under `jax.vmap` and
-inside `jax.shard_map`; `interpret=True` runs the Triton bodies on the CPU.
+inside `jax.shard_map`; `interpret=True` runs the Triton bodies on the CPU (and
+`encode_mosaic.encode(..., interpret=True)` the Mosaic one, codes only).
 """
 
 from __future__ import annotations

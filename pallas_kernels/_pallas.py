@@ -13,9 +13,11 @@ Backends, chosen per kernel by measurement (BENCHMARKS.md, "Kernels", notes 1-12
 - Mosaic GPU (`plgpu.kernel`, below) for the `taco` encode of bf16 on Hopper from 64 MiB
   (`encode_mosaic`): there the Triton lowering stopped at 84-91% of the copy, losing ~20% to the
   dot's register/shared-memory layout traffic (116 registers per thread), while TMA-staged tiles
-  that wgmma reads in place run at 100-121% (1.19-1.33x). `plgpu.kernel` batches under `vmap` by
-  adding a grid axis; its GPU interpreter (jax 0.11.2) does not run `emit_pipeline`, so that
-  kernel is tested on the GPU only.
+  that wgmma reads in place run at 97-118% (1.15-1.30x). `plgpu.kernel` batches under `vmap` by
+  adding a grid axis. Its CPU interpreter (jax 0.11.2) runs the kernel, because the kernel
+  issues its own stores (the interpreter has no predicated stores, which `emit_pipeline`'s
+  outputs use), but it does not alias `RefUnion` members: on the CPU only the codes are
+  checked, the side bytes on the GPU.
 - jax-triton (raw Triton): not used. Its 0.4.1 release needs triton >= 3.7 (the GPU image has
   3.6) and does not batch under `vmap`, which TP emulation needs; Mosaic GPU closed the one gap
   a raw Triton kernel was to address (a register cap, `maxnreg`, for the encode).
@@ -103,8 +105,7 @@ partial = functools.partial
 
 
 # ------------------------------------------------------------------------------------------
-# Mosaic GPU (`encode_mosaic`): Hopper only (wgmma, TMA), GPU only (no interpret mode here: the
-# GPU interpreter of jax 0.11.2 does not run `emit_pipeline`'s predicated stores).
+# Mosaic GPU (`encode_mosaic`): Hopper only (wgmma, TMA); the interpreter runs it on the CPU.
 
 _SWIZZLE_BYTES = 128
 
@@ -180,11 +181,11 @@ def wgmma(a_smem, b_smem, shape):
     return pl.run_scoped(dot, plgpu.ACC(shape, jnp.float32))
 
 
-def mosaic_kernel(body, *args, out_shape, scratch, grid, grid_names, name: str):
+def mosaic_kernel(body, *args, out_shape, scratch, grid, grid_names, name: str, interpret=False):
     """Runs a Mosaic GPU kernel `body(*arg_refs, out_ref, *scratch_refs)` over `grid`.
 
     `jax.vmap` adds a grid axis (`plgpu.kernel`'s batching rule); under `shard_map` the output
-    is typed like args[0] (`_typed_like`).
+    is typed like args[0] (`_typed_like`). interpret: Mosaic GPU's CPU interpreter.
     """
     return plgpu.kernel(
         body,
@@ -193,4 +194,5 @@ def mosaic_kernel(body, *args, out_shape, scratch, grid, grid_names, name: str):
         grid=grid,
         grid_names=grid_names,
         kernel_name=name,
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(*args)

@@ -117,8 +117,8 @@ MOSAIC_GROUPS_PER_TILE = 64  # one wgmma M block of a warpgroup
 MOSAIC_TILES_PER_PROGRAM = 16
 MOSAIC_STEPS_IN_FLIGHT = 3
 MOSAIC_MIN_PROGRAMS = 256
-# "auto" takes the Mosaic encode from this many tiles (64 MiB of bf16), where it measured 1.19x
-# (64 MiB) - 1.33x (1 GiB) the Triton kernel; at 4 MiB it took twice as long (9.5 vs 4.5 us in
+# "auto" takes the Mosaic encode from this many tiles (64 MiB of bf16), where it measured 1.15x
+# (64 MiB) - 1.30x (1 GiB) the Triton kernel; at 4 MiB it took twice as long (9.5 vs 4.5 us in
 # one program: 1-tile programs each stage the 32 KiB sign matrix). 4 - 64 MiB is not measured.
 MOSAIC_MIN_TILES = MOSAIC_TILES_PER_PROGRAM * MOSAIC_MIN_PROGRAMS
 

@@ -69,7 +69,7 @@ def encode(
     out_init: optional buffer of the output's shape, aliased to it (checks poison it).
     config: the Triton launch (default: `block_config`).
     backend: "triton" (Pallas, Triton lowering: every codec and shape, interpret mode), "mosaic"
-      (`encode_mosaic`: Hopper, taco, bf16, G = 128, n a multiple of 16384; 1.2-1.3x faster
+      (`encode_mosaic`: Hopper, taco, bf16, G = 128, n a multiple of 16384; 1.15-1.3x faster
       from 64 MiB), or "auto": Mosaic where `encode_mosaic.preferred` and no Triton option
       (interpret, out_init, config) is asked for, else Triton.
     """

@@ -13,7 +13,9 @@ per thread; encode ran at 84-92% of the copy. Here a program walks `tiles_per_pr
 swizzled shared memory, where one 64 x 128 x 128 wgmma reads it together with the +-1 Sylvester
 matrix (staged once per program); `_tile.encode_groups` turns the accumulator into codes, which
 TMA stores into the wire row. The scales and pre-scales go through an fp32 shared buffer, stored
-by TMA through a uint8 alias of it (`RefUnion`) into the row's side sections.
+by TMA through a uint8 alias of it (`RefUnion`) into the row's side sections. The kernel issues
+these stores itself rather than through the pipeline's outputs, whose predicated stores the CPU
+interpreter cannot run; that costs 2-4% (BENCHMARKS.md note 13).
 
 The wire row is addressed as [W / 128, 128] bytes: Mosaic GPU indexes GMEM refs but does not
 reshape them, and with 128-byte rows a tile's codes (64 rows) and each of its side sections
@@ -38,7 +40,7 @@ ROW_BYTES = 128  # the wire row is addressed in rows of this many bytes
 _TILE = MOSAIC_GROUPS_PER_TILE
 
 
-def unsupported(codec: Codec, x: jax.Array) -> str | None:
+def unsupported(codec: Codec, x: jax.Array, *, need_hopper: bool = True) -> str | None:
     """Why this kernel cannot encode `x` with `codec` (None: it can)."""
     if codec.group_size != GROUP_SIZE:
         return f"group_size={codec.group_size} (needs {GROUP_SIZE})"
@@ -50,7 +52,7 @@ def unsupported(codec: Codec, x: jax.Array) -> str | None:
         return f"x of shape={x.shape} dtype={x.dtype} (needs bf16 rows [R, n])"
     if x.shape[1] % (2 * _TILE * GROUP_SIZE):
         return f"n={x.shape[1]} (needs a multiple of {2 * _TILE * GROUP_SIZE}: tile pairs)"
-    if not _pallas.hopper_gpu():
+    if need_hopper and not _pallas.hopper_gpu():
         return "the default device is not a Hopper GPU (wgmma)"
     return None
 
@@ -62,14 +64,23 @@ def preferred(codec: Codec, x: jax.Array) -> bool:
     return x.shape[0] * x.shape[1] >= MOSAIC_MIN_TILES * _TILE * GROUP_SIZE
 
 
-def encode(codec: Codec, x: jax.Array) -> jax.Array:
-    """x[R, n] -> wire[R, codec.wire_bytes(n)] (raises ValueError where `unsupported`)."""
-    reason = unsupported(codec, x)
+def encode(
+    codec: Codec, x: jax.Array, *, interpret: bool = False, launch: tuple[int, int] | None = None
+) -> jax.Array:
+    """x[R, n] -> wire[R, codec.wire_bytes(n)] (raises ValueError where `unsupported`).
+
+    interpret: run in Mosaic GPU's CPU interpreter (tests). It does not alias `RefUnion`
+      members, so there the side sections are not written: only the codes are meaningful.
+    launch: (tiles per program, pipeline steps in flight); default `mosaic_launch`.
+    """
+    reason = unsupported(codec, x, need_hopper=not interpret)
     if reason is not None:
         raise ValueError(f"the Mosaic GPU encode cannot take {reason}")
     rows, n = x.shape
     groups = n // GROUP_SIZE
-    tiles_per_program, steps = mosaic_launch(rows, groups // _TILE)
+    tiles_per_program, steps = launch or mosaic_launch(rows, groups // _TILE)
+    if (groups // _TILE) % tiles_per_program:
+        raise ValueError(f"{tiles_per_program=} must divide the {groups // _TILE} tiles of a row")
     scale_at, prescale_at = codecs.side_offsets(codec, n)
     body = _pallas.partial(
         _encode_body,
@@ -89,6 +100,7 @@ def encode(codec: Codec, x: jax.Array) -> jax.Array:
         scratch=[
             _pallas.smem((GROUP_SIZE, GROUP_SIZE), jnp.bfloat16, swizzled=True),
             _pallas.barrier(),
+            _pallas.smem((2, _TILE, GROUP_SIZE), jnp.uint8),  # codes of two tiles
             _pallas.smem_union(  # fp32 sides of two tiles, and the same bytes as uint8 rows
                 ((2, 2, _TILE), jnp.float32), ((2, 4, ROW_BYTES), jnp.uint8)
             ),
@@ -96,14 +108,18 @@ def encode(codec: Codec, x: jax.Array) -> jax.Array:
         grid=(rows, (groups // _TILE) // tiles_per_program),
         grid_names=("row", "program"),
         name=f"taco_encode_mosaic_{codec.name}_g{GROUP_SIZE}",
+        interpret=interpret,
     )
     return wire.reshape(rows, wire_rows * ROW_BYTES)
 
 
 def _encode_body(
-    x_gmem, signs_gmem, wire_gmem, signs_smem, signs_barrier, sides, *, codec, **launch
+    x_gmem, signs_gmem, wire_gmem, signs_smem, signs_barrier, codes_smem, sides, *, codec, **launch
 ):
-    """One program: `tiles_per_program` consecutive tiles of row `row`."""
+    """One program: `tiles_per_program` consecutive tiles of row `row`.
+
+    The pipeline only loads; each step stores its own tile (`_store_tile`), unpredicated, so the
+    kernel also runs in Mosaic GPU's interpreter (which has no predicated stores)."""
     _pallas.copy_in(signs_gmem, signs_smem, signs_barrier)
     row = lax.axis_index("row")
     first = lax.axis_index("program") * launch["tiles_per_program"]
@@ -111,7 +127,7 @@ def _encode_body(
         _encode_step,
         codec=codec,
         signs_smem=signs_smem,
-        sides=sides,
+        out=(codes_smem, sides),
         wire_row=wire_gmem.at[row],
         first=first,
         side_rows=launch["side_rows"],
@@ -121,35 +137,35 @@ def _encode_body(
         step,
         steps=launch["tiles_per_program"],
         in_specs=[_pallas.block((_TILE, GROUP_SIZE), tile_block, swizzled=True)],
-        out_specs=[_pallas.block((_TILE, GROUP_SIZE), tile_block)],
+        out_specs=[],
         in_flight=launch["steps"],
-    )(x_gmem.at[row], wire_gmem.at[row])
+    )(x_gmem.at[row])
+    _pallas.wait_stores(0)
 
 
-def _encode_step(
-    index, x_smem, codes_smem, *, codec, signs_smem, sides, wire_row, first, side_rows
-):
+def _encode_step(index, x_smem, *, codec, signs_smem, out, wire_row, first, side_rows):
     (i,) = index
     v = _pallas.wgmma(x_smem, signs_smem, (_TILE, GROUP_SIZE))  # S x, fp32
     unit = _tile.hadamard_unit(GROUP_SIZE)
     mean_sq = _tile.mean_square(v, unit)
     codes, scale, prescale = _tile.encode_groups(codec, v, mean_sq, unit=unit, interpret=False)
-    codes_smem[...] = codes
-    _store_sides(sides, wire_row, first + i, side_rows, (scale, prescale))
+    _store_tile(out, wire_row, first + i, side_rows, codes, (scale, prescale))
 
 
-def _store_sides(sides, wire_row, tile, side_rows, values):
-    """TMA-stores one tile's fp32 scale and pre-scale into the row's two side sections.
+def _store_tile(out, wire_row, tile, side_rows, codes, sides_values):
+    """TMA-stores one tile's codes and its fp32 scale and pre-scale into the wire row.
 
-    Two slots alternate between tiles. Each tile issues 3 bulk stores (2 here, the codes by the
-    pipeline), so waiting until at most 3 are pending frees the slot of two tiles ago.
+    Two slots alternate between tiles. Each tile issues 3 bulk stores, so waiting until at most
+    3 are pending frees the slot of two tiles ago.
     """
-    sides_f32, sides_u8 = sides
+    codes_smem, (sides_f32, sides_u8) = out
     slot = lax.rem(tile, 2)
     _pallas.wait_stores(3)
-    for k, value in enumerate(values):
+    codes_smem[slot] = codes
+    for k, value in enumerate(sides_values):
         sides_f32[slot, k] = value
     _pallas.commit_smem()
+    _pallas.copy_out(codes_smem.at[slot], wire_row.at[_pallas.ds(_TILE * tile, _TILE)])
     rows_per_tile = 4 * _TILE // ROW_BYTES  # 64 fp32 values = 2 rows
     for k, section in enumerate(side_rows):
         _pallas.copy_out(

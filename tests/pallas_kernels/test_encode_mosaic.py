@@ -94,6 +94,26 @@ def test_mosaic_launch_divides_rows_and_fills_the_gpu(rows, tiles_per_row):
         assert tiles_per_row % bigger or rows * tiles_per_row // bigger < MOSAIC_MIN_PROGRAMS
 
 
+@pytest.mark.parametrize("rows,tiles,launch", [(1, 2, None), (2, 8, (4, 3)), (3, 4, (2, 2))])
+def test_codes_in_the_cpu_interpreter(rows, tiles, launch):
+    """The kernel's indexing (rows, programs, pipeline steps, store slots) on the CPU. Only the
+    codes: the interpreter does not alias the fp32 / uint8 views of the side buffer."""
+    codec = codecs.get_codec("taco", 128)
+    x = _x_tiles(jax.random.key(rows * 100 + tiles), rows, tiles)
+    wire = encode_mosaic.encode(codec, x, interpret=True, launch=launch)
+    ref = pk.encode_reference(codec, x)
+    n = x.shape[1]
+    want = codecs.unpack(codec, ref, n)
+    ideal = _ideal_scaled(codec, np.asarray(x, np.float64), want)
+    assert_codes_match(codec, np.asarray(wire)[:, :n], want.codes, ideal)
+
+
+def test_launch_must_divide_the_row():
+    x = jnp.zeros((1, 6 * TILE_ELEMENTS), jnp.bfloat16)
+    with pytest.raises(ValueError, match="tiles_per_program=4"):
+        encode_mosaic.encode(codecs.get_codec("taco"), x, interpret=True, launch=(4, 2))
+
+
 def assert_encodes_like_reference(codec, x, wire):
     n = x.shape[1]
     ref = pk.encode_reference(codec, x)
