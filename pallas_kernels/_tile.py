@@ -37,7 +37,11 @@ _FLOAT8 = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 
 def hadamard_block(group_size: int, cfg: BlockConfig) -> np.ndarray:
     """The +-1 Sylvester matrix of the dot block (bf16-exact), an input of every kernel."""
-    b = min(group_size, cfg.hadamard_dot)
+    return signs_matrix(min(group_size, cfg.hadamard_dot))
+
+
+def signs_matrix(b: int) -> np.ndarray:
+    """S_b = sqrt(b) H_b, the +-1 Sylvester matrix of order b (b <= 256), fp32."""
     i, j = np.indices((b, b))
     return (1 - 2 * _parity(i & j)).astype(np.float32)
 

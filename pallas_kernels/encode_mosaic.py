@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from pallas_kernels import _pallas, _tile
@@ -91,7 +90,7 @@ def encode(
     )
     wire_rows = codec.wire_bytes(n) // ROW_BYTES
     out_shape = jax.ShapeDtypeStruct((rows, wire_rows, ROW_BYTES), jnp.uint8)
-    signs = np.sign(codecs.hadamard_matrix(GROUP_SIZE))  # S = sqrt(G) H, exact in bf16
+    signs = _tile.signs_matrix(GROUP_SIZE)  # exact in bf16
     wire = _pallas.mosaic_kernel(
         body,
         x.reshape(rows, groups, GROUP_SIZE),
@@ -114,7 +113,18 @@ def encode(
 
 
 def _encode_body(
-    x_gmem, signs_gmem, wire_gmem, signs_smem, signs_barrier, codes_smem, sides, *, codec, **launch
+    x_gmem,
+    signs_gmem,
+    wire_gmem,
+    signs_smem,
+    signs_barrier,
+    codes_smem,
+    sides,
+    *,
+    codec,
+    tiles_per_program,
+    steps,
+    side_rows,
 ):
     """One program: `tiles_per_program` consecutive tiles of row `row`.
 
@@ -122,7 +132,7 @@ def _encode_body(
     kernel also runs in Mosaic GPU's interpreter (which has no predicated stores)."""
     _pallas.copy_in(signs_gmem, signs_smem, signs_barrier)
     row = lax.axis_index("row")
-    first = lax.axis_index("program") * launch["tiles_per_program"]
+    first = lax.axis_index("program") * tiles_per_program
     step = _pallas.partial(
         _encode_step,
         codec=codec,
@@ -130,15 +140,15 @@ def _encode_body(
         out=(codes_smem, sides),
         wire_row=wire_gmem.at[row],
         first=first,
-        side_rows=launch["side_rows"],
+        side_rows=side_rows,
     )
     tile_block = lambda i: (first + i, 0)  # noqa: E731
     _pallas.pipeline(
         step,
-        steps=launch["tiles_per_program"],
+        steps=tiles_per_program,
         in_specs=[_pallas.block((_TILE, GROUP_SIZE), tile_block, swizzled=True)],
         out_specs=[],
-        in_flight=launch["steps"],
+        in_flight=steps,
     )(x_gmem.at[row])
     _pallas.wait_stores(0)
 
