@@ -2,20 +2,20 @@
 
 ModelConfig                         (config.py: geometry, presets, parameter count, FLOPs)
 Transformer                         (model.py: the per-device model)
-ParallelConfig, TrainState, Steps,
-make_steps, init_params, ...        (parallel.py: shard_map / vmap / unsharded runners)
+ParallelConfig, init_params,
+make_loss_and_grads, ...            (parallel.py: shard_map / vmap / unsharded runners)
+
+The optimizer side (train state, jitted steps) lives in the training application, `taco_train`.
 """
 
 from models.config import ModelConfig
 from models.model import Transformer
 from models.parallel import (
     ParallelConfig,
-    Steps,
-    TrainState,
     init_params,
     make_logits,
+    make_loss,
     make_loss_and_grads,
-    make_steps,
     param_specs,
     reference_logits,
     reference_loss_and_grads,
@@ -27,13 +27,11 @@ from models.parallel import (
 __all__ = [
     "ModelConfig",
     "ParallelConfig",
-    "Steps",
-    "TrainState",
     "Transformer",
     "init_params",
     "make_logits",
+    "make_loss",
     "make_loss_and_grads",
-    "make_steps",
     "param_specs",
     "reference_logits",
     "reference_loss_and_grads",

@@ -10,7 +10,7 @@ whatever `state_sharding` asks for):
     `jax.vmap(axis_name="tp", in_axes=that axis)` maps the ranks; `unshard_params` undoes it.
   - tp = 1: the per-device function with `TPContext()` (no collectives) is the unsharded model.
 
-Gradient convention (TACO.md section 6): `value_and_grad` runs inside the per-device function,
+Gradient convention (docs/method.md, "Traps"): `value_and_grad` runs inside the per-device function,
 every TP rank computes the same replicated loss, and the Megatron operators carry the TP
 gradients; then `lax.pmean` over "dp". With sequence parallelism the replicated parameters (norms,
 output biases, positions) see only T / tp positions per rank, so their gradients are summed over
@@ -24,15 +24,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
-import flax.struct
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_jax
@@ -246,7 +243,7 @@ def _loss_and_grads(model, parallel, ctx, params, tokens):
     return loss, grads
 
 
-def _check_tokens(model: ModelConfig, parallel: ParallelConfig, tokens: jax.Array) -> None:
+def check_tokens(model: ModelConfig, parallel: ParallelConfig, tokens: jax.Array) -> None:
     if tokens.ndim != 2 or tokens.shape[1] < 2:
         raise ValueError(f"tokens must be [global_batch, seq_len + 1], got shape={tokens.shape}")
     if tokens.shape[0] % parallel.dp:
@@ -338,6 +335,16 @@ def make_loss_and_grads(
     return _mapped(model, parallel, comm, fn, "loss_grads", mesh)
 
 
+def make_loss(
+    model: ModelConfig, parallel: ParallelConfig, comm: taco_jax.TPComm, mesh=None
+) -> Callable[[dict, jax.Array], jax.Array]:
+    """(full params, tokens [B, T + 1]) -> mean loss over the global batch. Not jitted."""
+    check_config(model, parallel)
+    mesh = make_mesh(parallel, comm.axis_name) if mesh is None else mesh
+    fn = lambda ctx, p, t: _loss(model, parallel, ctx, p, t)
+    return _mapped(model, parallel, comm, fn, "loss", mesh)
+
+
 def make_logits(
     model: ModelConfig, parallel: ParallelConfig, comm: taco_jax.TPComm, mesh=None
 ) -> Callable[[dict, jax.Array], jax.Array]:
@@ -358,115 +365,3 @@ def reference_loss_and_grads(model: ModelConfig, params: dict, tokens: jax.Array
     """The unsharded model's loss and gradients."""
     parallel = ParallelConfig(compute_dtype=dtype)
     return _loss_and_grads(model, parallel, _context(parallel, None), params, tokens)
-
-
-# --------------------------------------------------------------------------------------------
-# Train / eval steps.
-
-
-class TrainState(flax.struct.PyTreeNode):
-    """step: int32 scalar; params and opt_state: pytrees of full-shape jax.Arrays."""
-
-    step: jax.Array
-    params: Any
-    opt_state: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class Steps:
-    init: Callable[[jax.Array], TrainState]
-    train_step: Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]
-    eval_step: Callable[[TrainState, jax.Array], dict[str, jax.Array]]
-    state_sharding: Any
-    batch_sharding: jax.sharding.Sharding
-    mesh: jax.sharding.Mesh
-
-
-def _key_names(path) -> tuple:
-    names = []
-    for key in reversed(path):
-        if not isinstance(key, jax.tree_util.DictKey):
-            break
-        names.append(key.key)
-    return tuple(reversed(names))
-
-
-def _opt_state_sharding(opt_abstract, params_abstract, param_sharding, replicated):
-    """Optimizer-state leaves that mirror a parameter (same trailing dict path and shape, e.g.
-    Adam's mu / nu) take its sharding; everything else (counts, scalars) is replicated."""
-    by_path = {}
-    flat_params = jax.tree_util.tree_flatten_with_path(params_abstract)[0]
-    flat_sh = jax.tree.leaves(param_sharding)
-    for (path, leaf), sharding in zip(flat_params, flat_sh, strict=True):
-        by_path[_key_names(path)] = (leaf.shape, sharding)
-
-    def pick(path, leaf):
-        for start in range(len(path)):
-            match = by_path.get(_key_names(path[start:]))
-            if match is not None and match[0] == getattr(leaf, "shape", None):
-                return match[1]
-        return replicated
-
-    return jax.tree_util.tree_map_with_path(pick, opt_abstract)
-
-
-def make_steps(
-    model: ModelConfig,
-    parallel: ParallelConfig,
-    comm: taco_jax.TPComm,
-    optimizer: optax.GradientTransformation,
-) -> Steps:
-    """Jitted init / train / eval steps of `model` laid out by `parallel`, TP traffic by `comm`.
-
-    train_step(state, tokens [global_batch, T + 1]) -> (state, {"loss", "grad_norm"}) donates
-    `state`; eval_step(state, tokens) -> {"loss"} does not (it returns no state to hand back).
-    """
-    check_config(model, parallel)
-    mesh = make_mesh(parallel, comm.axis_name)
-    replicated = NamedSharding(mesh, P())
-    if parallel.mode == "shard_map":
-        param_sharding = jax.tree.map(
-            lambda spec: NamedSharding(mesh, spec), param_specs(model, comm.axis_name)
-        )
-    else:
-        param_sharding = jax.tree.map(lambda _: replicated, abstract_params(model))
-    params_abstract = abstract_params(model)
-    opt_abstract = jax.eval_shape(optimizer.init, params_abstract)
-    state_sharding = TrainState(
-        step=replicated,
-        params=param_sharding,
-        opt_state=_opt_state_sharding(opt_abstract, params_abstract, param_sharding, replicated),
-    )
-    batch_sharding = NamedSharding(mesh, P(DP_AXIS))
-    loss_and_grads = make_loss_and_grads(model, parallel, comm, mesh)
-    loss_only = _mapped(
-        model, parallel, comm, lambda ctx, p, t: _loss(model, parallel, ctx, p, t), "loss", mesh
-    )
-
-    @functools.partial(jax.jit, out_shardings=state_sharding)
-    def init(key: jax.Array) -> TrainState:
-        params = init_params(model, key)
-        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
-
-    @functools.partial(
-        jax.jit,
-        in_shardings=(state_sharding, batch_sharding),
-        out_shardings=(state_sharding, replicated),
-        donate_argnums=0,
-    )
-    def train_step(state: TrainState, tokens: jax.Array):
-        _check_tokens(model, parallel, tokens)
-        loss, grads = loss_and_grads(state.params, tokens)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        new_state = TrainState(state.step + 1, params, opt_state)
-        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-
-    @functools.partial(
-        jax.jit, in_shardings=(state_sharding, batch_sharding), out_shardings=replicated
-    )
-    def eval_step(state: TrainState, tokens: jax.Array):
-        _check_tokens(model, parallel, tokens)
-        return {"loss": loss_only(state.params, tokens)}
-
-    return Steps(init, train_step, eval_step, state_sharding, batch_sharding, mesh)

@@ -27,4 +27,5 @@ python=$(find_python)
 echo "creating $venv with $($python --version) ($python)"
 $python -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
-"$venv/bin/python" -m pip install -q -e ".[$extras]"
+# Exact versions from constraints.txt (those of the GPU machine), so CPU and GPU run the same code.
+"$venv/bin/python" -m pip install -q -c constraints.txt -e ".[$extras]"

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from tolerances import BATCH, exact_tolerance
 
 import taco_jax
 from models import (
@@ -24,27 +25,6 @@ from models import (
     reference_logits,
     reference_loss_and_grads,
 )
-
-BATCH = 4
-U_FP32 = 2.0**-24  # fp32 unit roundoff
-
-
-def exact_tolerance(cfg: ModelConfig, batch: int = BATCH) -> float:
-    """Normwise tolerance for TP-vs-unsharded in fp32 with uncompressed collectives.
-
-    The TP model computes the same function with its reductions reassociated: contractions over
-    F, N x H and V are split into tp partial sums, SP sums replicated-parameter gradients over
-    B x T in tp pieces, and XLA blocks differently shaped dots differently. Modelling rounding
-    errors as independent and zero-mean (Higham & Mary 2019), a length-n reduction carries a
-    relative error ~ u sqrt(n); two orders differ by sqrt(2) of that; K reductions in sequence
-    (forward and backward, gain ~ 1 at init) add in quadrature: u sqrt(2 n K). The largest
-    reduction is n = max(F, V, B T); K ~ 2 x (7 per block + head + loss). A factor of 8 covers
-    the maximum over ~1e5 elements (~4.5 sigma) measured against max|reference|.
-    """
-    n = max(cfg.d_ff, cfg.padded_vocab, batch * cfg.seq_len)
-    k = 2 * (7 * cfg.n_layers + 2)
-    return 8 * U_FP32 * math.sqrt(2 * n * k)
-
 
 # Taco tolerance. One E4M3 rounding (3 mantissa bits, round to nearest) has relative error
 # uniform in +-2^-4 / m for mantissa m in [1, 2); with m log-uniform, E[1/m^2] = 3 / (8 ln 2),
@@ -166,7 +146,7 @@ def test_taco_tp_close_to_unsharded(reference_cache, mode, sp, cfg):
     tol_logits, tol_grads = _taco_tolerances(cfg)
     logits_error = _relative_l2(logits, ref_logits)
     assert logits_error <= tol_logits
-    # The codec really rounds to FP8 (TACO.md section 6: XLA may elide an f32 -> f8 -> f32 round
+    # The codec really rounds to FP8 (docs/method.md "Traps": XLA may elide an f32 -> f8 -> f32 round
     # trip): at least a quarter of one all-reduce's expected error reaches the logits.
     assert logits_error >= EPS_ALLREDUCE / 4
     # Cross-entropy's gradient in the logits, softmax - onehot, has L1 norm <= 2, so the loss

@@ -8,8 +8,8 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import REPO, tiny_overrides
 
-from taco_jax import metrics
-from taco_jax.train import main
+from taco_train import metrics
+from taco_train.main import main
 
 TINY = str(REPO / "configs" / "tiny.toml")
 

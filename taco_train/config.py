@@ -23,6 +23,7 @@ from typing import Any, Literal
 import taco_jax
 from models.config import ModelConfig
 from models.parallel import ParallelConfig
+from taco_jax import codecs
 
 
 def _check(ok: bool, message: str) -> None:
@@ -34,23 +35,28 @@ DEFAULT_PRESET = "gpt_small_cpu"
 SECTIONS = ("model", "parallel", "compression", "optimizer", "data", "run")
 
 
+_COMM = taco_jax.CommConfig  # the collectives' option defaults, in one place
+
+
 @dataclasses.dataclass(frozen=True)
 class CompressionConfig:
     """How every TP collective is compressed; see `taco_jax.TPComm.create`.
 
     fwd / bwd: codec names (`taco_jax.CODEC_NAMES`) for activations / activation gradients; bwd
       None means the same as fwd.
+    group_size, impl, slices, min_compress_bytes: the collective options of `taco_jax.CommConfig`
+      (and the codec's group size), with the library's defaults.
     telemetry: record the relative error of every compressed collective against the exact one
       (`taco_jax.telemetry`) and log it to the metrics file.
     """
 
-    fwd: str = "taco"
+    fwd: str = codecs.DEFAULT_CODEC
     bwd: str | None = None
-    group_size: int = 128
-    impl: str = "auto"
-    slices: int = 1
-    min_compress_bytes: int = 0
-    telemetry: bool = False
+    group_size: int = codecs.DEFAULT_GROUP_SIZE
+    impl: str = _COMM.impl
+    slices: int = _COMM.slices
+    min_compress_bytes: int = _COMM.min_compress_bytes
+    telemetry: bool = _COMM.telemetry
 
     def __post_init__(self):
         for name in ("fwd", "bwd"):
@@ -62,16 +68,8 @@ class CompressionConfig:
         self.make_comm()  # Validates group_size, impl, slices and min_compress_bytes in the core.
 
     def make_comm(self) -> taco_jax.TPComm:
-        return taco_jax.TPComm.create(
-            "tp",
-            fwd=self.fwd,
-            bwd=self.bwd,
-            group_size=self.group_size,
-            impl=self.impl,
-            slices=self.slices,
-            min_compress_bytes=self.min_compress_bytes,
-            telemetry=self.telemetry,
-        )
+        options = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("fwd", "bwd")}
+        return taco_jax.TPComm.create("tp", fwd=self.fwd, bwd=self.bwd, **options)
 
 
 @dataclasses.dataclass(frozen=True)

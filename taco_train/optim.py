@@ -6,7 +6,7 @@ from typing import Any
 
 import optax
 
-from taco_jax.config import OptimizerConfig
+from taco_train.config import OptimizerConfig
 
 
 def lr_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:

@@ -7,11 +7,12 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
-from test_tp_equivalence import exact_tolerance
+from tolerances import exact_tolerance
 
 import taco_jax
-from models import ModelConfig, ParallelConfig, make_steps
+from models import ModelConfig, ParallelConfig
 from models.parallel import check_config
+from taco_train.steps import make_steps
 
 CFG = ModelConfig.preset("gpt_tiny")
 STEPS = 6

@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from taco_jax import optim
-from taco_jax.config import OptimizerConfig
+from taco_train import optim
+from taco_train.config import OptimizerConfig
 
 
 def test_schedule_warmup_peak_and_floor():

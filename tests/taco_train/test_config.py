@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from taco_jax.config import TrainConfig, apply_override, build_config, load_config, parse_value
+from taco_train.config import TrainConfig, apply_override, build_config, load_config, parse_value
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.toml"))
 

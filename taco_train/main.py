@@ -1,6 +1,6 @@
-"""The bundled training script: `python -m taco_jax.train [--config FILE] [--set k=v ...]`.
+"""The bundled training script: `python -m taco_train [--config FILE] [--set k=v ...]`.
 
-Parses the configuration and calls `taco_jax.trainer.train_and_evaluate`; see docs/training.md.
+Parses the configuration and calls `taco_train.trainer.train_and_evaluate`; see docs/training.md.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     import json
     import os
 
-    from taco_jax.config import load_config
+    from taco_train.config import load_config
 
     args = parse_args(argv)
     path = args.config or (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
@@ -42,10 +42,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=1, default=str))
         return
-    from taco_jax.trainer import train_and_evaluate
+    from taco_train.trainer import train_and_evaluate
 
     train_and_evaluate(cfg)
-
-
-if __name__ == "__main__":
-    main()

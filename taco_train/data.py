@@ -52,7 +52,7 @@ BYTE_EOT_ID = 0
 
 
 def log(message: str) -> None:
-    print(f"[taco_jax.data] {message}", file=sys.stderr, flush=True)
+    print(f"[taco_train.data] {message}", file=sys.stderr, flush=True)
 
 
 def cache_root(cache_dir: str | None = None) -> Path:

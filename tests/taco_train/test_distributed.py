@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import REPO, tiny_overrides
 
-from taco_jax import metrics
+from taco_train import metrics
 
 TIMEOUT_S = 240
 
@@ -26,7 +26,7 @@ def test_two_processes_train(tmp_path):
     overrides = tiny_overrides(
         tmp_path / "run", tmp_path / "cache", "parallel.dp=2", "run.steps=4", "run.eval_every=4"
     )
-    cmd = [sys.executable, "-m", "taco_jax.train", "--config", str(REPO / "configs" / "tiny.toml")]
+    cmd = [sys.executable, "-m", "taco_train", "--config", str(REPO / "configs" / "tiny.toml")]
     for o in overrides:
         cmd += ["--set", o]
     procs = []

@@ -18,10 +18,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from models.parallel import make_steps, weight_decay_mask
-from taco_jax import data, metrics, optim, telemetry
-from taco_jax.checkpointing import Checkpointer, abstract_state
-from taco_jax.config import TrainConfig
+from models.parallel import weight_decay_mask
+from taco_jax import telemetry
+from taco_train import data, metrics, optim
+from taco_train.checkpointing import Checkpointer, abstract_state
+from taco_train.config import TrainConfig
+from taco_train.steps import make_steps
 
 
 def maybe_initialize_distributed(mode: str) -> None:

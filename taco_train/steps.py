@@ -1,0 +1,133 @@
+"""Jitted init / train / eval steps of a `models` transformer: the optimizer side of a run.
+
+`models.parallel` runs the per-device model (loss and gradients in the full parameter layout);
+this module adds the optimizer state, its shardings, and the three jitted functions the trainer
+calls. Parameters and optimizer state live in their full shapes, placed by `NamedSharding`, so
+the optimizer (and global-norm clipping) sees whole gradients and checkpoints are portable
+across TP sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import taco_jax
+from models import parallel as layout
+from models.config import ModelConfig
+from models.parallel import ParallelConfig
+
+
+class TrainState(flax.struct.PyTreeNode):
+    """step: int32 scalar; params and opt_state: pytrees of full-shape jax.Arrays."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    init: Callable[[jax.Array], TrainState]
+    train_step: Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]
+    eval_step: Callable[[TrainState, jax.Array], dict[str, jax.Array]]
+    state_sharding: Any
+    batch_sharding: jax.sharding.Sharding
+    mesh: jax.sharding.Mesh
+
+
+def _key_names(path) -> tuple:
+    names = []
+    for key in reversed(path):
+        if not isinstance(key, jax.tree_util.DictKey):
+            break
+        names.append(key.key)
+    return tuple(reversed(names))
+
+
+def _opt_state_sharding(opt_abstract, params_abstract, param_sharding, replicated):
+    """Optimizer-state leaves that mirror a parameter (same trailing dict path and shape, e.g.
+    Adam's mu / nu) take its sharding; everything else (counts, scalars) is replicated."""
+    by_path = {}
+    flat_params = jax.tree_util.tree_flatten_with_path(params_abstract)[0]
+    flat_sh = jax.tree.leaves(param_sharding)
+    for (path, leaf), sharding in zip(flat_params, flat_sh, strict=True):
+        by_path[_key_names(path)] = (leaf.shape, sharding)
+
+    def pick(path, leaf):
+        for start in range(len(path)):
+            match = by_path.get(_key_names(path[start:]))
+            if match is not None and match[0] == getattr(leaf, "shape", None):
+                return match[1]
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(pick, opt_abstract)
+
+
+def make_steps(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    comm: taco_jax.TPComm,
+    optimizer: optax.GradientTransformation,
+) -> Steps:
+    """Jitted init / train / eval steps of `model` laid out by `parallel`, TP traffic by `comm`.
+
+    train_step(state, tokens [global_batch, T + 1]) -> (state, {"loss", "grad_norm"}) donates
+    `state`; eval_step(state, tokens) -> {"loss"} does not (it returns no state to hand back).
+    """
+    layout.check_config(model, parallel)
+    mesh = layout.make_mesh(parallel, comm.axis_name)
+    replicated = NamedSharding(mesh, P())
+    if parallel.mode == "shard_map":
+        param_sharding = jax.tree.map(
+            lambda spec: NamedSharding(mesh, spec), layout.param_specs(model, comm.axis_name)
+        )
+    else:
+        param_sharding = jax.tree.map(lambda _: replicated, layout.abstract_params(model))
+    params_abstract = layout.abstract_params(model)
+    opt_abstract = jax.eval_shape(optimizer.init, params_abstract)
+    state_sharding = TrainState(
+        step=replicated,
+        params=param_sharding,
+        opt_state=_opt_state_sharding(opt_abstract, params_abstract, param_sharding, replicated),
+    )
+    batch_sharding = NamedSharding(mesh, P(layout.DP_AXIS))
+    loss_and_grads = layout.make_loss_and_grads(model, parallel, comm, mesh)
+    loss_only = layout.make_loss(model, parallel, comm, mesh)
+
+    @functools.partial(jax.jit, out_shardings=state_sharding)
+    def init(key: jax.Array) -> TrainState:
+        params = layout.init_params(model, key)
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+    @functools.partial(
+        jax.jit,
+        in_shardings=(state_sharding, batch_sharding),
+        out_shardings=(state_sharding, replicated),
+        donate_argnums=0,
+    )
+    def train_step(state: TrainState, tokens: jax.Array):
+        layout.check_tokens(model, parallel, tokens)
+        loss, grads = loss_and_grads(state.params, tokens)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new_state = TrainState(state.step + 1, params, opt_state)
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+    @functools.partial(
+        jax.jit, in_shardings=(state_sharding, batch_sharding), out_shardings=replicated
+    )
+    def eval_step(state: TrainState, tokens: jax.Array):
+        layout.check_tokens(model, parallel, tokens)
+        return {"loss": loss_only(state.params, tokens)}
+
+    return Steps(init, train_step, eval_step, state_sharding, batch_sharding, mesh)
