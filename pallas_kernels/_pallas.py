@@ -1,30 +1,28 @@
-"""Every Pallas and backend import of the package, in one place (STYLE.md: paths and
-`CompilerParams` classes move between JAX versions).
+"""Every Pallas and backend import of the package, in one place: the import paths and the
+`CompilerParams` classes move between JAX versions, so only this module names them.
 
-Backends, chosen per kernel by measurement (BENCHMARKS.md, "Kernels", notes 1-12):
-- the Triton lowering of `pl.pallas_call` (jax 0.11.2 picks it for `triton.CompilerParams`) for
+Backends, chosen per kernel by measurement on the H200 (BENCHMARKS.md, "Kernels"; the studies
+behind the choice: docs/development_history.md):
+- the Triton lowering of `pl.pallas_call` (jax 0.11 picks it for `triton.CompilerParams`) for
   decode, decode-sum, decode-sum-reencode and every encode the Mosaic kernel does not take. These
   are streaming passes over HBM with a small per-group reduction and small dots; the lowering
-  streams at HBM speed (a Pallas copy with their load/store pattern: 95-97% of torch's copy),
-  works under `jax.vmap` and `shard_map`, and runs the same bodies on the CPU in interpret mode
-  (CI). Decode and decode-sum-reencode reach 93-118% of the XLA copy from 64 MiB. jax 0.11
-  deprecates this lowering (a DeprecationWarning at lowering time); it is kept while it is the
-  fastest path for these kernels and the only one with a CPU interpret mode that runs them.
+  streams at HBM speed, works under `jax.vmap` and `shard_map`, and runs the same bodies on the
+  CPU in interpret mode (CI). jax 0.11 deprecates this lowering (a DeprecationWarning at
+  lowering time); it is kept while it is the fastest path for these kernels and the only one
+  whose CPU interpret mode runs them.
 - Mosaic GPU (`plgpu.kernel`, below) for the `taco` encode of bf16 on Hopper from 64 MiB
-  (`encode_mosaic`): there the Triton lowering stopped at 84-91% of the copy, losing ~20% to the
-  dot's register/shared-memory layout traffic (116 registers per thread), while TMA-staged tiles
-  that wgmma reads in place run at 97-118% (1.15-1.30x). `plgpu.kernel` batches under `vmap` by
-  adding a grid axis. Its CPU interpreter (jax 0.11.2) runs the kernel, because the kernel
-  issues its own stores (the interpreter has no predicated stores, which `emit_pipeline`'s
-  outputs use), but it does not alias `RefUnion` members: on the CPU only the codes are
-  checked, the side bytes on the GPU.
+  (`encode_mosaic`): there the Triton lowering spends a fifth of the time moving each tile
+  between the dot's register and shared-memory layouts, while TMA-staged tiles that wgmma reads
+  in place stream at copy speed. `plgpu.kernel` batches under `vmap` by adding a grid axis. Its
+  CPU interpreter runs the kernel, because the kernel issues its own stores (the interpreter has
+  no predicated stores, which `emit_pipeline`'s outputs use), but it does not alias `RefUnion`
+  members: on the CPU only the codes are checked, the side bytes on the GPU.
 - jax-triton (raw Triton): not used. Its 0.4.1 release needs triton >= 3.7 (the GPU image has
-  3.6) and does not batch under `vmap`, which TP emulation needs; Mosaic GPU closed the one gap
-  a raw Triton kernel was to address (a register cap, `maxnreg`, for the encode).
+  3.6) and does not batch under `vmap`, which TP emulation needs.
 
 `check_vma`: the kernels run inside `jax.shard_map` with either setting and under `vmap`. With
 `check_vma=True` each output takes the manual axis type of its input (`_typed_like`); that path
-passed on 2 x H200 (tests/pallas_kernels/test_check_vma_gpu.py), while interpret mode fails
+is tested on 2 GPUs (tests/pallas_kernels/test_check_vma_gpu.py), while interpret mode fails
 there (a masked load pads a varying ref with an invariant constant): CPU tests use
 `check_vma=False`.
 """

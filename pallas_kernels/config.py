@@ -1,26 +1,44 @@
-"""The one tile-size heuristic of the package (STYLE.md: never pasted into each kernel).
+"""The one launch heuristic of the package: how each kernel splits its rows into programs.
 
-Chosen by measurement on the H200 (`benchmarks/kernel_sweep.py`, BENCHMARKS.md "Kernels"):
-- kernels that apply the Hadamard dot stage the +-1 block in shared memory once per program, so
-  a program walks several tiles with 4 warps (sweep 2: encode 1.8 -> 2.5 TB/s from that loop);
-- encode and decode take 8192-element tiles and 16-column dots, the rest of the Hadamard as
-  fp32 butterflies (sweep 5: +6% encode, +5% decode over one 128-column dot at 1 GiB), two tiles
-  per program (sweep 6: the tail of a 4-tile loop costs encode 4% at 64 MiB);
-- kernels that hold N peer rows in registers take 2048-element tiles: decode-sum with 64-column
-  dots (sweep 5: 2.06 -> 2.96 TB/s at 1 GiB), decode-sum-reencode (no dot) one tile per program
-  (sweeps 1-2: 3.0-3.2 TB/s at 256 MiB).
+Kept in one function (`block_config`, and `mosaic_launch` for the Mosaic GPU encode) rather than
+pasted into each kernel. The values were chosen by measurement on the H200; the sweeps behind
+them are summarised in docs/development_history.md ("Kernels"). What they encode:
+- kernels that apply the Hadamard dot stage its +-1 block in shared memory once per program, so
+  a program walks a few tiles with 4 warps;
+- encode and decode take 8192-element tiles and 16-column dots, the rest of the Hadamard as fp32
+  butterflies;
+- kernels that hold N peer rows in registers (decode-sum, decode-sum-reencode) take small tiles.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-# Per kind of kernel (sweeps 1-6, 64 MiB - 1 GiB of bf16 on the H200): elements per tile,
-# warps, Hadamard dot columns (None: no dot) and tiles per program (a loop, see below).
-TILE_DOT = (8192, 4, 16, 2)  # encode / decode: 64 groups of 128, one M=64 block per warpgroup
-TILE_PEERS_DOT = (2048, 4, 64, 4)  # decode-sum: N peer tiles live in registers at once
-TILE_PEERS_NO_DOT = (2048, 4, None, 1)  # decode-sum-reencode; decode-sum without a Hadamard
-TILE_NO_DOT = (8192, 8, None, 1)  # a plain streaming pass (fp8 / int8 codecs: 3.6-3.8 TB/s)
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One row of the launch table: the shape of a kernel's programs for one kind of kernel.
+
+    elements_per_tile: G x groups per tile (capped to the row in `block_config`).
+    num_warps: Triton warps per program.
+    dot_columns: the Hadamard dot block b (None: the kernel has no dot).
+    tiles_per_program: tiles one program walks in a loop, once the launch is large enough.
+    """
+
+    elements_per_tile: int
+    num_warps: int
+    dot_columns: int | None
+    tiles_per_program: int
+
+
+# 64 groups of 128 per tile, one M = 64 block per warpgroup; 16-column dots + butterflies.
+ENCODE_DECODE = Launch(elements_per_tile=8192, num_warps=4, dot_columns=16, tiles_per_program=2)
+# decode-sum: the N peer tiles live in registers at once.
+PEERS_DOT = Launch(elements_per_tile=2048, num_warps=4, dot_columns=64, tiles_per_program=4)
+# decode-sum-reencode (it needs no Hadamard: H H = I), and decode-sum without a Hadamard.
+PEERS_NO_DOT = Launch(elements_per_tile=2048, num_warps=4, dot_columns=None, tiles_per_program=1)
+# A plain streaming pass: the fp8 / int8 codecs without a Hadamard.
+NO_DOT = Launch(elements_per_tile=8192, num_warps=8, dot_columns=None, tiles_per_program=1)
 # A dot program loops over its tiles only once the launch has enough tiles to fill the GPU with
 # programs anyway (132 SMs x ~4 resident programs x the loop).
 MIN_TILES_FOR_LOOP = 1024
@@ -89,19 +107,19 @@ def block_config(group_size: int, num_groups: int, *, rows=1, peers=1, dot=True)
     dot: the kernel applies the Hadamard dot (then it loops over tiles, see module docstring).
     """
     if peers > 1:
-        elements, warps, dot_columns, loop = TILE_PEERS_DOT if dot else TILE_PEERS_NO_DOT
+        launch = PEERS_DOT if dot else PEERS_NO_DOT
     else:
-        elements, warps, dot_columns, loop = TILE_DOT if dot else TILE_NO_DOT
-    groups = max(MIN_GROUPS_PER_TILE, elements // group_size)
+        launch = ENCODE_DECODE if dot else NO_DOT
+    groups = max(MIN_GROUPS_PER_TILE, launch.elements_per_tile // group_size)
     groups = max(MIN_GROUPS_PER_TILE, min(groups, _next_pow2(num_groups)))
     tiles = rows * cdiv(num_groups, groups)
-    loop = loop if tiles >= MIN_TILES_FOR_LOOP else 1
+    loop = launch.tiles_per_program if tiles >= MIN_TILES_FOR_LOOP else 1
     return BlockConfig(
         groups,
-        num_warps=warps,
+        num_warps=launch.num_warps,
         num_stages=1,
         tiles_per_program=loop,
-        hadamard_dot=dot_columns or MAX_DOT_HADAMARD,  # unused without a dot
+        hadamard_dot=launch.dot_columns or MAX_DOT_HADAMARD,  # unused without a dot
     )
 
 
@@ -109,25 +127,31 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# Mosaic GPU encode (`encode_mosaic`, mosaic_study 1-3 on the H200): a program pipelines
-# MOSAIC_TILES_PER_PROGRAM tiles of 64 groups with MOSAIC_STEPS_IN_FLIGHT TMA stages (16 / 3:
-# 3.6-4.0 TB/s from 64 MiB; 64 tiles starve a 64 MiB call of programs), fewer when the call is
-# too small to give every SM ~2 programs.
+@dataclasses.dataclass(frozen=True)
+class MosaicLaunch:
+    """The Mosaic GPU encode's launch: tiles each program pipelines, TMA steps in flight."""
+
+    tiles_per_program: int
+    steps_in_flight: int
+
+
+# Mosaic GPU encode (`encode_mosaic`): a program pipelines up to MOSAIC_TILES_PER_PROGRAM tiles of
+# 64 groups with MOSAIC_STEPS_IN_FLIGHT TMA stages, fewer when the call is too small to give
+# every SM ~2 programs (longer programs starve a 64 MiB call).
 MOSAIC_GROUPS_PER_TILE = 64  # one wgmma M block of a warpgroup
 MOSAIC_TILES_PER_PROGRAM = 16
 MOSAIC_STEPS_IN_FLIGHT = 3
 MOSAIC_MIN_PROGRAMS = 256
-# "auto" takes the Mosaic encode from this many tiles (64 MiB of bf16), where it measured 1.15x
-# (64 MiB) - 1.30x (1 GiB) the Triton kernel; at 4 MiB it took twice as long (9.5 vs 4.5 us in
-# one program: 1-tile programs each stage the 32 KiB sign matrix). 4 - 64 MiB is not measured.
+# "auto" takes the Mosaic encode from this many tiles (64 MiB of bf16): below it, one-tile
+# programs each stage the 32 KiB sign matrix and the Triton encode is faster (BENCHMARKS.md).
 MOSAIC_MIN_TILES = MOSAIC_TILES_PER_PROGRAM * MOSAIC_MIN_PROGRAMS
 
 
-def mosaic_launch(rows: int, tiles_per_row: int) -> tuple[int, int]:
-    """(tiles per program, pipeline steps in flight) of the Mosaic encode."""
+def mosaic_launch(rows: int, tiles_per_row: int) -> MosaicLaunch:
+    """The Mosaic encode's launch for `rows` rows of `tiles_per_row` tiles."""
     per_program = MOSAIC_TILES_PER_PROGRAM
     while per_program > 1 and (
         tiles_per_row % per_program or rows * tiles_per_row // per_program < MOSAIC_MIN_PROGRAMS
     ):
         per_program //= 2
-    return per_program, min(MOSAIC_STEPS_IN_FLIGHT, per_program)
+    return MosaicLaunch(per_program, min(MOSAIC_STEPS_IN_FLIGHT, per_program))

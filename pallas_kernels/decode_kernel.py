@@ -1,6 +1,6 @@
 """Fused decode: packed wire rows uint8[R, B] -> x[R, n] in bf16 or fp32, one pass.
 
-Equal to `codecs.decode_reference(codec, codecs.unpack(codec, wire, n), dtype)` up to fp32
+Equal to `codecs.decode_wire(codec, wire, n, dtype)` (the jnp reference) up to fp32
 rounding (the Hadamard is a tensor-core dot of the exact codes, then scaled by s / alpha).
 """
 
@@ -11,17 +11,17 @@ import jax.numpy as jnp
 
 from pallas_kernels import _pallas, _tile
 from pallas_kernels.config import BlockConfig, block_config
-from taco_jax import _backends
+from taco_jax import codecs
 from taco_jax.codecs import Codec
 
 
 def decoded_tile(codec: Codec, q, d, hblock, interpret: bool):
     """One tile's dequantized codes q [T, G] and decode factors d [T] -> fp32 values [T, G].
 
-    d includes `_tile.hadamard_unit` for a rotating codec (`unpack_wire_tile(unit=...)`)."""
+    d includes `codecs.hadamard_unit` for a rotating codec (`unpack_wire_tile(unit=...)`)."""
     if codec.hadamard:  # FP8/INT8 codes are exact in bf16
         q = _tile.signed_hadamard(q, hblock, exact_bf16=True, interpret=interpret)
-    return _tile.scale_rows(q, d)
+    return codecs.scale_rows(q, d)
 
 
 def _decode_kernel(
@@ -30,7 +30,7 @@ def _decode_kernel(
     row = _pallas.program_id(0)
     g, t = codec.group_size, cfg.groups_per_tile
     hblock = _tile.signs(h_ref, cfg) if codec.hadamard else None
-    unit = _tile.hadamard_unit(g) if codec.hadamard else 1.0
+    unit = codecs.hadamard_unit(g) if codec.hadamard else 1.0
 
     def load(tile):
         return _tile.load_wire_tile(codec, wire_ref, row, tile, n, cfg)
@@ -83,6 +83,5 @@ def check_wire(codec: Codec, wire: jax.Array, n: int) -> None:
         )
 
 
-def decode_reference(codec: Codec, wire: jax.Array, n: int, dtype=jnp.float32) -> jax.Array:
-    """The definition: decode_reference(unpack(wire)) from `taco_jax.codecs` (the XLA op)."""
-    return _backends.XLA_OPS.decode(codec, wire, n, dtype)
+# The definition the kernel equals up to fp32 rounding: the jnp reference on packed rows.
+decode_reference = codecs.decode_wire

@@ -7,8 +7,9 @@ Both sum in the Hadamard domain: H is linear and orthonormal, so
   sum_p H(q_p) d_p = H(sum_p q_p d_p)          (one Hadamard instead of N), and
   encode(sum) needs H(sum) = sum_p q_p d_p       (none at all: H H = I),
 with the energy of the sum read in the Hadamard domain (||H z|| = ||z||). The peers are summed
-in fixed order 0..N-1, so every rank computes the same bytes. Equal to the reference
-(`taco_jax._backends` XLA ops) up to fp32 rounding; codes differ only at rounding ties.
+in fixed order 0..N-1, so every rank computes the same bytes. Equal to the references
+(`codecs.decode_sum_wire`, `codecs.decode_sum_reencode_wire`) up to fp32 rounding; codes differ
+only at rounding ties.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 from pallas_kernels import _pallas, _tile
 from pallas_kernels.config import BlockConfig, block_config
 from pallas_kernels.decode_kernel import check_wire
-from taco_jax import _backends
+from taco_jax import codecs
 from taco_jax.codecs import Codec
 
 
@@ -37,7 +38,7 @@ def _summed_h_domain(codec: Codec, raws, tile, n: int, cfg: BlockConfig, unit=1.
     total = None
     for raw in raws:
         q, d = _tile.unpack_wire_tile(codec, raw, tile, n, cfg, unit)
-        part = _tile.scale_rows(q, d)
+        part = codecs.scale_rows(q, d)
         total = part if total is None else total + part
     return total
 
@@ -50,7 +51,7 @@ def _decode_sum_kernel(
 
     def decode_sum_tile(tile, raws):
         if codec.hadamard:  # S (z / sqrt(G)) = H z
-            z = _summed_h_domain(codec, raws, tile, n, cfg, _tile.hadamard_unit(g))
+            z = _summed_h_domain(codec, raws, tile, n, cfg, codecs.hadamard_unit(g))
             x = _tile.signed_hadamard(z, hblock, exact_bf16=False, interpret=interpret)
         else:
             x = _summed_h_domain(codec, raws, tile, n, cfg)
@@ -65,9 +66,9 @@ def _decode_sum_reencode_kernel(
 ):
     def reencode_tile(tile, raws):
         hz = _summed_h_domain(codec, raws, tile, n, cfg)
-        mean_sq = _tile.mean_square(hz, 1.0) if codec.prescale else None
-        codes, scale, prescale = _tile.encode_groups(
-            codec, hz, mean_sq, unit=1.0, interpret=interpret
+        mean_sq = codecs.mean_square(hz, 1.0) if codec.prescale else None
+        codes, scale, prescale = codecs.encode_groups(
+            codec, hz, mean_sq, unit=1.0, magic_round=not interpret
         )
         _tile.store_groups(codec, out_ref, 0, tile, n, cfg, codes, scale, prescale)
 
@@ -128,11 +129,6 @@ def decode_sum_reencode(
     )[0]
 
 
-def decode_sum_reference(codec: Codec, wire: jax.Array, n: int) -> jax.Array:
-    """The definition: fp32 sum over peers 0..N-1 of `codecs.decode_reference` (the XLA op)."""
-    return _backends.XLA_OPS.decode_sum(codec, wire, n)
-
-
-def decode_sum_reencode_reference(codec: Codec, wire: jax.Array, n: int) -> jax.Array:
-    """The definition: pack(encode_reference(decode_sum_reference(wire))) (the XLA op)."""
-    return _backends.XLA_OPS.decode_sum_reencode(codec, wire, n)
+# The definitions the kernels equal up to fp32 rounding (codes: up to rounding ties).
+decode_sum_reference = codecs.decode_sum_wire
+decode_sum_reencode_reference = codecs.decode_sum_reencode_wire

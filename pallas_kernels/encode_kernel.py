@@ -2,7 +2,7 @@
 
 One pass over HBM per tile of T groups: load, energy, ASH pre-scale, Hadamard (tensor-core dot),
 DS post-scale, cast, store codes and scale bytes straight into their places in the wire row.
-Equal to `codecs.pack(codec, codecs.encode_reference(codec, x))` up to the rounding notes of
+Equal to `codecs.encode_wire(codec, x)` (the packed jnp reference) up to the rounding notes of
 `_tile` (codes may differ from the reference only at FP8/INT8 rounding ties).
 """
 
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _pallas, _tile, encode_mosaic
 from pallas_kernels.config import BlockConfig, block_config
-from taco_jax import _backends, codecs
+from taco_jax import codecs
 from taco_jax.codecs import Codec
 
 
@@ -27,7 +27,7 @@ def _encode_kernel(
     def load(tile):
         return _tile.load_1d(x_ref, row, tile * t * g, t * g, n, masked=cfg.masked(n // g))
 
-    unit = _tile.hadamard_unit(g) if codec.hadamard else 1.0
+    unit = codecs.hadamard_unit(g) if codec.hadamard else 1.0
 
     def encode_tile(tile, x):
         # A bf16 tile feeds the dot as loaded (an exact operand): no fp32 copy of x stays live
@@ -42,9 +42,9 @@ def _encode_kernel(
         mean_sq = None
         if codec.prescale:  # H is orthonormal: S x * unit has the energy of x
             source, source_unit = (v, unit) if cfg.energy_after_dot else (x32, 1.0)
-            mean_sq = _tile.mean_square(source, source_unit)
-        codes, scale, prescale = _tile.encode_groups(
-            codec, v, mean_sq, unit=unit, interpret=interpret
+            mean_sq = codecs.mean_square(source, source_unit)
+        codes, scale, prescale = codecs.encode_groups(
+            codec, v, mean_sq, unit=unit, magic_round=not interpret
         )
         _tile.store_groups(codec, wire_ref, row, tile, n, cfg, codes, scale, prescale)
 
@@ -65,7 +65,7 @@ def encode(
 ) -> jax.Array:
     """x[R, n] -> wire[R, codec.wire_bytes(n)] (n a multiple of G; rows need not fill a tile).
 
-    Equals `codecs.pack(codec, codecs.encode_reference(codec, x))` up to rounding ties.
+    Equals `codecs.encode_wire(codec, x)` up to rounding ties.
     out_init: optional buffer of the output's shape, aliased to it (checks poison it).
     config: the Triton launch (default: `block_config`).
     backend: "triton" (Pallas, Triton lowering: every codec and shape, interpret mode), "mosaic"
@@ -73,7 +73,7 @@ def encode(
       from 64 MiB), or "auto": Mosaic where `encode_mosaic.preferred` and no Triton option
       (interpret, out_init, config) is asked for, else Triton.
     """
-    codecs._check_encodable(codec, x)
+    codecs.check_encodable(codec, x)
     if x.ndim != 2:
         raise ValueError(f"encode takes rows [R, n], got shape={x.shape}")
     if backend not in BACKENDS:
@@ -111,6 +111,5 @@ def encode(
     )
 
 
-def encode_reference(codec: Codec, x: jax.Array) -> jax.Array:
-    """The definition: pack(encode_reference(x)) from `taco_jax.codecs` (the XLA op)."""
-    return _backends.XLA_OPS.encode(codec, x)
+# The definition the kernel equals up to rounding ties: the jnp reference, packed.
+encode_reference = codecs.encode_wire

@@ -1,21 +1,20 @@
 """Fused encode on Hopper through Mosaic GPU: x[R, n] bf16 -> packed wire rows, G = 128.
 
 The same function as the Triton-lowered `encode_kernel.encode` (and so as
-`codecs.pack(codec, codecs.encode_reference(codec, x))` up to `_tile`'s rounding notes), for the
-codec `taco` (Hadamard, ASH pre-scale, fp32 DS scales, E4M3 codes). The ASH
-energy is taken from S x rather than x: H is orthonormal, so the two agree up to fp32 rounding
-of alpha, which cancels in y / s.
+`codecs.encode_wire(codec, x)` up to `_tile`'s rounding notes), for the codec `taco` (Hadamard,
+ASH pre-scale, fp32 DS scales, E4M3 codes). The ASH energy is taken from S x rather than x: H is
+orthonormal, so the two agree up to fp32 rounding of alpha, which cancels in y / s.
 
-Why a second backend for this kernel (BENCHMARKS.md, "Kernels", note 12): the Triton lowering
-moves every tile through registers, then shared memory for the dot, then back, at 116 registers
-per thread; encode ran at 84-92% of the copy. Here a program walks `tiles_per_program` tiles of
-64 groups of one row in a software pipeline (`emit_pipeline`): TMA loads each bf16 tile into
-swizzled shared memory, where one 64 x 128 x 128 wgmma reads it together with the +-1 Sylvester
-matrix (staged once per program); `_tile.encode_groups` turns the accumulator into codes, which
-TMA stores into the wire row. The scales and pre-scales go through an fp32 shared buffer, stored
-by TMA through a uint8 alias of it (`RefUnion`) into the row's side sections. The kernel issues
-these stores itself rather than through the pipeline's outputs, whose predicated stores the CPU
-interpreter cannot run; that costs 2-4% (BENCHMARKS.md note 13).
+Why a second backend for this kernel (see `_pallas.py`): the Triton lowering moves every tile
+through registers, then shared memory for the dot, then back. Here a program walks
+`tiles_per_program` tiles of 64 groups of one row in a software pipeline (`emit_pipeline`): TMA
+loads each bf16 tile into swizzled shared memory, where one 64 x 128 x 128 wgmma reads it
+together with the +-1 Sylvester matrix (staged once per program); `codecs.encode_groups` turns
+the accumulator into codes, which TMA stores into the wire row. The scales and pre-scales go
+through an fp32 shared buffer, stored by TMA through a uint8 alias of it (`RefUnion`) into the
+row's side sections. The kernel issues these stores itself rather than through the pipeline's
+outputs, whose predicated stores the CPU interpreter cannot run (a few percent slower, for a
+kernel that CI can run).
 
 The wire row is addressed as [W / 128, 128] bytes: Mosaic GPU indexes GMEM refs but does not
 reshape them, and with 128-byte rows a tile's codes (64 rows) and each of its side sections
@@ -29,8 +28,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _pallas, _tile
-from pallas_kernels.config import MOSAIC_GROUPS_PER_TILE, MOSAIC_MIN_TILES, mosaic_launch
+from pallas_kernels import _pallas
+from pallas_kernels.config import (
+    MOSAIC_GROUPS_PER_TILE,
+    MOSAIC_MIN_TILES,
+    MosaicLaunch,
+    mosaic_launch,
+)
 from taco_jax import codecs
 from taco_jax.codecs import Codec
 
@@ -64,33 +68,33 @@ def preferred(codec: Codec, x: jax.Array) -> bool:
 
 
 def encode(
-    codec: Codec, x: jax.Array, *, interpret: bool = False, launch: tuple[int, int] | None = None
+    codec: Codec, x: jax.Array, *, interpret: bool = False, launch: MosaicLaunch | None = None
 ) -> jax.Array:
     """x[R, n] -> wire[R, codec.wire_bytes(n)] (raises ValueError where `unsupported`).
 
     interpret: run in Mosaic GPU's CPU interpreter (tests). It does not alias `RefUnion`
       members, so there the side sections are not written: only the codes are meaningful.
-    launch: (tiles per program, pipeline steps in flight); default `mosaic_launch`.
+    launch: tiles per program and pipeline steps in flight; default `mosaic_launch`.
     """
     reason = unsupported(codec, x, need_hopper=not interpret)
     if reason is not None:
         raise ValueError(f"the Mosaic GPU encode cannot take {reason}")
     rows, n = x.shape
     groups = n // GROUP_SIZE
-    tiles_per_program, steps = launch or mosaic_launch(rows, groups // _TILE)
+    launch = launch or mosaic_launch(rows, groups // _TILE)
+    tiles_per_program = launch.tiles_per_program
     if (groups // _TILE) % tiles_per_program:
         raise ValueError(f"{tiles_per_program=} must divide the {groups // _TILE} tiles of a row")
-    scale_at, prescale_at = codecs.side_offsets(codec, n)
     body = _pallas.partial(
         _encode_body,
         codec=codec,
         tiles_per_program=tiles_per_program,
-        steps=steps,
-        side_rows=(scale_at // ROW_BYTES, prescale_at // ROW_BYTES),
+        steps=launch.steps_in_flight,
+        side_rows=tuple(s.offset // ROW_BYTES for s in codecs.wire_sections(codec, n)),
     )
     wire_rows = codec.wire_bytes(n) // ROW_BYTES
     out_shape = jax.ShapeDtypeStruct((rows, wire_rows, ROW_BYTES), jnp.uint8)
-    signs = _tile.signs_matrix(GROUP_SIZE)  # exact in bf16
+    signs = codecs.signs_matrix(GROUP_SIZE)  # exact in bf16
     wire = _pallas.mosaic_kernel(
         body,
         x.reshape(rows, groups, GROUP_SIZE),
@@ -156,9 +160,9 @@ def _encode_body(
 def _encode_step(index, x_smem, *, codec, signs_smem, out, wire_row, first, side_rows):
     (i,) = index
     v = _pallas.wgmma(x_smem, signs_smem, (_TILE, GROUP_SIZE))  # S x, fp32
-    unit = _tile.hadamard_unit(GROUP_SIZE)
-    mean_sq = _tile.mean_square(v, unit)
-    codes, scale, prescale = _tile.encode_groups(codec, v, mean_sq, unit=unit, interpret=False)
+    unit = codecs.hadamard_unit(GROUP_SIZE)
+    mean_sq = codecs.mean_square(v, unit)
+    codes, scale, prescale = codecs.encode_groups(codec, v, mean_sq, unit=unit, magic_round=True)
     _store_tile(out, wire_row, first + i, side_rows, codes, (scale, prescale))
 
 

@@ -2,8 +2,13 @@
 
 Public API:
   compressed_psum, compressed_psum_scatter, compressed_all_gather  (collectives.py)
+  CommConfig, comm_config: the collective options and their defaults
   TPComm, copy_to_tp, reduce_from_tp, gather_from_sp, scatter_to_sp (tp.py: Megatron f / g)
   Codec, Payload, get_codec, CODEC_NAMES, roundtrip                 (codecs.py)
+  telemetry: per-collective relative error (a study tool)
+
+The library needs JAX and NumPy only; the fused GPU kernels (`pallas_kernels`) are imported on
+first use, and nothing here imports the models or the training application.
 """
 
 from taco_jax.codecs import CODEC_NAMES, Codec, Payload, get_codec, roundtrip

@@ -1,14 +1,17 @@
-"""The per-chunk codec operations the collectives need, and which implementation runs them.
+"""Which implementation runs the codec operations of the collectives.
 
 The collectives speak to codecs only through `CodecOps`, on packed wire buffers (uint8 rows of
-`codec.wire_bytes(n)` bytes; see `codecs.pack`). The "xla" ops compose the pure-jnp reference;
-the "pallas" ops are the fused kernels in `pallas_kernels/`. A backend never changes the
-reference, and every backend is tested against it.
+`codec.wire_bytes(n)` bytes; see `codecs.pack`). The "xla" ops are the packed-wire jnp
+references of `taco_jax.codecs`; the "pallas" ops are the fused kernels of `pallas_kernels`,
+imported on first use (they import the codec definition, never this module). A backend never
+changes the reference, and every backend is tested against it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -34,48 +37,71 @@ class CodecOps:
     """(codec, wire[N, B], n) -> wire[B] of the fp32 sum; the middle of the two-shot all-reduce."""
 
 
-def _encode_xla(codec: Codec, x: jax.Array) -> jax.Array:
-    return codecs.pack(codec, codec.encode(x))
+XLA_OPS = CodecOps(
+    codecs.encode_wire, codecs.decode_wire, codecs.decode_sum_wire, codecs.decode_sum_reencode_wire
+)
 
 
-def _decode_xla(codec: Codec, wire: jax.Array, n: int, dtype) -> jax.Array:
-    return codec.decode(codecs.unpack(codec, wire, n), dtype)
-
-
-def _decode_sum_xla(codec: Codec, wire: jax.Array, n: int) -> jax.Array:
-    # A fixed summation order (peer 0 first) makes the sum the same on every rank and every run.
-    return jnp.sum(_decode_xla(codec, wire, n, jnp.float32), axis=0)
-
-
-def _decode_sum_reencode_xla(codec: Codec, wire: jax.Array, n: int) -> jax.Array:
-    return _encode_xla(codec, _decode_sum_xla(codec, wire, n)[None])[0]
-
-
-XLA_OPS = CodecOps(_encode_xla, _decode_xla, _decode_sum_xla, _decode_sum_reencode_xla)
-
-
-def _pallas_ops(interpret: bool) -> CodecOps | None:
+@functools.cache
+def _kernels():
+    """The `pallas_kernels` module, or the ImportError that stopped it (imported once)."""
     try:
-        from pallas_kernels import codec_ops
-    except ImportError:
-        return None
-    return codec_ops(interpret=interpret)
+        import pallas_kernels
+    except ImportError as error:
+        return error
+    return pallas_kernels
+
+
+def _fused(kernel, reference, interpret: bool):
+    """`kernel` for compressing codecs; the reference for the identity codec "none"."""
+
+    def op(codec: Codec, *args):
+        if codec.is_identity:
+            return reference(codec, *args)
+        return kernel(codec, *args, interpret=interpret)
+
+    return op
+
+
+@functools.cache
+def _pallas_ops(interpret: bool) -> CodecOps:
+    kernels = _kernels()
+    if isinstance(kernels, ImportError):
+        raise ImportError(
+            "impl='pallas' needs the fused kernels of the pallas_kernels package, which failed "
+            f"to import: {kernels!r}"
+        ) from kernels
+    return CodecOps(
+        *(
+            _fused(getattr(kernels, name), getattr(XLA_OPS, name), interpret)
+            for name in ("encode", "decode", "decode_sum", "decode_sum_reencode")
+        )
+    )
+
+
+@functools.cache
+def _warn_fallback(error: str) -> None:
+    warnings.warn(
+        "taco_jax: impl='auto' runs the XLA reference codec on this GPU (8-30x slower than the "
+        f"fused kernels) because pallas_kernels failed to import: {error}",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def get_ops(impl: str) -> CodecOps:
-    """Returns the ops for `impl`: "xla", "pallas", "pallas_interpret" (CPU) or "auto".
+    """The ops for `impl`: "xla", "pallas", "pallas_interpret" (the kernels in Pallas' CPU
+    interpreter) or "auto".
 
-    "auto" picks the Pallas kernels on a GPU backend when they are importable, else "xla".
+    "auto" picks the fused kernels on a GPU backend, else "xla". On a GPU where the kernels
+    cannot be imported it falls back to "xla" and warns once, naming the import error; "pallas"
+    raises that error instead.
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown {impl=}; choose one of {IMPLS}")
-    if impl == "xla":
+    if impl == "xla" or (impl == "auto" and jax.default_backend() != "gpu"):
         return XLA_OPS
-    if impl == "auto":
-        if jax.default_backend() != "gpu":
-            return XLA_OPS
-        return _pallas_ops(interpret=False) or XLA_OPS
-    ops = _pallas_ops(interpret=impl == "pallas_interpret")
-    if ops is None:
-        raise ValueError(f"{impl=} needs the pallas_kernels package, which is not importable")
-    return ops
+    if impl == "auto" and isinstance(_kernels(), ImportError):
+        _warn_fallback(repr(_kernels()))
+        return XLA_OPS
+    return _pallas_ops(interpret=impl == "pallas_interpret")

@@ -1,18 +1,28 @@
 """Group-wise codecs for tensor-parallel traffic: ASH + DS FP8 (TACO), its ablations, INT8.
 
+This module is the one definition of a codec: its stages, its element formats, its wire layout,
+and the jnp reference built from them. The fused kernels (`pallas_kernels`) import the same
+stage functions and wire layout; only how they compute the Hadamard product and move bytes is
+their own. Every stage is plain jnp on an array whose last axis is one group, written with ops
+that also lower inside Pallas kernel bodies (no `round`, no value slicing; see `quantize`).
+
 A codec turns the last axis of an array into a `Payload` of uint8 codes plus per-group side
-scales, and back. Every codec here is a composition of four optional stages applied to each
-contiguous group of `group_size` (G) values, all in fp32 (TACO.md section 2):
+scales, and back. It composes four optional stages applied to each contiguous group of
+`group_size` (G) values, all in fp32 (docs/method.md, "Codec"):
 
 1. ASH pre-scale:  alpha = clamp(448 * rsqrt(max(mean(x^2) + 1e-6, 1e-12)), 1e-3, 1e3); x <- alpha x
-2. Hadamard:       y = H_G x / sqrt(G)   (Sylvester order, orthonormal, self-inverse)
+2. Hadamard:       y = H_G x,  H_G = S_G / sqrt(G), S_G the +-1 Sylvester matrix (orthonormal,
+                   self-inverse)
 3. DS post-scale:  s = clamp(max|y| / qmax, 1e-12, 1e6)
 4. quantize:       q = round(clamp(y / s, -qmax, qmax)) in E4M3 / E5M2 / INT8
 
-Decode runs the stages backwards: x = H_G (q s) / sqrt(G) / alpha.
+Decode runs the stages backwards: x = H_G (q s) / alpha. Both directions are computed with one
+multiplier per group (`encode_groups`, `decode_factor`): the encoder quantizes
+`(S_G x) * (alpha / (sqrt(G) s))`, the decoder returns `(S_G q) * (s / (sqrt(G) alpha))`, which
+equal the stages above in exact arithmetic and cost one multiply per element.
 
 Codes are stored as uint8 (a bitcast), never as float8: XLA on CPU moves float8 collectives as
-f16, and XLA may drop an f32 -> f8 -> f32 round trip inside one fusion (TACO.md section 6).
+f16, and XLA may drop an f32 -> f8 -> f32 round trip inside one fusion (docs/method.md, "Traps").
 
 Non-finite input is never hidden: a group holding NaN or Inf gets a NaN scale, so the whole group
 decodes to NaN and the training loop sees the divergence (the reference CUDA code maps NaN/Inf to
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Literal
 
 import jax
@@ -35,17 +46,31 @@ ScaleFormat = Literal["fp32", "e8m0"]
 
 ALLOWED_GROUP_SIZES = (32, 64, 128, 256, 512)
 DEFAULT_GROUP_SIZE = 128
+DEFAULT_CODEC = "taco"
 
-# ASH constants, TACO.md section 2 step 1-2 (taco.cu): energy epsilon, energy floor, alpha clamp.
+# ASH constants, docs/method.md "Codec" steps 1-2 (taco.cu): energy epsilon, energy floor, alpha
+# clamp.
 ENERGY_EPS = 1e-6
 ENERGY_FLOOR = 1e-12
 PRESCALE_MIN, PRESCALE_MAX = 1e-3, 1e3
-# DS clamp, TACO.md section 2 step 4.
+# DS clamp, docs/method.md "Codec" step 4.
 SCALE_MIN, SCALE_MAX = 1e-12, 1e6
 
-_FLOAT8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+FLOAT8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 # Largest finite magnitude of each element format; the target of the post-scale.
 QMAX = {"e4m3": 448.0, "e5m2": 57344.0, "int8": 127.0}
+# The ASH pre-scale targets a group RMS of the E4M3 maximum, whatever the element format.
+ASH_TARGET_RMS = QMAX["e4m3"]
+# 1.5 * 2^23: adding and subtracting it rounds an fp32 |v| < 2^22 to the nearest integer, ties to
+# even (IEEE add), which is jnp.round's rule; the Triton lowering of Pallas has no `round`.
+_ROUND_MAGIC = 12582912.0
+# E8M0 (OCP MX): a biased power-of-two exponent byte; 0xFF is NaN.
+E8M0_BIAS = 127.0
+E8M0_NAN = 255
+
+
+# --------------------------------------------------------------------------------------------
+# The codec, its payload and its wire layout.
 
 
 @functools.partial(
@@ -64,6 +89,20 @@ class Payload:
     codes: jax.Array
     scales: jax.Array | None
     prescales: jax.Array | None
+
+
+@dataclasses.dataclass(frozen=True)
+class WireSection:
+    """One per-group side section of a packed wire row (see `wire_sections`).
+
+    field: the `Payload` field it holds ("scales" or "prescales").
+    offset: its first byte in the row.
+    width: bytes per group: 1 (a uint8 E8M0 exponent) or 4 (a little-endian fp32).
+    """
+
+    field: str
+    offset: int
+    width: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,13 +137,21 @@ class Codec:
         return QMAX[self.element]
 
     @property
+    def side_fields(self) -> tuple[tuple[str, int], ...]:
+        """(Payload field, bytes per group) of each side section, in wire order.
+
+        E8M0 stores the product s / alpha as one exponent byte; fp32 scales take four bytes.
+        """
+        if self.is_identity:
+            return ()
+        if self.scale_format == "e8m0":
+            return (("scales", 1),)
+        return (("scales", 4),) * self.postscale + (("prescales", 4),) * self.prescale
+
+    @property
     def side_bytes_per_group(self) -> int:
         """Bytes of scales stored per group on the wire."""
-        if self.is_identity:
-            return 0
-        if self.scale_format == "e8m0":
-            return 1  # the product s / alpha as one power-of-two exponent byte
-        return 4 * (int(self.prescale) + int(self.postscale))
+        return sum(width for _, width in self.side_fields)
 
     @property
     def bits_per_element(self) -> float:
@@ -153,38 +200,234 @@ def validate_group_size(group_size: int) -> None:
         raise ValueError(f"{group_size=} must be a power of two in {ALLOWED_GROUP_SIZES}")
 
 
-def get_codec(codec: str | Codec, group_size: int = DEFAULT_GROUP_SIZE) -> Codec:
-    """Returns the codec named `codec` (one of `CODEC_NAMES`), or `codec` itself if a `Codec`."""
+def get_codec(codec: str | Codec = DEFAULT_CODEC, group_size: int | None = None) -> Codec:
+    """The codec named `codec` (one of `CODEC_NAMES`), or `codec` itself if a `Codec`.
+
+    group_size: G; None keeps a `Codec`'s own and gives a named codec `DEFAULT_GROUP_SIZE`.
+    """
     if isinstance(codec, Codec):
-        return codec
+        return codec if group_size is None else dataclasses.replace(codec, group_size=group_size)
     if codec not in _CODECS:
         raise ValueError(f"unknown codec {codec!r}; choose one of {CODEC_NAMES}")
-    return Codec(name=codec, group_size=group_size, **_CODECS[codec])
+    return Codec(name=codec, group_size=group_size or DEFAULT_GROUP_SIZE, **_CODECS[codec])
+
+
+def wire_sections(codec: Codec, n: int) -> tuple[WireSection, ...]:
+    """The side sections of a packed row of `n` codes: `[n codes][section 0][section 1]`.
+
+    `pack` / `unpack` and the kernels all read the layout from here.
+    """
+    groups = n // codec.group_size
+    sections, offset = [], n
+    for field, width in codec.side_fields:
+        sections.append(WireSection(field, offset, width))
+        offset += width * groups
+    return tuple(sections)
+
+
+# --------------------------------------------------------------------------------------------
+# Stages. Each takes groups along the last axis (or per-group values) and runs both in the
+# reference and inside Pallas kernel bodies, on [T, G] tiles.
+
+
+def sylvester_parity(i, j):
+    """popcount(i & j) & 1 for 0 <= i, j < 2^16, elementwise on numpy or jnp integer arrays.
+
+    The Sylvester-ordered Hadamard matrix has S[i, j] = (-1)^parity(i & j).
+    """
+    v = i & j
+    v = v ^ (v >> 8)
+    v = v ^ (v >> 4)
+    v = v ^ (v >> 2)
+    return (v ^ (v >> 1)) & 1
+
+
+def signs_matrix(b: int) -> np.ndarray:
+    """S_b = sqrt(b) H_b, the +-1 Sylvester matrix of order b, fp32 (exact in bf16 too)."""
+    i, j = np.indices((b, b))
+    return (1 - 2 * sylvester_parity(i, j)).astype(np.float32)
 
 
 @functools.cache
 def hadamard_matrix(group_size: int) -> np.ndarray:
-    """The normalized Sylvester Walsh-Hadamard matrix H_G / sqrt(G) (symmetric, H @ H = I)."""
+    """The normalized Sylvester Walsh-Hadamard matrix H_G = S_G / sqrt(G) (symmetric, H H = I)."""
     validate_group_size(group_size)
-    index = np.arange(group_size)
-    parity = np.bitwise_count(index[:, None] & index[None, :]) & 1
-    return (1.0 - 2.0 * parity).astype(np.float32) / np.float32(np.sqrt(group_size))
+    return signs_matrix(group_size) * np.float32(hadamard_unit(group_size))
+
+
+def hadamard_unit(group_size: int) -> float:
+    """1 / sqrt(G): S_G times this is the orthonormal Hadamard H_G."""
+    return 1.0 / math.sqrt(group_size)
+
+
+def mean_square(v: jax.Array, unit: float = 1.0) -> jax.Array:
+    """mean((v * unit)^2) over the last axis; exact scaling when unit^2 / G is a power of two
+    (unit 1 or `hadamard_unit(G)`, G a power of two)."""
+    g = v.shape[-1]
+    return jnp.sum(v * v, axis=-1) * np.float32(unit * unit / g)
+
+
+def ash_prescale(mean_sq: jax.Array) -> jax.Array:
+    """alpha per group from the mean square of its values: scales the group to RMS 448 (the E4M3
+    maximum), clamped (docs/method.md, "Codec", steps 1-2)."""
+    energy = jnp.maximum(mean_sq + ENERGY_EPS, ENERGY_FLOOR)
+    return jnp.clip(ASH_TARGET_RMS * lax.rsqrt(energy), PRESCALE_MIN, PRESCALE_MAX)
+
+
+def postscale(amax: jax.Array, qmax: float) -> jax.Array:
+    """s per group: the absmax of the values to quantize mapped onto the format's maximum,
+    clamped (docs/method.md, "Codec", step 4)."""
+    return jnp.clip(amax / qmax, SCALE_MIN, SCALE_MAX)
+
+
+def mark_nonfinite(scale: jax.Array, amax: jax.Array) -> jax.Array:
+    """NaN where the group's absmax is NaN or Inf: the clamps would otherwise turn an Inf absmax
+    into a finite scale and hide the divergence. (amax >= 0 or NaN, so `amax < inf` is
+    isfinite(amax), in ops that Mosaic GPU lowers too.)"""
+    return jnp.where(amax < jnp.inf, scale, jnp.nan)
+
+
+def e8m0_exponent(scale: jax.Array) -> jax.Array:
+    """Smallest power-of-two exponent e with 2^e >= scale, biased by 127 into a uint8 (OCP E8M0).
+
+    Rounding up keeps |y / 2^e| <= qmax, so the codes never saturate. NaN maps to 0xFF (E8M0 NaN).
+    """
+    exponent = jnp.clip(jnp.ceil(jnp.log2(scale)), -E8M0_BIAS, E8M0_BIAS)
+    return jnp.where(jnp.isnan(scale), float(E8M0_NAN), exponent + E8M0_BIAS).astype(jnp.uint8)
+
+
+def e8m0_value(biased: jax.Array) -> jax.Array:
+    """fp32 value of E8M0 exponent bytes (0xFF is NaN)."""
+    value = jnp.exp2(biased.astype(jnp.float32) - E8M0_BIAS)
+    return jnp.where(biased == E8M0_NAN, jnp.nan, value)
+
+
+def quantize(codec: Codec, scaled: jax.Array, *, magic_round: bool = False) -> jax.Array:
+    """fp32 values already divided by their scale -> uint8 codes (saturating).
+
+    INT8 rounds half to even: with `jnp.round`, or with `magic_round` by adding and subtracting
+    1.5 * 2^23 (for the Triton lowering, which has no `round`; XLA on the CPU folds that add away,
+    so the reference and interpret mode use `jnp.round`)."""
+    clipped = jnp.clip(scaled, -codec.qmax, codec.qmax)
+    if codec.element == "int8":
+        rounded = (clipped + _ROUND_MAGIC) - _ROUND_MAGIC if magic_round else jnp.round(clipped)
+        return lax.bitcast_convert_type(rounded.astype(jnp.int8), jnp.uint8)
+    return lax.bitcast_convert_type(clipped.astype(FLOAT8_DTYPES[codec.element]), jnp.uint8)
+
+
+def dequantize(codec: Codec, codes: jax.Array) -> jax.Array:
+    """uint8 codes -> their fp32 values (exact: every code is representable)."""
+    if codec.element == "int8":
+        return lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.float32)
+    return lax.bitcast_convert_type(codes, FLOAT8_DTYPES[codec.element]).astype(jnp.float32)
+
+
+def scale_rows(q: jax.Array, d) -> jax.Array:
+    """q [T, G] times a per-group factor d [T] (or a Python float: 1.0 is nothing to do)."""
+    if isinstance(d, float):
+        return q if d == 1.0 else q * np.float32(d)
+    return q * lax.broadcast_in_dim(d, q.shape, (0,))
+
+
+def encode_groups(codec: Codec, v, mean_sq, *, unit: float, magic_round: bool = False):
+    """Encodes the groups v * unit, v [T, G]: after the Hadamard (v = S x, unit = 1 / sqrt(G)),
+    or the raw groups without one (unit = 1). mean_sq [T]: the mean square of the groups (ASH
+    energy; H is orthonormal, so that of x and of H x agree), None for codecs without pre-scale.
+
+    Returns (codes uint8 [T, G], scale [T] or None, prescale [T] or None) with the `Payload`
+    meaning: scale is fp32 s (or the uint8 E8M0 exponent of s / alpha), prescale is alpha.
+    y = alpha * H x and y / s become per-group factors: amax(|y|) is amax(|v|) * alpha * unit
+    (rounding is monotone), and codes take one multiply per element.
+    """
+    alpha = ash_prescale(mean_sq) if codec.prescale else None
+    to_y = alpha * np.float32(unit) if codec.prescale else unit  # y = v * to_y
+    amax = jnp.max(jnp.abs(v), axis=-1) * to_y  # NaN propagates; Inf stays Inf
+    if not codec.postscale:  # w/o DS: a NaN pre-scale marks a non-finite group
+        codes = quantize(codec, scale_rows(v, to_y), magic_round=magic_round)
+        return codes, None, mark_nonfinite(alpha, amax)
+    s = postscale(amax, codec.qmax)
+    if codec.scale_format == "e8m0":
+        combined = s / alpha if codec.prescale else s
+        exponent = e8m0_exponent(mark_nonfinite(combined, amax))
+        # y / (2^e alpha) = v * unit / 2^e: alpha cancels.
+        factor = unit / e8m0_value(exponent)
+        return quantize(codec, scale_rows(v, factor), magic_round=magic_round), exponent, None
+    s = mark_nonfinite(s, amax)
+    return quantize(codec, scale_rows(v, to_y / s), magic_round=magic_round), s, alpha
+
+
+def decode_factor(codec: Codec, scale, prescale, unit: float = 1.0):
+    """d [T] with decoded = S(q) * d when unit = `hadamard_unit(G)` (or q * d, unit = 1)."""
+    if codec.scale_format == "e8m0":
+        return e8m0_value(scale) * np.float32(unit)
+    d = scale * np.float32(unit) if codec.postscale else unit
+    if codec.prescale:
+        d = d / prescale
+    return d
+
+
+# --------------------------------------------------------------------------------------------
+# Side bytes: fp32 scales <-> little-endian bytes, in ops the kernels lower too (shifts, not
+# a bitcast to a narrower type).
+
+
+def side_to_bytes(value: jax.Array, width: int) -> jax.Array:
+    """Per-group side values [..., k] -> their wire bytes [..., width * k] (uint8)."""
+    if width == 1:
+        return value
+    bits = lax.bitcast_convert_type(value, jnp.uint32)
+    shift = (8 * lax.broadcasted_iota(jnp.int32, (*value.shape, 4), value.ndim)).astype(jnp.uint32)
+    return ((bits[..., None] >> shift) & 0xFF).astype(jnp.uint8).reshape(*value.shape[:-1], -1)
+
+
+def side_from_bytes(data: jax.Array, width: int) -> jax.Array:
+    """Wire bytes [..., width * k] -> per-group side values [..., k] (uint8 or fp32)."""
+    if width == 1:
+        return data
+    words = data.reshape(*data.shape[:-1], data.shape[-1] // 4, 4).astype(jnp.uint32)
+    shift = (8 * lax.broadcasted_iota(jnp.int32, words.shape, words.ndim - 1)).astype(jnp.uint32)
+    return lax.bitcast_convert_type(jnp.sum(words << shift, axis=-1), jnp.float32)
+
+
+def pack(codec: Codec, payload: Payload) -> jax.Array:
+    """Concatenates codes and side bytes along the last axis: uint8[..., wire_bytes(n)]."""
+    n = payload.codes.shape[-1]
+    parts = [payload.codes] + [
+        side_to_bytes(getattr(payload, s.field), s.width) for s in wire_sections(codec, n)
+    ]
+    return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+
+
+def unpack(codec: Codec, wire: jax.Array, n: int) -> Payload:
+    """Inverse of `pack` for chunks of `n` elements."""
+    if codec.is_identity:
+        return Payload(wire, None, None)
+    groups = n // codec.group_size
+    sides = {
+        s.field: side_from_bytes(wire[..., s.offset : s.offset + s.width * groups], s.width)
+        for s in wire_sections(codec, n)
+    }
+    return Payload(wire[..., :n], sides.get("scales"), sides.get("prescales"))
+
+
+# --------------------------------------------------------------------------------------------
+# The jnp reference: the stages above, with the Hadamard as an exact fp32 product.
+
+
+def signed_hadamard(groups: jax.Array) -> jax.Array:
+    """S_G x along the last axis (G = its size), fp32; HIGHEST keeps the +-1 sums out of
+    TF32/bf16 passes."""
+    signs = jnp.asarray(signs_matrix(groups.shape[-1]))
+    return jnp.matmul(groups.astype(jnp.float32), signs, precision=lax.Precision.HIGHEST)
 
 
 def hadamard_transform(x: jax.Array, group_size: int) -> jax.Array:
-    """Applies H_G / sqrt(G) to each group of G along the last axis (fp32, exact products)."""
+    """Applies H_G to each group of G along the last axis (fp32)."""
     groups = x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
-    # Entries are +-2^-k/2 or +-1/sqrt(G); HIGHEST keeps the fp32 sums out of TF32/bf16 passes.
-    y = jnp.einsum(
-        "...gi,ij->...gj",
-        groups,
-        jnp.asarray(hadamard_matrix(group_size)),
-        precision=lax.Precision.HIGHEST,
-    )
-    return y.reshape(x.shape)
+    return (signed_hadamard(groups) * np.float32(hadamard_unit(group_size))).reshape(x.shape)
 
 
-def _check_encodable(codec: Codec, x: jax.Array) -> None:
+def check_encodable(codec: Codec, x: jax.Array) -> None:
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"codec {codec.name!r} encodes floating arrays, got dtype={x.dtype}")
     if x.ndim == 0 or x.shape[-1] % codec.group_size:
@@ -194,88 +437,23 @@ def _check_encodable(codec: Codec, x: jax.Array) -> None:
         )
 
 
-def _grouped(x: jax.Array, group_size: int) -> jax.Array:
-    return x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
-
-
-def ash_prescale(groups: jax.Array) -> jax.Array:
-    """alpha per group: scales each group to RMS 448 (the E4M3 maximum), clamped (TACO.md s2)."""
-    energy = jnp.maximum(jnp.mean(groups * groups, axis=-1) + ENERGY_EPS, ENERGY_FLOOR)
-    return jnp.clip(QMAX["e4m3"] * lax.rsqrt(energy), PRESCALE_MIN, PRESCALE_MAX)
-
-
-def _nan_if_nonfinite(scale: jax.Array, amax: jax.Array) -> jax.Array:
-    # Clamps would turn an Inf absmax into a finite scale; keep non-finite groups visible.
-    return jnp.where(jnp.isfinite(amax), scale, jnp.nan)
-
-
-def e8m0_exponent(scale: jax.Array) -> jax.Array:
-    """Smallest power-of-two exponent e with 2^e >= scale, biased by 127 into a uint8 (OCP E8M0).
-
-    Rounding up keeps |y / 2^e| <= qmax, so the codes never saturate. NaN maps to 0xFF (E8M0 NaN).
-    """
-    exponent = jnp.clip(jnp.ceil(jnp.log2(scale)), -127, 127)
-    biased = jnp.where(jnp.isnan(scale), 255, exponent + 127)
-    return biased.astype(jnp.uint8)
-
-
-def e8m0_value(biased: jax.Array) -> jax.Array:
-    """fp32 value of E8M0 exponent bytes (0xFF is NaN)."""
-    value = jnp.exp2(biased.astype(jnp.float32) - 127.0)
-    return jnp.where(biased == 255, jnp.nan, value)
-
-
-def _quantize(codec: Codec, scaled: jax.Array) -> jax.Array:
-    """Rounds fp32 values (already divided by their scale) to uint8 codes, saturating."""
-    clipped = jnp.clip(scaled, -codec.qmax, codec.qmax)
-    if codec.element == "int8":
-        return lax.bitcast_convert_type(jnp.round(clipped).astype(jnp.int8), jnp.uint8)
-    return lax.bitcast_convert_type(clipped.astype(_FLOAT8_DTYPES[codec.element]), jnp.uint8)
-
-
-def _dequantize(codec: Codec, codes: jax.Array) -> jax.Array:
-    if codec.element == "int8":
-        return lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.float32)
-    return lax.bitcast_convert_type(codes, _FLOAT8_DTYPES[codec.element]).astype(jnp.float32)
-
-
 def encode_reference(codec: Codec, x: jax.Array) -> Payload:
     """Pure-jnp encode of the last axis of `x`; the definition every kernel is tested against."""
-    _check_encodable(codec, x)
+    check_encodable(codec, x)
     if codec.is_identity:
-        return Payload(
-            lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint8).reshape(
-                *x.shape[:-1], 4 * x.shape[-1]
-            ),
-            None,
-            None,
-        )
+        raw = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint8)
+        return Payload(raw.reshape(*x.shape[:-1], 4 * x.shape[-1]), None, None)
     g = codec.group_size
-    groups = _grouped(x.astype(jnp.float32), g)  # [..., n/G, G]
-    alpha = ash_prescale(groups) if codec.prescale else None
-    y = groups * alpha[..., None] if codec.prescale else groups
-    if codec.hadamard:
-        y = hadamard_transform(y, g)
-    amax = jnp.max(jnp.abs(y), axis=-1)  # NaN propagates; Inf stays Inf
-    scales = prescales = None
-    if not codec.postscale:
-        # w/o DS: a NaN pre-scale marks a non-finite group (no other scale is stored).
-        prescales = _nan_if_nonfinite(alpha, amax)
-        codes = _quantize(codec, y)
-    elif codec.scale_format == "e8m0":
-        s = jnp.clip(amax / codec.qmax, SCALE_MIN, SCALE_MAX)
-        combined = s / alpha if codec.prescale else s
-        scales = e8m0_exponent(_nan_if_nonfinite(combined, amax))
-        divisor = e8m0_value(scales) * (alpha if codec.prescale else 1.0)
-        codes = _quantize(codec, y / divisor[..., None])
-    else:
-        s = _nan_if_nonfinite(jnp.clip(amax / codec.qmax, SCALE_MIN, SCALE_MAX), amax)
-        scales, prescales = s, alpha
-        codes = _quantize(codec, y / s[..., None])
-    codes = codes.reshape(x.shape)
+    groups = x.astype(jnp.float32).reshape(-1, g)  # [M, G]
+    v = signed_hadamard(groups) if codec.hadamard else groups
+    mean_sq = mean_square(groups) if codec.prescale else None
+    unit = hadamard_unit(g) if codec.hadamard else 1.0
+    codes, scale, prescale = encode_groups(codec, v, mean_sq, unit=unit)
+    per_group = x.shape[:-1] + (x.shape[-1] // g,)
+    scale, prescale = (None if a is None else a.reshape(per_group) for a in (scale, prescale))
     # The payload is a real boundary: without the barrier XLA may fold encode into a following
-    # decode and skip the FP8 rounding (xla_allow_excess_precision, TACO.md section 6).
-    return lax.optimization_barrier(Payload(codes, scales, prescales))
+    # decode and skip the FP8 rounding (xla_allow_excess_precision, docs/method.md "Traps").
+    return lax.optimization_barrier(Payload(codes.reshape(x.shape), scale, prescale))
 
 
 def decode_reference(codec: Codec, payload: Payload, dtype=jnp.float32) -> jax.Array:
@@ -285,23 +463,15 @@ def decode_reference(codec: Codec, payload: Payload, dtype=jnp.float32) -> jax.A
         values = lax.bitcast_convert_type(codes.reshape(*codes.shape[:-1], -1, 4), jnp.float32)
         return values.astype(dtype)
     g = codec.group_size
-    y = _grouped(_dequantize(codec, codes), g)
-    if codec.scale_format == "e8m0":
-        y = y * e8m0_value(payload.scales)[..., None]
-        # The stored exponent already holds s / alpha; the Hadamard is linear, so apply it last.
-        if codec.hadamard:
-            y = hadamard_transform(y.reshape(codes.shape), g).reshape(y.shape)
-        return y.reshape(codes.shape).astype(dtype)
-    if codec.postscale:
-        y = y * payload.scales[..., None]
-    if codec.hadamard:
-        y = _grouped(hadamard_transform(y.reshape(codes.shape), g), g)
-    if codec.prescale:
-        y = y / payload.prescales[..., None]
+    q = dequantize(codec, codes).reshape(-1, g)
+    flat = lambda a: None if a is None else a.reshape(-1)  # noqa: E731
+    unit = hadamard_unit(g) if codec.hadamard else 1.0
+    d = decode_factor(codec, flat(payload.scales), flat(payload.prescales), unit)
+    y = scale_rows(signed_hadamard(q) if codec.hadamard else q, d)
     return y.reshape(codes.shape).astype(dtype)
 
 
-def roundtrip(codec: str | Codec, x: jax.Array, group_size: int = DEFAULT_GROUP_SIZE) -> jax.Array:
+def roundtrip(codec: str | Codec, x: jax.Array, group_size: int | None = None) -> jax.Array:
     """decode(encode(x)) along the last axis, padded to a multiple of G; same shape and dtype."""
     codec = get_codec(codec, group_size)
     padded, n = pad_to_multiple(x, codec.group_size)
@@ -318,58 +488,28 @@ def pad_to_multiple(x: jax.Array, multiple: int) -> tuple[jax.Array, int]:
 
 
 # --------------------------------------------------------------------------------------------
-# Wire format: one uint8 buffer per chunk, [n codes][scale bytes][prescale bytes] (TACO.md s2.6).
+# The packed-wire reference ops: what the collectives call on the XLA path, and the definitions
+# the fused kernels equal (up to rounding ties). Rows [R, n] <-> wire rows [R, wire_bytes(n)].
 
 
-def _scale_bytes(scale: jax.Array) -> jax.Array:
-    if scale.dtype == jnp.uint8:
-        return scale
-    return lax.bitcast_convert_type(scale, jnp.uint8).reshape(*scale.shape[:-1], -1)
+def encode_wire(codec: Codec, x: jax.Array) -> jax.Array:
+    """x[R, n] -> wire[R, codec.wire_bytes(n)]: `pack(encode_reference(x))`."""
+    return pack(codec, encode_reference(codec, x))
 
 
-def _scale_from_bytes(data: jax.Array, groups: int, dtype) -> jax.Array:
-    if dtype == jnp.uint8:
-        return data
-    return lax.bitcast_convert_type(data.reshape(*data.shape[:-1], groups, 4), dtype)
+def decode_wire(codec: Codec, wire: jax.Array, n: int, dtype=jnp.float32) -> jax.Array:
+    """wire[R, B] -> x[R, n] of `dtype`: `decode_reference(unpack(wire))`."""
+    return decode_reference(codec, unpack(codec, wire, n), dtype)
 
 
-def pack(codec: Codec, payload: Payload) -> jax.Array:
-    """Concatenates codes and scale bytes along the last axis: uint8[..., wire_bytes(n)]."""
-    parts = [payload.codes] + [
-        _scale_bytes(s) for s in (payload.scales, payload.prescales) if s is not None
-    ]
-    return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+def decode_sum_wire(codec: Codec, wire: jax.Array, n: int) -> jax.Array:
+    """wire[N, B] -> fp32 [n], the sum of the N decoded rows: the end of a reduce-scatter.
 
-
-def side_offsets(codec: Codec, n: int) -> tuple[int | None, int | None]:
-    """Byte offsets of the scale and pre-scale sections in a packed row of `n` codes.
-
-    The row is `[n codes][scale bytes][pre-scale bytes]` (`pack`); None: the section is not
-    stored. E8M0 scales take one byte per group, fp32 ones four. The kernels write and read the
-    same offsets.
+    A fixed summation order (peer 0 first) makes the sum the same on every rank and every run.
     """
-    if codec.is_identity:
-        return None, None
-    if codec.scale_format == "e8m0":
-        return n, None
-    groups = n // codec.group_size
-    scale_at = n if codec.postscale else None
-    prescale_at = n + 4 * groups * int(codec.postscale) if codec.prescale else None
-    return scale_at, prescale_at
+    return jnp.sum(decode_wire(codec, wire, n, jnp.float32), axis=0)
 
 
-def unpack(codec: Codec, wire: jax.Array, n: int) -> Payload:
-    """Inverse of `pack` for chunks of `n` elements."""
-    if codec.is_identity:
-        return Payload(wire, None, None)
-    groups = n // codec.group_size
-    scale_at, prescale_at = side_offsets(codec, n)
-    if codec.scale_format == "e8m0":
-        return Payload(wire[..., :n], wire[..., scale_at : scale_at + groups], None)
-
-    def fp32_section(at):
-        if at is None:
-            return None
-        return _scale_from_bytes(wire[..., at : at + 4 * groups], groups, jnp.float32)
-
-    return Payload(wire[..., :n], fp32_section(scale_at), fp32_section(prescale_at))
+def decode_sum_reencode_wire(codec: Codec, wire: jax.Array, n: int) -> jax.Array:
+    """wire[N, B] -> wire[B] of the encoded fp32 sum: the middle of the two-shot all-reduce."""
+    return encode_wire(codec, decode_sum_wire(codec, wire, n)[None])[0]

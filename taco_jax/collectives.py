@@ -4,9 +4,9 @@ Each runs inside `jax.shard_map` (one program per device) or inside
 `jax.vmap(..., axis_name=...)` (a TP group emulated on one device), under `jit`, `grad`, `remat`
 and `lax.scan`. All of them move uint8 wire buffers (codes + scale bytes) and sum in fp32.
 
-The all-reduce is TACO's two-shot scheme (TACO.md section 3): split into N chunks, encode,
-all-to-all, decode + fp32 sum + re-encode, all-gather, decode. Every rank decodes the same bytes,
-so the output is bit-identical on every rank, the reducing rank included.
+The all-reduce is TACO's two-shot scheme (docs/method.md, "Collectives"): split into N chunks,
+encode, all-to-all, decode + fp32 sum + re-encode, all-gather, decode. Every rank decodes the
+same bytes, so the output is bit-identical on every rank, the reducing rank included.
 """
 
 from __future__ import annotations
@@ -22,9 +22,6 @@ from jax import lax
 from taco_jax import _backends, codecs, telemetry
 from taco_jax.codecs import Codec
 
-# Below this message size the plain lax collective runs. 0 compresses every message; the value
-# that pays on real links comes from the multi-GPU measurements (BENCHMARKS.md).
-DEFAULT_MIN_COMPRESS_BYTES = 0
 MAX_SLICES = 16
 
 
@@ -32,18 +29,22 @@ MAX_SLICES = 16
 class CommConfig:
     """How one direction of a collective communicates. Static and hashable.
 
+    The defaults of every collective option live here; the public ops and `taco_jax.TPComm`
+    take a codec (name, `Codec` or `CommConfig`) plus keyword overrides of these fields.
+
     codec: the codec (`codec.is_identity` means the plain lax collective).
     impl: "auto" | "xla" | "pallas" | "pallas_interpret"; which codec kernels run.
     slices: split the message into this many independent pieces (1..16) so that the encode of
       piece i+1 can overlap the transfer of piece i.
-    min_compress_bytes: messages smaller than this use the plain lax collective.
+    min_compress_bytes: messages smaller than this use the plain lax collective (0: compress
+      every message; where compression pays is a property of the link, see BENCHMARKS.md).
     telemetry: also run the exact collective and record the relative error (`taco_jax.telemetry`).
     """
 
-    codec: Codec
+    codec: Codec = dataclasses.field(default_factory=codecs.get_codec)
     impl: str = "auto"
     slices: int = 1
-    min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES
+    min_compress_bytes: int = 0
     telemetry: bool = False
 
     def __post_init__(self):
@@ -58,28 +59,34 @@ class CommConfig:
         return not self.codec.is_identity and x.size * x.dtype.itemsize >= self.min_compress_bytes
 
 
-def comm_config(
-    codec: str | Codec | CommConfig = "taco",
-    *,
-    group_size: int = 128,
-    impl: str = "auto",
-    slices: int = 1,
-    min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES,
-    telemetry: bool = False,
-) -> CommConfig:
-    """Builds a `CommConfig` from a codec name (or passes a `CommConfig` through unchanged)."""
+CodecLike = str | Codec | CommConfig
+# Keyword overrides the collectives accept: the CommConfig fields, and the codec's group size.
+OPTION_NAMES = ("group_size",) + tuple(f.name for f in dataclasses.fields(CommConfig))[1:]
+
+
+def comm_config(codec: CodecLike = codecs.DEFAULT_CODEC, **overrides) -> CommConfig:
+    """A `CommConfig` from a codec name, a `Codec` or a `CommConfig`, with keyword overrides of
+    its fields (`impl`, `slices`, `min_compress_bytes`, `telemetry`) and of `group_size`.
+
+    comm_config("taco", slices=4) == CommConfig(get_codec("taco"), slices=4).
+    """
+    unknown = sorted(set(overrides) - set(OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"unknown collective option(s) {unknown}; valid: {list(OPTION_NAMES)}")
+    group_size = overrides.pop("group_size", None)
     if isinstance(codec, CommConfig):
-        return codec
-    codec = codecs.get_codec(codec, group_size)
-    return CommConfig(codec, impl, slices, min_compress_bytes, telemetry)
+        cfg = dataclasses.replace(codec, codec=codecs.get_codec(codec.codec, group_size))
+    else:
+        cfg = CommConfig(codecs.get_codec(codec, group_size))
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 
 def fwd_bwd_configs(
-    codec: str | Codec | CommConfig, bwd_codec: str | Codec | CommConfig | None, **kwargs
+    codec: CodecLike, bwd_codec: CodecLike | None, **overrides
 ) -> tuple[CommConfig, CommConfig]:
     """The forward and backward `CommConfig`s; the backward defaults to the forward one."""
-    cfg = comm_config(codec, **kwargs)
-    return cfg, cfg if bwd_codec is None else comm_config(bwd_codec, **kwargs)
+    cfg = comm_config(codec, **overrides)
+    return cfg, cfg if bwd_codec is None else comm_config(bwd_codec, **overrides)
 
 
 AxisName = str | tuple[str, ...]
@@ -110,7 +117,7 @@ def _check_floating(x: jax.Array, op: str) -> None:
 
 def _varying(wire: jax.Array, axis_name: AxisName) -> jax.Array:
     # Under vmap, all_to_all of an operand that does not vary along the axis returns a wrong
-    # shape (JAX 0.11.2, TACO.md section 6); adding 0 * axis_index makes it vary at no cost.
+    # shape (JAX 0.11.2, docs/method.md "Traps"); adding 0 * axis_index makes it vary at no cost.
     return wire + (lax.axis_index(axis_name) * 0).astype(wire.dtype)
 
 
@@ -178,9 +185,7 @@ def _rows_for(flat: jax.Array, n_ranks: int, cfg: CommConfig) -> tuple[jax.Array
     return padded.reshape(n_ranks, -1), size
 
 
-def _all_reduce(
-    x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str = "all_reduce"
-) -> jax.Array:
+def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) -> jax.Array:
     n_ranks = axis_size(axis_name)
     if n_ranks == 1 or not cfg.compresses(x):
         return lax.psum(x, axis_name)  # N = 1 moves nothing, so nothing is compressed
@@ -204,7 +209,7 @@ def _reduce_scatter(
     dim: int,
     tiled: bool,
     cfg: CommConfig,
-    tag: str = "reduce_scatter",
+    tag: str,
 ) -> jax.Array:
     n_ranks = axis_size(axis_name)
     if x.ndim == 0 or x.shape[dim] % n_ranks:
@@ -240,7 +245,7 @@ def _all_gather(
     axis: int,
     tiled: bool,
     cfg: CommConfig,
-    tag: str = "all_gather",
+    tag: str,
 ) -> jax.Array:
     n_ranks = axis_size(axis_name)
     if not cfg.compresses(x) or n_ranks == 1:
@@ -265,7 +270,8 @@ def _all_gather(
 
 
 # --------------------------------------------------------------------------------------------
-# Public ops. Each is a custom_vjp whose backward is the compressed conjugate collective.
+# Public ops. Each is a custom_vjp whose backward is the compressed conjugate collective; `tag`
+# names the op in telemetry (the backward records under f"{tag}_bwd").
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
@@ -279,13 +285,13 @@ def _psum_fwd(x, axis_name, cfg, tag, bwd_cfg):
 
 
 def _psum_bwd(axis_name, cfg, tag, bwd_cfg, like, ct):
-    """`bwd_cfg=None`: Megatron's g, identity. Otherwise `lax.psum`'s own transpose.
+    """`lax.psum`'s own transpose, compressed with `bwd_cfg`.
 
     lax.psum transposes to the identity where shard_map tracks that the output is replicated
     (`check_vma=True`, x typed varying) and to a psum of the cotangent elsewhere (`vmap`,
-    `check_vma=False`); the psum is compressed with `bwd_cfg`.
+    `check_vma=False`).
     """
-    if bwd_cfg is None or varies_along(like, axis_name):
+    if varies_along(like, axis_name):
         return (cast_varying(ct, axis_name, like),)
     return (_all_reduce(ct, axis_name, bwd_cfg, f"{tag}_bwd"),)
 
@@ -297,27 +303,24 @@ def compressed_psum(
     x: jax.Array,
     axis_name: AxisName,
     *,
-    codec: str | Codec | CommConfig = "taco",
-    bwd_codec: str | Codec | CommConfig | None = None,
-    group_size: int = 128,
-    impl: str = "auto",
-    slices: int = 1,
-    min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES,
+    codec: CodecLike = codecs.DEFAULT_CODEC,
+    bwd_codec: CodecLike | None = None,
+    name: str = "all_reduce",
+    **overrides,
 ) -> jax.Array:
     """All-reduce with compressed traffic: equal to `jax.lax.psum(x, axis_name)` up to FP8 rounding.
 
     Sharding: `x[...]{U_axis} -> x[...]` (unreduced partial sums in, the replicated sum out,
-    bit-identical on every rank). Each element is quantized twice (TACO.md section 3), so the
-    error is about sqrt(2) times one codec round trip of the sum's scale.
+    bit-identical on every rank). Each element is quantized twice (docs/method.md,
+    "Collectives"), so the error is about sqrt(2) times one codec round trip of the sum's scale.
 
     Backward: `lax.psum`'s own, so gradients taken inside or outside `shard_map` match it: the
     identity under `shard_map(check_vma=True)` (the output is typed replicated), a compressed
     psum of the cotangent (`bwd_codec`, default `codec`) under `vmap` or `check_vma=False`.
     Megatron's g with an identity backward everywhere is `taco_jax.reduce_from_tp`.
 
-    When to compress: on 2 NVLink-connected H200s this is slower than NCCL's bf16 all-reduce at
-    every size (BENCHMARKS.md); it pays where the link is slow relative to HBM (projected
-    1.5-1.75x on InfiniBand / PCIe-class links at >= 256 MiB).
+    Where compressing pays depends on the link (BENCHMARKS.md): on 2 NVLink-connected H200s
+    NCCL's bf16 all-reduce is about as fast; on slow links the bytes decide.
     Under `check_vma=True`, x must be typed varying along the axis (partial sums are); for a
     replicated x, `lax.psum` returns N x, which this op does not reproduce.
 
@@ -325,53 +328,47 @@ def compressed_psum(
       x: floating array, any shape (flattened, padded to N x G x slices, trimmed back).
       axis_name: a bound `shard_map` mesh axis or `vmap` axis name, or a tuple of mesh axes
         (the group is then their product, in mesh order, as for `lax.psum`).
-      codec: a name from `taco_jax.CODEC_NAMES`, a `Codec`, or a `CommConfig` (then the other
-        keyword arguments are ignored). "none" runs `lax.psum` itself.
+      codec: a name from `taco_jax.CODEC_NAMES`, a `Codec`, or a `CommConfig`. "none" runs
+        `lax.psum` itself.
       bwd_codec: codec of the backward psum (see Backward); None means `codec`.
-      group_size: G, elements per scale group (32..512).
-      impl: "auto" (Pallas kernels on GPU, else XLA), "xla", "pallas" or "pallas_interpret".
-      slices: independent pieces (1..16) for overlapping encode with transfer.
-      min_compress_bytes: messages smaller than this run `lax.psum`.
+      name: this collective's label in `taco_jax.telemetry`.
+      **overrides: any `CommConfig` option, applied to both directions: `group_size` (G,
+        32..512), `impl` ("auto": Pallas kernels on GPU, else XLA; "xla", "pallas",
+        "pallas_interpret"), `slices` (1..16 independent pieces), `min_compress_bytes`
+        (smaller messages run `lax.psum`), `telemetry`. Defaults: `CommConfig`'s.
     """
     _check_floating(x, "compressed_psum")
-    cfg, bwd_cfg = fwd_bwd_configs(
-        codec,
-        bwd_codec,
-        group_size=group_size,
-        impl=impl,
-        slices=slices,
-        min_compress_bytes=min_compress_bytes,
-    )
-    return _psum(x, axis_name, cfg, "all_reduce", bwd_cfg)
+    cfg, bwd_cfg = fwd_bwd_configs(codec, bwd_codec, **overrides)
+    return _psum(x, axis_name, cfg, name, bwd_cfg)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _psum_scatter(x, axis_name, dim, tiled, cfg, bwd_cfg):
-    return _reduce_scatter(x, axis_name, dim, tiled, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
+def _psum_scatter(x, axis_name, dim, tiled, cfg, bwd_cfg, tag):
+    return _reduce_scatter(x, axis_name, dim, tiled, cfg, tag)
 
 
-def _psum_scatter_fwd(x, axis_name, dim, tiled, cfg, bwd_cfg):
-    return _reduce_scatter(x, axis_name, dim, tiled, cfg), None
+def _psum_scatter_fwd(x, axis_name, dim, tiled, cfg, bwd_cfg, tag):
+    return _reduce_scatter(x, axis_name, dim, tiled, cfg, tag), None
 
 
-def _psum_scatter_bwd(axis_name, dim, tiled, cfg, bwd_cfg, _, ct):
-    return (_all_gather(ct, axis_name, dim, tiled, bwd_cfg, "reduce_scatter_bwd"),)
+def _psum_scatter_bwd(axis_name, dim, tiled, cfg, bwd_cfg, tag, _, ct):
+    return (_all_gather(ct, axis_name, dim, tiled, bwd_cfg, f"{tag}_bwd"),)
 
 
 _psum_scatter.defvjp(_psum_scatter_fwd, _psum_scatter_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _all_gather_op(x, axis_name, axis, tiled, cfg, bwd_cfg):
-    return _all_gather(x, axis_name, axis, tiled, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
+def _all_gather_op(x, axis_name, axis, tiled, cfg, bwd_cfg, tag):
+    return _all_gather(x, axis_name, axis, tiled, cfg, tag)
 
 
-def _all_gather_fwd(x, axis_name, axis, tiled, cfg, bwd_cfg):
-    return _all_gather(x, axis_name, axis, tiled, cfg), None
+def _all_gather_fwd(x, axis_name, axis, tiled, cfg, bwd_cfg, tag):
+    return _all_gather(x, axis_name, axis, tiled, cfg, tag), None
 
 
-def _all_gather_bwd(axis_name, axis, tiled, cfg, bwd_cfg, _, ct):
-    return (_reduce_scatter(ct, axis_name, axis, tiled, bwd_cfg, "all_gather_bwd"),)
+def _all_gather_bwd(axis_name, axis, tiled, cfg, bwd_cfg, tag, _, ct):
+    return (_reduce_scatter(ct, axis_name, axis, tiled, bwd_cfg, f"{tag}_bwd"),)
 
 
 _all_gather_op.defvjp(_all_gather_fwd, _all_gather_bwd)
@@ -389,12 +386,10 @@ def compressed_psum_scatter(
     *,
     scatter_dimension: int = 0,
     tiled: bool = True,
-    codec: str | Codec | CommConfig = "taco",
-    bwd_codec: str | Codec | CommConfig | None = None,
-    group_size: int = 128,
-    impl: str = "auto",
-    slices: int = 1,
-    min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES,
+    codec: CodecLike = codecs.DEFAULT_CODEC,
+    bwd_codec: CodecLike | None = None,
+    name: str = "reduce_scatter",
+    **overrides,
 ) -> jax.Array:
     """Reduce-scatter with compressed traffic: equal to
     `jax.lax.psum_scatter(x, axis_name, scatter_dimension=..., tiled=...)` up to FP8 rounding.
@@ -402,19 +397,12 @@ def compressed_psum_scatter(
     Sharding: `x[S, ...]{U_axis} -> x[S/N, ...]` sharded along `scatter_dimension` (rank r keeps
     block r). One quantization per element: encode, all-to-all, decode, fp32 sum.
     Backward: compressed all-gather of the cotangent with `bwd_codec` (default: `codec`).
-    Arguments as `compressed_psum`.
+    Other arguments as `compressed_psum`.
     """
     _check_floating(x, "compressed_psum_scatter")
     dim = _normalize_dim(scatter_dimension, x.ndim, "scatter_dimension")
-    cfg, bwd_cfg = fwd_bwd_configs(
-        codec,
-        bwd_codec,
-        group_size=group_size,
-        impl=impl,
-        slices=slices,
-        min_compress_bytes=min_compress_bytes,
-    )
-    return _psum_scatter(x, axis_name, dim, tiled, cfg, bwd_cfg)
+    cfg, bwd_cfg = fwd_bwd_configs(codec, bwd_codec, **overrides)
+    return _psum_scatter(x, axis_name, dim, tiled, cfg, bwd_cfg, name)
 
 
 def compressed_all_gather(
@@ -423,12 +411,10 @@ def compressed_all_gather(
     *,
     axis: int = 0,
     tiled: bool = False,
-    codec: str | Codec | CommConfig = "taco",
-    bwd_codec: str | Codec | CommConfig | None = None,
-    group_size: int = 128,
-    impl: str = "auto",
-    slices: int = 1,
-    min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES,
+    codec: CodecLike = codecs.DEFAULT_CODEC,
+    bwd_codec: CodecLike | None = None,
+    name: str = "all_gather",
+    **overrides,
 ) -> jax.Array:
     """All-gather with compressed traffic: equal to
     `jax.lax.all_gather(x, axis_name, axis=..., tiled=...)` up to FP8 rounding.
@@ -436,26 +422,19 @@ def compressed_all_gather(
     Sharding: `x[s, ...]` sharded -> `x[N s, ...]` replicated (tiled) or `x[N, s, ...]`. Every rank,
     the owner included, decodes the same bytes, so the result is identical on every rank.
     Backward: compressed reduce-scatter of the cotangent with `bwd_codec` (default: `codec`).
-    Arguments as `compressed_psum`.
+    Other arguments as `compressed_psum`.
     """
     _check_floating(x, "compressed_all_gather")
     gather_axis = _normalize_dim(axis, x.ndim + (0 if tiled else 1), "axis")
-    cfg, bwd_cfg = fwd_bwd_configs(
-        codec,
-        bwd_codec,
-        group_size=group_size,
-        impl=impl,
-        slices=slices,
-        min_compress_bytes=min_compress_bytes,
-    )
-    return _all_gather_op(x, axis_name, gather_axis, tiled, cfg, bwd_cfg)
+    cfg, bwd_cfg = fwd_bwd_configs(codec, bwd_codec, **overrides)
+    return _all_gather_op(x, axis_name, gather_axis, tiled, cfg, bwd_cfg, name)
 
 
 def wire_bytes_per_rank(num_elements: int, n_ranks: int, cfg: CommConfig) -> int:
     """Bytes one rank sends in `compressed_psum` of `num_elements` (both phases), padding included.
 
-    TACO.md section 3: 2 (N-1)/N x (1 + 8/G) bytes per element for `taco`; a bf16 ring all-reduce
-    sends 2 (N-1)/N x 2.
+    docs/method.md, "Collectives": 2 (N-1)/N x (1 + 8/G) bytes per element for `taco`; a bf16
+    ring all-reduce sends 2 (N-1)/N x 2.
     """
     rows = math.ceil(num_elements / (n_ranks * cfg.codec.group_size * cfg.slices))
     chunk = rows * cfg.codec.group_size * cfg.slices

@@ -21,9 +21,16 @@ import functools
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from taco_jax import collectives
-from taco_jax.codecs import Codec
-from taco_jax.collectives import CommConfig, comm_config
+from taco_jax.codecs import DEFAULT_CODEC
+from taco_jax.collectives import (
+    CodecLike,
+    CommConfig,
+    cast_varying,
+    compressed_all_gather,
+    compressed_psum,
+    compressed_psum_scatter,
+    fwd_bwd_configs,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,35 +38,23 @@ class TPComm:
     """The tensor-parallel axis and how each direction of its traffic is compressed."""
 
     axis_name: str = "tp"
-    fwd: CommConfig = dataclasses.field(default_factory=lambda: comm_config("taco"))
-    bwd: CommConfig = dataclasses.field(default_factory=lambda: comm_config("taco"))
+    fwd: CommConfig = dataclasses.field(default_factory=CommConfig)
+    bwd: CommConfig = dataclasses.field(default_factory=CommConfig)
 
     @classmethod
     def create(
         cls,
         axis_name: str = "tp",
         *,
-        fwd: str | Codec | CommConfig = "taco",
-        bwd: str | Codec | CommConfig | None = None,
-        group_size: int = 128,
-        impl: str = "auto",
-        slices: int = 1,
-        min_compress_bytes: int = 0,
-        telemetry: bool = False,
+        fwd: CodecLike = DEFAULT_CODEC,
+        bwd: CodecLike | None = None,
+        **overrides,
     ) -> TPComm:
-        """Builds both directions from codec names; `bwd` defaults to `fwd`.
-
-        `telemetry=True` records each collective's relative error (see `taco_jax.telemetry`).
+        """Both directions from codecs (names, `Codec`s or `CommConfig`s); `bwd` defaults to
+        `fwd`. `overrides`: `CommConfig` options applied to both, as for `compressed_psum`
+        (`telemetry=True` records each collective's relative error, see `taco_jax.telemetry`).
         """
-        fwd_cfg, bwd_cfg = collectives.fwd_bwd_configs(
-            fwd,
-            bwd,
-            group_size=group_size,
-            impl=impl,
-            slices=slices,
-            min_compress_bytes=min_compress_bytes,
-            telemetry=telemetry,
-        )
+        fwd_cfg, bwd_cfg = fwd_bwd_configs(fwd, bwd, **overrides)
         return cls(axis_name, fwd_cfg, bwd_cfg)
 
 
@@ -74,11 +69,27 @@ def _copy_fwd(x, comm):
 
 
 def _copy_bwd(comm, like, ct):
-    reduced = collectives._all_reduce(ct, comm.axis_name, comm.bwd, "tp_copy_bwd")
-    return (collectives.cast_varying(reduced, comm.axis_name, like),)
+    reduced = compressed_psum(ct, comm.axis_name, codec=comm.bwd, name="tp_copy_bwd")
+    return (cast_varying(reduced, comm.axis_name, like),)
 
 
 _copy.defvjp(_copy_fwd, _copy_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _reduce(x, comm: TPComm):
+    return compressed_psum(x, comm.axis_name, codec=comm.fwd, name="tp_reduce_fwd")
+
+
+def _reduce_fwd(x, comm):
+    return _reduce(x, comm), x.reshape(-1)[:0]
+
+
+def _reduce_bwd(comm, like, ct):
+    return (cast_varying(ct, comm.axis_name, like),)
+
+
+_reduce.defvjp(_reduce_fwd, _reduce_bwd)
 
 
 def copy_to_tp(x: jax.Array, comm: TPComm) -> jax.Array:
@@ -93,9 +104,7 @@ def reduce_from_tp(x: jax.Array, comm: TPComm) -> jax.Array:
     """Megatron g: forward `compressed_psum` (`comm.fwd`), equal to `lax.psum` up to FP8
     rounding; backward identity. Sharding: `x[B, T, D]{U_tp} -> x[B, T, D]`.
     """
-    return checkpoint_name(
-        collectives._psum(x, comm.axis_name, comm.fwd, "tp_reduce_fwd", None), "tp_reduce"
-    )
+    return checkpoint_name(_reduce(x, comm), "tp_reduce")
 
 
 def gather_from_sp(x: jax.Array, comm: TPComm, *, axis: int = 1) -> jax.Array:
@@ -104,7 +113,9 @@ def gather_from_sp(x: jax.Array, comm: TPComm, *, axis: int = 1) -> jax.Array:
     Equal to `lax.all_gather(x, comm.axis_name, axis=axis, tiled=True)` up to FP8 rounding.
     Sharding: `x[B, T/N, D] -> x[B, T, D]`.
     """
-    out = collectives._all_gather_op(x, comm.axis_name, axis, True, comm.fwd, comm.bwd)
+    out = compressed_all_gather(
+        x, comm.axis_name, axis=axis, tiled=True, codec=comm.fwd, bwd_codec=comm.bwd
+    )
     return checkpoint_name(out, "sp_gather")
 
 
@@ -114,5 +125,7 @@ def scatter_to_sp(x: jax.Array, comm: TPComm, *, axis: int = 1) -> jax.Array:
     Equal to `lax.psum_scatter(x, comm.axis_name, scatter_dimension=axis, tiled=True)` up to FP8
     rounding. Sharding: `x[B, T, D]{U_tp} -> x[B, T/N, D]`.
     """
-    out = collectives._psum_scatter(x, comm.axis_name, axis, True, comm.fwd, comm.bwd)
+    out = compressed_psum_scatter(
+        x, comm.axis_name, scatter_dimension=axis, tiled=True, codec=comm.fwd, bwd_codec=comm.bwd
+    )
     return checkpoint_name(out, "sp_scatter")

@@ -23,6 +23,7 @@ from pallas_kernels.config import (
     MOSAIC_MIN_PROGRAMS,
     MOSAIC_MIN_TILES,
     MOSAIC_TILES_PER_PROGRAM,
+    MosaicLaunch,
     mosaic_launch,
 )
 from taco_jax import codecs
@@ -86,7 +87,8 @@ def test_encode_backend_errors_name_the_value():
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("tiles_per_row", [1, 6, 64, 512, 2048])
 def test_mosaic_launch_divides_rows_and_fills_the_gpu(rows, tiles_per_row):
-    per_program, in_flight = mosaic_launch(rows, tiles_per_row)
+    launch = mosaic_launch(rows, tiles_per_row)
+    per_program, in_flight = launch.tiles_per_program, launch.steps_in_flight
     assert tiles_per_row % per_program == 0 and per_program & (per_program - 1) == 0
     assert 1 <= in_flight <= per_program
     if per_program == MOSAIC_TILES_PER_PROGRAM:
@@ -96,7 +98,9 @@ def test_mosaic_launch_divides_rows_and_fills_the_gpu(rows, tiles_per_row):
         assert tiles_per_row % bigger or rows * tiles_per_row // bigger < MOSAIC_MIN_PROGRAMS
 
 
-@pytest.mark.parametrize("rows,tiles,launch", [(1, 2, None), (2, 8, (4, 3)), (3, 4, (2, 2))])
+@pytest.mark.parametrize(
+    "rows,tiles,launch", [(1, 2, None), (2, 8, MosaicLaunch(4, 3)), (3, 4, MosaicLaunch(2, 2))]
+)
 def test_codes_in_the_cpu_interpreter(rows, tiles, launch):
     """The kernel's indexing (rows, programs, pipeline steps, store slots) on the CPU. Only the
     codes: the interpreter does not alias the fp32 / uint8 views of the side buffer."""
@@ -113,7 +117,7 @@ def test_codes_in_the_cpu_interpreter(rows, tiles, launch):
 def test_launch_must_divide_the_row():
     x = jnp.zeros((1, 6 * TILE_ELEMENTS), jnp.bfloat16)
     with pytest.raises(ValueError, match="tiles_per_program=4"):
-        encode_mosaic.encode(codecs.get_codec("taco"), x, interpret=True, launch=(4, 2))
+        encode_mosaic.encode(codecs.get_codec("taco"), x, interpret=True, launch=MosaicLaunch(4, 2))
 
 
 def assert_encodes_like_reference(codec, x, wire):

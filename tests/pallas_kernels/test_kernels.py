@@ -29,7 +29,7 @@ def _tie_rtol(g: int) -> float:
 
 
 def _fp8_values(codec, codes):
-    return np.asarray(codecs._dequantize(codec, jnp.asarray(codes)))
+    return np.asarray(codecs.dequantize(codec, jnp.asarray(codes)))
 
 
 def _ideal_scaled(codec, x64, ref_payload):
@@ -202,7 +202,7 @@ class KernelTest:
                                                   ideal_scale)  # fmt: skip
             # Groups with the other exponent: compare with their own ideal rounding.
             own = _ideal_scaled(codec, total, got)[0].reshape(-1, g)
-            own_codes = np.asarray(codecs._quantize(codec, jnp.asarray(own, jnp.float32)))
+            own_codes = np.asarray(codecs.quantize(codec, jnp.asarray(own, jnp.float32)))
             grouped = ideal.reshape(-1, g)
             grouped[flipped] = own[flipped]
             wanted = want_codes.reshape(-1, g)

@@ -202,7 +202,7 @@ def test_collectives_move_uint8():
 
 def test_wire_bytes_per_rank_formula():
     cfg = tj.comm_config("taco")
-    # 2 (N-1)/N (1 + 8/G) bytes per element, TACO.md section 3.
+    # 2 (N-1)/N (1 + 8/G) bytes per element, docs/method.md "Collectives".
     n = 8 * 128 * 1000
     assert tj.wire_bytes_per_rank(n, 8, cfg) == 2 * 7 * (n // 8) * (1 + 8 / 128)
 
@@ -358,6 +358,23 @@ def test_telemetry_records_relative_error():
     np.testing.assert_allclose(recorded["tp_reduce_fwd:taco"], expected, rtol=1e-5)
 
 
+# ------------------------------------------------------------------------------ options
+
+
+def test_options_are_comm_config_overrides():
+    """One configuration surface: a codec (name, Codec or CommConfig) plus keyword overrides."""
+    cfg = tj.comm_config("int8", slices=4, group_size=64)
+    assert cfg == tj.CommConfig(tj.get_codec("int8", 64), slices=4)
+    assert tj.comm_config(cfg, impl="xla") == tj.CommConfig(tj.get_codec("int8", 64), "xla", 4)
+    assert tj.comm_config(cfg, group_size=256).codec.group_size == 256
+    assert tj.comm_config() == tj.CommConfig() == tj.comm_config("taco")
+    comm = tj.TPComm.create(fwd="taco", bwd="none", min_compress_bytes=10)
+    assert comm.fwd.min_compress_bytes == comm.bwd.min_compress_bytes == 10
+    assert comm.bwd.codec.is_identity
+    with pytest.raises(TypeError, match="'slice'"):
+        tj.comm_config("taco", slice=2)
+
+
 # ------------------------------------------------------------------------------ errors
 
 
@@ -456,7 +473,7 @@ def test_gradient_under_vmap_matches_lax():
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_two_shot_matches_a_host_side_replay(tp):
-    """Replays TACO.md section 3 chunk by chunk with the codec itself. `fp8` has no Hadamard, so
+    """Replays docs/method.md "Collectives" chunk by chunk with the codec itself. `fp8` has no Hadamard, so
     each output element depends on its own inputs and its group's two scales only: a misrouted
     chunk, a wrong peer order or a skipped re-encode moves elements by whole FP8 steps (>= 2^-4
     relative). What may differ is fp32 rounding of the N-term sum (XLA may contract the decode

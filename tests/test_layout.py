@@ -1,0 +1,122 @@
+"""The house rules of the package layout, checked on the source.
+
+- `taco_jax` (with `pallas_kernels`) is a library: importing it loads no Flax, Optax, Orbax,
+  models or training application, and its declared dependencies are JAX and NumPy only.
+- The import graph of the first-party modules has no cycle, counting imports inside functions
+  too, and runs one way: taco_train -> models -> taco_jax -> pallas_kernels -> taco_jax.codecs.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).parents[1]
+PACKAGES = ("taco_jax", "pallas_kernels", "models", "taco_train")
+APP_MODULES = ("flax", "optax", "orbax", "models", "taco_train", "tokenizers", "matplotlib")
+# Which first-party packages each package may import. pallas_kernels may import only the codec
+# definition of taco_jax (checked separately below).
+ALLOWED = {
+    "taco_jax": {"taco_jax", "pallas_kernels"},
+    "pallas_kernels": {"pallas_kernels", "taco_jax"},
+    "models": {"models", "taco_jax"},
+    "taco_train": {"taco_train", "models", "taco_jax"},
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {
+        _module_name(path): path for package in PACKAGES for path in (REPO / package).rglob("*.py")
+    }
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """First-party modules `path` imports anywhere (module level or inside functions)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # `from pkg import sub` imports the submodule pkg.sub where one exists.
+            names = [
+                f"{node.module}.{alias.name}"
+                if f"{node.module}.{alias.name}" in modules
+                else node.module
+                for alias in node.names
+            ]
+        else:
+            continue
+        found.update(name for name in names if name.split(".")[0] in PACKAGES)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(path, modules) for name, path in modules.items()}
+
+
+def test_graph_walk_sees_the_known_edges():
+    """The walk itself: it finds a function-level import and a `from pkg import module`."""
+    graph = _graph()
+    assert "pallas_kernels" in graph["taco_jax._backends"]  # imported inside a function
+    assert "taco_jax.codecs" in graph["pallas_kernels.encode_kernel"]
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            cycle = path[path.index(module) :] + [module]
+            pytest.fail(f"import cycle: {' -> '.join(cycle)}")
+        if module in done or module not in graph:
+            return
+        for target in sorted(graph[module]):
+            visit(target, path + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_imports_run_one_way():
+    for module, targets in _graph().items():
+        package = module.split(".")[0]
+        for target in targets:
+            assert target.split(".")[0] in ALLOWED[package], f"{module} imports {target}"
+            if package == "pallas_kernels" and target.startswith("taco_jax"):
+                assert target == "taco_jax.codecs", f"{module} imports {target}, not the codecs"
+
+
+def test_importing_the_library_loads_no_app_dependency():
+    code = (
+        "import sys, taco_jax, taco_jax.telemetry\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {APP_MODULES!r}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_declared_dependencies():
+    """The core needs JAX and NumPy; the training stack is an extra; versions are ranges."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+
+    def names(requirements):
+        return {r.split(">")[0].split("<")[0].split("=")[0].strip() for r in requirements}
+
+    assert names(project["dependencies"]) == {"jax", "numpy"}
+    assert {"flax", "optax", "orbax-checkpoint"} <= names(project["optional-dependencies"]["train"])
+    assert not any("==" in r for r in project["dependencies"])
