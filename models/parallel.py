@@ -324,35 +324,35 @@ def _mapped(model, parallel, comm, fn, out_kind: str, mesh):
     )
 
 
+def _runner(model, parallel, comm, mesh, per_device, out_kind: str):
+    """`_mapped` of `per_device(model, parallel, ctx, params, tokens)` over `mesh` (default
+    `make_mesh`), after checking that the model splits `parallel.tp` ways."""
+    check_config(model, parallel)
+    mesh = make_mesh(parallel, comm.axis_name) if mesh is None else mesh
+    fn = lambda ctx, p, t: per_device(model, parallel, ctx, p, t)
+    return _mapped(model, parallel, comm, fn, out_kind, mesh)
+
+
 def make_loss_and_grads(
     model: ModelConfig, parallel: ParallelConfig, comm: taco_jax.TPComm, mesh=None
 ) -> Callable[[dict, jax.Array], tuple[jax.Array, dict]]:
     """(full params, tokens [B, T + 1]) -> (mean loss, full-layout gradients averaged over dp).
     Not jitted; place inputs with `NamedSharding`s over `mesh` (default `make_mesh`)."""
-    check_config(model, parallel)
-    mesh = make_mesh(parallel, comm.axis_name) if mesh is None else mesh
-    fn = lambda ctx, p, t: _loss_and_grads(model, parallel, ctx, p, t)
-    return _mapped(model, parallel, comm, fn, "loss_grads", mesh)
+    return _runner(model, parallel, comm, mesh, _loss_and_grads, "loss_grads")
 
 
 def make_loss(
     model: ModelConfig, parallel: ParallelConfig, comm: taco_jax.TPComm, mesh=None
 ) -> Callable[[dict, jax.Array], jax.Array]:
     """(full params, tokens [B, T + 1]) -> mean loss over the global batch. Not jitted."""
-    check_config(model, parallel)
-    mesh = make_mesh(parallel, comm.axis_name) if mesh is None else mesh
-    fn = lambda ctx, p, t: _loss(model, parallel, ctx, p, t)
-    return _mapped(model, parallel, comm, fn, "loss", mesh)
+    return _runner(model, parallel, comm, mesh, _loss, "loss")
 
 
 def make_logits(
     model: ModelConfig, parallel: ParallelConfig, comm: taco_jax.TPComm, mesh=None
 ) -> Callable[[dict, jax.Array], jax.Array]:
     """(full params, inputs [B, T]) -> logits [B, T, padded_vocab] of the TP model. Not jitted."""
-    check_config(model, parallel)
-    mesh = make_mesh(parallel, comm.axis_name) if mesh is None else mesh
-    fn = lambda ctx, p, t: _logits(model, parallel, ctx, p, t)
-    return _mapped(model, parallel, comm, fn, "logits", mesh)
+    return _runner(model, parallel, comm, mesh, _logits, "logits")
 
 
 def reference_logits(model: ModelConfig, params: dict, inputs: jax.Array, dtype="float32"):
