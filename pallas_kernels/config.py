@@ -106,10 +106,8 @@ def block_config(group_size: int, num_groups: int, *, rows=1, peers=1, dot=True)
 
     dot: the kernel applies the Hadamard dot (then it loops over tiles, see module docstring).
     """
-    if peers > 1:
-        launch = PEERS_DOT if dot else PEERS_NO_DOT
-    else:
-        launch = ENCODE_DECODE if dot else NO_DOT
+    by_kind = {(True, True): PEERS_DOT, (True, False): PEERS_NO_DOT}
+    launch = by_kind.get((peers > 1, dot)) or (ENCODE_DECODE if dot else NO_DOT)
     groups = max(MIN_GROUPS_PER_TILE, launch.elements_per_tile // group_size)
     groups = max(MIN_GROUPS_PER_TILE, min(groups, _next_pow2(num_groups)))
     tiles = rows * cdiv(num_groups, groups)

@@ -146,8 +146,8 @@ def test_taco_tp_close_to_unsharded(reference_cache, mode, sp, cfg):
     tol_logits, tol_grads = _taco_tolerances(cfg)
     logits_error = _relative_l2(logits, ref_logits)
     assert logits_error <= tol_logits
-    # The codec really rounds to FP8 (docs/method.md "Traps": XLA may elide an f32 -> f8 -> f32 round
-    # trip): at least a quarter of one all-reduce's expected error reaches the logits.
+    # The codec really rounds to FP8 (docs/method.md "Traps": XLA may elide an f32 -> f8 -> f32
+    # round trip): at least a quarter of one all-reduce's expected error reaches the logits.
     assert logits_error >= EPS_ALLREDUCE / 4
     # Cross-entropy's gradient in the logits, softmax - onehot, has L1 norm <= 2, so the loss
     # moves by at most 2 max|dlogits| (mean value theorem); plus fp32 slack.

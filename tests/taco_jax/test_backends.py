@@ -1,4 +1,4 @@
-"""The kernel dispatch: which ops each `impl` gets, and what happens when the kernels are missing."""
+"""The kernel dispatch: the ops each `impl` gets, and what happens when the kernels are missing."""
 
 import sys
 import warnings

@@ -473,12 +473,13 @@ def test_gradient_under_vmap_matches_lax():
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_two_shot_matches_a_host_side_replay(tp):
-    """Replays docs/method.md "Collectives" chunk by chunk with the codec itself. `fp8` has no Hadamard, so
-    each output element depends on its own inputs and its group's two scales only: a misrouted
-    chunk, a wrong peer order or a skipped re-encode moves elements by whole FP8 steps (>= 2^-4
-    relative). What may differ is fp32 rounding of the N-term sum (XLA may contract the decode
-    multiply into the sum with an FMA): <= N 2^-24 relative to the sum of magnitudes, which the
-    re-encode carries through unchanged except where it lands on a rounding tie (one step).
+    """Replays docs/method.md "Collectives" chunk by chunk with the codec itself. `fp8` has no
+    Hadamard, so each output element depends on its own inputs and its group's two scales only:
+    a misrouted chunk, a wrong peer order or a skipped re-encode moves elements by whole FP8
+    steps (>= 2^-4 relative). What may differ is fp32 rounding of the N-term sum (XLA may
+    contract the decode multiply into the sum with an FMA): <= N 2^-24 relative to the sum of
+    magnitudes, which the re-encode carries through unchanged except where it lands on a
+    rounding tie (one step).
     So: every element within N 2^-24 of the replay, but at most MAX_TIES single elements one
     FP8 step (2^-3 relative) away. Measured: none beyond the fp32 level at N = 2, 4, 8."""
     codec = tj.get_codec("fp8")
