@@ -1,4 +1,11 @@
-"""What every benchmark script shares: device-synchronized median timing and the result record."""
+"""What every benchmark script shares: device-synchronized timing and the result record.
+
+Timing: `sample_seconds` (each call timed alone, ended by `block_until_ready`; `median_seconds`
+is its median), `batched_seconds` (host-dispatched batches of calls, for kernels shorter than
+the per-call sync) and `in_program_seconds` (dependent calls inside one jitted program: device
+time without JAX's per-call dispatch). Record: `write_record` writes one JSON file per run,
+`<out>/<name>-<date><suffix>.json`, with date, device, versions and the command first.
+"""
 
 from __future__ import annotations
 
@@ -10,34 +17,106 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 
 import jax
+from jax import lax
+
+
+def today() -> str:
+    """The date that names and heads a record (ISO, local time)."""
+    return datetime.date.today().isoformat()
+
+
+def sample_seconds(call: Callable[[], object], *, reps: int, warmup: int = 2) -> list[float]:
+    """Wall time of each of `reps` calls of `call()` after `warmup` untimed calls.
+
+    Each call is ended by `jax.block_until_ready` on what it returns. `call` takes no argument
+    so that a step can carry its state from one call to the next (a training step).
+    """
+    for _ in range(warmup):  # compile, then warm calls
+        jax.block_until_ready(call())
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(call())
+        samples.append(time.perf_counter() - start)
+    return samples
 
 
 def median_seconds(fn, *args, reps: int, warmup: int = 2) -> float:
     """Median wall time of `fn(*args)` over `reps` calls, each ended by `block_until_ready`."""
-    for _ in range(warmup):  # compile, then one warm call
-        jax.block_until_ready(fn(*args))
-    samples = []
+    return statistics.median(sample_seconds(lambda: fn(*args), reps=reps, warmup=warmup))
+
+
+def batched_seconds(
+    fn, inputs: Sequence[tuple], *, min_time: float = 0.2, reps: int = 15
+) -> tuple[float, float]:
+    """(median seconds per call, relative spread) of host-dispatched batches of `fn` calls.
+
+    Calls rotate over `inputs` (tuples of arguments; several sets keep small inputs out of the
+    L2 cache). A batch holds enough calls to last ~`min_time / reps` (at least one per input
+    set, at most 200) and is synchronized once at its end, so per-call host overhead overlaps
+    the device work. Spread = (slowest - fastest batch) / median.
+    """
+    for a in inputs[:2]:
+        jax.block_until_ready(fn(*a))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*inputs[0]))
+    one = max(time.perf_counter() - start, 1e-6)
+    batch = int(min(200, max(len(inputs), min_time / reps / one)))
+    times = []
     for _ in range(reps):
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        out = None
+        for i in range(batch):
+            out = fn(*inputs[i % len(inputs)])
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / batch)
+    median = statistics.median(times)
+    return median, (max(times) - min(times)) / median
 
 
-def write_record(name: str, out_dir: str, **fields) -> pathlib.Path:
-    """Writes `<out_dir>/<name>-<date>.json` with date, device, versions and command first."""
+def in_program_seconds(fn, inputs: Sequence[tuple], calls: int, *, reps: int = 7) -> float:
+    """Device time of one `fn` call inside one jitted program of `calls` dependent calls.
+
+    inputs: 1-tuples, taken in turn. The host dispatches one straight-line program (no device
+    loop, whose per-iteration bookkeeping would be timed too); each call's input passes through
+    an optimization barrier together with the previous output, so the calls run one after
+    another, and every output is returned, so none is removed as dead code. This is the time an
+    op has inside a training step (kernel launch included, JAX's per-call dispatch excluded).
+    Median of `reps` programs (`batched_seconds`), divided by `calls`.
+    """
+    args = [a for (a,) in inputs]
+
+    def program(*xs):
+        outs = [fn(xs[0])]
+        for i in range(1, calls):
+            x, _ = lax.optimization_barrier((xs[i % len(xs)], outs[-1]))
+            outs.append(fn(x))
+        return outs
+
+    return batched_seconds(jax.jit(program), [tuple(args)], reps=reps)[0] / calls
+
+
+def write_record(
+    name: str, out_dir: str | os.PathLike, *, suffix: str = "", **fields
+) -> pathlib.Path:
+    """Writes `<out_dir>/<name>-<date><suffix>.json`: date, device, versions, command, `fields`.
+
+    A field named like a header field (e.g. `device`) replaces it.
+    """
     record = {
-        "date": datetime.date.today().isoformat(),
-        "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+        "date": today(),
+        "device": f"{jax.device_count()} x {jax.devices()[0].device_kind} ({platform.machine()})",
+        "backend": jax.default_backend(),
         "versions": {"jax": jax.__version__, "python": platform.python_version()},
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         **fields,
     }
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}-{record['date']}.json"
+    path = out / f"{name}-{record['date']}{suffix}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {path}")
     return path

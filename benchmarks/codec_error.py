@@ -2,8 +2,8 @@
 
 Runs the collective under `shard_map` on 8 fake CPU devices and reports, per codec and data set,
 the relative L2 error ||out - psum|| / ||psum|| and the fraction of non-zero sums that decode to
-exactly zero ("zero collapse"). Writes benchmarks/results/codec_error-<date>.json and prints the
-markdown table used in the README.
+exactly zero ("zero collapse"). Writes `codec_error-<date>.json` to `--out` (default
+benchmarks/results/) and prints the markdown table of the README.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/codec_error.py
 """
@@ -13,18 +13,15 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
 import pathlib  # noqa: E402
-import platform  # noqa: E402
-import sys  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from _common import write_record  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import taco_jax as tj
+import taco_jax as tj  # noqa: E402
 from taco_jax.telemetry import relative_error  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -63,6 +60,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--size", type=int, default=1 << 20, help="elements per rank")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     mesh = jax.make_mesh(
         (args.tp,),
@@ -73,20 +71,16 @@ def main() -> None:
     data = datasets(args.tp, args.size, args.seed)
     codecs = [c for c in tj.CODEC_NAMES if c != "none"]
     results = {c: {name: measure(c, x, mesh) for name, x in data.items()} for c in codecs}
-    record = {
-        "date": datetime.date.today().isoformat(),
-        "device": f"{jax.device_count()} x {jax.devices()[0].device_kind} ({platform.machine()})",
-        "versions": {"jax": jax.__version__, "python": platform.python_version()},
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "tp": args.tp,
-        "elements_per_rank": args.size,
-        "seed": args.seed,
-        "bits_per_element": {c: tj.get_codec(c).bits_per_element for c in codecs},
-        "results": results,
-    }
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"codec_error-{record['date']}.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    bits = {c: tj.get_codec(c).bits_per_element for c in codecs}
+    write_record(
+        "codec_error",
+        args.out,
+        tp=args.tp,
+        elements_per_rank=args.size,
+        seed=args.seed,
+        bits_per_element=bits,
+        results=results,
+    )
     names = list(data)
     print(
         "| codec | bits/elem | " + " | ".join(f"{n} rel. L2 (zero collapse)" for n in names) + " |"
@@ -96,8 +90,7 @@ def main() -> None:
         cells = [
             f"{results[c][n]['rel_l2']:.4f} ({results[c][n]['zero_collapse']:.1%})" for n in names
         ]
-        print(f"| `{c}` | {record['bits_per_element'][c]:g} | " + " | ".join(cells) + " |")
-    print(f"\nwrote {path}")
+        print(f"| `{c}` | {bits[c]:g} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

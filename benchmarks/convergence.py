@@ -1,37 +1,41 @@
 """Convergence study: the same GPT, data order and schedule under every TP compression codec.
 
-Each run is `taco_jax.trainer.train_and_evaluate` on one config (default
+Each run is `taco_train.trainer.train_and_evaluate` on one config (default
 `configs/h200_convergence.toml`) with `compression.fwd/bwd`, `parallel.tp` and the seeds
 overridden; TP is emulated with `vmap(axis_name="tp")` so one GPU runs every TP size, and
 telemetry logs each collective's relative error. The baseline (`none`) runs with several seeds:
-the spread of its final validation loss is the noise floor a codec's difference must exceed.
+the spread of its final validation loss is the noise floor a codec's difference must exceed,
+and each codec is compared with the baseline of its own seed.
 
 Writes `<out>/convergence-<date>.json` (per run: final train/val loss, tokens, steps, wall
-time, mean relative error per TP collective, the validation curve) and `convergence-<date>.png`
-(validation loss curves). With `--merge FILE` earlier runs are kept (a study may span sessions).
+time, mean relative error per TP collective, the validation curve; the paired comparison) and
+`convergence-<date>.png` (validation loss curves). `--merge FILE ...` keeps the runs of earlier
+records (runs already there are not repeated), so a study can be split over machines and
+sessions; `--report-only` trains nothing and only merges, compares and plots.
 
     python benchmarks/convergence.py --tp 4 --codecs none taco fp8 taco_no_ds int8 \
         --baseline-seeds 0 1 --set run.steps=600
+    python benchmarks/convergence.py --report-only --merge part1.json part2.json
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
 import statistics
 import time
 
-from _common import write_record
+from _common import today, write_record
 
-from taco_jax import metrics
-from taco_jax.config import load_config
-from taco_jax.trainer import train_and_evaluate
+from taco_train import metrics
+from taco_train.config import load_config
+from taco_train.trainer import train_and_evaluate
 
 DEFAULT_CODECS = ["none", "taco", "fp8", "taco_no_ds", "int8", "int8_hadamard", "taco_e8m0"]
-# Paper figures to compare against (GPT-350M, TACO.md section 5): % over the bf16 baseline.
+# Paper figures to compare against (TACO, arXiv 2604.24088, GPT-350M; sources in docs/method.md):
+# % of validation loss over the bf16 baseline.
 PAPER = {"taco": 0.25, "tah_quant_path": 2.9}
 
 
@@ -160,8 +164,9 @@ def plot(runs: list[dict], png: pathlib.Path) -> None:
     fig.savefig(png, dpi=120)
 
 
-def write_results(args, runs: list[dict], out: pathlib.Path) -> None:
-    extra = {"device": "see the merged source files"} if args.report_only else {}
+def write_results(args, runs: list[dict], out: pathlib.Path, sources: list[dict]) -> None:
+    # A merge that trains nothing ran on no accelerator: the merged files name their devices.
+    extra = {"device": "see sources"} if args.report_only else {}
     write_record(
         "convergence",
         str(out),
@@ -169,6 +174,7 @@ def write_results(args, runs: list[dict], out: pathlib.Path) -> None:
         config=args.config,
         overrides=args.set,
         merged_from=args.merge,
+        sources=sources,
         paper_pct_vs_bf16=PAPER,
         comparison=compare(runs),
         runs=runs,
@@ -193,8 +199,15 @@ def main() -> None:
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    date = datetime.date.today().isoformat()
-    runs = [r for path in args.merge for r in json.loads(pathlib.Path(path).read_text())["runs"]]
+    merged = {path: json.loads(pathlib.Path(path).read_text()) for path in args.merge}
+    runs = [r for record in merged.values() for r in record["runs"]]
+    # Where each merged file's runs came from, so that the merged record stands alone.
+    sources = [
+        {k: record.get(k) for k in ("date", "device", "versions", "command")}
+        | {"path": path}
+        | ({"sources": record["sources"]} if record.get("sources") else {})
+        for path, record in merged.items()
+    ]
     done = {run_key(r["codec"], r["tp"], r["seed"]) for r in runs}
     plan = [
         (c, tp, s)
@@ -212,9 +225,9 @@ def main() -> None:
             f"diverged {result['diverged']} err {result['comm_rel_err']}",
             flush=True,
         )
-        write_results(args, runs, out)  # after every run: a killed study keeps its results
-    write_results(args, runs, out)
-    plot(runs, out / f"convergence-{date}.png")
+        write_results(args, runs, out, sources)  # after every run: a killed study keeps its results
+    write_results(args, runs, out, sources)
+    plot(runs, out / f"convergence-{today()}.png")
     for row in compare(runs):
         if row.get("diverged"):
             print(f"tp={row['tp']} {row['codec']:14s} diverged")

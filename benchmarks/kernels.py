@@ -1,38 +1,41 @@
-"""Checks and times the fused codec kernels on a GPU, in one run (BENCHMARKS.md, "Kernels").
+"""Checks and times the fused codec kernels of `pallas_kernels` on one GPU (BENCHMARKS.md, Kernels).
 
-PYTHONPATH=. python3 benchmarks/kernels.py --out $OUT   (on the device machine)
+    PYTHONPATH=. python benchmarks/kernels.py --out $OUT       # every check, 1 MiB .. 1 GiB
 
-1. Checks interpret=False against the references on fresh random data, odd sizes (rows that do
-   not fill a tile), poisoned outputs (0xAB bytes / NaN) to catch unwritten elements.
-2. Times, per bf16 input size (1 MiB .. 1 GiB): a device copy of the same bytes (negate: read +
-   write, the ceiling), the XLA-fused jnp references and the kernels; median of many runs after
-   warm-up, rotating input sets so that small sizes do not sit in L2. Two timings of the copy
-   and the kernels: host-dispatched calls (`kernel_s`), and dependent calls inside one jitted
-   program (`kernel_in_program_s`, no per-call dispatch: at 64 MiB a kernel is as short as JAX's
-   ~40 us dispatch, which the first timing then measures).
-3. Latency (64 KiB .. 4 MiB) and the launch floor (a one-element jitted op), host-dispatched;
-   and the same sizes inside one jitted program of dependent calls (`in_program_latency`): the
-   per-op device latency an op has inside a step, without JAX's per-call dispatch (the one input
-   stays in L2 there, as a just-produced activation would).
-Bandwidth is logical IO: bytes read + bytes written once each.
+Codec `taco`, G = 128, messages of 8 rows (an 8-way TP group); needs a CUDA GPU (the kernels
+run compiled, not interpreted). One run, one record `kernels-<date>.json`:
+1. Checks, on fresh random data each run: every fused codec (and `taco` with G = 32 .. 512),
+   bf16 and fp32 input, rows that do not fill a tile, two poisons of the outputs to catch
+   unwritten bytes; codes compared in FP8 steps, scales relatively, against the references.
+   Then the Mosaic GPU encode (Hopper only): 6, 64 and 512 tiles per row, two fresh inputs
+   each. `--check-mosaic-only` runs only the latter, `--skip-check` neither.
+2. Timings per bf16 message size (`--latency-kib`, `--sizes-mib`): a copy of the same bytes
+   (an XLA negate; from 64 MiB also torch's `copy_`, timed with CUDA events, where torch is
+   installed), the XLA-fused jnp references and the kernels: encode (backend "auto", as the
+   collectives call it, and the Triton kernel), decode, decode-sum, decode-sum-reencode. Two
+   timings: host-dispatched batches (`kernel_s`, `_common.batched_seconds`) and 16 dependent
+   calls inside one jitted program (`kernel_in_program_s`, `_common.in_program_seconds`, no
+   per-call dispatch, which at 64 MiB lasts as long as a kernel). Inputs rotate over >= 256 MiB
+   so that nothing is served from L2.
+3. Small messages (`--in-program-kib`): each op's latency inside one program of 200 dependent
+   calls (one input, in L2 as a fresh activation would be), beside a one-element negate (the
+   floor); `launch_floor_s` is a host-dispatched one-element jitted op.
+Bandwidth is logical IO: bytes read + bytes written, once each.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
-import platform
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
+from _common import batched_seconds, in_program_seconds, write_record
 
 import pallas_kernels as pk
 from pallas_kernels import _pallas
@@ -44,25 +47,6 @@ L2_FLUSH_BYTES = 256 * MiB  # > 4x the H200's 60 MB L2
 IN_PROGRAM_CALLS = 16  # dependent calls per program at bandwidth sizes (inputs rotate)
 
 
-def _timeit(fn, inputs, *, min_time=0.2, reps=15):
-    """Median seconds per call; calls rotate over `inputs`, each rep is a dispatched batch."""
-    for a in inputs[:2]:
-        jax.block_until_ready(fn(*a))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*inputs[0]))
-    one = max(time.perf_counter() - t0, 1e-6)
-    batch = int(min(200, max(len(inputs), min_time / reps / one)))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = None
-        for i in range(batch):
-            out = fn(*inputs[i % len(inputs)])
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / batch)
-    return statistics.median(times), (max(times) - min(times)) / statistics.median(times)
-
-
 def _ops(codec):
     """name -> (fused fn, reference fn, input builder, bytes moved) for `elements` bf16 values."""
     enc = jax.jit(lambda x: pk.encode(codec, x))
@@ -71,7 +55,8 @@ def _ops(codec):
     wb = codec.wire_bytes
     encode_io = lambda el: 2 * el + PEERS * wb(m(el))  # noqa: E731
     return {
-        # "encode" is what the collectives call: on Hopper, the Mosaic GPU kernel.
+        # "encode" is what the collectives call (backend "auto": on Hopper, the Mosaic GPU
+        # kernel for large bf16 messages), "encode_triton" the Triton-lowered kernel.
         "encode": (enc, enc_ref, "x", encode_io),
         "encode_triton": (
             jax.jit(lambda x: pk.encode(codec, x, backend="triton")),
@@ -202,9 +187,15 @@ def check_mosaic(key) -> list[dict]:
             wire = pk.encode(codec, x, backend="mosaic")
             ref = pk.encode_reference(codec, x)
             diffs, steps = _ulp_mismatch(wire[:, :n], ref[:, :n])
-            row = dict(codec=codec.name, backend="mosaic", n=n, rep=rep, encode_code_mismatch=diffs,
-                       encode_max_code_steps=steps,
-                       encode_scale_max_rel=_side_difference(codec, wire, ref, n))  # fmt: skip
+            row = dict(
+                codec=codec.name,
+                backend="mosaic",
+                n=n,
+                rep=rep,
+                encode_code_mismatch=diffs,
+                encode_max_code_steps=steps,
+                encode_scale_max_rel=_side_difference(codec, wire, ref, n),
+            )
             rows.append(row)
             print("CHECK", json.dumps(row), flush=True)
     return rows
@@ -218,7 +209,7 @@ def bench(key, sizes_mib, latency_kib):
     for size in [s * 1024 for s in latency_kib] + [s * MiB for s in sizes_mib]:
         elements = size // 2
         xs = _inputs(codec, elements, key, "x")
-        t_copy, spread = _timeit(copy, xs)
+        t_copy, spread = batched_seconds(copy, xs)
         t_copy_prog = in_program_seconds(copy, xs, IN_PROGRAM_CALLS)
         row = dict(
             bytes=size,
@@ -233,8 +224,8 @@ def bench(key, sizes_mib, latency_kib):
         wires = _inputs(codec, elements, key, "wire")
         for name, (fused, ref, kind, io) in ops.items():
             inp = xs if kind == "x" else wires
-            t_k, sp = _timeit(fused, inp)
-            t_r, _ = _timeit(ref, inp, reps=5)
+            t_k, sp = batched_seconds(fused, inp)
+            t_r, _ = batched_seconds(ref, inp, reps=5)
             t_prog = in_program_seconds(fused, inp, IN_PROGRAM_CALLS)
             nbytes = io(elements)
             row[name] = dict(
@@ -277,28 +268,6 @@ def torch_copy_tbps(size: int) -> float | None:
     return 2 * size / statistics.median(times) / 1e12
 
 
-def in_program_seconds(fn, inputs, calls: int) -> float:
-    """Device time of one `fn` call inside one jitted program of `calls` dependent calls.
-
-    inputs: a list of 1-tuples, taken in turn. The host dispatches one straight-line program
-    (no device loop, whose per-iteration bookkeeping would be timed too); each call's input
-    passes through an optimization barrier together with the previous output, so the calls run
-    one after another, and every output is returned, so none is removed as dead code. This is
-    the time an op has inside a training step (kernel launch included, JAX's per-call dispatch
-    excluded).
-    """
-    args = [a for (a,) in inputs]
-
-    def program(*xs):
-        outs = [fn(xs[0])]
-        for i in range(1, calls):
-            x, _ = lax.optimization_barrier((xs[i % len(xs)], outs[-1]))
-            outs.append(fn(x))
-        return outs
-
-    return _timeit(jax.jit(program), [tuple(args)], reps=7)[0] / calls
-
-
 def latency_in_program(key, sizes_kib) -> list[dict]:
     """Per-op in-program latency at small sizes, and the same for a one-element negate (floor)."""
     codec = codecs.get_codec("taco", 128)
@@ -330,18 +299,18 @@ def _default_configs(n: int) -> dict:
 def launch_floor():
     tiny = jax.jit(lambda x: -x)
     x = jnp.ones((1,), jnp.float32)
-    return _timeit(tiny, [(x,)], min_time=0.05)[0]
+    return batched_seconds(tiny, [(x,)], min_time=0.05)[0]
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--sizes-mib", default="1,4,16,64,256,1024")
     p.add_argument("--latency-kib", default="64,256")
     p.add_argument(
         "--in-program-kib",
         default="64,256,1024,4096",
-        help="sizes timed inside one jitted loop (empty: skip)",
+        help="sizes timed inside one jitted program (empty: skip)",
     )
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--check-mosaic-only", action="store_true", help="check only the Mosaic encode")
@@ -358,27 +327,20 @@ def main():
     print("LAUNCH_FLOOR_S", floor, flush=True)
     results = bench(key, sizes, lat)
     in_program = latency_in_program(key, [int(s) for s in args.in_program_kib.split(",") if s])
-    date = datetime.date.today().isoformat()
-    doc = dict(
-        date=date,
-        device=str(jax.devices()[0].device_kind),
-        jax=jax.__version__,
-        python=platform.python_version(),
-        command=" ".join(sys.argv),
+    write_record(
+        "kernels",
+        args.out,
         codec="taco",
         group_size=128,
         peers=PEERS,
         launch_floor_s=floor,
         in_program_latency=in_program,
         # The launches `block_config` picks at the largest size, per op.
-        block_configs=_default_configs(max(sizes) * MiB // 2 // PEERS),
+        block_configs=_default_configs(max(sizes) * MiB // 2 // PEERS) if sizes else {},
         check_seconds=t_check,
         checks=checks,
         bench=results,
     )
-    path = os.path.join(args.out, f"kernels-{date}.json")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
     print("TB/s and % of copy: host-dispatched | in one program; x: speedup over the XLA ref")
     names = list(_ops(codecs.get_codec("taco")))
     print(f"{'bytes':>12} {'copy TB/s':>11} " + " ".join(f"{k[:13]:>28}" for k in names))

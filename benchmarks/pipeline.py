@@ -1,10 +1,12 @@
 """The compute of one rank's two-shot compressed all-reduce on one GPU, and a projected speedup.
 
-Until several GPUs are lent, this measures what compression costs a rank: for a bf16 message of
-M bytes and a TP group of N, one rank runs encode (N chunks) -> a copy of the all-to-all's bytes
--> decode-sum-reencode -> a copy of the all-gather's bytes -> decode, with the communication
-replaced by local copies of the same bytes. Timed per stage and end to end (median after
-warm-up), for the "xla" reference ops and the Pallas kernels, in the same run.
+What compression costs one rank, measured on one device: for a bf16 message of M bytes and a
+TP group of N, the rank runs encode (N chunks) -> a copy of the all-to-all's bytes ->
+decode-sum-reencode -> a copy of the all-gather's bytes -> decode, with the communication
+replaced by local copies of the same bytes. Each stage is its own jitted call, timed alone and
+end to end (`_common.median_seconds`), for each `--impls` backend ("xla": the jnp reference
+ops, "pallas": the fused kernels) in the same run, with the error of the output against the
+exact sum.
 
 The projection (a model, not a measurement) then adds the wire time on a link of bus bandwidth B:
   bf16 ring all-reduce:   t = 2 (N-1)/N x M / B
@@ -13,7 +15,8 @@ The projection (a model, not a measurement) then adds the wire time on a link of
 for NVLink 4 (NCCL ring bus bandwidth ~370 GB/s on H200), InfiniBand NDR (~48 GB/s per GPU) and
 a PCIe-class link (~25 GB/s).
 
-    python benchmarks/pipeline.py            # on a GPU; --smoke on a CPU
+    python benchmarks/pipeline.py --sizes-mib 64 256 1024 --impls pallas   # on a GPU
+    python benchmarks/pipeline.py --smoke                                  # CPU check
 """
 
 from __future__ import annotations

@@ -1,46 +1,49 @@
 """Training-step speed: step time, tokens/s and MFU of the bf16 GPT, and the cost of TACO in TP.
 
-Two parts in one run:
+Cases (`--only TEXT` keeps those whose label contains TEXT):
   1. Uncompressed bf16 GPT-125M and GPT-1.3B on one device, no TP (`make_steps` with tp = 1):
      step time, tokens/s and MFU = flops_per_token x tokens/s / peak, with flops_per_token
      = 6 N + 12 L H Q T (PaLM appendix B, nanoGPT's `estimate_mfu`; `ModelConfig.flops_per_token`)
      and peak the device's dense bf16 rate (H100 / H200 SXM: 989.4 TFLOP/s).
   2. GPT-125M with TP = 4 emulated on the same device (`jax.vmap(axis_name="tp")`): the step time
-     with every TP collective uncompressed ("none") and compressed ("taco"), and the ratio.
+     with every TP collective uncompressed ("none") and compressed ("taco"), and the ratio; on a
+     GPU with `--impl auto` also "taco" through the XLA reference codec.
+  3. With >= 2 devices, GPT-1.3B with real TP over all of them (`shard_map`, NCCL): "none" and
+     "taco".
 Each configuration: compile, warm-up steps, then >= 10 timed steps, each ended by
-`jax.block_until_ready`; the median is reported. Tokens are random (speed does not depend on
-them). A configuration that fails (e.g. out of memory) is recorded with its error and the run
-goes on. Writes `train_step-<date>.json` to `$OUT` (else benchmarks/results/) and prints a table.
+`jax.block_until_ready` (`_common.sample_seconds`); the median is reported. Tokens are random
+(speed does not depend on them). A configuration that fails (e.g. out of memory) is recorded
+with its error and the run goes on. Writes `train_step-<date>.json` to `--out` (default `$OUT`,
+else benchmarks/results/) and prints a table.
 
-    python benchmarks/train_step.py              # the H200 run
-    python benchmarks/train_step.py --smoke      # CPU check: tiny preset, 2 steps
+    python benchmarks/train_step.py                       # every case the machine can run
+    python benchmarks/train_step.py --only "tp=4 (vmap)"  # the emulated-TP cases only
+    python benchmarks/train_step.py --smoke               # CPU check: tiny preset, 2 steps
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import time
 import traceback
 
-# Importable from a bare checkout too (an editable install made before models/ existed maps it
-# as an empty namespace package).
+# The repository root first, so that the packages of this checkout are the ones timed.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _common import sample_seconds, write_record  # noqa: E402
 
 import taco_jax  # noqa: E402
-from models import ModelConfig, ParallelConfig, layers, make_steps  # noqa: E402
-from taco_jax import metrics as run_metrics  # noqa: E402
+from models import ModelConfig, ParallelConfig, layers  # noqa: E402
+from taco_train import metrics as run_metrics  # noqa: E402
+from taco_train.steps import make_steps  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -99,7 +102,7 @@ def default_cases(args) -> list[Case]:
 
 
 def peak_flops() -> float | None:
-    """Dense bf16 peak of one device (`taco_jax.metrics.PEAK_FLOPS`), None if unknown."""
+    """Dense bf16 peak of one device (`taco_train.metrics.PEAK_FLOPS`), None if unknown."""
     return run_metrics.peak_flops(jax.devices()[0].device_kind)
 
 
@@ -115,16 +118,14 @@ def run_case(case: Case, steps: int, warmup: int) -> dict:
     start = time.perf_counter()
     compiled = built.train_step.lower(state, tokens).compile()
     compile_s = time.perf_counter() - start
-    for _ in range(warmup):
-        state, metrics = compiled(state, tokens)
-    jax.block_until_ready((state, metrics))
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        state, metrics = compiled(state, tokens)
-        jax.block_until_ready((state, metrics))
-        times.append(time.perf_counter() - start)
+    carry = {"state": state}
 
+    def step():  # each step trains on from the state the previous one left
+        carry["state"], carry["metrics"] = compiled(carry["state"], tokens)
+        return carry["state"], carry["metrics"]
+
+    times = sample_seconds(step, reps=steps, warmup=warmup)
+    metrics = carry["metrics"]
     median = statistics.median(times)
     tokens_per_step = case.batch * cfg.seq_len
     flops_per_step = cfg.flops_per_token() * tokens_per_step
@@ -238,31 +239,25 @@ def main() -> None:
             rows.append({"label": case.label, "error": f"{type(err).__name__}: {err}"})
         jax.clear_caches()
 
-    record = {
-        "date": datetime.date.today().isoformat(),
-        "device": f"{jax.device_count()} x {jax.devices()[0].device_kind} ({platform.machine()})",
-        "backend": jax.default_backend(),
-        "versions": {"jax": jax.__version__, "python": platform.python_version()},
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "attention": attention,
-        "attention_note": attention_note,
-        "peak_bf16_flops": peak_flops(),
-        "flops_formula": "6 N + 12 L H Q T per token (PaLM app. B; N = matmul parameters)",
-        "timing": f"median of {steps} steps after {warmup} warm-up steps, block_until_ready each",
-        "results": rows,
-        "taco_over_none_step_time": overheads(rows),
-    }
-    out_dir = pathlib.Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    suffix = "-smoke" if args.smoke else ""
-    path = out_dir / f"train_step-{record['date']}{suffix}.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"\n{record['device']}, jax {jax.__version__}, attention: {attention}\n")
+    overhead = overheads(rows)
+    write_record(
+        "train_step",
+        args.out,
+        suffix="-smoke" if args.smoke else "",
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
+        attention=attention,
+        attention_note=attention_note,
+        peak_bf16_flops=peak_flops(),
+        flops_formula="6 N + 12 L H Q T per token (PaLM app. B; N = matmul parameters)",
+        timing=f"median of {steps} steps after {warmup} warm-up steps, block_until_ready each",
+        results=rows,
+        taco_over_none_step_time=overhead,
+    )
+    device = f"{jax.device_count()} x {jax.devices()[0].device_kind}"
+    print(f"\n{device}, jax {jax.__version__}, attention: {attention}\n")
     print(table(rows))
-    for label, ratio in record["taco_over_none_step_time"].items():
+    for label, ratio in overhead.items():
         print(f"{label}: {ratio:.3f} x the uncompressed step time")
-    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":
