@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 import jax
 from jax import lax
 
+ENV_PREFIXES = ("NCCL_", "XLA_", "CUDA_VISIBLE_DEVICES", "JAX_")
+
 
 def today() -> str:
     """The date that names and heads a record (ISO, local time)."""
@@ -112,6 +114,8 @@ def write_record(
         "backend": jax.default_backend(),
         "versions": {"jax": jax.__version__, "python": platform.python_version()},
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        # The transport and compiler settings a run was made with (e.g. NCCL_P2P_DISABLE).
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
         **fields,
     }
     out = pathlib.Path(out_dir)

@@ -174,7 +174,6 @@ def main() -> None:
     write_record(
         "collectives",
         args.out,
-        env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "XLA_FLAGS")},
         **run(args),
     )
 
