@@ -1,6 +1,7 @@
 """Fused decode-sum and decode-sum-reencode over N wire rows (one per peer), one pass.
 
-decode_sum: wire[N, B] -> fp32 sum of the N decoded rows, [n] (end of a reduce-scatter).
+decode_sum: wire[N, B] -> the fp32 sum of the N decoded rows, [n] in fp32 or the output dtype
+  (the end of a reduce-scatter and of the one-shot all-reduce).
 decode_sum_reencode: wire[N, B] -> wire[B] of that sum (middle of the two-shot all-reduce).
 
 Both sum in the Hadamard domain: H is linear and orthonormal, so
@@ -55,7 +56,8 @@ def _decode_sum_kernel(
             x = _tile.signed_hadamard(z, hblock, exact_bf16=False, interpret=interpret)
         else:
             x = _summed_h_domain(codec, raws, tile, n, cfg)
-        _tile.store_1d(out_ref, 0, tile * t * g, x.reshape(t * g), n, masked=cfg.masked(n // g))
+        x = x.reshape(t * g).astype(out_ref.dtype)  # summed in fp32, stored in the output dtype
+        _tile.store_1d(out_ref, 0, tile * t * g, x, n, masked=cfg.masked(n // g))
 
     load = _pallas.partial(_load_peers, codec, wire_ref, n=n, cfg=cfg)
     _tile.for_each_tile(cfg, _pallas.program_id(0), load, decode_sum_tile)
@@ -99,10 +101,18 @@ def _launch(kernel, codec, wire, n, out, name, interpret, out_init, config, *, s
 
 
 def decode_sum(
-    codec: Codec, wire: jax.Array, n: int, *, interpret=False, out_init=None, config=None
+    codec: Codec,
+    wire: jax.Array,
+    n: int,
+    dtype=jnp.float32,
+    *,
+    interpret=False,
+    out_init=None,
+    config=None,
 ):
-    """wire[N, B] -> fp32 [n], the sum of the N decoded rows (out_init, config: as `encode`)."""
-    out = jax.ShapeDtypeStruct((1, n), jnp.float32)
+    """wire[N, B] -> [n] of `dtype`, the fp32 sum of the N decoded rows, rounded once to `dtype`
+    (out_init, config: as `encode`)."""
+    out = jax.ShapeDtypeStruct((1, n), dtype)
     name = "taco_decode_sum"
     return _launch(
         _decode_sum_kernel, codec, wire, n, out, name, interpret, out_init, config, signs=True

@@ -31,8 +31,9 @@ class CodecOps:
     """(codec, x[R, n]) -> wire[R, B]."""
     decode: Callable[[Codec, jax.Array, int, jnp.dtype], jax.Array]
     """(codec, wire[R, B], n, dtype) -> x[R, n]."""
-    decode_sum: Callable[[Codec, jax.Array, int], jax.Array]
-    """(codec, wire[N, B], n) -> fp32 sum over the N decoded rows, [n]; end of a reduce-scatter."""
+    decode_sum: Callable[[Codec, jax.Array, int, jnp.dtype], jax.Array]
+    """(codec, wire[N, B], n, dtype) -> the fp32 sum over the N decoded rows as `dtype`, [n]; end
+    of a reduce-scatter and of the one-shot all-reduce."""
     decode_sum_reencode: Callable[[Codec, jax.Array, int], jax.Array]
     """(codec, wire[N, B], n) -> wire[B] of the fp32 sum; the middle of the two-shot all-reduce."""
 

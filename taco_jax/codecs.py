@@ -502,12 +502,13 @@ def decode_wire(codec: Codec, wire: jax.Array, n: int, dtype=jnp.float32) -> jax
     return decode_reference(codec, unpack(codec, wire, n), dtype)
 
 
-def decode_sum_wire(codec: Codec, wire: jax.Array, n: int) -> jax.Array:
-    """wire[N, B] -> fp32 [n], the sum of the N decoded rows: the end of a reduce-scatter.
+def decode_sum_wire(codec: Codec, wire: jax.Array, n: int, dtype=jnp.float32) -> jax.Array:
+    """wire[N, B] -> [n]: the fp32 sum of the N decoded rows, rounded once to `dtype`. The end of
+    a reduce-scatter and of the one-shot all-reduce.
 
     A fixed summation order (peer 0 first) makes the sum the same on every rank and every run.
     """
-    return jnp.sum(decode_wire(codec, wire, n, jnp.float32), axis=0)
+    return jnp.sum(decode_wire(codec, wire, n, jnp.float32), axis=0).astype(dtype)
 
 
 def decode_sum_reencode_wire(codec: Codec, wire: jax.Array, n: int) -> jax.Array:

@@ -5,8 +5,10 @@ Each runs inside `jax.shard_map` (one program per device) or inside
 and `lax.scan`. All of them move uint8 wire buffers (codes + scale bytes) and sum in fp32.
 
 The all-reduce is TACO's two-shot scheme (docs/method.md, "Collectives"): split into N chunks,
-encode, all-to-all, decode + fp32 sum + re-encode, all-gather, decode. Every rank decodes the
-same bytes, so the output is bit-identical on every rank, the reducing rank included.
+encode, all-to-all, decode + fp32 sum + re-encode, all-gather, decode; or, for two ranks, where
+it moves the same bytes, the one-shot scheme: encode the whole message, all-gather the codes,
+decode and sum all N copies. Every rank decodes the same bytes in the same order, so the output
+is bit-identical on every rank, the reducing rank included.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ from taco_jax import _backends, codecs, telemetry
 from taco_jax.codecs import Codec
 
 MAX_SLICES = 16
+# How an all-reduce moves its codes (docs/method.md, "Collectives"). "one_shot": every rank
+# encodes its whole message once, all-gathers the codes and sums all N decoded copies (one
+# collective, one quantization; each rank sends (N - 1) x the wire). "two_shot": reduce-scatter
+# of codes, re-encode of the sum, all-gather (two quantizations; each rank sends 2 (N - 1) / N x
+# the wire). "auto": one-shot where it sends no more bytes than two-shot (N = 2), else two-shot.
+ALGORITHMS = ("auto", "one_shot", "two_shot")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +42,8 @@ class CommConfig:
 
     codec: the codec (`codec.is_identity` means the plain lax collective).
     impl: "auto" | "xla" | "pallas" | "pallas_interpret"; which codec kernels run.
+    algorithm: "auto" | "one_shot" | "two_shot"; how an all-reduce moves its codes
+      (`ALGORITHMS`). Reduce-scatter and all-gather have one algorithm each.
     slices: split the message into this many independent pieces (1..16) so that the encode of
       piece i+1 can overlap the transfer of piece i.
     min_compress_bytes: messages smaller than this use the plain lax collective (0: compress
@@ -42,7 +52,9 @@ class CommConfig:
     """
 
     codec: Codec = dataclasses.field(default_factory=codecs.get_codec)
+    _: dataclasses.KW_ONLY  # options by name only: adding one never shifts another
     impl: str = "auto"
+    algorithm: str = "auto"
     slices: int = 1
     min_compress_bytes: int = 0
     telemetry: bool = False
@@ -50,6 +62,8 @@ class CommConfig:
     def __post_init__(self):
         if self.impl not in _backends.IMPLS:
             raise ValueError(f"unknown impl={self.impl!r}; choose one of {_backends.IMPLS}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm={self.algorithm!r}; choose one of {ALGORITHMS}")
         if not 1 <= self.slices <= MAX_SLICES:
             raise ValueError(f"slices={self.slices} must be in [1, {MAX_SLICES}]")
         if self.min_compress_bytes < 0:
@@ -57,6 +71,12 @@ class CommConfig:
 
     def compresses(self, x: jax.Array) -> bool:
         return not self.codec.is_identity and x.size * x.dtype.itemsize >= self.min_compress_bytes
+
+    def all_reduce_algorithm(self, n_ranks: int) -> str:
+        """The all-reduce algorithm for a group of `n_ranks` ("auto" resolved)."""
+        if self.algorithm != "auto":
+            return self.algorithm
+        return "one_shot" if n_ranks == 2 else "two_shot"
 
 
 CodecLike = str | Codec | CommConfig
@@ -66,7 +86,8 @@ OPTION_NAMES = ("group_size",) + tuple(f.name for f in dataclasses.fields(CommCo
 
 def comm_config(codec: CodecLike = codecs.DEFAULT_CODEC, **overrides) -> CommConfig:
     """A `CommConfig` from a codec name, a `Codec` or a `CommConfig`, with keyword overrides of
-    its fields (`impl`, `slices`, `min_compress_bytes`, `telemetry`) and of `group_size`.
+    its fields (`impl`, `algorithm`, `slices`, `min_compress_bytes`, `telemetry`) and of
+    `group_size`.
 
     comm_config("taco", slices=4) == CommConfig(get_codec("taco"), slices=4).
     """
@@ -127,28 +148,33 @@ def _exchange(wire: jax.Array, axis_name: AxisName) -> jax.Array:
 
 
 def _reduce_scatter_rows(
-    rows: jax.Array, axis_name: AxisName, cfg: CommConfig, *, reencode: bool
+    rows: jax.Array, axis_name: AxisName, cfg: CommConfig, *, reencode: bool, dtype=jnp.float32
 ) -> jax.Array:
-    """rows [N, n] (n multiple of G) -> this rank's fp32 sum [n], or its re-encoded wire [B]."""
+    """rows [N, n] (n multiple of G) -> this rank's sum [n] (summed in fp32, stored as `dtype`),
+    or its re-encoded wire [B]."""
     ops = _backends.get_ops(cfg.impl)
     n = rows.shape[-1]
     received = _exchange(ops.encode(cfg.codec, rows), axis_name)
     if reencode:
         return ops.decode_sum_reencode(cfg.codec, received, n)
-    return ops.decode_sum(cfg.codec, received, n)
+    return ops.decode_sum(cfg.codec, received, n, dtype)
+
+
+def _all_gather_wire(wire: jax.Array, axis_name: AxisName, *, invariant: bool) -> jax.Array:
+    """wire [B] of this rank -> [N, B], row r from rank r.
+
+    `invariant` types the result as replicated (shard_map's check_vma), as `lax.psum`'s is.
+    """
+    to = "invarying" if invariant else "varying"
+    return lax.all_gather(wire, axis_name, axis=0, tiled=False, to=to)
 
 
 def _gather_wire(
     wire: jax.Array, n: int, axis_name: AxisName, cfg: CommConfig, dtype, *, invariant: bool = False
 ) -> jax.Array:
-    """wire [B] of this rank's chunk -> every rank's decoded chunk [N, n].
-
-    `invariant` types the result as replicated (shard_map's check_vma), as `lax.psum`'s is.
-    """
-    ops = _backends.get_ops(cfg.impl)
-    to = "invarying" if invariant else "varying"
-    gathered = lax.all_gather(wire, axis_name, axis=0, tiled=False, to=to)
-    return ops.decode(cfg.codec, gathered, n, dtype)
+    """wire [B] of this rank's chunk -> every rank's decoded chunk [N, n]."""
+    gathered = _all_gather_wire(wire, axis_name, invariant=invariant)
+    return _backends.get_ops(cfg.impl).decode(cfg.codec, gathered, n, dtype)
 
 
 def varies_along(x: jax.Array, axis_name: AxisName) -> bool:
@@ -178,26 +204,37 @@ def _sliced(fn, rows: jax.Array, slices: int) -> jax.Array:
     return jnp.concatenate([fn(piece) for piece in pieces], axis=-1)
 
 
-def _rows_for(flat: jax.Array, n_ranks: int, cfg: CommConfig) -> tuple[jax.Array, int]:
-    """Pads flat [M] so that each of the N rows is a multiple of G x slices; returns [N, m]."""
-    multiple = n_ranks * cfg.codec.group_size * cfg.slices
+def _rows_for(flat: jax.Array, rows: int, cfg: CommConfig) -> tuple[jax.Array, int]:
+    """Pads flat [M] so that each of `rows` rows is a multiple of G x slices; returns [rows, m]."""
+    multiple = rows * cfg.codec.group_size * cfg.slices
     padded, size = codecs.pad_to_multiple(flat, multiple)
-    return padded.reshape(n_ranks, -1), size
+    return padded.reshape(rows, -1), size
 
 
 def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) -> jax.Array:
     n_ranks = axis_size(axis_name)
     if n_ranks == 1 or not cfg.compresses(x):
         return lax.psum(x, axis_name)  # N = 1 moves nothing, so nothing is compressed
-    rows, size = _rows_for(x.reshape(-1), n_ranks, cfg)
     invariant = varies_along(x, axis_name)
+    ops = _backends.get_ops(cfg.impl)
 
-    def two_shot(piece):  # piece: [N, m / slices]
+    def two_shot(piece):  # piece: [N, m / slices], row j for rank j
         n = piece.shape[-1]
         reduced_wire = _reduce_scatter_rows(piece, axis_name, cfg, reencode=True)
         return _gather_wire(reduced_wire, n, axis_name, cfg, x.dtype, invariant=invariant)
 
-    out = _sliced(two_shot, rows, cfg.slices).reshape(-1)[:size].reshape(x.shape)
+    def one_shot(piece):  # piece: [1, m / slices], this rank's whole message
+        wire = ops.encode(cfg.codec, piece)[0]
+        gathered = _all_gather_wire(wire, axis_name, invariant=invariant)
+        # Every rank sums the same N rows in rank order: bit-identical outputs.
+        return ops.decode_sum(cfg.codec, gathered, piece.shape[-1], x.dtype)[None]
+
+    if cfg.all_reduce_algorithm(n_ranks) == "one_shot":
+        fn, rows_of = one_shot, 1
+    else:
+        fn, rows_of = two_shot, n_ranks
+    rows, size = _rows_for(x.reshape(-1), rows_of, cfg)
+    out = _sliced(fn, rows, cfg.slices).reshape(-1)[:size].reshape(x.shape)
     if cfg.telemetry:
         telemetry.record(f"{tag}:{cfg.codec.name}", out, lax.psum(x, axis_name))
     return out
@@ -228,10 +265,11 @@ def _reduce_scatter(
     rows, size = codecs.pad_to_multiple(
         moved.reshape(n_ranks, -1), cfg.codec.group_size * cfg.slices
     )
-    summed = _sliced(
-        lambda piece: _reduce_scatter_rows(piece, axis_name, cfg, reencode=False), rows, cfg.slices
-    )
-    block = summed[:size].astype(x.dtype).reshape(block_shape)
+
+    def reduce_scatter(piece):  # piece: [N, m / slices], row j for rank j
+        return _reduce_scatter_rows(piece, axis_name, cfg, reencode=False, dtype=x.dtype)
+
+    block = _sliced(reduce_scatter, rows, cfg.slices)[:size].reshape(block_shape)
     out = jnp.moveaxis(block, 0, dim) if tiled else block[0]
     if cfg.telemetry:
         exact = lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
@@ -311,8 +349,9 @@ def compressed_psum(
     """All-reduce with compressed traffic: equal to `jax.lax.psum(x, axis_name)` up to FP8 rounding.
 
     Sharding: `x[...]{U_axis} -> x[...]` (unreduced partial sums in, the replicated sum out,
-    bit-identical on every rank). Each element is quantized twice (docs/method.md,
-    "Collectives"), so the error is about sqrt(2) times one codec round trip of the sum's scale.
+    bit-identical on every rank). Two-shot quantizes each element twice (docs/method.md,
+    "Collectives"), so its error is about sqrt(2) times one codec round trip of the sum's scale;
+    one-shot (`algorithm`, the default at N = 2) quantizes each rank's input once.
 
     Backward: `lax.psum`'s own, so gradients taken inside or outside `shard_map` match it: the
     identity under `shard_map(check_vma=True)` (the output is typed replicated), a compressed
@@ -334,8 +373,9 @@ def compressed_psum(
       name: this collective's label in `taco_jax.telemetry`.
       **overrides: any `CommConfig` option, applied to both directions: `group_size` (G,
         32..512), `impl` ("auto": Pallas kernels on GPU, else XLA; "xla", "pallas",
-        "pallas_interpret"), `slices` (1..16 independent pieces), `min_compress_bytes`
-        (smaller messages run `lax.psum`), `telemetry`. Defaults: `CommConfig`'s.
+        "pallas_interpret"), `algorithm` ("auto", "one_shot", "two_shot"), `slices` (1..16
+        independent pieces), `min_compress_bytes` (smaller messages run `lax.psum`),
+        `telemetry`. Defaults: `CommConfig`'s.
     """
     _check_floating(x, "compressed_psum")
     cfg, bwd_cfg = fwd_bwd_configs(codec, bwd_codec, **overrides)
@@ -431,11 +471,13 @@ def compressed_all_gather(
 
 
 def wire_bytes_per_rank(num_elements: int, n_ranks: int, cfg: CommConfig) -> int:
-    """Bytes one rank sends in `compressed_psum` of `num_elements` (both phases), padding included.
+    """Bytes one rank sends in `compressed_psum` of `num_elements`, padding included.
 
-    docs/method.md, "Collectives": 2 (N-1)/N x (1 + 8/G) bytes per element for `taco`; a bf16
-    ring all-reduce sends 2 (N-1)/N x 2.
+    docs/method.md, "Collectives", for `taco`: two-shot 2 (N-1)/N x (1 + 8/G) bytes per element
+    (both phases), one-shot (N-1) x (1 + 8/G); a bf16 ring all-reduce sends 2 (N-1)/N x 2.
     """
-    rows = math.ceil(num_elements / (n_ranks * cfg.codec.group_size * cfg.slices))
-    chunk = rows * cfg.codec.group_size * cfg.slices
-    return 2 * (n_ranks - 1) * cfg.codec.wire_bytes(chunk)
+    one_shot = cfg.all_reduce_algorithm(n_ranks) == "one_shot"
+    rows = 1 if one_shot else n_ranks
+    per_row = math.ceil(num_elements / (rows * cfg.codec.group_size * cfg.slices))
+    chunk = cfg.codec.wire_bytes(per_row * cfg.codec.group_size * cfg.slices)
+    return (n_ranks - 1) * chunk if one_shot else 2 * (n_ranks - 1) * chunk

@@ -44,7 +44,8 @@ class CompressionConfig:
 
     fwd / bwd: codec names (`taco_jax.CODEC_NAMES`) for activations / activation gradients; bwd
       None means the same as fwd.
-    group_size, impl, slices, min_compress_bytes: the collective options of `taco_jax.CommConfig`
+    group_size, impl, algorithm, slices, min_compress_bytes: the collective options of
+      `taco_jax.CommConfig`
       (and the codec's group size), with the library's defaults.
     telemetry: record the relative error of every compressed collective against the exact one
       (`taco_jax.telemetry`) and log it to the metrics file.
@@ -54,6 +55,7 @@ class CompressionConfig:
     bwd: str | None = None
     group_size: int = codecs.DEFAULT_GROUP_SIZE
     impl: str = _COMM.impl
+    algorithm: str = _COMM.algorithm
     slices: int = _COMM.slices
     min_compress_bytes: int = _COMM.min_compress_bytes
     telemetry: bool = _COMM.telemetry

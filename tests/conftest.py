@@ -1,45 +1,11 @@
-"""Shared test helpers: run a per-device function on a TP group of fake CPU devices or under vmap.
+"""Test session set-up: 8 fake CPU devices for shard_map.
 
 The suite expects `XLA_FLAGS=--xla_force_host_platform_device_count=8` (set by `.ci/run` and the
 README's test command); it is set here too, before JAX initializes, for a bare `pytest` run.
+Shared helpers live in plain modules beside this file (`tp_testing.py`, `tolerances.py`), not
+here: `from conftest import ...` would pick whichever conftest.py was imported first.
 """
 
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-import jax  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-MODES = ("shard_map", "vmap")
-
-
-def tp_mesh(tp: int, axis_name: str = "tp") -> jax.sharding.Mesh:
-    if jax.device_count() < tp:
-        pytest.skip(f"needs {tp} devices, have {jax.device_count()}")
-    return jax.make_mesh(
-        (tp,), (axis_name,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:tp]
-    )
-
-
-def run_tp(per_device_fn, stacked, *, tp: int, mode: str, axis_name: str = "tp"):
-    """Runs `per_device_fn(x_r)` on every rank r, with `stacked[r]` (a pytree) as rank r's input.
-
-    Returns the per-rank outputs stacked along a new leading axis, in either mode:
-    "shard_map" on `tp` fake devices, or "vmap" with `axis_name` on one device.
-    """
-    if mode == "vmap":
-        return jax.jit(jax.vmap(per_device_fn, axis_name=axis_name))(stacked)
-    mesh = tp_mesh(tp, axis_name)
-
-    def body(block):
-        out = per_device_fn(jax.tree.map(lambda a: a[0], block))
-        return jax.tree.map(lambda a: a[None], out)
-
-    placed = jax.device_put(stacked, NamedSharding(mesh, P(axis_name)))
-    mapped = jax.shard_map(
-        body, mesh=mesh, in_specs=P(axis_name), out_specs=P(axis_name), check_vma=False
-    )
-    return jax.jit(mapped)(placed)

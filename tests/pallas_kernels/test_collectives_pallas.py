@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import run_tp
+from tp_testing import run_tp
 
 from taco_jax import collectives
 
@@ -27,6 +27,12 @@ MAX_TIE_GROUPS = 4
 
 def _psum(impl):
     return lambda x: collectives.compressed_psum(x, "tp", group_size=G, impl=impl)
+
+
+def _psum_one_shot(impl):
+    return lambda x: collectives.compressed_psum(
+        x, "tp", group_size=G, impl=impl, algorithm="one_shot"
+    )
 
 
 def _scatter(impl):
@@ -44,7 +50,7 @@ def _max_group_norm(x):
 
 
 @pytest.mark.parametrize("mode", ["shard_map", "vmap"])
-@pytest.mark.parametrize("op", [_psum, _scatter, _gather])
+@pytest.mark.parametrize("op", [_psum, _psum_one_shot, _scatter, _gather])
 def test_pallas_matches_xla(op, mode):
     x = jax.random.normal(jax.random.key(0), (TP, 16, 24), jnp.float32)  # 384 = 12 groups/rank
     got = run_tp(op("pallas_interpret"), x, tp=TP, mode=mode)

@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import MODES, run_tp
 from jax import lax
+from tp_testing import MODES, run_tp
 
 import taco_jax as tj
-from taco_jax import telemetry
+from taco_jax import codecs, telemetry
 
 U = 2.0**-4
 TP_SIZES = (2, 4, 8)
@@ -77,6 +77,30 @@ def test_psum_within_two_quantization_bound(tp, mode):
     assert err <= 1.01 * bound
     assert err >= 1e-3 * float(jnp.linalg.norm(exact))  # FP8 rounding really happened
     _assert_rank_identical(out)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("mode", MODES)
+def test_one_shot_psum_within_one_quantization_bound(tp, mode):
+    """One-shot quantizes each rank's input once and sums in fp32: ||err|| <= u sum_r ||x_r||."""
+    x = _ranks(tp, (3, 1000), seed=15 + tp)  # not a multiple of G
+    fn = lambda v: tj.compressed_psum(v, "tp", algorithm="one_shot")
+    out = run_tp(fn, x, tp=tp, mode=mode)
+    exact = jnp.sum(x, axis=0)
+    err = float(jnp.linalg.norm(out[0] - exact))
+    assert err <= 1.01 * U * _rank_norms(x)
+    assert err >= 1e-3 * float(jnp.linalg.norm(exact))  # FP8 rounding really happened
+    _assert_rank_identical(out)
+
+
+def test_auto_algorithm_is_one_shot_for_two_ranks_only():
+    cfg = tj.comm_config()
+    assert [cfg.all_reduce_algorithm(n) for n in (2, 4, 8)] == ["one_shot", "two_shot", "two_shot"]
+    x = _ranks(2, (2048,), seed=16)
+    auto = run_tp(lambda v: tj.compressed_psum(v, "tp"), x, tp=2, mode="shard_map")
+    one = run_tp(lambda v: tj.compressed_psum(v, "tp", algorithm="one_shot"), x, tp=2,
+                 mode="shard_map")  # fmt: skip
+    np.testing.assert_array_equal(auto, one)
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
@@ -200,11 +224,34 @@ def test_collectives_move_uint8():
         assert sum(sizes) == tp * 544, (op, result_type)
 
 
+def test_one_shot_moves_one_uint8_all_gather():
+    tp = 2
+    x = _ranks(tp, (4096,), seed=101)
+    mesh = jax.make_mesh((tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:tp])  # fmt: skip
+    fn = jax.shard_map(
+        lambda v: tj.compressed_psum(v[0], "tp")[None],
+        mesh=mesh,
+        in_specs=jax.P("tp"),
+        out_specs=jax.P("tp"),
+        check_vma=False,
+    )
+    hlo = jax.jit(fn).lower(x).compile().as_text()
+    found = re.findall(r"= (.*?) (all-to-all|all-gather|collective-permute|all-reduce)\(", hlo)
+    assert [op for _, op in found] == ["all-gather"], found
+    # Both ranks' whole wire: 2 x (4096 + 8 * 4096 / 128) bytes.
+    assert re.findall(r"u8\[([\d,]+)\]", found[0][0]) == ["2,4352"], found
+
+
 def test_wire_bytes_per_rank_formula():
     cfg = tj.comm_config("taco")
-    # 2 (N-1)/N (1 + 8/G) bytes per element, docs/method.md "Collectives".
+    # docs/method.md "Collectives": two-shot 2 (N-1)/N (1 + 8/G) bytes per element, one-shot
+    # (N-1) (1 + 8/G).
     n = 8 * 128 * 1000
     assert tj.wire_bytes_per_rank(n, 8, cfg) == 2 * 7 * (n // 8) * (1 + 8 / 128)
+    assert tj.wire_bytes_per_rank(n, 2, cfg) == 1 * n * (1 + 8 / 128)
+    two_shot = tj.comm_config("taco", algorithm="two_shot")
+    assert tj.wire_bytes_per_rank(n, 2, two_shot) == 2 * 1 * (n // 2) * (1 + 8 / 128)
 
 
 # ------------------------------------------------------------------------------ gradients
@@ -365,7 +412,9 @@ def test_options_are_comm_config_overrides():
     """One configuration surface: a codec (name, Codec or CommConfig) plus keyword overrides."""
     cfg = tj.comm_config("int8", slices=4, group_size=64)
     assert cfg == tj.CommConfig(tj.get_codec("int8", 64), slices=4)
-    assert tj.comm_config(cfg, impl="xla") == tj.CommConfig(tj.get_codec("int8", 64), "xla", 4)
+    assert tj.comm_config(cfg, impl="xla") == tj.CommConfig(
+        tj.get_codec("int8", 64), impl="xla", slices=4
+    )
     assert tj.comm_config(cfg, group_size=256).codec.group_size == 256
     assert tj.comm_config() == tj.CommConfig() == tj.comm_config("taco")
     comm = tj.TPComm.create(fwd="taco", bwd="none", min_compress_bytes=10)
@@ -373,6 +422,8 @@ def test_options_are_comm_config_overrides():
     assert comm.bwd.codec.is_identity
     with pytest.raises(TypeError, match="'slice'"):
         tj.comm_config("taco", slice=2)
+    with pytest.raises(ValueError, match="algorithm='three_shot'"):
+        tj.comm_config("taco", algorithm="three_shot")
 
 
 # ------------------------------------------------------------------------------ errors
@@ -485,7 +536,10 @@ def test_two_shot_matches_a_host_side_replay(tp):
     codec = tj.get_codec("fp8")
     x = _ranks(tp, (3 * 128 * tp + 50,), seed=170)  # padded: not a multiple of N x G
     out = run_tp(
-        lambda v: tj.compressed_psum(v, "tp", codec="fp8", impl="xla"), x, tp=tp, mode="shard_map"
+        lambda v: tj.compressed_psum(v, "tp", codec="fp8", impl="xla", algorithm="two_shot"),
+        x,
+        tp=tp,
+        mode="shard_map",
     )
 
     def roundtrip(v):
@@ -501,6 +555,23 @@ def test_two_shot_matches_a_host_side_replay(tp):
         fp32_level = diff <= 2 * tp * 2.0**-24 * magnitude  # x2: the re-encode's own rounding
         assert int(np.sum(~fp32_level)) <= MAX_TIES
         assert bool(np.all(diff <= 2.0**-3 * np.abs(expected) + 2 * tp * 2.0**-24 * magnitude))
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_one_shot_matches_a_host_side_replay(tp):
+    """One-shot is sum_r decode(encode(x_r)) in rank order. With `fp8` (no Hadamard) each output
+    element depends on its own inputs and its groups' scales only, so a misrouted row or a lost
+    rank moves it by whole FP8 steps; what may differ is fp32 rounding of the N-term sum (an FMA
+    may contract the decode multiply into it): <= N 2^-24 of the sum of magnitudes."""
+    codec = tj.get_codec("fp8")
+    x = _ranks(tp, (3 * 128 + 50,), seed=175)  # padded: not a multiple of G
+    fn = lambda v: tj.compressed_psum(v, "tp", codec="fp8", impl="xla", algorithm="one_shot")
+    out = run_tp(fn, x, tp=tp, mode="shard_map")
+    expected = jnp.sum(jax.vmap(lambda v: codecs.roundtrip(codec, v))(x), axis=0)
+    magnitude = np.asarray(jnp.sum(jnp.abs(x), axis=0))
+    for r in range(tp):
+        diff = np.abs(np.asarray(out[r]) - np.asarray(expected))
+        assert bool(np.all(diff <= tp * 2.0**-24 * magnitude))
 
 
 def test_tuple_axis_names_reduce_over_the_product():

@@ -1,24 +1,11 @@
-"""Shared fixtures of the training tests: a tiny in-repo corpus, so no test needs the network."""
+"""Fixtures of the training tests: a tiny in-repo corpus, so no test needs the network."""
 
 from pathlib import Path
 
 import pytest
-
-FIXTURE_CORPUS = Path(__file__).parent / "fixtures" / "tiny_corpus"
-REPO = Path(__file__).parents[2]
+from train_testing import FIXTURE_CORPUS
 
 
 @pytest.fixture
 def corpus_dir() -> Path:
     return FIXTURE_CORPUS
-
-
-def tiny_overrides(out_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
-    """`--set` overrides that point configs/tiny.toml at the fixture corpus and temp dirs."""
-    return [
-        f"data.corpus={str(FIXTURE_CORPUS)!r}",
-        f"data.cache_dir={str(cache_dir)!r}",
-        f"run.out_dir={str(out_dir)!r}",
-        "run.progress=false",
-        *extra,
-    ]

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, tiny_overrides
+from train_testing import REPO, tiny_overrides
 
 from taco_train import metrics
 

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import REPO, tiny_overrides
+from train_testing import REPO, tiny_overrides
 
 from taco_train import metrics
 from taco_train.main import main

@@ -1,0 +1,37 @@
+"""Run a per-device function on a TP group: fake CPU devices under shard_map, or vmap emulation."""
+
+import jax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+MODES = ("shard_map", "vmap")
+
+
+def tp_mesh(tp: int, axis_name: str = "tp") -> jax.sharding.Mesh:
+    if jax.device_count() < tp:
+        pytest.skip(f"needs {tp} devices, have {jax.device_count()}")
+    return jax.make_mesh(
+        (tp,), (axis_name,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:tp]
+    )
+
+
+def run_tp(per_device_fn, stacked, *, tp: int, mode: str, axis_name: str = "tp"):
+    """Runs `per_device_fn(x_r)` on every rank r, with `stacked[r]` (a pytree) as rank r's input.
+
+    Returns the per-rank outputs stacked along a new leading axis, in either mode:
+    "shard_map" on `tp` fake devices, or "vmap" with `axis_name` on one device.
+    """
+    if mode == "vmap":
+        return jax.jit(jax.vmap(per_device_fn, axis_name=axis_name))(stacked)
+    mesh = tp_mesh(tp, axis_name)
+
+    def body(block):
+        out = per_device_fn(jax.tree.map(lambda a: a[0], block))
+        return jax.tree.map(lambda a: a[None], out)
+
+    placed = jax.device_put(stacked, NamedSharding(mesh, P(axis_name)))
+    mapped = jax.shard_map(
+        body, mesh=mesh, in_specs=P(axis_name), out_specs=P(axis_name), check_vma=False
+    )
+    return jax.jit(mapped)(placed)
