@@ -184,14 +184,16 @@ def load_wire_tile(codec: Codec, ref, row, tile, n: int, cfg: BlockConfig):
         sides[section.field] = _pallas.load(
             ref.at[_row(row), _pallas.ds(start, section.width * t)],
             mask=_mask(tile * t, section.width * t, groups, section.width, masked),
-            other=_MASKED_SIDE_BYTE[section.width] if masked else None,
+            other=_masked_side_byte(section) if masked else None,
         )
     return codes, sides
 
 
-# What a masked (past the row) side byte reads as: E8M0 127 is 2^0, so those groups decode to
-# finite zeros; fp32 bytes 0 give scale 0 and alpha 0, which `unpack_wire_tile` replaces.
-_MASKED_SIDE_BYTE = {1: 127, 4: 0}
+def _masked_side_byte(section: codecs.WireSection) -> int:
+    """What a side byte past the row reads as: for an E8M0 exponent the bias (2^0), so those
+    groups decode to finite zeros; for fp32 bytes 0 (scale 0, alpha 0, which
+    `unpack_wire_tile` replaces)."""
+    return int(codecs.E8M0_BIAS) if section.width == 1 else 0
 
 
 def unpack_wire_tile(codec: Codec, raw, tile, n: int, cfg: BlockConfig, unit: float = 1.0):

@@ -39,6 +39,13 @@ PEERS_DOT = Launch(elements_per_tile=2048, num_warps=4, dot_columns=64, tiles_pe
 PEERS_NO_DOT = Launch(elements_per_tile=2048, num_warps=4, dot_columns=None, tiles_per_program=1)
 # A plain streaming pass: the fp8 / int8 codecs without a Hadamard.
 NO_DOT = Launch(elements_per_tile=8192, num_warps=8, dot_columns=None, tiles_per_program=1)
+# By (several peer rows summed into one, Hadamard dot).
+_LAUNCHES = {
+    (False, True): ENCODE_DECODE,
+    (False, False): NO_DOT,
+    (True, True): PEERS_DOT,
+    (True, False): PEERS_NO_DOT,
+}
 # A dot program loops over its tiles only once the launch has enough tiles to fill the GPU with
 # programs anyway (132 SMs x ~4 resident programs x the loop).
 MIN_TILES_FOR_LOOP = 1024
@@ -106,8 +113,7 @@ def block_config(group_size: int, num_groups: int, *, rows=1, peers=1, dot=True)
 
     dot: the kernel applies the Hadamard dot (then it loops over tiles, see module docstring).
     """
-    by_kind = {(True, True): PEERS_DOT, (True, False): PEERS_NO_DOT}
-    launch = by_kind.get((peers > 1, dot)) or (ENCODE_DECODE if dot else NO_DOT)
+    launch = _LAUNCHES[(peers > 1, dot)]
     groups = max(MIN_GROUPS_PER_TILE, launch.elements_per_tile // group_size)
     groups = max(MIN_GROUPS_PER_TILE, min(groups, _next_pow2(num_groups)))
     tiles = rows * cdiv(num_groups, groups)

@@ -69,9 +69,9 @@ def encode(
     out_init: optional buffer of the output's shape, aliased to it (checks poison it).
     config: the Triton launch (default: `block_config`).
     backend: "triton" (Pallas, Triton lowering: every codec and shape, interpret mode), "mosaic"
-      (`encode_mosaic`: Hopper, taco, bf16, G = 128, n a multiple of 16384; 1.15-1.3x faster
-      from 64 MiB), or "auto": Mosaic where `encode_mosaic.preferred` and no Triton option
-      (interpret, out_init, config) is asked for, else Triton.
+      (`encode_mosaic`: Hopper, taco, bf16, G = 128, n a multiple of 16384; the faster one from
+      64 MiB, BENCHMARKS.md), or "auto": Mosaic where `encode_mosaic.preferred` and no Triton
+      option (interpret, out_init, config) is asked for, else Triton.
     """
     codecs.check_encodable(codec, x)
     if x.ndim != 2:

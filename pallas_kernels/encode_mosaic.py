@@ -90,7 +90,7 @@ def encode(
         codec=codec,
         tiles_per_program=tiles_per_program,
         steps=launch.steps_in_flight,
-        side_rows=tuple(s.offset // ROW_BYTES for s in codecs.wire_sections(codec, n)),
+        sections=codecs.wire_sections(codec, n),
     )
     wire_rows = codec.wire_bytes(n) // ROW_BYTES
     out_shape = jax.ShapeDtypeStruct((rows, wire_rows, ROW_BYTES), jnp.uint8)
@@ -128,7 +128,7 @@ def _encode_body(
     codec,
     tiles_per_program,
     steps,
-    side_rows,
+    sections,
 ):
     """One program: `tiles_per_program` consecutive tiles of row `row`.
 
@@ -144,7 +144,7 @@ def _encode_body(
         out=(codes_smem, sides),
         wire_row=wire_gmem.at[row],
         first=first,
-        side_rows=side_rows,
+        sections=sections,
     )
     tile_block = lambda i: (first + i, 0)  # noqa: E731
     _pallas.pipeline(
@@ -157,17 +157,18 @@ def _encode_body(
     _pallas.wait_stores(0)
 
 
-def _encode_step(index, x_smem, *, codec, signs_smem, out, wire_row, first, side_rows):
+def _encode_step(index, x_smem, *, codec, signs_smem, out, wire_row, first, sections):
     (i,) = index
     v = _pallas.wgmma(x_smem, signs_smem, (_TILE, GROUP_SIZE))  # S x, fp32
     unit = codecs.hadamard_unit(GROUP_SIZE)
     mean_sq = codecs.mean_square(v, unit)
     codes, scale, prescale = codecs.encode_groups(codec, v, mean_sq, unit=unit, magic_round=True)
-    _store_tile(out, wire_row, first + i, side_rows, codes, (scale, prescale))
+    sides = {"scales": scale, "prescales": prescale}
+    _store_tile(out, wire_row, first + i, sections, codes, sides)
 
 
-def _store_tile(out, wire_row, tile, side_rows, codes, sides_values):
-    """TMA-stores one tile's codes and its fp32 scale and pre-scale into the wire row.
+def _store_tile(out, wire_row, tile, sections, codes, sides):
+    """TMA-stores one tile's codes and its side values (fp32, by `Payload` field) into the row.
 
     Two slots alternate between tiles. Each tile issues 3 bulk stores, so waiting until at most
     3 are pending frees the slot of two tiles ago.
@@ -176,13 +177,14 @@ def _store_tile(out, wire_row, tile, side_rows, codes, sides_values):
     slot = lax.rem(tile, 2)
     _pallas.wait_stores(3)
     codes_smem[slot] = codes
-    for k, value in enumerate(sides_values):
-        sides_f32[slot, k] = value
+    for k, section in enumerate(sections):
+        sides_f32[slot, k] = sides[section.field]
     _pallas.commit_smem()
     _pallas.copy_out(codes_smem.at[slot], wire_row.at[_pallas.ds(_TILE * tile, _TILE)])
-    rows_per_tile = 4 * _TILE // ROW_BYTES  # 64 fp32 values = 2 rows
-    for k, section in enumerate(side_rows):
+    for k, section in enumerate(sections):
+        rows = section.width * _TILE // ROW_BYTES  # 64 fp32 values = 2 rows
+        first_row = section.offset // ROW_BYTES + rows * tile
         _pallas.copy_out(
-            sides_u8.at[slot, _pallas.ds(rows_per_tile * k, rows_per_tile)],
-            wire_row.at[_pallas.ds(section + rows_per_tile * tile, rows_per_tile)],
+            sides_u8.at[slot, _pallas.ds(rows * k, rows)],
+            wire_row.at[_pallas.ds(first_row, rows)],
         )

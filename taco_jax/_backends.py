@@ -83,10 +83,10 @@ def _pallas_ops(interpret: bool) -> CodecOps:
 @functools.cache
 def _warn_fallback(error: str) -> None:
     warnings.warn(
-        "taco_jax: impl='auto' runs the XLA reference codec on this GPU (8-30x slower than the "
-        f"fused kernels) because pallas_kernels failed to import: {error}",
+        "taco_jax: impl='auto' runs the XLA reference codec on this GPU, far slower than the "
+        f"fused kernels (BENCHMARKS.md), because pallas_kernels failed to import: {error}",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=2,
     )
 
 

@@ -209,7 +209,8 @@ def get_codec(codec: str | Codec = DEFAULT_CODEC, group_size: int | None = None)
         return codec if group_size is None else dataclasses.replace(codec, group_size=group_size)
     if codec not in _CODECS:
         raise ValueError(f"unknown codec {codec!r}; choose one of {CODEC_NAMES}")
-    return Codec(name=codec, group_size=group_size or DEFAULT_GROUP_SIZE, **_CODECS[codec])
+    size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+    return Codec(name=codec, group_size=size, **_CODECS[codec])
 
 
 def wire_sections(codec: Codec, n: int) -> tuple[WireSection, ...]:
@@ -280,11 +281,16 @@ def postscale(amax: jax.Array, qmax: float) -> jax.Array:
     return jnp.clip(amax / qmax, SCALE_MIN, SCALE_MAX)
 
 
-def mark_nonfinite(scale: jax.Array, amax: jax.Array) -> jax.Array:
-    """NaN where the group's absmax is NaN or Inf: the clamps would otherwise turn an Inf absmax
-    into a finite scale and hide the divergence. (amax >= 0 or NaN, so `amax < inf` is
-    isfinite(amax), in ops that Mosaic GPU lowers too.)"""
-    return jnp.where(amax < jnp.inf, scale, jnp.nan)
+def mark_nonfinite(scale: jax.Array, groups: jax.Array) -> jax.Array:
+    """`scale` [T], NaN where the group of `groups` [T, G] holds a NaN or an Inf.
+
+    Without it the clamps would turn an Inf absmax into a finite scale and hide the divergence.
+    The test is a sum of `groups * 0`, which is NaN exactly when the group holds a NaN or an Inf,
+    rather than the absmax: XLA on the CPU has been seen to drop a NaN from a large max
+    reduction (and to return -inf for an all-NaN row).
+    """
+    poisoned = jnp.sum(groups * 0.0, axis=-1)
+    return jnp.where(poisoned == 0.0, scale, jnp.nan)
 
 
 def e8m0_exponent(scale: jax.Array) -> jax.Array:
@@ -341,18 +347,18 @@ def encode_groups(codec: Codec, v, mean_sq, *, unit: float, magic_round: bool = 
     """
     alpha = ash_prescale(mean_sq) if codec.prescale else None
     to_y = alpha * np.float32(unit) if codec.prescale else unit  # y = v * to_y
-    amax = jnp.max(jnp.abs(v), axis=-1) * to_y  # NaN propagates; Inf stays Inf
+    amax = jnp.max(jnp.abs(v), axis=-1) * to_y  # non-finite groups: see mark_nonfinite
     if not codec.postscale:  # w/o DS: a NaN pre-scale marks a non-finite group
         codes = quantize(codec, scale_rows(v, to_y), magic_round=magic_round)
-        return codes, None, mark_nonfinite(alpha, amax)
+        return codes, None, mark_nonfinite(alpha, v)
     s = postscale(amax, codec.qmax)
     if codec.scale_format == "e8m0":
         combined = s / alpha if codec.prescale else s
-        exponent = e8m0_exponent(mark_nonfinite(combined, amax))
+        exponent = e8m0_exponent(mark_nonfinite(combined, v))
         # y / (2^e alpha) = v * unit / 2^e: alpha cancels.
         factor = unit / e8m0_value(exponent)
         return quantize(codec, scale_rows(v, factor), magic_round=magic_round), exponent, None
-    s = mark_nonfinite(s, amax)
+    s = mark_nonfinite(s, v)
     return quantize(codec, scale_rows(v, to_y / s), magic_round=magic_round), s, alpha
 
 

@@ -81,7 +81,9 @@ class CommConfig:
 
 CodecLike = str | Codec | CommConfig
 # Keyword overrides the collectives accept: the CommConfig fields, and the codec's group size.
-OPTION_NAMES = ("group_size",) + tuple(f.name for f in dataclasses.fields(CommConfig))[1:]
+OPTION_NAMES = ("group_size",) + tuple(
+    f.name for f in dataclasses.fields(CommConfig) if f.name != "codec"
+)
 
 
 def comm_config(codec: CodecLike = codecs.DEFAULT_CODEC, **overrides) -> CommConfig:

@@ -267,6 +267,23 @@ class KernelTest:
                         interpret=self.INTERPRET)  # fmt: skip
         assert bool(jnp.all(jnp.isnan(out[0, :32]))) and bool(jnp.all(jnp.isfinite(out[0, 32:])))
 
+    @pytest.mark.parametrize("name", ["taco", "fp8", "int8_hadamard", "taco_e8m0"])
+    def test_lone_nonfinite_values_mark_their_groups(self, name):
+        """One NaN or Inf among 2 x 40 groups: its group decodes to NaN, all others stay finite,
+        through encode + decode and through decode-sum."""
+        codec = codecs.get_codec(name, 32)
+        n = 32 * 40
+        x = _x(jax.random.key(6), (2, n), jnp.float32).at[0, 100].set(jnp.nan)
+        x = x.at[1, n - 1].set(-jnp.inf)
+        wire = pk.encode(codec, x, interpret=self.INTERPRET)
+        out = pk.decode(codec, wire, n, interpret=self.INTERPRET).reshape(2, 40, 32)
+        expected = np.zeros((2, 40), bool)
+        expected[0, 100 // 32] = expected[1, 39] = True
+        np.testing.assert_array_equal(np.isnan(out).all(-1), expected)
+        assert bool(np.isfinite(out)[~expected].all())
+        total = pk.decode_sum(codec, wire, n, interpret=self.INTERPRET).reshape(40, 32)
+        np.testing.assert_array_equal(np.isnan(total).all(-1), expected.any(0))
+
     def test_bad_wire_shape_names_the_values(self):
         codec = codecs.get_codec("taco", 32)
         with pytest.raises(ValueError, match="wire shape"):
