@@ -1,8 +1,9 @@
 """compressed_psum / psum_scatter / all_gather against the lax (NCCL) collectives, timed in one run.
 
 For every TP size the machine has (2, 4, 8) and message sizes 64 KiB .. 1 GiB of bf16, times
-`lax.psum` (the baseline) and `compressed_psum` with each codec and `slices` in the same run,
-and checks every output (relative error vs the exact fp32 psum, rank-identical results).
+`lax.psum` (the baseline) and `compressed_psum` with each codec, all-reduce algorithm
+(`--algorithms`; the row names what "auto" chose) and `slices` in the same run, and checks
+every output (relative error vs the exact fp32 psum, rank-identical results).
 Each timed call runs `--inner` collectives back to back inside one jitted loop (a data
 dependency between them, so none is elided); the figure is the median over `--reps` calls
 after warm-up, divided by `--inner`. Reports algorithm bandwidth (message bytes / time), bus
@@ -50,11 +51,11 @@ def _looped(op, inner: int, tp: int):
     return body
 
 
-def _ops(codec: str, slices: int):
+def _ops(codec: str, slices: int, algorithm: str):
     def psum(v):
         if codec == "lax":
             return lax.psum(v, "tp")
-        return tj.compressed_psum(v, "tp", codec=codec, slices=slices)
+        return tj.compressed_psum(v, "tp", codec=codec, slices=slices, algorithm=algorithm)
 
     def psum_scatter_then_gather(v):  # keeps the shape, so it can loop
         if codec == "lax":
@@ -66,11 +67,11 @@ def _ops(codec: str, slices: int):
     return {"all_reduce": psum, "reduce_scatter+all_gather": psum_scatter_then_gather}
 
 
-def _check(tp: int, codec: str, x_global: jax.Array, mesh) -> dict:
+def _check(tp: int, codec: str, algorithm: str, x_global: jax.Array, mesh) -> dict:
     """One compressed_psum against the exact fp32 sum; rank-identical output."""
     fn = jax.jit(
         jax.shard_map(
-            lambda v: tj.compressed_psum(v, "tp", codec=codec),
+            lambda v: tj.compressed_psum(v, "tp", codec=codec, algorithm=algorithm),
             mesh=mesh,
             in_specs=P("tp"),
             out_specs=P("tp"),
@@ -97,36 +98,45 @@ def run(args) -> dict:
             x = jax.device_put(
                 jax.random.normal(key, (tp * elements,), jnp.bfloat16), NamedSharding(mesh, P("tp"))
             )
-            for codec in ["lax", *args.codecs]:
-                for slices in [1] if codec == "lax" else args.slices:
-                    check = _check(tp, codec, x, mesh) if codec != "lax" else {}
-                    for name, op in _ops(codec, slices).items():
-                        fn = jax.jit(
-                            jax.shard_map(
-                                _looped(op, args.inner, tp),
-                                mesh=mesh,
-                                in_specs=P("tp"),
-                                out_specs=P("tp"),
-                                check_vma=False,
-                            )
+            variants = [("lax", 1, "auto")] + [
+                (codec, slices, algorithm)
+                for codec in args.codecs
+                for slices in args.slices
+                for algorithm in args.algorithms
+            ]
+            for codec, slices, algorithm in variants:
+                chosen = tj.comm_config(algorithm=algorithm).all_reduce_algorithm(tp)
+                check = _check(tp, codec, algorithm, x, mesh) if codec != "lax" else {}
+                for name, op in _ops(codec, slices, algorithm).items():
+                    if codec != "lax" and name != "all_reduce" and algorithm != args.algorithms[0]:
+                        continue  # the algorithm is the all-reduce's; time the pair once
+                    fn = jax.jit(
+                        jax.shard_map(
+                            _looped(op, args.inner, tp),
+                            mesh=mesh,
+                            in_specs=P("tp"),
+                            out_specs=P("tp"),
+                            check_vma=False,
                         )
-                        seconds = median_seconds(fn, x, reps=args.reps) / args.inner
-                        # Both ops move every byte twice: (N-1)/N in each of two phases.
-                        bus_factor = 2 * (tp - 1) / tp
-                        rows.append(
-                            dict(
-                                tp=tp,
-                                bytes=size,
-                                op=name,
-                                codec=codec,
-                                slices=slices,
-                                seconds=seconds,
-                                algbw_gbs=size / seconds / 1e9,
-                                busbw_gbs=size * bus_factor / seconds / 1e9,
-                                **check,
-                            )
+                    )
+                    seconds = median_seconds(fn, x, reps=args.reps) / args.inner
+                    # Both ops move every byte twice: (N-1)/N in each of two phases.
+                    bus_factor = 2 * (tp - 1) / tp
+                    rows.append(
+                        dict(
+                            tp=tp,
+                            bytes=size,
+                            op=name,
+                            codec=codec,
+                            algorithm="-" if codec == "lax" or name != "all_reduce" else chosen,
+                            slices=slices,
+                            seconds=seconds,
+                            algbw_gbs=size / seconds / 1e9,
+                            busbw_gbs=size * bus_factor / seconds / 1e9,
+                            **check,
                         )
-                        print(_format(rows[-1]), flush=True)
+                    )
+                    print(_format(rows[-1]), flush=True)
     for row in rows:
         base = next(
             r
@@ -144,6 +154,7 @@ def _format(row: dict) -> str:
     extra = f" err={row['rel_err']:.4f} same={row['rank_identical']}" if "rel_err" in row else ""
     return (
         f"tp={row['tp']} {row['bytes'] / MiB:8.2f} MiB {row['op']:26s} {row['codec']:10s} "
+        f"{row['algorithm']:8s} "
         f"D={row['slices']:2d} {row['seconds'] * 1e6:9.1f} us "
         f"bus {row['busbw_gbs']:7.1f} GB/s{extra}"
     )
@@ -156,6 +167,9 @@ def main() -> None:
     )
     parser.add_argument("--codecs", nargs="+", default=["taco", "taco_e8m0", "int8_hadamard"])
     parser.add_argument("--slices", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument(
+        "--algorithms", nargs="+", default=["auto"], choices=tj.collectives.ALGORITHMS
+    )
     parser.add_argument("--inner", type=int, default=10)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CPU")

@@ -57,6 +57,7 @@ class Case:
     codec: str = "none"
     impl: str = "auto"
     overrides: tuple = ()
+    algorithm: str = "auto"  # of the all-reduces (taco_jax.CommConfig.algorithm)
 
     def model(self) -> ModelConfig:
         return ModelConfig.preset(self.preset, **dict(self.overrides))
@@ -91,6 +92,18 @@ def default_cases(args) -> list[Case]:
             Case(f"{label} none", "gpt_1p3b", args.batch_1p3b, real, "none"),
             Case(f"{label} taco", "gpt_1p3b", args.batch_1p3b, real, "taco", args.impl),
         ]
+        if n_devices == 2:  # where "auto" is one-shot: time the two-shot scheme beside it
+            cases.append(
+                Case(
+                    f"{label} taco two_shot",
+                    "gpt_1p3b",
+                    args.batch_1p3b,
+                    real,
+                    "taco",
+                    args.impl,
+                    algorithm="two_shot",
+                )
+            )
     if args.impl == "auto" and jax.default_backend() == "gpu":
         # The XLA (pure jnp) codec next to the Pallas kernels that "auto" picks on a GPU.
         cases.append(
@@ -108,7 +121,7 @@ def peak_flops() -> float | None:
 
 def run_case(case: Case, steps: int, warmup: int) -> dict:
     cfg = case.model()
-    comm = taco_jax.TPComm.create("tp", fwd=case.codec, impl=case.impl)
+    comm = taco_jax.TPComm.create("tp", fwd=case.codec, impl=case.impl, algorithm=case.algorithm)
     built = make_steps(cfg, case.parallel, comm, optax.adamw(1e-4, weight_decay=0.1))
     state = built.init(jax.random.key(0))
     rng = np.random.default_rng(0)
@@ -138,6 +151,7 @@ def run_case(case: Case, steps: int, warmup: int) -> dict:
         "model": dataclasses.asdict(cfg),
         "parallel": dataclasses.asdict(case.parallel),
         "codec": case.codec,
+        "algorithm": case.algorithm,
         "impl": case.impl,
         "batch": case.batch,
         "tokens_per_step": tokens_per_step,
