@@ -92,16 +92,16 @@ def default_cases(args) -> list[Case]:
             Case(f"{label} none", "gpt_1p3b", args.batch_1p3b, real, "none"),
             Case(f"{label} taco", "gpt_1p3b", args.batch_1p3b, real, "taco", args.impl),
         ]
-        if n_devices == 2:  # where "auto" is one-shot: time the two-shot scheme beside it
+        if n_devices == 2:  # where one-shot sends the bytes of two-shot: time it beside "auto"
             cases.append(
                 Case(
-                    f"{label} taco two_shot",
+                    f"{label} taco one_shot",
                     "gpt_1p3b",
                     args.batch_1p3b,
                     real,
                     "taco",
                     args.impl,
-                    algorithm="two_shot",
+                    algorithm="one_shot",
                 )
             )
     if args.impl == "auto" and jax.default_backend() == "gpu":

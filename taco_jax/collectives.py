@@ -5,10 +5,10 @@ Each runs inside `jax.shard_map` (one program per device) or inside
 and `lax.scan`. All of them move uint8 wire buffers (codes + scale bytes) and sum in fp32.
 
 The all-reduce is TACO's two-shot scheme (docs/method.md, "Collectives"): split into N chunks,
-encode, all-to-all, decode + fp32 sum + re-encode, all-gather, decode; or, for two ranks, where
-it moves the same bytes, the one-shot scheme: encode the whole message, all-gather the codes,
-decode and sum all N copies. Every rank decodes the same bytes in the same order, so the output
-is bit-identical on every rank, the reducing rank included.
+encode, all-to-all, decode + fp32 sum + re-encode, all-gather, decode; or, on request, the
+one-shot scheme: encode the whole message, all-gather the codes, decode and sum all N copies.
+Every rank decodes the same bytes in the same order, so the output is bit-identical on every
+rank, the reducing rank included.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ MAX_SLICES = 16
 # encodes its whole message once, all-gathers the codes and sums all N decoded copies (one
 # collective, one quantization; each rank sends (N - 1) x the wire). "two_shot": reduce-scatter
 # of codes, re-encode of the sum, all-gather (two quantizations; each rank sends 2 (N - 1) / N x
-# the wire). "auto": one-shot where it sends no more bytes than two-shot (N = 2), else two-shot.
+# the wire). "auto": two-shot. At N = 2, where both send the same bytes, one-shot measured
+# 1.3-1.4x faster than two-shot over sockets, as fast over host shared memory and 10-15% slower
+# over NVLink (BENCHMARKS.md), so it is an option until a policy can tell the links apart.
 ALGORITHMS = ("auto", "one_shot", "two_shot")
 
 
@@ -74,9 +76,8 @@ class CommConfig:
 
     def all_reduce_algorithm(self, n_ranks: int) -> str:
         """The all-reduce algorithm for a group of `n_ranks` ("auto" resolved)."""
-        if self.algorithm != "auto":
-            return self.algorithm
-        return "one_shot" if n_ranks == 2 else "two_shot"
+        del n_ranks  # the policy does not depend on it yet (see ALGORITHMS)
+        return "two_shot" if self.algorithm == "auto" else self.algorithm
 
 
 CodecLike = str | Codec | CommConfig
@@ -353,7 +354,7 @@ def compressed_psum(
     Sharding: `x[...]{U_axis} -> x[...]` (unreduced partial sums in, the replicated sum out,
     bit-identical on every rank). Two-shot quantizes each element twice (docs/method.md,
     "Collectives"), so its error is about sqrt(2) times one codec round trip of the sum's scale;
-    one-shot (`algorithm`, the default at N = 2) quantizes each rank's input once.
+    one-shot (`algorithm="one_shot"`) quantizes each rank's input once.
 
     Backward: `lax.psum`'s own, so gradients taken inside or outside `shard_map` match it: the
     identity under `shard_map(check_vma=True)` (the output is typed replicated), a compressed

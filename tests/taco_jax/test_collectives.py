@@ -93,14 +93,14 @@ def test_one_shot_psum_within_one_quantization_bound(tp, mode):
     _assert_rank_identical(out)
 
 
-def test_auto_algorithm_is_one_shot_for_two_ranks_only():
+def test_auto_algorithm_is_two_shot():
     cfg = tj.comm_config()
-    assert [cfg.all_reduce_algorithm(n) for n in (2, 4, 8)] == ["one_shot", "two_shot", "two_shot"]
+    assert [cfg.all_reduce_algorithm(n) for n in (2, 4, 8)] == ["two_shot"] * 3
     x = _ranks(2, (2048,), seed=16)
     auto = run_tp(lambda v: tj.compressed_psum(v, "tp"), x, tp=2, mode="shard_map")
-    one = run_tp(lambda v: tj.compressed_psum(v, "tp", algorithm="one_shot"), x, tp=2,
+    two = run_tp(lambda v: tj.compressed_psum(v, "tp", algorithm="two_shot"), x, tp=2,
                  mode="shard_map")  # fmt: skip
-    np.testing.assert_array_equal(auto, one)
+    np.testing.assert_array_equal(auto, two)
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
@@ -230,7 +230,7 @@ def test_one_shot_moves_one_uint8_all_gather():
     mesh = jax.make_mesh((tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices()[:tp])  # fmt: skip
     fn = jax.shard_map(
-        lambda v: tj.compressed_psum(v[0], "tp")[None],
+        lambda v: tj.compressed_psum(v[0], "tp", algorithm="one_shot")[None],
         mesh=mesh,
         in_specs=jax.P("tp"),
         out_specs=jax.P("tp"),
@@ -249,9 +249,9 @@ def test_wire_bytes_per_rank_formula():
     # (N-1) (1 + 8/G).
     n = 8 * 128 * 1000
     assert tj.wire_bytes_per_rank(n, 8, cfg) == 2 * 7 * (n // 8) * (1 + 8 / 128)
-    assert tj.wire_bytes_per_rank(n, 2, cfg) == 1 * n * (1 + 8 / 128)
-    two_shot = tj.comm_config("taco", algorithm="two_shot")
-    assert tj.wire_bytes_per_rank(n, 2, two_shot) == 2 * 1 * (n // 2) * (1 + 8 / 128)
+    one_shot = tj.comm_config("taco", algorithm="one_shot")
+    assert tj.wire_bytes_per_rank(n, 2, one_shot) == 1 * n * (1 + 8 / 128)
+    assert tj.wire_bytes_per_rank(n, 2, cfg) == 2 * 1 * (n // 2) * (1 + 8 / 128)
 
 
 # ------------------------------------------------------------------------------ gradients
