@@ -385,36 +385,27 @@ def compressed_psum(
     return _psum(x, axis_name, cfg, name, bwd_cfg)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
-def _psum_scatter(x, axis_name, dim, tiled, cfg, bwd_cfg, tag):
-    return _reduce_scatter(x, axis_name, dim, tiled, cfg, tag)
+def _transposed_pair(forward, backward):
+    """A custom_vjp op `(x, axis_name, dim, tiled, cfg, bwd_cfg, tag)` running `forward` with
+    `cfg`, whose backward is `backward` of the cotangent with `bwd_cfg`: reduce-scatter and
+    all-gather are each other's transpose along the same dimension."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
+    def op(x, axis_name, dim, tiled, cfg, bwd_cfg, tag):
+        return forward(x, axis_name, dim, tiled, cfg, tag)
+
+    def op_fwd(x, axis_name, dim, tiled, cfg, bwd_cfg, tag):
+        return forward(x, axis_name, dim, tiled, cfg, tag), None
+
+    def op_bwd(axis_name, dim, tiled, cfg, bwd_cfg, tag, _, ct):
+        return (backward(ct, axis_name, dim, tiled, bwd_cfg, f"{tag}_bwd"),)
+
+    op.defvjp(op_fwd, op_bwd)
+    return op
 
 
-def _psum_scatter_fwd(x, axis_name, dim, tiled, cfg, bwd_cfg, tag):
-    return _reduce_scatter(x, axis_name, dim, tiled, cfg, tag), None
-
-
-def _psum_scatter_bwd(axis_name, dim, tiled, cfg, bwd_cfg, tag, _, ct):
-    return (_all_gather(ct, axis_name, dim, tiled, bwd_cfg, f"{tag}_bwd"),)
-
-
-_psum_scatter.defvjp(_psum_scatter_fwd, _psum_scatter_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
-def _all_gather_op(x, axis_name, axis, tiled, cfg, bwd_cfg, tag):
-    return _all_gather(x, axis_name, axis, tiled, cfg, tag)
-
-
-def _all_gather_fwd(x, axis_name, axis, tiled, cfg, bwd_cfg, tag):
-    return _all_gather(x, axis_name, axis, tiled, cfg, tag), None
-
-
-def _all_gather_bwd(axis_name, axis, tiled, cfg, bwd_cfg, tag, _, ct):
-    return (_reduce_scatter(ct, axis_name, axis, tiled, bwd_cfg, f"{tag}_bwd"),)
-
-
-_all_gather_op.defvjp(_all_gather_fwd, _all_gather_bwd)
+_psum_scatter = _transposed_pair(_reduce_scatter, _all_gather)
+_all_gather_op = _transposed_pair(_all_gather, _reduce_scatter)
 
 
 def _normalize_dim(dim: int, ndim: int, name: str) -> int:
