@@ -255,12 +255,22 @@ def check_tokens(model: ModelConfig, parallel: ParallelConfig, tokens: jax.Array
         raise ValueError(f"sequence parallelism needs T={t} to be a multiple of tp={parallel.tp}")
 
 
+def check_devices(parallel: ParallelConfig) -> None:
+    """Raises ValueError, with the ways out, when fewer devices are visible than `parallel` uses."""
+    n, visible = parallel.num_devices, jax.device_count()
+    if n > visible:
+        raise ValueError(
+            f"parallel.dp={parallel.dp} x tp={parallel.tp} (mode={parallel.mode}) needs {n} "
+            f"devices, {visible} visible; on a CPU, set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting, or emulate TP "
+            "on one device with parallel.mode=vmap"
+        )
+
+
 def make_mesh(parallel: ParallelConfig, tp_axis: str = "tp") -> jax.sharding.Mesh:
     """("dp", tp_axis) over dp x tp devices (shard_map), or ("dp",) over dp devices (vmap)."""
-    n = parallel.num_devices
-    if n > jax.device_count():
-        raise ValueError(f"{parallel} needs {n} devices, {jax.device_count()} are visible")
-    devices = jax.devices()[:n]
+    check_devices(parallel)
+    devices = jax.devices()[: parallel.num_devices]
     if parallel.mode == "vmap":
         return jax.make_mesh(
             (parallel.dp,), (DP_AXIS,), (jax.sharding.AxisType.Auto,), devices=devices

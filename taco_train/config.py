@@ -22,13 +22,17 @@ from typing import Any, Literal
 
 import taco_jax
 from models.config import ModelConfig
-from models.parallel import ParallelConfig
+from models.parallel import ParallelConfig, check_config
 from taco_jax import codecs
+
+
+class ConfigError(ValueError):
+    """A configuration or usage error: `python -m taco_train` prints it as one line, exit 2."""
 
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise ConfigError(message)
 
 
 DEFAULT_PRESET = "gpt_small_cpu"
@@ -64,7 +68,7 @@ class CompressionConfig:
         for name in ("fwd", "bwd"):
             codec = getattr(self, name)
             if codec is not None and codec not in taco_jax.CODEC_NAMES:
-                raise ValueError(
+                raise ConfigError(
                     f"compression.{name}={codec!r} is not one of {taco_jax.CODEC_NAMES}"
                 )
         self.make_comm()  # Validates group_size, impl, slices and min_compress_bytes in the core.
@@ -201,6 +205,10 @@ class TrainConfig:
             f"model.vocab_size={m.vocab_size} must be in [257, 65535] for the bpe tokenizer "
             "(256 byte symbols + end-of-text; token ids are stored as uint16)",
         )
+        try:  # before any data is prepared: the model must split parallel.tp ways
+            check_config(m, p)
+        except ValueError as error:
+            raise ConfigError(str(error)) from error
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -229,9 +237,9 @@ def apply_override(tree: dict[str, dict[str, Any]], override: str) -> None:
     key, sep, value = override.partition("=")
     section, dot, name = key.strip().partition(".")
     if not sep or not dot or not name:
-        raise ValueError(f"override {override!r} is not of the form section.key=value")
+        raise ConfigError(f"override {override!r} is not of the form section.key=value")
     if section not in SECTIONS:
-        raise ValueError(f"override {override!r}: unknown section {section!r}; one of {SECTIONS}")
+        raise ConfigError(f"override {override!r}: unknown section {section!r}; one of {SECTIONS}")
     tree.setdefault(section, {})[name] = parse_value(value.strip())
 
 
@@ -256,7 +264,7 @@ def _coerce(section: str, name: str, value: Any, hint: Any) -> Any:
     checkable = all(t in _SCALARS or typing.get_origin(t) is Literal for t in allowed)
     if not checkable:
         return value
-    raise ValueError(f"{section}.{name}={value!r} does not match the field type {hint}")
+    raise ConfigError(f"{section}.{name}={value!r} does not match the field type {hint}")
 
 
 _SCALARS = (int, float, str, bool, type(None))
@@ -274,21 +282,24 @@ def _build_section(section: str, values: dict[str, Any]) -> Any:
     for name in values:
         if name not in fields:
             valid = sorted(fields) + (["preset"] if section == "model" else [])
-            raise ValueError(f"unknown key {section}.{name}; valid keys: {valid}")
+            raise ConfigError(f"unknown key {section}.{name}; valid keys: {valid}")
     hints = typing.get_type_hints(cls)
     typed = {k: _coerce(section, k, v, hints.get(k, Any)) for k, v in values.items()}
-    if section == "model":
-        return cls.preset(preset, **typed)
-    return cls(**typed)
+    try:
+        return cls.preset(preset, **typed) if section == "model" else cls(**typed)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as error:  # the models' and the library's own checks
+        raise ConfigError(f"{section}: {error}") from error
 
 
 def build_config(tree: dict[str, dict[str, Any]]) -> TrainConfig:
     """Builds a `TrainConfig` from a nested {section: {key: value}} dict of overrides."""
     for section, values in tree.items():
         if section not in SECTIONS:
-            raise ValueError(f"unknown config section {section!r}; valid sections: {SECTIONS}")
+            raise ConfigError(f"unknown config section {section!r}; valid sections: {SECTIONS}")
         if not isinstance(values, dict):
-            raise ValueError(f"config section {section!r} must be a table, got {values!r}")
+            raise ConfigError(f"config section {section!r} must be a table, got {values!r}")
     tree = {**tree, "model": {"preset": DEFAULT_PRESET, **tree.get("model", {})}}
     sections = {s: _build_section(s, tree[s]) for s in SECTIONS if s in tree}
     return TrainConfig(**sections)
@@ -298,8 +309,13 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     """Reads a TOML file of overrides (or none), applies `section.key=value` overrides, builds."""
     tree: dict[str, dict[str, Any]] = {}
     if path is not None:
-        with open(path, "rb") as f:
-            tree = tomllib.load(f)
+        try:
+            with open(path, "rb") as f:
+                tree = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"config file {str(path)!r}: {error}") from None
     for override in overrides:
         apply_override(tree, override)
     return build_config(tree)

@@ -6,6 +6,7 @@ Parses the configuration and calls `taco_train.trainer.train_and_evaluate`; see 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 DEFAULT_CONFIG = "configs/default.toml"
@@ -31,12 +32,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """Configuration and usage errors print one line and exit with status 2 (as argparse does);
+    anything else keeps its traceback."""
+    from taco_train.config import ConfigError
+
+    args = parse_args(argv)
+    try:
+        _run(args)
+    except ConfigError as error:
+        print(f"taco-train: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _run(args: argparse.Namespace) -> None:
     import json
     import os
 
     from taco_train.config import load_config
 
-    args = parse_args(argv)
     path = args.config or (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
     cfg = load_config(path, args.overrides)
     if args.print_config:

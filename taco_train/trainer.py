@@ -18,11 +18,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from models.parallel import weight_decay_mask
+from models.parallel import check_devices, weight_decay_mask
 from taco_jax import telemetry
 from taco_train import data, metrics, optim
 from taco_train.checkpointing import Checkpointer, abstract_state
-from taco_train.config import TrainConfig
+from taco_train.config import ConfigError, TrainConfig
 from taco_train.steps import make_steps
 
 
@@ -109,6 +109,10 @@ def _write_config(cfg: TrainConfig, out: Path) -> None:
 def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
     """Runs `cfg.run.steps` optimizer steps (resuming if possible); returns the last records."""
     maybe_initialize_distributed(cfg.run.distributed)
+    try:  # before the dataset is prepared
+        check_devices(cfg.parallel)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
     run = _Run(cfg)
     lead = jax.process_index() == 0
     if lead:

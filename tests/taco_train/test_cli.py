@@ -1,0 +1,51 @@
+"""Configuration and usage mistakes: one line on stderr, exit status 2, nothing prepared."""
+
+import pytest
+from train_testing import REPO
+
+from taco_train.main import main
+
+TINY = str(REPO / "configs" / "tiny.toml")
+NOWHERE = "data.corpus='/nonexistent/corpus'"  # reached only if a check came too late
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--set", "model.d_modl=3"], "unknown key model.d_modl"),
+        (["--set", "optimizer.lr=abc"], "optimizer.lr='abc' does not match"),
+        (["--set", "compression.fwd=zstd"], "compression.fwd='zstd' is not one of"),
+        (["--set", "compression.impl=cuda"], "compression: unknown impl='cuda'"),
+        (["--set", "parallel.tp=3"], "model.n_kv_heads=8 is not a multiple of parallel.tp=3"),
+        (
+            [
+                "--set",
+                "parallel.mode=shard_map",
+                "--set",
+                "parallel.tp=4",
+                "--set",
+                "parallel.dp=4",
+            ],
+            "needs 16 devices, 8 visible; on a CPU, set "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=16",
+        ),
+        (["--set", "nosection"], "is not of the form section.key=value"),
+    ],
+)
+def test_config_errors_are_one_line(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", TINY, "--set", NOWHERE, *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("taco-train: error: "), err
+    assert message in err
+
+
+def test_missing_config_file_is_one_line(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", str(tmp_path / "nope.toml")])
+    assert exit_info.value.code == 2
+    assert (
+        capsys.readouterr().err
+        == f"taco-train: error: config file {str(tmp_path / 'nope.toml')!r} does not exist\n"
+    )
