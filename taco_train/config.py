@@ -145,6 +145,10 @@ class RunConfig:
     peak_tflops: per-device peak used for MFU; None means look the device up (known GPUs only).
     distributed: "auto" calls `jax.distributed.initialize` when `JAX_COORDINATOR_ADDRESS` is set,
       "on" always (cluster auto-detection), "off" never.
+    tensorboard: also write the metrics as TensorBoard scalars to `out_dir/tensorboard`.
+    profile_steps: trace this many train steps with `jax.profiler` into `out_dir/profile`
+      (TensorBoard's profile plugin or Perfetto open it), starting at step `profile_start`
+      (after compilation); 0 traces nothing.
     """
 
     steps: int = 1000
@@ -160,6 +164,9 @@ class RunConfig:
     peak_tflops: float | None = None
     distributed: Literal["auto", "on", "off"] = "auto"
     progress: bool = True
+    tensorboard: bool = True
+    profile_steps: int = 0
+    profile_start: int = 5
 
     def __post_init__(self):
         for name in ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every"):
@@ -179,6 +186,8 @@ class RunConfig:
             self.peak_tflops is None or self.peak_tflops > 0,
             f"run.peak_tflops={self.peak_tflops} must be > 0",
         )
+        _check(self.profile_steps >= 0, f"run.profile_steps={self.profile_steps} must be >= 0")
+        _check(self.profile_start >= 1, f"run.profile_start={self.profile_start} must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)

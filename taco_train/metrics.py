@@ -1,4 +1,5 @@
-"""Run outputs: metrics as JSONL, a PNG of train / validation loss, throughput and MFU."""
+"""Run outputs: metrics as JSONL and TensorBoard scalars, a PNG of train / validation loss,
+throughput and MFU."""
 
 from __future__ import annotations
 
@@ -28,26 +29,58 @@ def mfu(tokens_per_s: float, flops_per_token: float, n_devices: int, peak: float
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to `path`.
+    """Appends one JSON object per line to `path`, and (with `tensorboard_dir`) every numeric
+    field as a TensorBoard scalar `<kind>/<field>` (telemetry fields keep their own tag).
 
     On resume from `start_step`, records of later steps (written after the checkpoint the run
-    resumes from) are dropped, so the file reads like one uninterrupted run.
+    resumes from) are dropped, so the file reads like one uninterrupted run; TensorBoard is told
+    the same (`purge_step`), so it hides the events of those steps.
     """
 
-    def __init__(self, path: Path, start_step: int, enabled: bool = True):
+    def __init__(
+        self,
+        path: Path,
+        start_step: int,
+        enabled: bool = True,
+        tensorboard_dir: Path | None = None,
+    ):
         self.path = path
         self.enabled = enabled
+        self._board = None
         if not enabled:
             return
         kept = [r for r in read_jsonl(path) if r.get("step", 0) <= start_step]
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
+        if tensorboard_dir is not None:
+            from tensorboardX import SummaryWriter
+
+            self._board = SummaryWriter(str(tensorboard_dir), purge_step=start_step + 1)
 
     def write(self, record: dict[str, Any]) -> None:
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")  # NaN / Infinity stay visible.
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")  # NaN / Infinity stay visible.
+        if self._board is not None:
+            for tag, value in scalars(record).items():
+                self._board.add_scalar(tag, value, record["step"])
+            self._board.flush()
+
+    def close(self) -> None:
+        if self._board is not None:
+            self._board.close()
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The TensorBoard scalars of one record: `train/loss`, `eval/val_loss`, `telemetry/...`."""
+    out = {}
+    for key, value in record.items():
+        if key in ("kind", "step") or isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        out[key if "/" in key else f"{record['kind']}/{key}"] = float(value)
+    return out
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

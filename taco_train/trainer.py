@@ -119,7 +119,8 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
         _write_config(cfg, run.out)
     ckpt = Checkpointer(run.out / "checkpoints", cfg.run.keep_checkpoints)
     state, start = _init_or_restore(run, ckpt)
-    writer = metrics.MetricsWriter(run.out / "metrics.jsonl", start, enabled=lead)
+    board = run.out / "tensorboard" if cfg.run.tensorboard else None
+    writer = metrics.MetricsWriter(run.out / "metrics.jsonl", start, lead, board)
     params = cfg.model.num_params()
     _say(
         f"model {params / 1e6:.2f}M params | tp={cfg.parallel.tp} ({cfg.parallel.mode}) "
@@ -131,6 +132,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
         return _loop(run, state, start, ckpt, writer)
     finally:  # Also after a non-finite loss: the plot shows where it went wrong.
         ckpt.close()
+        writer.close()
         if lead:
             records = metrics.read_jsonl(run.out / "metrics.jsonl")
             metrics.plot_losses(records, run.out / "loss.png", str(run.out))
@@ -139,13 +141,24 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
 def _loop(run: _Run, state, start: int, ckpt: Checkpointer, writer) -> dict[str, Any]:
     cfg = run.cfg.run
     bar = _progress_bar(start, cfg.steps, enabled=cfg.progress and jax.process_index() == 0)
+    end = cfg.steps if cfg.stop_at is None else cfg.stop_at
+    profiler = _StepProfiler(cfg.profile_start, cfg.profile_steps, run.out / "profile")
+    try:
+        return _steps(run, state, start, end, ckpt, writer, bar, profiler)
+    finally:
+        profiler.close()
+
+
+def _steps(run: _Run, state, start, end, ckpt, writer, bar, profiler) -> dict[str, Any]:
+    cfg = run.cfg.run
     last: dict[str, Any] = {}
     t_mark, steps_since = None, 0
-    end = cfg.steps if cfg.stop_at is None else cfg.stop_at
     for step in range(start, end):
         batch = run.global_batch(run.train_batches.train(step))
+        profiler.before(step + 1)
         state, out = run.steps.train_step(state, batch)
         done = step + 1
+        profiler.after(done, out)
         if t_mark is None:  # The first step compiles; time from its end.
             jax.block_until_ready(out)
             t_mark, steps_since = time.perf_counter(), 0
@@ -171,6 +184,32 @@ def _loop(run: _Run, state, start: int, ckpt: Checkpointer, writer) -> dict[str,
         _stop_if_not_finite(last)
     bar.close()
     return last
+
+
+class _StepProfiler:
+    """Traces train steps `first` .. `first + count - 1` (1-based, as logged) with
+    `jax.profiler` into `directory`: a trace TensorBoard's profile plugin and Perfetto open, to
+    see whether the codec overlaps the communication. count 0 traces nothing."""
+
+    def __init__(self, first: int, count: int, directory):
+        self.first, self.last, self.directory = first, first + count - 1, directory
+        self.active = False
+
+    def before(self, step: int) -> None:
+        if step == self.first and self.last >= self.first:
+            jax.profiler.start_trace(str(self.directory))
+            self.active = True
+
+    def after(self, step: int, out) -> None:
+        if self.active and step >= self.last:
+            jax.block_until_ready(out)  # the traced steps' device work belongs in the trace
+            self.close()
+            _say(f"profile of steps {self.first}-{self.last} written to {self.directory}")
+
+    def close(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
 
 
 def _train_record(run: _Run, step: int, out, seconds: float, steps_timed: int) -> dict[str, Any]:

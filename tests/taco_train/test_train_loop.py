@@ -53,6 +53,45 @@ def test_cli_writes_metrics_plot_and_config(full_run):
     assert config["run"]["steps"] == 6 and config["model"]["d_model"] == 64
 
 
+def _board_scalars(directory) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value)]} from the TensorBoard event files under `directory`."""
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        at = 0
+        while at < len(data):  # TFRecord: length u64, crc u32, payload, crc u32
+            length = int.from_bytes(data[at : at + 8], "little")
+            event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
+            at += 16 + length
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def test_tensorboard_holds_the_metrics(full_run):
+    """Every numeric field of metrics.jsonl, as a scalar at its step (fp32 in the event file)."""
+    board = _board_scalars(full_run / "tensorboard")
+    records = metrics.read_jsonl(full_run / "metrics.jsonl")
+    for kind, field in (
+        ("train", "loss"),
+        ("train", "lr"),
+        ("train", "grad_norm"),
+        ("eval", "val_loss"),
+    ):
+        expected = [(r["step"], r[field]) for r in records if r["kind"] == kind]
+        got = board[f"{kind}/{field}"]
+        assert [step for step, _ in got] == [step for step, _ in expected]
+        np.testing.assert_allclose([v for _, v in got], [v for _, v in expected], rtol=2**-23)
+
+
+def test_profile_steps_write_a_trace(cache, tmp_path):
+    _cli(tmp_path, cache, "run.profile_steps=2", "run.profile_start=2", "run.steps=4")
+    traces = list((tmp_path / "profile").rglob("*.xplane.pb"))
+    assert traces and all(t.stat().st_size > 0 for t in traces)
+
+
 def test_resume_reproduces_the_uninterrupted_run(full_run, cache, tmp_path):
     _cli(tmp_path, cache, "run.stop_at=3")  # "interrupted" after the step-3 checkpoint
     first = metrics.read_jsonl(tmp_path / "metrics.jsonl")
