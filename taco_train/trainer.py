@@ -101,9 +101,40 @@ def _init_or_restore(run: _Run, ckpt: Checkpointer):
     return ckpt.restore(latest, target), latest
 
 
+def _config_json(cfg: TrainConfig) -> dict[str, Any]:
+    return json.loads(json.dumps(cfg.to_dict(), default=str))
+
+
+# What a resumed run must share with the run that wrote the checkpoints: the model, the data and
+# its order, the optimizer and its schedule. Layout, compression, logging and the length of the
+# run may change between invocations (checkpoints are portable across TP sizes).
+RESUME_KEYS = ("model", "data", "optimizer", ("run", "seed"))
+
+
+def check_resumable(cfg: TrainConfig, out: Path) -> None:
+    """Refuses, before anything is overwritten, to resume a run directory whose saved config
+    differs from `cfg` in `RESUME_KEYS`; the message names the keys and the ways out."""
+    saved_path = out / "config.json"
+    if not cfg.run.resume or not saved_path.exists():
+        return
+    saved, requested = json.loads(saved_path.read_text()), _config_json(cfg)
+    differing = []
+    for key in RESUME_KEYS:
+        section, names = (key, None) if isinstance(key, str) else (key[0], (key[1],))
+        old, new = saved.get(section, {}), requested[section]
+        for name in names or sorted(set(old) | set(new)):
+            if old.get(name) != new.get(name):
+                differing.append(f"{section}.{name}: {old.get(name)!r} -> {new.get(name)!r}")
+    if differing:
+        raise ConfigError(
+            f"{out} holds a run with another configuration ({'; '.join(differing)}); use another "
+            "run.out_dir, or set run.resume=false to start over in this one"
+        )
+
+
 def _write_config(cfg: TrainConfig, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
+    (out / "config.json").write_text(json.dumps(_config_json(cfg), indent=1))
 
 
 def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
@@ -113,6 +144,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
         check_devices(cfg.parallel)
     except ValueError as error:
         raise ConfigError(str(error)) from error
+    check_resumable(cfg, Path(cfg.run.out_dir))
     run = _Run(cfg)
     lead = jax.process_index() == 0
     if lead:

@@ -1,8 +1,11 @@
 """Configuration and usage mistakes: one line on stderr, exit status 2, nothing prepared."""
 
+import json
+
 import pytest
 from train_testing import REPO
 
+from taco_train.config import load_config
 from taco_train.main import main
 
 TINY = str(REPO / "configs" / "tiny.toml")
@@ -49,3 +52,17 @@ def test_missing_config_file_is_one_line(capsys, tmp_path):
         capsys.readouterr().err
         == f"taco-train: error: config file {str(tmp_path / 'nope.toml')!r} does not exist\n"
     )
+
+
+def test_resuming_with_another_model_is_refused_before_anything_changes(capsys, tmp_path):
+    """A run directory keeps its config: another model is one line naming the key, and the run
+    directory is left as it was."""
+    run = ["--config", TINY, "--set", f"run.out_dir={str(tmp_path)!r}", "--set", NOWHERE]
+    earlier = json.dumps(load_config(TINY, [f"run.out_dir={str(tmp_path)!r}", NOWHERE]).to_dict())
+    (tmp_path / "config.json").write_text(earlier)  # what an earlier run left
+    with pytest.raises(SystemExit):
+        main([*run, "--set", "model.n_layers=3", "--set", "run.steps=9"])  # steps may change
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "(model.n_layers: 2 -> 3);" in err, err
+    assert "run.resume=false" in err and "another run.out_dir" in err
+    assert (tmp_path / "config.json").read_text() == earlier
