@@ -32,16 +32,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Configuration and usage errors print one line and exit with status 2 (as argparse does);
-    anything else keeps its traceback."""
+    """Configuration and usage errors print one line and exit with status 2 (as argparse does),
+    a diverged run one line and status 1; anything else keeps its traceback."""
     from taco_train.config import ConfigError
+    from taco_train.trainer import Diverged
 
     args = parse_args(argv)
     try:
         _run(args)
-    except ConfigError as error:
+    except (ConfigError, Diverged) as error:
         print(f"taco-train: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(2 if isinstance(error, ConfigError) else 1) from None
 
 
 def _run(args: argparse.Namespace) -> None:

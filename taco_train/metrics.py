@@ -4,6 +4,7 @@ throughput and MFU."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,9 @@ class MetricsWriter:
             f.writelines(json.dumps(r) + "\n" for r in kept)
         if tensorboard_dir is not None:
             from tensorboardX import SummaryWriter
+
+            # A NaN loss is a value to record, not a warning line per scalar.
+            logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
 
             self._board = SummaryWriter(str(tensorboard_dir), purge_step=start_step + 1)
 

@@ -28,11 +28,14 @@ from models.parallel import ParallelConfig
 
 
 class TrainState(flax.struct.PyTreeNode):
-    """step: int32 scalar; params and opt_state: pytrees of full-shape jax.Arrays."""
+    """step: int32 scalar, the batches consumed; params and opt_state: pytrees of full-shape
+    jax.Arrays; skipped: int32 scalar, the steps whose update was skipped because their loss or
+    gradient was not finite (the state stays the last finite one)."""
 
     step: jax.Array
     params: Any
     opt_state: Any
+    skipped: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Steps:
     init: Callable[[jax.Array], TrainState]
     train_step: Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]
     eval_step: Callable[[TrainState, jax.Array], dict[str, jax.Array]]
+    is_finite: Callable[[TrainState], jax.Array]
     state_sharding: Any
     batch_sharding: jax.sharding.Sharding
     mesh: jax.sharding.Mesh
@@ -99,6 +103,7 @@ def make_steps(
         step=replicated,
         params=param_sharding,
         opt_state=_opt_state_sharding(opt_abstract, params_abstract, param_sharding, replicated),
+        skipped=replicated,
     )
     batch_sharding = NamedSharding(mesh, P(layout.DP_AXIS))
     loss_and_grads = layout.make_loss_and_grads(model, parallel, comm, mesh)
@@ -107,7 +112,8 @@ def make_steps(
     @functools.partial(jax.jit, out_shardings=state_sharding)
     def init(key: jax.Array) -> TrainState:
         params = layout.init_params(model, key)
-        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+        zero = jnp.zeros((), jnp.int32)
+        return TrainState(zero, params, optimizer.init(params), zero)
 
     @functools.partial(
         jax.jit,
@@ -118,10 +124,17 @@ def make_steps(
     def train_step(state: TrainState, tokens: jax.Array):
         layout.check_tokens(model, parallel, tokens)
         loss, grads = loss_and_grads(state.params, tokens)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        new_state = TrainState(state.step + 1, params, opt_state)
-        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        # A non-finite loss or gradient skips the update on the device (no host sync per step):
+        # the state stays the last finite one, and the count tells the host at its next look.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        params, opt_state = jax.tree.map(keep, (params, opt_state), (state.params, state.opt_state))
+        skipped = state.skipped + (~finite).astype(jnp.int32)
+        new_state = TrainState(state.step + 1, params, opt_state, skipped)
+        return new_state, {"loss": loss, "grad_norm": grad_norm, "skipped_steps": skipped}
 
     @functools.partial(
         jax.jit, in_shardings=(state_sharding, batch_sharding), out_shardings=replicated
@@ -130,4 +143,10 @@ def make_steps(
         layout.check_tokens(model, parallel, tokens)
         return {"loss": loss_only(state.params, tokens)}
 
-    return Steps(init, train_step, eval_step, state_sharding, batch_sharding, mesh)
+    @functools.partial(jax.jit, in_shardings=(state_sharding,), out_shardings=replicated)
+    def is_finite(state: TrainState) -> jax.Array:
+        """Whether every parameter and optimizer value is finite (checked before each save)."""
+        leaves = jax.tree.leaves((state.params, state.opt_state))
+        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves if x.dtype.kind == "f"]))
+
+    return Steps(init, train_step, eval_step, is_finite, state_sharding, batch_sharding, mesh)

@@ -181,10 +181,40 @@ def _loop(run: _Run, state, start: int, ckpt: Checkpointer, writer) -> dict[str,
         profiler.close()
 
 
+class Diverged(RuntimeError):
+    """Training cannot go on from the state it has (one line on the command line, exit 1)."""
+
+
+class _SkipWatch:
+    """Reads the device's count of skipped (non-finite) updates at each log step: a few skips
+    are reported, a whole interval of them stops the run, naming the steps and what to try."""
+
+    def __init__(self, run: _Run, state, start: int):
+        self.run, self.seen, self.since = run, int(jax.device_get(state.skipped)), start
+
+    def check(self, record: dict[str, Any], bar) -> None:
+        skipped, step = int(record["skipped_steps"]), record["step"]
+        new, steps = skipped - self.seen, step - self.since
+        first = self.since + 1
+        self.seen, self.since = skipped, step
+        if new and new == steps:
+            opt = self.run.cfg.optimizer
+            raise Diverged(
+                f"the loss or gradient was not finite at every step from {first} to {step}; "
+                f"their updates were skipped (the state is that of step {first - 1}, and every "
+                f"checkpoint in run.out_dir is finite); try a lower optimizer.lr (now "
+                f"{opt.lr:g}) or optimizer.grad_clip (now {opt.grad_clip:g})"
+            )
+        if new and jax.process_index() == 0:
+            bar.write(f"skipped {new} update(s) with a non-finite loss or gradient in steps "
+                      f"{first}-{step}")  # fmt: skip
+
+
 def _steps(run: _Run, state, start, end, ckpt, writer, bar, profiler) -> dict[str, Any]:
     cfg = run.cfg.run
     last: dict[str, Any] = {}
     t_mark, steps_since = None, 0
+    skips = _SkipWatch(run, state, start)
     for step in range(start, end):
         batch = run.global_batch(run.train_batches.train(step))
         profiler.before(step + 1)
@@ -202,18 +232,22 @@ def _steps(run: _Run, state, start, end, ckpt, writer, bar, profiler) -> dict[st
             record = _train_record(run, done, out, time.perf_counter() - t_mark, steps_since)
             t_mark, steps_since = time.perf_counter(), 0
             last["train"] = _emit(record, writer, bar)
+            skips.check(record, bar)
         evaluate = done % cfg.eval_every == 0 or done == cfg.steps
         if evaluate:
             record = {"kind": "eval", "step": done, "val_loss": run.evaluate(state)}
             record.update(_telemetry(run, "eval"))
             last["eval"] = _emit(record, writer, bar)
+            if not metrics.is_finite(record["val_loss"]):
+                raise Diverged(f"validation loss {record['val_loss']} at step {done}")
         save = done % cfg.checkpoint_every == 0 or done in (cfg.steps, end)
         if save:
+            if not bool(run.steps.is_finite(state)):  # never a checkpoint to resume into NaN
+                raise Diverged(f"the train state is not finite at step {done}; not saved")
             ckpt.save(done, state)
         if evaluate or save:  # Evaluation and checkpointing are not training time.
             jax.block_until_ready(state)
             t_mark, steps_since = time.perf_counter(), 0
-        _stop_if_not_finite(last)
     bar.close()
     return last
 
@@ -245,7 +279,7 @@ class _StepProfiler:
 
 
 def _train_record(run: _Run, step: int, out, seconds: float, steps_timed: int) -> dict[str, Any]:
-    values = {k: float(v) for k, v in jax.device_get(out).items()}
+    values = {k: v.item() for k, v in jax.device_get(out).items()}  # float loss, int counts
     record = {"kind": "train", "step": step, **values, "lr": float(run.schedule(step - 1))}
     if steps_timed > 0:
         tokens_per_s = steps_timed * run.tokens_per_step / seconds
@@ -268,13 +302,6 @@ def _emit(record: dict[str, Any], writer, bar) -> dict[str, Any]:
     if jax.process_index() == 0:
         bar.write(metrics.format_line(record))
     return record
-
-
-def _stop_if_not_finite(last: dict[str, Any]) -> None:
-    for kind, key in (("train", "loss"), ("eval", "val_loss")):
-        value = last.get(kind, {}).get(key)
-        if value is not None and not metrics.is_finite(value):
-            raise FloatingPointError(f"{kind} {key}={value} at step {last[kind]['step']}")
 
 
 def _progress_bar(start: int, total: int, enabled: bool):

@@ -108,3 +108,25 @@ def test_state_is_portable_across_tp_sizes():
     loss2 = float(tp2.eval_step(moved, tokens)["loss"])
     # fp32 with reductions split 4 vs 2 ways: the reassociation bound of the equivalence tests.
     assert abs(loss4 - loss2) <= exact_tolerance(CFG, batch=2) * loss4
+
+
+def test_a_nonfinite_step_is_skipped_on_the_device():
+    """A NaN in the loss leaves params and optimizer state bit for bit as they were, counts the
+    step as skipped, and `is_finite` reports the state (the trainer checks it before a save)."""
+    steps = make_steps(CFG, ParallelConfig(tp=2, mode="vmap"), taco_jax.TPComm.create(),
+                       optax.adamw(3e-3))  # fmt: skip
+    tokens = jax.device_put(_batch(4), steps.batch_sharding)
+    state, _ = steps.train_step(steps.init(jax.random.key(0)), tokens)
+    assert bool(steps.is_finite(state)) and int(state.skipped) == 0
+    poisoned = state.replace(
+        params={**state.params, "wpe": state.params["wpe"].at[0, 0].set(np.nan)}
+    )
+    before = jax.device_get(poisoned)
+    after, metrics = steps.train_step(poisoned, tokens)
+    assert not np.isfinite(float(metrics["loss"]))
+    assert int(after.skipped) == int(metrics["skipped_steps"]) == 1 and int(after.step) == 2
+    for old, new in zip(jax.tree.leaves((before.params, before.opt_state)),
+                        jax.tree.leaves(jax.device_get((after.params, after.opt_state))),
+                        strict=True):  # fmt: skip
+        np.testing.assert_array_equal(old, new)
+    assert not bool(steps.is_finite(after))

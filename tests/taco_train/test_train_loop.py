@@ -106,3 +106,19 @@ def test_resume_reproduces_the_uninterrupted_run(full_run, cache, tmp_path):
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_divergence_stops_in_one_line_and_saves_no_nonfinite_state(cache, tmp_path, capsys):
+    """optimizer.lr=1e3 diverges within a few steps: the run stops with one line that names the
+    steps and what to try, and every checkpoint it left is finite (a rerun never resumes into
+    NaN)."""
+    with pytest.raises(SystemExit) as exit_info:
+        _cli(tmp_path, cache, "optimizer.lr=1e3", "run.steps=12", "run.eval_every=100")
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("taco-train: error: ") and "optimizer.lr" in err[-1], err[-1]
+    manager = ocp.CheckpointManager((tmp_path / "checkpoints").absolute())
+    for step in manager.all_steps():
+        state = manager.restore(step, args=ocp.args.StandardRestore())
+        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"]))
+    manager.close()
