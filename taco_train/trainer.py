@@ -92,13 +92,20 @@ class _Run:
 
 
 def _init_or_restore(run: _Run, ckpt: Checkpointer):
+    """The newest good checkpoint's state and step, or a fresh state at step 0."""
     key = jax.random.key(run.cfg.run.seed)
-    latest = ckpt.latest_step() if run.cfg.run.resume else None
-    if latest is None:
+    if not run.cfg.run.resume or not ckpt.steps():
         return run.steps.init(key), 0
     target = abstract_state(run.steps.init, run.steps.state_sharding, key)
-    _say(f"resuming from {run.out / 'checkpoints'} at step {latest}")
-    return ckpt.restore(latest, target), latest
+    restored = ckpt.restore_newest_good(target)
+    if restored is None:
+        raise ConfigError(
+            f"no checkpoint in {ckpt.directory} is usable (see above); move them away, or use "
+            "another run.out_dir"
+        )
+    state, step = restored
+    _say(f"resuming from {ckpt.directory} at step {step}")
+    return state, step
 
 
 def _config_json(cfg: TrainConfig) -> dict[str, Any]:

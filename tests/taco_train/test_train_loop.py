@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from train_testing import REPO, tiny_overrides
+from train_testing import REPO, tiny_overrides, untimed
 
 from taco_train import metrics
 from taco_train.main import main
@@ -97,11 +97,8 @@ def test_resume_reproduces_the_uninterrupted_run(full_run, cache, tmp_path):
     first = metrics.read_jsonl(tmp_path / "metrics.jsonl")
     assert max(r["step"] for r in first) == 3
     _cli(tmp_path, cache)  # resumes from step 3
-    drop_timing = lambda rs: [
-        {k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in rs
-    ]
-    resumed = drop_timing(metrics.read_jsonl(tmp_path / "metrics.jsonl"))
-    assert resumed == drop_timing(metrics.read_jsonl(full_run / "metrics.jsonl"))
+    resumed = untimed(metrics.read_jsonl(tmp_path / "metrics.jsonl"))
+    assert resumed == untimed(metrics.read_jsonl(full_run / "metrics.jsonl"))
     a, b = _final_params(full_run, 6), _final_params(tmp_path, 6)
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):

@@ -1,0 +1,125 @@
+"""Checkpoints that survive damage: a damaged newest checkpoint is reported in one line and the
+run resumes from the newest good one, which is never deleted for a newer one that is not."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from train_testing import REPO, tiny_overrides, untimed
+
+from taco_train import metrics
+from taco_train.checkpointing import MANIFEST, damage
+from taco_train.main import main
+
+TINY = str(REPO / "configs" / "tiny.toml")
+
+
+def _args(out_dir, cache_dir, *extra):
+    args = ["--config", TINY]
+    for override in tiny_overrides(out_dir, cache_dir, *extra):
+        args += ["--set", override]
+    return args
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, cache):
+    """A 6-step run with checkpoints at steps 3 and 6, both good."""
+    out = tmp_path_factory.mktemp("finished")
+    main(_args(out, cache))
+    return out
+
+
+def _copy(run, tmp_path):
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def _largest_data_file(step_dir):
+    files = [p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def _truncate(step_dir):
+    path = _largest_data_file(step_dir)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip_bytes(step_dir):
+    path = _largest_data_file(step_dir)
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
+    path.write_bytes(bytes(data))
+
+
+def _empty_metadata(step_dir):
+    path = next(p for p in step_dir.rglob("_METADATA"))
+    path.write_bytes(b"")
+
+
+def test_a_finished_run_leaves_good_checkpoints(finished):
+    checkpoints = finished / "checkpoints"
+    assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == [3, 6]
+    assert damage(checkpoints / "3") is None and damage(checkpoints / "6") is None
+
+
+@pytest.mark.parametrize("harm", [_truncate, _flip_bytes, _empty_metadata])
+def test_damaged_newest_checkpoint_falls_back_in_one_line(harm, finished, cache, tmp_path, capsys):
+    run = _copy(finished, tmp_path)
+    harm(run / "checkpoints" / "6")
+    assert damage(run / "checkpoints" / "6") is not None
+    main(_args(run, cache))  # resumes at 3 and trains steps 4-6 again
+    err = capsys.readouterr().err
+    assert "checkpoint 6 in" in err and "is not usable: its file" in err, err
+    assert "resuming from" in err and "at step 3" in err, err
+    assert (run / "checkpoints" / "6.unusable").is_dir()  # kept for inspection, out of the way
+    # The rerun reproduces the uninterrupted run (batches and state are functions of the step).
+    ours = untimed(metrics.read_jsonl(run / "metrics.jsonl"))
+    assert ours == untimed(metrics.read_jsonl(finished / "metrics.jsonl"))
+    assert damage(run / "checkpoints" / "6") is None  # saved again, good
+
+
+def test_no_usable_checkpoint_is_one_line(finished, cache, tmp_path, capsys):
+    run = _copy(finished, tmp_path)
+    for step in ("3", "6"):
+        _flip_bytes(run / "checkpoints" / step)
+    with pytest.raises(SystemExit) as exit_info:
+        main(_args(run, cache))
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("taco-train: error: no checkpoint in") and "is usable" in last
+
+
+def test_kill_during_saves_never_loses_the_last_good_checkpoint(cache, tmp_path):
+    """kill -9 at random moments of a run that saves every step: afterwards every checkpoint
+    the directory offers as good is good, and a rerun finishes with the uninterrupted metrics."""
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    args = _args(run, cache, "run.checkpoint_every=1", "run.keep_checkpoints=1")
+    command = [sys.executable, "-m", "taco_train", *args]
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        process = subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.DEVNULL)
+        time.sleep(float(rng.uniform(4.0, 12.0)))  # start-up and compile take most of it
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        for step_dir in (run / "checkpoints").glob("[0-9]*"):
+            if step_dir.name.isdigit() and (step_dir / MANIFEST).exists():
+                assert damage(step_dir) is None
+    subprocess.run(command, cwd=REPO, env=env, check=True, stderr=subprocess.DEVNULL)
+    reference = tmp_path / "reference"
+    subprocess.run([sys.executable, "-m", "taco_train", *_args(reference, cache)], cwd=REPO,
+                   env=env, check=True, stderr=subprocess.DEVNULL)  # fmt: skip
+    assert untimed(metrics.read_jsonl(run / "metrics.jsonl")) == untimed(
+        metrics.read_jsonl(reference / "metrics.jsonl")
+    )
