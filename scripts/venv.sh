@@ -28,4 +28,6 @@ echo "creating $venv with $($python --version) ($python)"
 $python -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
 # Exact versions from constraints.txt (those of the GPU machine), so CPU and GPU run the same code.
-"$venv/bin/python" -m pip install -q -c constraints.txt -e ".[$extras]"
+# PYTHONWARNINGS=ignore quiets setuptools' boxed "editable installation" notice, which every
+# editable mode prints and no option turns off; pip's own errors still show.
+PYTHONWARNINGS=ignore "$venv/bin/python" -m pip install -q -c constraints.txt -e ".[$extras]"
