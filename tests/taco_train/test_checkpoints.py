@@ -10,25 +10,13 @@ import time
 
 import numpy as np
 import pytest
-from train_testing import REPO, tiny_overrides, untimed
+from train_testing import REPO, tiny_args, untimed
 
 from taco_train import metrics
 from taco_train.checkpointing import MANIFEST, damage
 from taco_train.main import main
 
-TINY = str(REPO / "configs" / "tiny.toml")
-
-
-def _args(out_dir, cache_dir, *extra):
-    args = ["--config", TINY]
-    for override in tiny_overrides(out_dir, cache_dir, *extra):
-        args += ["--set", override]
-    return args
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
+_args = tiny_args
 
 
 @pytest.fixture(scope="module")

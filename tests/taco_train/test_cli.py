@@ -3,12 +3,11 @@
 import json
 
 import pytest
-from train_testing import REPO
+from train_testing import TINY
 
 from taco_train.config import load_config
 from taco_train.main import main
 
-TINY = str(REPO / "configs" / "tiny.toml")
 NOWHERE = "data.corpus='/nonexistent/corpus'"  # reached only if a check came too late
 
 

@@ -6,24 +6,14 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from train_testing import REPO, tiny_overrides, untimed
+from train_testing import tiny_args, untimed
 
 from taco_train import metrics
 from taco_train.main import main
 
-TINY = str(REPO / "configs" / "tiny.toml")
-
 
 def _cli(out_dir, cache_dir, *extra):
-    args = ["--config", TINY]
-    for override in tiny_overrides(out_dir, cache_dir, *extra):
-        args += ["--set", override]
-    main(args)
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
+    main(tiny_args(out_dir, cache_dir, *extra))
 
 
 @pytest.fixture(scope="module")

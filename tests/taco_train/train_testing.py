@@ -4,11 +4,20 @@ from pathlib import Path
 
 FIXTURE_CORPUS = Path(__file__).parent / "fixtures" / "tiny_corpus"
 REPO = Path(__file__).parents[2]
+TINY = str(REPO / "configs" / "tiny.toml")
 
 
 def untimed(records: list[dict]) -> list[dict]:
     """Metrics records without their timing fields, which differ between runs."""
     return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in records]
+
+
+def tiny_args(out_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
+    """Command-line arguments of a configs/tiny.toml run (see `tiny_overrides`)."""
+    args = ["--config", TINY]
+    for override in tiny_overrides(out_dir, cache_dir, *extra):
+        args += ["--set", override]
+    return args
 
 
 def tiny_overrides(out_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
