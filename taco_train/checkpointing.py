@@ -35,11 +35,14 @@ def abstract_state(init, state_sharding, key: jax.Array) -> Any:
 
 
 def _file_hashes(step_dir: Path) -> dict[str, str]:
-    return {
-        str(path.relative_to(step_dir)): hashlib.sha256(path.read_bytes()).hexdigest()
-        for path in sorted(step_dir.rglob("*"))
-        if path.is_file() and path.name != MANIFEST
-    }
+    hashes = {}
+    for path in sorted(step_dir.rglob("*")):
+        if path.is_file() and path.name != MANIFEST:
+            with open(path, "rb") as f:  # streamed: checkpoint files can be large
+                hashes[str(path.relative_to(step_dir))] = hashlib.file_digest(
+                    f, "sha256"
+                ).hexdigest()
+    return hashes
 
 
 def damage(step_dir: Path) -> str | None:
@@ -81,8 +84,10 @@ class Checkpointer:
         """Every checkpoint step orbax finalized, good or not."""
         return list(self._manager.all_steps())
 
-    def good_steps(self) -> list[int]:
-        return [s for s in self.steps() if damage(self._step_dir(s)) is None]
+    def completed_steps(self) -> list[int]:
+        """Steps whose save finished with a manifest (verified when written, not re-read here:
+        restoring verifies them again)."""
+        return [s for s in self.steps() if (self._step_dir(s) / MANIFEST).exists()]
 
     def save(self, step: int, state: Any) -> None:
         """Writes the checkpoint, waits until it is complete, then records its manifest."""
@@ -91,7 +96,7 @@ class Checkpointer:
         if jax.process_index() == 0:
             hashes = _file_hashes(self._step_dir(step))
             (self._step_dir(step) / MANIFEST).write_text(json.dumps(hashes, indent=0))
-            for old in sorted(self.good_steps())[: -self.keep]:
+            for old in sorted(self.completed_steps())[: -self.keep]:
                 self._manager.delete(old)
         multihost_utils.sync_global_devices(f"checkpoint {step} verified")
 

@@ -1,6 +1,6 @@
-"""The training loop: data, optimizer, `models.parallel.make_steps`, eval, checkpoints, metrics.
+"""The training loop: data, optimizer, `taco_train.steps.make_steps`, eval, checkpoints, metrics.
 
-`train_and_evaluate(cfg)` is the whole run. It resumes from the newest checkpoint in
+`train_and_evaluate(cfg)` is the whole run. It resumes from the newest good checkpoint in
 `cfg.run.out_dir` when there is one; because the batch of step k is a pure function of
 (data seed, k) and the state is restored bit for bit, a resumed run reproduces the uninterrupted
 run exactly.
@@ -112,10 +112,16 @@ def _config_json(cfg: TrainConfig) -> dict[str, Any]:
     return json.loads(json.dumps(cfg.to_dict(), default=str))
 
 
-# What a resumed run must share with the run that wrote the checkpoints: the model, the data and
-# its order, the optimizer and its schedule. Layout, compression, logging and the length of the
-# run may change between invocations (checkpoints are portable across TP sizes).
-RESUME_KEYS = ("model", "data", "optimizer", ("run", "seed"))
+# What a resumed run must share with the run that wrote the checkpoints (prefixes of
+# "section.key"): the model, the data and its order, the optimizer and its schedule. Layout,
+# compression, logging, the length of the run and where the data cache lives may change between
+# invocations (checkpoints are portable across TP sizes).
+RESUME_KEYS = ("model.", "data.", "optimizer.", "run.seed")
+RESUME_EXEMPT = ("data.cache_dir",)
+
+
+def _flat(tree: dict[str, Any]) -> dict[str, Any]:
+    return {f"{s}.{k}": v for s, section in tree.items() for k, v in section.items()}
 
 
 def check_resumable(cfg: TrainConfig, out: Path) -> None:
@@ -124,14 +130,12 @@ def check_resumable(cfg: TrainConfig, out: Path) -> None:
     saved_path = out / "config.json"
     if not cfg.run.resume or not saved_path.exists():
         return
-    saved, requested = json.loads(saved_path.read_text()), _config_json(cfg)
-    differing = []
-    for key in RESUME_KEYS:
-        section, names = (key, None) if isinstance(key, str) else (key[0], (key[1],))
-        old, new = saved.get(section, {}), requested[section]
-        for name in names or sorted(set(old) | set(new)):
-            if old.get(name) != new.get(name):
-                differing.append(f"{section}.{name}: {old.get(name)!r} -> {new.get(name)!r}")
+    old, new = _flat(json.loads(saved_path.read_text())), _flat(_config_json(cfg))
+    differing = [
+        f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+        for key in sorted(old.keys() | new.keys())
+        if key.startswith(RESUME_KEYS) and key not in RESUME_EXEMPT and old.get(key) != new.get(key)
+    ]
     if differing:
         raise ConfigError(
             f"{out} holds a run with another configuration ({'; '.join(differing)}); use another "
