@@ -67,8 +67,6 @@ class BlockConfig:
       b columns, combined by butterflies on the low index bits).
     signs_in_kernel: build that block from an iota in each program instead of loading it.
     prefetch: in the tile loop, load tile k + 1 before processing tile k.
-    energy_after_dot: encode takes the ASH energy of H x instead of x (equal in exact arithmetic,
-      H is orthonormal), so the input tile is dead once the dot has read it.
     """
 
     groups_per_tile: int
@@ -78,7 +76,6 @@ class BlockConfig:
     hadamard_dot: int = MAX_DOT_HADAMARD
     signs_in_kernel: bool = False
     prefetch: bool = False
-    energy_after_dot: bool = False
 
     def __post_init__(self):
         for name in ("groups_per_tile", "tiles_per_program", "hadamard_dot"):

@@ -68,9 +68,8 @@ def _decode_sum_reencode_kernel(
 ):
     def reencode_tile(tile, raws):
         hz = _summed_h_domain(codec, raws, tile, n, cfg)
-        mean_sq = codecs.mean_square(hz, 1.0) if codec.prescale else None
         codes, scale, prescale = codecs.encode_groups(
-            codec, hz, mean_sq, unit=1.0, magic_round=not interpret
+            codec, hz, unit=1.0, magic_round=not interpret
         )
         _tile.store_groups(codec, out_ref, 0, tile, n, cfg, codes, scale, prescale)
 

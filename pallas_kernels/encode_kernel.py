@@ -1,7 +1,7 @@
 """Fused encode: x[R, n] (bf16/fp32) -> packed wire rows uint8[R, codec.wire_bytes(n)].
 
-One pass over HBM per tile of T groups: load, energy, ASH pre-scale, Hadamard (tensor-core dot),
-DS post-scale, cast, store codes and scale bytes straight into their places in the wire row.
+One pass over HBM per tile of T groups: load, Hadamard (tensor-core dot), ASH pre-scale, DS
+post-scale, cast, store codes and scale bytes straight into their places in the wire row.
 Equal to `codecs.encode_wire(codec, x)` (the packed jnp reference) up to the rounding notes of
 `_tile` (codes may differ from the reference only at FP8/INT8 rounding ties).
 """
@@ -31,20 +31,15 @@ def _encode_kernel(
 
     def encode_tile(tile, x):
         # A bf16 tile feeds the dot as loaded (an exact operand): no fp32 copy of x stays live
-        # through the dot unless the energy is taken from x.
+        # through the dot.
         x = x.reshape(t, g)
-        x32 = x.astype(jnp.float32)
         v = (
             _tile.signed_hadamard(x, hblock, exact_bf16=exact_bf16, interpret=interpret)
             if codec.hadamard
-            else x32
+            else x.astype(jnp.float32)
         )
-        mean_sq = None
-        if codec.prescale:  # H is orthonormal: S x * unit has the energy of x
-            source, source_unit = (v, unit) if cfg.energy_after_dot else (x32, 1.0)
-            mean_sq = codecs.mean_square(source, source_unit)
         codes, scale, prescale = codecs.encode_groups(
-            codec, v, mean_sq, unit=unit, magic_round=not interpret
+            codec, v, unit=unit, magic_round=not interpret
         )
         _tile.store_groups(codec, wire_ref, row, tile, n, cfg, codes, scale, prescale)
 

@@ -2,8 +2,7 @@
 
 The same function as the Triton-lowered `encode_kernel.encode` (and so as
 `codecs.encode_wire(codec, x)` up to `_tile`'s rounding notes), for the codec `taco` (Hadamard,
-ASH pre-scale, fp32 DS scales, E4M3 codes). The ASH energy is taken from S x rather than x: H is
-orthonormal, so the two agree up to fp32 rounding of alpha, which cancels in y / s.
+ASH pre-scale, fp32 DS scales, E4M3 codes).
 
 Why a second backend for this kernel (see `_pallas.py`): the Triton lowering moves every tile
 through registers, then shared memory for the dot, then back. Here a program walks
@@ -161,8 +160,7 @@ def _encode_step(index, x_smem, *, codec, signs_smem, out, wire_row, first, sect
     (i,) = index
     v = _pallas.wgmma(x_smem, signs_smem, (_TILE, GROUP_SIZE))  # S x, fp32
     unit = codecs.hadamard_unit(GROUP_SIZE)
-    mean_sq = codecs.mean_square(v, unit)
-    codes, scale, prescale = codecs.encode_groups(codec, v, mean_sq, unit=unit, magic_round=True)
+    codes, scale, prescale = codecs.encode_groups(codec, v, unit=unit, magic_round=True)
     sides = {"scales": scale, "prescales": prescale}
     _store_tile(out, wire_row, first + i, sections, codes, sides)
 

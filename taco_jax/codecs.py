@@ -8,18 +8,20 @@ that also lower inside Pallas kernel bodies (no `round`, no value slicing; see `
 
 A codec turns the last axis of an array into a `Payload` of uint8 codes plus per-group side
 scales, and back. It composes four optional stages applied to each contiguous group of
-`group_size` (G) values, all in fp32 (docs/method.md, "Codec"):
+`group_size` (G) values, all in fp32 (docs/method.md, "Codec" and "Range"):
 
-1. ASH pre-scale:  alpha = clamp(448 * rsqrt(max(mean(x^2) + 1e-6, 1e-12)), 1e-3, 1e3); x <- alpha x
+1. ASH pre-scale:  alpha = 448 / rms(x), kept within [2^-126, 2^126]; x <- alpha x
 2. Hadamard:       y = H_G x,  H_G = S_G / sqrt(G), S_G the +-1 Sylvester matrix (orthonormal,
                    self-inverse)
-3. DS post-scale:  s = clamp(max|y| / qmax, 1e-12, 1e6)
-4. quantize:       q = round(clamp(y / s, -qmax, qmax)) in E4M3 / E5M2 / INT8
+3. DS post-scale:  s = max|y| / qmax
+4. quantize:       q = round(y / s) in E4M3 / E5M2 / INT8 (saturating)
 
-Decode runs the stages backwards: x = H_G (q s) / alpha. Both directions are computed with one
-multiplier per group (`encode_groups`, `decode_factor`): the encoder quantizes
-`(S_G x) * (alpha / (sqrt(G) s))`, the decoder returns `(S_G q) * (s / (sqrt(G) alpha))`, which
-equal the stages above in exact arithmetic and cost one multiply per element.
+Decode runs the stages backwards: x = H_G (q s) / alpha. In exact arithmetic alpha cancels from
+y / s = qmax * (S_G x) / max|S_G x|, and the encoder computes the codes in that form, after
+scaling each group by a power of two (exact) that brings its absmax into [1, 2): no fp32
+intermediate overflows or underflows, so a codec's relative error is the same at every
+magnitude (docs/method.md, "Range"). The decoder returns `(S_G q) * (s / (sqrt(G) alpha))`, one
+multiply per element (`encode_groups`, `decode_factor`).
 
 Codes are stored as uint8 (a bitcast), never as float8: XLA on CPU moves float8 collectives as
 f16, and XLA may drop an f32 -> f8 -> f32 round trip inside one fusion (docs/method.md, "Traps").
@@ -48,13 +50,9 @@ ALLOWED_GROUP_SIZES = (32, 64, 128, 256, 512)
 DEFAULT_GROUP_SIZE = 128
 DEFAULT_CODEC = "taco"
 
-# ASH constants, docs/method.md "Codec" steps 1-2 (taco.cu): energy epsilon, energy floor, alpha
-# clamp.
-ENERGY_EPS = 1e-6
-ENERGY_FLOOR = 1e-12
-PRESCALE_MIN, PRESCALE_MAX = 1e-3, 1e3
-# DS clamp, docs/method.md "Codec" step 4.
-SCALE_MIN, SCALE_MAX = 1e-12, 1e6
+# The ASH pre-scale alpha stays a normal fp32 power-of-two range away from overflow: a group
+# whose alpha would leave it (rms below ~2^-117) keeps the bound and lets s carry the rest.
+PRESCALE_MIN, PRESCALE_MAX = 2.0**-126, 2.0**126
 
 FLOAT8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 # Largest finite magnitude of each element format; the target of the post-scale.
@@ -268,23 +266,49 @@ def mean_square(v: jax.Array, unit: float = 1.0) -> jax.Array:
     return jnp.sum(v * v, axis=-1) * np.float32(unit * unit / g)
 
 
-def ash_prescale(mean_sq: jax.Array) -> jax.Array:
-    """alpha per group from the mean square of its values: scales the group to RMS 448 (the E4M3
-    maximum), clamped (docs/method.md, "Codec", steps 1-2)."""
-    energy = jnp.maximum(mean_sq + ENERGY_EPS, ENERGY_FLOOR)
-    return jnp.clip(ASH_TARGET_RMS * lax.rsqrt(energy), PRESCALE_MIN, PRESCALE_MAX)
+def exponent_field(x: jax.Array) -> jax.Array:
+    """The biased exponent bits of fp32 `x` (int32): floor(log2|x|) + 127 for a normal x, 0 for
+    zero and subnormals, 255 for Inf and NaN. Bit operations: exact, and they lower in kernels."""
+    return (lax.bitcast_convert_type(x, jnp.int32) >> 23) & 0xFF
 
 
-def postscale(amax: jax.Array, qmax: float) -> jax.Array:
-    """s per group: the absmax of the values to quantize mapped onto the format's maximum,
-    clamped (docs/method.md, "Codec", step 4)."""
-    return jnp.clip(amax / qmax, SCALE_MIN, SCALE_MAX)
+def power_of_two(exponent: jax.Array) -> jax.Array:
+    """2^exponent as fp32, exactly, for int32 exponents in [-126, 127]."""
+    return lax.bitcast_convert_type((exponent + 127) << 23, jnp.float32)
+
+
+def group_normalizer(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(p, k) with p = 2^k the power of two that brings a group's absmax into [1, 2).
+
+    k is kept within [-126, 126] (p a normal fp32): a group of subnormals lands in [2^-23, 1),
+    an all-zero group gets p = 2^126 (it stays zero), and a non-finite one p = 2^-126 (it is
+    marked NaN by `mark_nonfinite` anyway). Scaling by p is exact, so every later stage sees the
+    same numbers whatever the group's magnitude.
+    """
+    k = jnp.clip(127 - exponent_field(amax), -126, 126)
+    return power_of_two(k), k
+
+
+def ceil_log2(x: jax.Array) -> jax.Array:
+    """ceil(log2 x) for normal fp32 x > 0, exactly (int32; -127 for zero)."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    return exponent_field(x) - 127 + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
+
+
+def ash_prescale(mean_sq_normalized: jax.Array, p: jax.Array) -> jax.Array:
+    """alpha per group: scales the group to RMS 448 (the E4M3 maximum), docs/method.md "Codec".
+
+    mean_sq_normalized: the mean square of the group times p (see `group_normalizer`), so the
+    energy neither overflows nor underflows; alpha = 448 p / rms(p x) = 448 / rms(x), kept in
+    [PRESCALE_MIN, PRESCALE_MAX] (an all-zero group gets PRESCALE_MAX).
+    """
+    alpha = ASH_TARGET_RMS * lax.rsqrt(mean_sq_normalized) * p
+    return jnp.clip(alpha, PRESCALE_MIN, PRESCALE_MAX)
 
 
 def mark_nonfinite(scale: jax.Array, groups: jax.Array) -> jax.Array:
     """`scale` [T], NaN where the group of `groups` [T, G] holds a NaN or an Inf.
 
-    Without it the clamps would turn an Inf absmax into a finite scale and hide the divergence.
     The test is a sum of `groups * 0`, which is NaN exactly when the group holds a NaN or an Inf,
     rather than the absmax: XLA on the CPU has been seen to drop a NaN from a large max
     reduction (and to return -inf for an all-NaN row).
@@ -293,18 +317,22 @@ def mark_nonfinite(scale: jax.Array, groups: jax.Array) -> jax.Array:
     return jnp.where(poisoned == 0.0, scale, jnp.nan)
 
 
-def e8m0_exponent(scale: jax.Array) -> jax.Array:
-    """Smallest power-of-two exponent e with 2^e >= scale, biased by 127 into a uint8 (OCP E8M0).
+def e8m0_exponent(log2_scale: jax.Array, marker: jax.Array) -> jax.Array:
+    """An integer power-of-two exponent e (int32) as a biased E8M0 byte (uint8, OCP MX).
 
-    Rounding up keeps |y / 2^e| <= qmax, so the codes never saturate. NaN maps to 0xFF (E8M0 NaN).
+    e is kept within [-126, 127]: the normal fp32 powers of two (E8M0's 2^-127 is an fp32
+    subnormal, which XLA flushes to zero). 0xFF (E8M0 NaN) where `marker` is NaN.
     """
-    exponent = jnp.clip(jnp.ceil(jnp.log2(scale)), -E8M0_BIAS, E8M0_BIAS)
-    return jnp.where(jnp.isnan(scale), float(E8M0_NAN), exponent + E8M0_BIAS).astype(jnp.uint8)
+    biased = jnp.clip(log2_scale, -126, 127) + 127
+    return jnp.where(jnp.isnan(marker), E8M0_NAN, biased).astype(jnp.uint8)
 
 
 def e8m0_value(biased: jax.Array) -> jax.Array:
-    """fp32 value of E8M0 exponent bytes (0xFF is NaN)."""
-    value = jnp.exp2(biased.astype(jnp.float32) - E8M0_BIAS)
+    """fp32 value 2^(b - 127) of E8M0 exponent bytes b, built from bits (exact; 0xFF is NaN).
+
+    A byte 0 (2^-127, an fp32 subnormal) reads as 0, as XLA would flush it; no encoder here
+    writes one."""
+    value = lax.bitcast_convert_type(biased.astype(jnp.int32) << 23, jnp.float32)
     return jnp.where(biased == E8M0_NAN, jnp.nan, value)
 
 
@@ -335,31 +363,39 @@ def scale_rows(q: jax.Array, d) -> jax.Array:
     return q * lax.broadcast_in_dim(d, q.shape, (0,))
 
 
-def encode_groups(codec: Codec, v, mean_sq, *, unit: float, magic_round: bool = False):
-    """Encodes the groups v * unit, v [T, G]: after the Hadamard (v = S x, unit = 1 / sqrt(G)),
-    or the raw groups without one (unit = 1). mean_sq [T]: the mean square of the groups (ASH
-    energy; H is orthonormal, so that of x and of H x agree), None for codecs without pre-scale.
+def encode_groups(codec: Codec, v, *, unit: float, magic_round: bool = False):
+    """Encodes the groups v * unit, v [T, G] fp32: after the Hadamard (v = S x, unit =
+    `hadamard_unit(G)`), or the raw groups without one (unit = 1).
 
     Returns (codes uint8 [T, G], scale [T] or None, prescale [T] or None) with the `Payload`
     meaning: scale is fp32 s (or the uint8 E8M0 exponent of s / alpha), prescale is alpha.
-    y = alpha * H x and y / s become per-group factors: amax(|y|) is amax(|v|) * alpha * unit
-    (rounding is monotone), and codes take one multiply per element.
+
+    Every per-element quantity is computed on w = p v, p the power of two that brings the
+    group's absmax into [1, 2) (`group_normalizer`): y / s = qmax v / max|v| = qmax w / max|w|
+    in exact arithmetic (alpha and unit cancel), and the ASH energy is that of w. Only the
+    stored per-group scales carry the group's magnitude, so nothing overflows or underflows in
+    between. H is orthonormal: the energy of H x (w * unit) is that of x.
     """
-    alpha = ash_prescale(mean_sq) if codec.prescale else None
-    to_y = alpha * np.float32(unit) if codec.prescale else unit  # y = v * to_y
-    amax = jnp.max(jnp.abs(v), axis=-1) * to_y  # non-finite groups: see mark_nonfinite
-    if not codec.postscale:  # w/o DS: a NaN pre-scale marks a non-finite group
-        codes = quantize(codec, scale_rows(v, to_y), magic_round=magic_round)
+    amax = jnp.max(jnp.abs(v), axis=-1)  # non-finite groups: see mark_nonfinite
+    p, k = group_normalizer(amax)
+    w = scale_rows(v, p)
+    amax_w = amax * p
+    alpha = ash_prescale(mean_square(w, unit), p) if codec.prescale else None
+    if not codec.postscale:  # w/o DS: the pre-scale is the only scale; a NaN one marks the group
+        codes = quantize(codec, scale_rows(v, alpha * np.float32(unit)), magic_round=magic_round)
         return codes, None, mark_nonfinite(alpha, v)
-    s = postscale(amax, codec.qmax)
     if codec.scale_format == "e8m0":
-        combined = s / alpha if codec.prescale else s
-        exponent = e8m0_exponent(mark_nonfinite(combined, v))
-        # y / (2^e alpha) = v * unit / 2^e: alpha cancels.
-        factor = unit / e8m0_value(exponent)
+        # One byte holds s / alpha = max|v| unit / qmax, rounded up to 2^e; y / (2^e alpha) =
+        # v unit / 2^e (alpha cancels), and rounding up keeps |codes| <= qmax.
+        e = ceil_log2(amax_w * np.float32(unit / codec.qmax)) - k
+        exponent = e8m0_exponent(e, mark_nonfinite(amax, v))
+        factor = np.float32(unit) / e8m0_value(exponent)
         return quantize(codec, scale_rows(v, factor), magic_round=magic_round), exponent, None
-    s = mark_nonfinite(s, v)
-    return quantize(codec, scale_rows(v, to_y / s), magic_round=magic_round), s, alpha
+    to_code = jnp.where(amax_w > 0, codec.qmax / amax_w, 0.0)  # zero groups stay zero
+    codes = quantize(codec, scale_rows(w, to_code), magic_round=magic_round)
+    to_y = alpha * np.float32(unit) if codec.prescale else np.float32(unit)  # y = v * to_y
+    s = mark_nonfinite(amax * to_y / codec.qmax, v)
+    return codes, s, alpha
 
 
 def decode_factor(codec: Codec, scale, prescale, unit: float = 1.0):
@@ -452,9 +488,8 @@ def encode_reference(codec: Codec, x: jax.Array) -> Payload:
     g = codec.group_size
     groups = x.astype(jnp.float32).reshape(-1, g)  # [M, G]
     v = signed_hadamard(groups) if codec.hadamard else groups
-    mean_sq = mean_square(groups) if codec.prescale else None
     unit = hadamard_unit(g) if codec.hadamard else 1.0
-    codes, scale, prescale = encode_groups(codec, v, mean_sq, unit=unit)
+    codes, scale, prescale = encode_groups(codec, v, unit=unit)
     per_group = x.shape[:-1] + (x.shape[-1] // g,)
     scale, prescale = (None if a is None else a.reshape(per_group) for a in (scale, prescale))
     # The payload is a real boundary: without the barrier XLA may fold encode into a following

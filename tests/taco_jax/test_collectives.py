@@ -93,6 +93,27 @@ def test_one_shot_psum_within_one_quantization_bound(tp, mode):
     _assert_rank_identical(out)
 
 
+@pytest.mark.parametrize("algorithm", ["two_shot", "one_shot"])
+def test_psum_keeps_its_bound_at_every_magnitude(algorithm):
+    """Inputs N(0, 1) x 10^d for d = -30 .. 30 (each a separate call, as a user's tensors come):
+    the relative error stays within the bounds above at every scale. Norms in float64, where
+    the squares of 1e-30 and 1e30 do not leave the range."""
+    x = _ranks(4, (2, 1024), seed=40)
+    fn = jax.jit(
+        jax.vmap(lambda v: tj.compressed_psum(v, "tp", algorithm=algorithm), axis_name="tp")
+    )
+    for decade in range(-30, 31, 5):
+        scaled = x * np.float32(10.0**decade)
+        x64 = np.asarray(scaled, np.float64)
+        exact = x64.sum(axis=0)
+        rank_norms = float(np.sum(np.linalg.norm(x64.reshape(4, -1), axis=1)))
+        bound = U * rank_norms
+        if algorithm == "two_shot":
+            bound = U * (1 + U) * rank_norms + U * float(np.linalg.norm(exact))
+        err = float(np.linalg.norm(np.asarray(fn(scaled)[0], np.float64) - exact))
+        assert 1e-3 * np.linalg.norm(exact) <= err <= 1.01 * bound, decade
+
+
 def test_auto_algorithm_is_two_shot():
     cfg = tj.comm_config()
     assert [cfg.all_reduce_algorithm(n) for n in (2, 4, 8)] == ["two_shot"] * 3
