@@ -2,7 +2,8 @@
 
 For every TP size the machine has (2, 4, 8) and message sizes 64 KiB .. 1 GiB of bf16, times
 `lax.psum` (the baseline) and `compressed_psum` with each codec, all-reduce algorithm
-(`--algorithms`; the row names what "auto" chose) and `slices` in the same run, and checks
+(`--algorithms`: a named one compresses every message; "auto" leaves whether and how to
+`taco_jax.policy`, and the row names what it chose) and `slices` in the same run, and checks
 every output (relative error vs the exact fp32 psum, rank-identical results).
 Each timed call runs `--inner` collectives back to back inside one jitted loop (a data
 dependency between them, so none is elided); the figure is the median over `--reps` calls
@@ -39,39 +40,60 @@ def _mesh(tp: int):
     )
 
 
-def _looped(op, inner: int, tp: int):
-    """`inner` dependent applications of `op` on one device's block, rescaled to stay bounded."""
+def _looped(op, inner: int):
+    """`inner` dependent applications of `op` on one device's block.
+
+    Nothing else runs in the loop (an all-reduce of bf16 N(0, 1) data grows by N per step, far
+    from overflow for the default `inner`), so the time is the collective's alone."""
 
     def body(x):
-        def step(_, v):
-            return (op(v) * (1.0 / tp)).astype(v.dtype)
-
-        return lax.fori_loop(0, inner, step, x)
+        return lax.fori_loop(0, inner, lambda _, v: op(v), x)
 
     return body
 
 
+def _forced(algorithm: str) -> dict:
+    """Rows that name an algorithm compress every message (the policy's own choice is the
+    "auto" row's)."""
+    return {"min_compress_bytes": None if algorithm == "auto" else 0}
+
+
 def _ops(codec: str, slices: int, algorithm: str):
+    options = dict(codec=codec, slices=slices, **_forced(algorithm))
+
     def psum(v):
         if codec == "lax":
             return lax.psum(v, "tp")
-        return tj.compressed_psum(v, "tp", codec=codec, slices=slices, algorithm=algorithm)
+        return tj.compressed_psum(v, "tp", algorithm=algorithm, **options)
 
     def psum_scatter_then_gather(v):  # keeps the shape, so it can loop
         if codec == "lax":
             part = lax.psum_scatter(v, "tp", scatter_dimension=0, tiled=True)
             return lax.all_gather(part, "tp", axis=0, tiled=True)
-        part = tj.compressed_psum_scatter(v, "tp", codec=codec, slices=slices)
-        return tj.compressed_all_gather(part, "tp", axis=0, tiled=True, codec=codec, slices=slices)
+        part = tj.compressed_psum_scatter(v, "tp", **options)
+        return tj.compressed_all_gather(part, "tp", axis=0, tiled=True, **options)
 
     return {"all_reduce": psum, "reduce_scatter+all_gather": psum_scatter_then_gather}
+
+
+def _chosen(algorithm: str, tp: int, size: int) -> str:
+    """The all-reduce algorithm a row runs; for "auto", what `taco_jax.policy` chose on this
+    machine's link ("plain": the lax collective itself)."""
+    if algorithm != "auto":
+        return algorithm
+    if jax.default_backend() != "gpu":
+        return "auto:two_shot"  # no real link: every message compressed, two-shot
+    choice = tj.policy.measured_choice("all_reduce", "auto", tp, size)
+    return "auto:" + (choice.algorithm if choice.compress else "plain")
 
 
 def _check(tp: int, codec: str, algorithm: str, x_global: jax.Array, mesh) -> dict:
     """One compressed_psum against the exact fp32 sum; rank-identical output."""
     fn = jax.jit(
         jax.shard_map(
-            lambda v: tj.compressed_psum(v, "tp", codec=codec, algorithm=algorithm),
+            lambda v: tj.compressed_psum(
+                v, "tp", codec=codec, algorithm=algorithm, **_forced(algorithm)
+            ),
             mesh=mesh,
             in_specs=P("tp"),
             out_specs=P("tp"),
@@ -105,14 +127,14 @@ def run(args) -> dict:
                 for algorithm in args.algorithms
             ]
             for codec, slices, algorithm in variants:
-                chosen = tj.comm_config(algorithm=algorithm).all_reduce_algorithm(tp)
+                chosen = _chosen(algorithm, tp, size)
                 check = _check(tp, codec, algorithm, x, mesh) if codec != "lax" else {}
                 for name, op in _ops(codec, slices, algorithm).items():
                     if codec != "lax" and name != "all_reduce" and algorithm != args.algorithms[0]:
                         continue  # the algorithm is the all-reduce's; time the pair once
                     fn = jax.jit(
                         jax.shard_map(
-                            _looped(op, args.inner, tp),
+                            _looped(op, args.inner),
                             mesh=mesh,
                             in_specs=P("tp"),
                             out_specs=P("tp"),
@@ -154,7 +176,7 @@ def _format(row: dict) -> str:
     extra = f" err={row['rel_err']:.4f} same={row['rank_identical']}" if "rel_err" in row else ""
     return (
         f"tp={row['tp']} {row['bytes'] / MiB:8.2f} MiB {row['op']:26s} {row['codec']:10s} "
-        f"{row['algorithm']:8s} "
+        f"{row['algorithm']:14s} "
         f"D={row['slices']:2d} {row['seconds'] * 1e6:9.1f} us "
         f"bus {row['busbw_gbs']:7.1f} GB/s{extra}"
     )
