@@ -8,8 +8,9 @@ Cases (`--only TEXT` keeps those whose label contains TEXT):
   2. GPT-125M with TP = 4 emulated on the same device (`jax.vmap(axis_name="tp")`): the step time
      with every TP collective uncompressed ("none") and compressed ("taco"), and the ratio; on a
      GPU with `--impl auto` also "taco" through the XLA reference codec.
-  3. With >= 2 devices, GPT-1.3B with real TP over all of them (`shard_map`, NCCL): "none" and
-     "taco".
+  3. With >= 2 devices, GPT-1.3B with real TP over all of them (`shard_map`, NCCL): "none",
+     "taco auto" (the defaults: `taco_jax.policy` compresses where it measured a gain on this
+     link) and "taco ... forced" (every collective compressed, `min_compress_bytes=0`).
 Each configuration: compile, warm-up steps, then >= 10 timed steps, each ended by
 `jax.block_until_ready` (`_common.sample_seconds`); the median is reported. Tokens are random
 (speed does not depend on them). A configuration that fails (e.g. out of memory) is recorded
@@ -58,6 +59,7 @@ class Case:
     impl: str = "auto"
     overrides: tuple = ()
     algorithm: str = "auto"  # of the all-reduces (taco_jax.CommConfig.algorithm)
+    min_compress_bytes: int | None = None  # None: taco_jax.policy decides
 
     def model(self) -> ModelConfig:
         return ModelConfig.preset(self.preset, **dict(self.overrides))
@@ -88,22 +90,23 @@ def default_cases(args) -> list[Case]:
         # Real TP over every GPU of the machine (NCCL), GPT-1.3B: bf16 psum vs compressed.
         real = ParallelConfig(tp=n_devices, remat=remat, scan_layers=not args.unroll)
         label = f"gpt_1p3b tp={n_devices} (shard_map)"
+        run = dict(preset="gpt_1p3b", batch=args.batch_1p3b, parallel=real, impl=args.impl)
         cases += [
-            Case(f"{label} none", "gpt_1p3b", args.batch_1p3b, real, "none"),
-            Case(f"{label} taco", "gpt_1p3b", args.batch_1p3b, real, "taco", args.impl),
+            Case(f"{label} none", codec="none", **run),
+            # The defaults: taco_jax.policy compresses where it measured a gain on this link.
+            Case(f"{label} taco auto", codec="taco", **run),
+            # Every collective compressed, whatever the link: what the policy chooses against.
+            Case(
+                f"{label} taco two_shot forced",
+                codec="taco",
+                algorithm="two_shot",
+                min_compress_bytes=0,
+                **run,
+            ),  # fmt: skip
         ]
-        if n_devices == 2:  # where one-shot sends the bytes of two-shot: time it beside "auto"
-            cases.append(
-                Case(
-                    f"{label} taco one_shot",
-                    "gpt_1p3b",
-                    args.batch_1p3b,
-                    real,
-                    "taco",
-                    args.impl,
-                    algorithm="one_shot",
-                )
-            )
+        if n_devices == 2:  # where one-shot sends the bytes of two-shot
+            cases.append(Case(f"{label} taco one_shot forced", codec="taco",
+                              algorithm="one_shot", min_compress_bytes=0, **run))  # fmt: skip
     if args.impl == "auto" and jax.default_backend() == "gpu":
         # The XLA (pure jnp) codec next to the Pallas kernels that "auto" picks on a GPU.
         cases.append(
@@ -121,7 +124,13 @@ def peak_flops() -> float | None:
 
 def run_case(case: Case, steps: int, warmup: int) -> dict:
     cfg = case.model()
-    comm = taco_jax.TPComm.create("tp", fwd=case.codec, impl=case.impl, algorithm=case.algorithm)
+    comm = taco_jax.TPComm.create(
+        "tp",
+        fwd=case.codec,
+        impl=case.impl,
+        algorithm=case.algorithm,
+        min_compress_bytes=case.min_compress_bytes,
+    )
     built = make_steps(cfg, case.parallel, comm, optax.adamw(1e-4, weight_decay=0.1))
     state = built.init(jax.random.key(0))
     rng = np.random.default_rng(0)

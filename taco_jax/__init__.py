@@ -5,12 +5,14 @@ Public API:
   CommConfig, comm_config: the collective options and their defaults
   TPComm, copy_to_tp, reduce_from_tp, gather_from_sp, scatter_to_sp (tp.py: Megatron f / g)
   Codec, Payload, get_codec, CODEC_NAMES, roundtrip                 (codecs.py)
+  policy: what the "auto" options choose (whether and how to compress), from measurements
   telemetry: per-collective relative error (a study tool)
 
 The library needs JAX and NumPy only; the fused GPU kernels (`pallas_kernels`) are imported on
 first use, and nothing here imports the models or the training application.
 """
 
+from taco_jax import policy, telemetry
 from taco_jax.codecs import CODEC_NAMES, Codec, Payload, get_codec, roundtrip
 from taco_jax.collectives import (
     CommConfig,
@@ -35,8 +37,10 @@ __all__ = [
     "copy_to_tp",
     "gather_from_sp",
     "get_codec",
+    "policy",
     "reduce_from_tp",
     "roundtrip",
     "scatter_to_sp",
+    "telemetry",
     "wire_bytes_per_rank",
 ]

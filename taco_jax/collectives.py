@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from taco_jax import _backends, codecs, telemetry
+from taco_jax import _backends, codecs, policy, telemetry
 from taco_jax.codecs import Codec
 
 MAX_SLICES = 16
@@ -29,9 +29,7 @@ MAX_SLICES = 16
 # encodes its whole message once, all-gathers the codes and sums all N decoded copies (one
 # collective, one quantization; each rank sends (N - 1) x the wire). "two_shot": reduce-scatter
 # of codes, re-encode of the sum, all-gather (two quantizations; each rank sends 2 (N - 1) / N x
-# the wire). "auto": two-shot. At N = 2, where both send the same bytes, one-shot measured
-# 1.3-1.4x faster than two-shot over sockets, as fast over host shared memory and 10-15% slower
-# over NVLink (BENCHMARKS.md), so it is an option until a policy can tell the links apart.
+# the wire). "auto": `taco_jax.policy` chooses.
 ALGORITHMS = ("auto", "one_shot", "two_shot")
 
 
@@ -45,11 +43,14 @@ class CommConfig:
     codec: the codec (`codec.is_identity` means the plain lax collective).
     impl: "auto" | "xla" | "pallas" | "pallas_interpret"; which codec kernels run.
     algorithm: "auto" | "one_shot" | "two_shot"; how an all-reduce moves its codes
-      (`ALGORITHMS`). Reduce-scatter and all-gather have one algorithm each.
+      (`ALGORITHMS`; "auto": `taco_jax.policy`). Reduce-scatter and all-gather have one each.
     slices: split the message into this many independent pieces (1..16) so that the encode of
       piece i+1 can overlap the transfer of piece i.
     min_compress_bytes: messages smaller than this use the plain lax collective (0: compress
-      every message; where compression pays is a property of the link, see BENCHMARKS.md).
+      every message); None: `taco_jax.policy` decides from measurements on GPU links (and
+      compresses every message where no bytes move: the CPU, `vmap` emulation).
+    link: "auto" | "nvlink" | "shm" | "socket"; the link the policy assumes ("auto": from
+      NCCL's switches, `taco_jax.policy.detect_link`).
     telemetry: also run the exact collective and record the relative error (`taco_jax.telemetry`).
     """
 
@@ -58,7 +59,8 @@ class CommConfig:
     impl: str = "auto"
     algorithm: str = "auto"
     slices: int = 1
-    min_compress_bytes: int = 0
+    min_compress_bytes: int | None = None
+    link: str = "auto"
     telemetry: bool = False
 
     def __post_init__(self):
@@ -68,16 +70,15 @@ class CommConfig:
             raise ValueError(f"unknown algorithm={self.algorithm!r}; choose one of {ALGORITHMS}")
         if not 1 <= self.slices <= MAX_SLICES:
             raise ValueError(f"slices={self.slices} must be in [1, {MAX_SLICES}]")
-        if self.min_compress_bytes < 0:
-            raise ValueError(f"min_compress_bytes={self.min_compress_bytes} must be >= 0")
+        if self.min_compress_bytes is not None and self.min_compress_bytes < 0:
+            raise ValueError(f"min_compress_bytes={self.min_compress_bytes} must be >= 0 or None")
+        if self.link not in policy.LINKS:
+            raise ValueError(f"unknown link={self.link!r}; choose one of {policy.LINKS}")
 
-    def compresses(self, x: jax.Array) -> bool:
-        return not self.codec.is_identity and x.size * x.dtype.itemsize >= self.min_compress_bytes
-
-    def all_reduce_algorithm(self, n_ranks: int) -> str:
-        """The all-reduce algorithm for a group of `n_ranks` ("auto" resolved)."""
-        del n_ranks  # the policy does not depend on it yet (see ALGORITHMS)
-        return "two_shot" if self.algorithm == "auto" else self.algorithm
+    def choice(self, op: str, x: jax.Array, axis_name, n_ranks: int, *, scale: int = 1):
+        """`taco_jax.policy.choose` for `op` on x (message bytes per rank: x's, times `scale`)."""
+        nbytes = x.size * x.dtype.itemsize * scale
+        return policy.choose(self, op, nbytes, axis_name, n_ranks)
 
 
 CodecLike = str | Codec | CommConfig
@@ -89,7 +90,7 @@ OPTION_NAMES = ("group_size",) + tuple(
 
 def comm_config(codec: CodecLike = codecs.DEFAULT_CODEC, **overrides) -> CommConfig:
     """A `CommConfig` from a codec name, a `Codec` or a `CommConfig`, with keyword overrides of
-    its fields (`impl`, `algorithm`, `slices`, `min_compress_bytes`, `telemetry`) and of
+    its fields (`impl`, `algorithm`, `slices`, `min_compress_bytes`, `link`, `telemetry`) and of
     `group_size`.
 
     comm_config("taco", slices=4) == CommConfig(get_codec("taco"), slices=4).
@@ -216,7 +217,8 @@ def _rows_for(flat: jax.Array, rows: int, cfg: CommConfig) -> tuple[jax.Array, i
 
 def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) -> jax.Array:
     n_ranks = axis_size(axis_name)
-    if n_ranks == 1 or not cfg.compresses(x):
+    choice = cfg.choice("all_reduce", x, axis_name, n_ranks)
+    if n_ranks == 1 or not choice.compress:
         return lax.psum(x, axis_name)  # N = 1 moves nothing, so nothing is compressed
     invariant = varies_along(x, axis_name)
     ops = _backends.get_ops(cfg.impl)
@@ -232,7 +234,7 @@ def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) ->
         # Every rank sums the same N rows in rank order: bit-identical outputs.
         return ops.decode_sum(cfg.codec, gathered, piece.shape[-1], x.dtype)[None]
 
-    if cfg.all_reduce_algorithm(n_ranks) == "one_shot":
+    if choice.algorithm == "one_shot":
         fn, rows_of = one_shot, 1
     else:
         fn, rows_of = two_shot, n_ranks
@@ -261,7 +263,7 @@ def _reduce_scatter(
         raise ValueError(f"tiled=False needs shape[{dim}] == axis size {n_ranks}, got {x.shape}")
     if n_ranks == 1:
         return x if tiled else jnp.squeeze(x, dim)
-    if not cfg.compresses(x):
+    if not cfg.choice("reduce_scatter", x, axis_name, n_ranks).compress:
         return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
     moved = jnp.moveaxis(x, dim, 0)
     block_shape = (moved.shape[0] // n_ranks,) + moved.shape[1:]
@@ -289,7 +291,8 @@ def _all_gather(
     tag: str,
 ) -> jax.Array:
     n_ranks = axis_size(axis_name)
-    if not cfg.compresses(x) or n_ranks == 1:
+    # The policy reads the all-gather's output size (the sequence-parallel pair's message).
+    if n_ranks == 1 or not cfg.choice("all_gather", x, axis_name, n_ranks, scale=n_ranks).compress:
         # N = 1 moves nothing; the lax op then only adds or keeps the gathered axis.
         return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
     ops = _backends.get_ops(cfg.impl)
@@ -361,8 +364,9 @@ def compressed_psum(
     psum of the cotangent (`bwd_codec`, default `codec`) under `vmap` or `check_vma=False`.
     Megatron's g with an identity backward everywhere is `taco_jax.reduce_from_tp`.
 
-    Where compressing pays depends on the link (BENCHMARKS.md): on 2 NVLink-connected H200s
-    NCCL's bf16 all-reduce is about as fast; on slow links the bytes decide.
+    Where compressing pays depends on the link and the size (BENCHMARKS.md): with the "auto"
+    options, on GPUs `taco_jax.policy` runs `lax.psum` itself where the measurements say the
+    compressed one is not faster (on 2 NVLink-connected H200s: every size measured).
     Under `check_vma=True`, x must be typed varying along the axis (partial sums are); for a
     replicated x, `lax.psum` returns N x, which this op does not reproduce.
 
@@ -377,7 +381,8 @@ def compressed_psum(
       **overrides: any `CommConfig` option, applied to both directions: `group_size` (G,
         32..512), `impl` ("auto": Pallas kernels on GPU, else XLA; "xla", "pallas",
         "pallas_interpret"), `algorithm` ("auto", "one_shot", "two_shot"), `slices` (1..16
-        independent pieces), `min_compress_bytes` (smaller messages run `lax.psum`),
+        independent pieces), `min_compress_bytes` (smaller messages run `lax.psum`; None:
+        `taco_jax.policy`), `link` (what the policy assumes),
         `telemetry`. Defaults: `CommConfig`'s.
     """
     _check_floating(x, "compressed_psum")
@@ -469,8 +474,10 @@ def wire_bytes_per_rank(num_elements: int, n_ranks: int, cfg: CommConfig) -> int
 
     docs/method.md, "Collectives", for `taco`: two-shot 2 (N-1)/N x (1 + 8/G) bytes per element
     (both phases), one-shot (N-1) x (1 + 8/G); a bf16 ring all-reduce sends 2 (N-1)/N x 2.
+    `algorithm="auto"` counts as two-shot, what it runs off a real link (on GPUs
+    `taco_jax.policy` may choose one-shot, or no compression at all).
     """
-    one_shot = cfg.all_reduce_algorithm(n_ranks) == "one_shot"
+    one_shot = cfg.algorithm == "one_shot"
     rows = 1 if one_shot else n_ranks
     per_row = math.ceil(num_elements / (rows * cfg.codec.group_size * cfg.slices))
     chunk = cfg.codec.wire_bytes(per_row * cfg.codec.group_size * cfg.slices)

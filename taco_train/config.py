@@ -48,9 +48,9 @@ class CompressionConfig:
 
     fwd / bwd: codec names (`taco_jax.CODEC_NAMES`) for activations / activation gradients; bwd
       None means the same as fwd.
-    group_size, impl, algorithm, slices, min_compress_bytes: the collective options of
-      `taco_jax.CommConfig`
-      (and the codec's group size), with the library's defaults.
+    group_size, impl, algorithm, slices, min_compress_bytes, link: the collective options of
+      `taco_jax.CommConfig` (and the codec's group size), with the library's defaults
+      (min_compress_bytes unset: `taco_jax.policy` decides).
     telemetry: record the relative error of every compressed collective against the exact one
       (`taco_jax.telemetry`) and log it to the metrics file.
     """
@@ -61,7 +61,8 @@ class CompressionConfig:
     impl: str = _COMM.impl
     algorithm: str = _COMM.algorithm
     slices: int = _COMM.slices
-    min_compress_bytes: int = _COMM.min_compress_bytes
+    min_compress_bytes: int | None = _COMM.min_compress_bytes
+    link: str = _COMM.link
     telemetry: bool = _COMM.telemetry
 
     def __post_init__(self):

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
+import taco_jax
 from models.parallel import check_devices, weight_decay_mask
 from taco_jax import telemetry
 from taco_train import data, metrics, optim
@@ -148,6 +149,16 @@ def _write_config(cfg: TrainConfig, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(_config_json(cfg), indent=1))
 
 
+def _say_policy(cfg: TrainConfig) -> None:
+    """Where the collectives' "auto" policy compresses on this machine's link, when it decides:
+    TP over real GPUs with min_compress_bytes unset (docs/method.md, "The auto policy")."""
+    comp = cfg.compression
+    real_tp = cfg.parallel.tp > 1 and cfg.parallel.mode == "shard_map"
+    if real_tp and comp.min_compress_bytes is None and jax.default_backend() == "gpu":
+        _say("collectives (auto policy, by message size per rank):")
+        _say(taco_jax.policy.summary(comp.link, cfg.parallel.tp))
+
+
 def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
     """Runs `cfg.run.steps` optimizer steps (resuming if possible); returns the last records."""
     maybe_initialize_distributed(cfg.run.distributed)
@@ -171,6 +182,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
         f"bwd={cfg.compression.bwd or cfg.compression.fwd} | train tokens "
         f"{run.dataset.train.size:,} | steps {start} -> {cfg.run.steps} | out {run.out}"
     )
+    _say_policy(cfg)
     try:
         return _loop(run, state, start, ckpt, writer)
     finally:  # Also after a non-finite loss: the plot shows where it went wrong.
