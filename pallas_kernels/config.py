@@ -35,16 +35,22 @@ class Launch:
 ENCODE_DECODE = Launch(elements_per_tile=8192, num_warps=4, dot_columns=16, tiles_per_program=2)
 # decode-sum: the N peer tiles live in registers at once.
 PEERS_DOT = Launch(elements_per_tile=2048, num_warps=4, dot_columns=64, tiles_per_program=4)
+# decode-sum of two peers (one-shot at N = 2, a full-size output): decode's tile fits, and one
+# tile per program measured fastest (benchmarks/decode_sum_launch.py: 73% of the copy at 1 GiB
+# against 51% with PEERS_DOT, BENCHMARKS.md "Kernels").
+TWO_PEERS_DOT = Launch(elements_per_tile=8192, num_warps=4, dot_columns=16, tiles_per_program=1)
 # decode-sum-reencode (it needs no Hadamard: H H = I), and decode-sum without a Hadamard.
 PEERS_NO_DOT = Launch(elements_per_tile=2048, num_warps=4, dot_columns=None, tiles_per_program=1)
 # A plain streaming pass: the fp8 / int8 codecs without a Hadamard.
 NO_DOT = Launch(elements_per_tile=8192, num_warps=8, dot_columns=None, tiles_per_program=1)
-# By (several peer rows summed into one, Hadamard dot).
+# By (peer rows summed into one: 1, 2 or more, Hadamard dot).
 _LAUNCHES = {
-    (False, True): ENCODE_DECODE,
-    (False, False): NO_DOT,
-    (True, True): PEERS_DOT,
-    (True, False): PEERS_NO_DOT,
+    (1, True): ENCODE_DECODE,
+    (1, False): NO_DOT,
+    (2, True): TWO_PEERS_DOT,
+    (2, False): PEERS_NO_DOT,
+    (3, True): PEERS_DOT,
+    (3, False): PEERS_NO_DOT,
 }
 # A dot program loops over its tiles only once the launch has enough tiles to fill the GPU with
 # programs anyway (132 SMs x ~4 resident programs x the loop).
@@ -110,7 +116,7 @@ def block_config(group_size: int, num_groups: int, *, rows=1, peers=1, dot=True)
 
     dot: the kernel applies the Hadamard dot (then it loops over tiles, see module docstring).
     """
-    launch = _LAUNCHES[(peers > 1, dot)]
+    launch = _LAUNCHES[(min(peers, 3), dot)]
     groups = max(MIN_GROUPS_PER_TILE, launch.elements_per_tile // group_size)
     groups = max(MIN_GROUPS_PER_TILE, min(groups, _next_pow2(num_groups)))
     tiles = rows * cdiv(num_groups, groups)
