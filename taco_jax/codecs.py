@@ -298,8 +298,8 @@ def ceil_log2(x: jax.Array) -> jax.Array:
 def ash_prescale(mean_sq_normalized: jax.Array, p: jax.Array) -> jax.Array:
     """alpha per group: scales the group to RMS 448 (the E4M3 maximum), docs/method.md "Codec".
 
-    mean_sq_normalized: the mean square of the group times p (see `group_normalizer`), so the
-    energy neither overflows nor underflows; alpha = 448 p / rms(p x) = 448 / rms(x), kept in
+    mean_sq_normalized: the mean square of p x, the group scaled by `group_normalizer`'s p, so
+    the energy neither overflows nor underflows; alpha = 448 p / rms(p x) = 448 / rms(x), kept in
     [PRESCALE_MIN, PRESCALE_MAX] (an all-zero group gets PRESCALE_MAX).
     """
     alpha = ASH_TARGET_RMS * lax.rsqrt(mean_sq_normalized) * p

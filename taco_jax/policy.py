@@ -9,8 +9,9 @@ when their options are left at "auto" (`CommConfig.algorithm="auto"`,
   `_policy_table.SPEEDUPS`, measured at N = 2 on each link (`benchmarks/policy_table.py` writes
   it from `benchmarks/collectives.py` records). A message is compressed when the best measured
   algorithm at the largest measured size not above it was at least `MIN_SPEEDUP` faster than
-  the plain collective; below the smallest measured size, never. For N > 2 the same decision is
-  taken with two-shot, which moves fewer bytes than one-shot there: a model, not a measurement.
+  the plain collective (and, between two measured sizes, at both); below the smallest measured
+  size, never. For N > 2 two-shot runs (fewer bytes than one-shot there) and its own N = 2 row
+  decides: a model, not a measurement.
 - Anywhere else (the CPU, or a TP group emulated with `jax.vmap(axis_name=...)`, where no bytes
   move) every message is compressed with two-shot, TACO's algorithm: what a numerics study wants.
 
@@ -30,7 +31,10 @@ import jax
 from taco_jax import _policy_table
 
 LINKS = ("auto", "nvlink", "shm", "socket")
-# Compress only where the measurement beat the plain collective by more than run-to-run noise.
+# Compress only where the measurement beat the plain collective by more than the run-to-run
+# spread of large messages (a few percent). At 1-4 MiB the table's runs jitter more
+# (BENCHMARKS.md); the rule between sizes (both neighbours must agree) keeps one lucky
+# measurement from spreading to unmeasured sizes.
 MIN_SPEEDUP = 1.05
 # Which measured row a collective reads: an all-reduce its own, reduce-scatter and all-gather
 # the row of the pair (each is about half of it).
@@ -62,24 +66,44 @@ def resolve_link(link: str) -> str:
     return detect_link() if link == "auto" else link
 
 
+def _table(op: str, link: str, n_ranks: int) -> dict[str, dict[int, float]]:
+    """{algorithm: {bytes: speedup}} the decision for `op` reads. Above N = 2 only two-shot's
+    row: it is the algorithm that runs there (fewer bytes than one-shot, see module docstring)."""
+    rows = _policy_table.SPEEDUPS[resolve_link(link)][TABLE_OPS[op]]
+    if op == "all_reduce" and n_ranks > 2:
+        return {"two_shot": rows["two_shot"]}
+    return rows
+
+
+def _best_at(rows, size: int) -> tuple[str, float]:
+    return max(((a, per_size[size]) for a, per_size in rows.items()), key=lambda r: r[1])
+
+
 def measured_choice(op: str, link: str, n_ranks: int, nbytes: int) -> Choice:
     """What the table says for `op` on `link` with a message of `nbytes` per rank (the all-reduce's
-    and reduce-scatter's input, the all-gather's output)."""
-    rows = _policy_table.SPEEDUPS[resolve_link(link)][TABLE_OPS[op]]
+    and reduce-scatter's input, the all-gather's output).
+
+    Compress at a measured size when its best speedup reached MIN_SPEEDUP; between two measured
+    sizes only when both did; above the largest as the largest; below the smallest never. The
+    algorithm is the best measured at the nearest size at or below (the smallest size's below
+    it), whether or not the table says to compress, so that a forced compression runs the
+    faster one.
+    """
+    rows = _table(op, link, n_ranks)
     sizes = sorted({size for per_size in rows.values() for size in per_size})
     below = [size for size in sizes if size <= nbytes]
+    above = [size for size in sizes if size > nbytes]
+    near = below[-1] if below else sizes[0]
+    best, speedup = _best_at(rows, near)
+    algorithm = best if op == "all_reduce" else "-"
+    where = f"{link} at {near >> 20} MiB"
     if not below:
-        return Choice(False, "-", f"{nbytes} B is below the smallest measured size {sizes[0]} B")
-    size = below[-1]
-    best, speedup = max(((a, per_size[size]) for a, per_size in rows.items()), key=lambda r: r[1])
-    where = f"{link} at {size >> 20} MiB"
-    if speedup < MIN_SPEEDUP:
-        return Choice(False, "-", f"{where}: best measured {speedup:.2f}x < {MIN_SPEEDUP}x")
-    if op != "all_reduce":
-        best = "-"
-    elif n_ranks > 2:
-        best = "two_shot"  # fewer bytes than one-shot for N > 2 (a model, see module docstring)
-    return Choice(True, best, f"{where}: measured {speedup:.2f}x")
+        return Choice(False, algorithm, f"{nbytes} B is below the smallest measured size")
+    neighbours = [near] + ([above[0]] if nbytes != near and above else [])
+    worst = min(_best_at(rows, size)[1] for size in neighbours)
+    if worst < MIN_SPEEDUP:
+        return Choice(False, algorithm, f"{where}: measured {worst:.2f}x < {MIN_SPEEDUP}x")
+    return Choice(True, algorithm, f"{where}: measured {speedup:.2f}x")
 
 
 def on_real_link(axis_name) -> bool:
@@ -110,7 +134,7 @@ def choose(cfg, op: str, nbytes: int, axis_name, n_ranks: int) -> Choice:
         algorithm = "-"
     elif cfg.algorithm != "auto":
         algorithm = cfg.algorithm
-    elif measured is not None and measured.algorithm != "-":
+    elif measured is not None:
         algorithm = measured.algorithm
     else:
         algorithm = "two_shot"

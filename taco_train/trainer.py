@@ -149,14 +149,19 @@ def _write_config(cfg: TrainConfig, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(_config_json(cfg), indent=1))
 
 
-def _say_policy(cfg: TrainConfig) -> None:
-    """Where the collectives' "auto" policy compresses on this machine's link, when it decides:
-    TP over real GPUs with min_compress_bytes unset (docs/method.md, "The auto policy")."""
+def _say_policy(cfg: TrainConfig, out: Path) -> None:
+    """Where the collectives' "auto" policy compresses on this machine's link, when it decides
+    (TP over real GPUs with min_compress_bytes unset, docs/method.md "The auto policy"):
+    printed, and kept in `collectives_policy.txt` beside the run's config, so a run recorded as
+    `taco` says where it really compressed."""
     comp = cfg.compression
     real_tp = cfg.parallel.tp > 1 and cfg.parallel.mode == "shard_map"
     if real_tp and comp.min_compress_bytes is None and jax.default_backend() == "gpu":
-        _say("collectives (auto policy, by message size per rank):")
-        _say(taco_jax.policy.summary(comp.link, cfg.parallel.tp))
+        text = taco_jax.policy.summary(comp.link, cfg.parallel.tp)
+        _say("collectives (auto policy, by message bytes per rank; set "
+             "compression.min_compress_bytes=0 to compress every one):\n" + text)  # fmt: skip
+        if jax.process_index() == 0:
+            (out / "collectives_policy.txt").write_text(text + "\n")
 
 
 def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
@@ -182,7 +187,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
         f"bwd={cfg.compression.bwd or cfg.compression.fwd} | train tokens "
         f"{run.dataset.train.size:,} | steps {start} -> {cfg.run.steps} | out {run.out}"
     )
-    _say_policy(cfg)
+    _say_policy(cfg, run.out)
     try:
         return _loop(run, state, start, ckpt, writer)
     finally:  # Also after a non-finite loss: the plot shows where it went wrong.

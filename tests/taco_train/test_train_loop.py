@@ -6,9 +6,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from train_testing import tiny_args, untimed
+from train_testing import TINY, tiny_args, untimed
 
-from taco_train import metrics
+import taco_jax
+from taco_train import metrics, trainer
+from taco_train.config import load_config
 from taco_train.main import main
 
 
@@ -109,3 +111,18 @@ def test_divergence_stops_in_one_line_and_saves_no_nonfinite_state(cache, tmp_pa
         state = manager.restore(step, args=ocp.args.StandardRestore())
         assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"]))
     manager.close()
+
+
+@pytest.mark.parametrize("mode,written", [("shard_map", True), ("vmap", False)])
+def test_auto_policy_is_printed_and_kept_for_real_tp_on_gpus(tmp_path, monkeypatch, capsys,
+                                                             mode, written):  # fmt: skip
+    """TP over real GPUs with the defaults: the policy's choices go to stderr and to
+    collectives_policy.txt (the backend is declared a GPU here; nothing runs on it)."""
+    cfg = load_config(TINY, ["parallel.tp=2", f"parallel.mode={mode!r}"])
+    monkeypatch.setattr(trainer.jax, "default_backend", lambda: "gpu")
+    trainer._say_policy(cfg, tmp_path)
+    kept = tmp_path / "collectives_policy.txt"
+    assert kept.exists() == written
+    if written:
+        assert kept.read_text() == taco_jax.policy.summary("auto", 2) + "\n"
+        assert "all_reduce on" in capsys.readouterr().err
