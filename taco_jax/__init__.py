@@ -2,9 +2,11 @@
 
 Public API:
   compressed_psum, compressed_psum_scatter, compressed_all_gather  (collectives.py)
+  compressed_ppermute: pipeline stage-to-stage sends                 (ppermute.py)
   CommConfig, comm_config: the collective options and their defaults
   TPComm, copy_to_tp, reduce_from_tp, gather_from_sp, scatter_to_sp (tp.py: Megatron f / g)
   Codec, Payload, get_codec, CODEC_NAMES, roundtrip                 (codecs.py)
+  tahquant: TAH-Quant, the stage codecs (get_stage_codec, STAGE_CODEC_NAMES)
   policy: what the "auto" options choose (whether and how to compress), from measurements
   telemetry: per-collective relative error (a study tool)
 
@@ -12,7 +14,7 @@ The library needs JAX and NumPy only; the fused GPU kernels (`pallas_kernels`) a
 first use, and nothing here imports the models or the training application.
 """
 
-from taco_jax import policy, telemetry
+from taco_jax import policy, tahquant, telemetry
 from taco_jax.codecs import CODEC_NAMES, Codec, Payload, get_codec, roundtrip
 from taco_jax.collectives import (
     CommConfig,
@@ -22,6 +24,7 @@ from taco_jax.collectives import (
     compressed_psum_scatter,
     wire_bytes_per_rank,
 )
+from taco_jax.ppermute import compressed_ppermute
 from taco_jax.tp import TPComm, copy_to_tp, gather_from_sp, reduce_from_tp, scatter_to_sp
 
 __all__ = [
@@ -32,6 +35,7 @@ __all__ = [
     "TPComm",
     "comm_config",
     "compressed_all_gather",
+    "compressed_ppermute",
     "compressed_psum",
     "compressed_psum_scatter",
     "copy_to_tp",
@@ -41,6 +45,7 @@ __all__ = [
     "reduce_from_tp",
     "roundtrip",
     "scatter_to_sp",
+    "tahquant",
     "telemetry",
     "wire_bytes_per_rank",
 ]

@@ -1,0 +1,192 @@
+"""`compressed_ppermute`: `lax.ppermute` with compressed traffic, for pipeline stage-to-stage
+sends (activations forward, their gradients backward).
+
+It carries any codec: the stage codecs of `taco_jax.tahquant` (TAH-Quant; the default) and the
+TP codecs of `taco_jax.codecs` (`taco`, `int8_hadamard`, ...). Each rank encodes its whole
+message, the wire moves with `lax.ppermute`, the receiver decodes; a rank that receives nothing
+gets zeros, as from `lax.ppermute`. The backward is the compressed ppermute of the cotangent
+along the inverse permutation, with the backward codec (TAH-Quant: its symmetric variant).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from taco_jax import _backends, codecs, tahquant, telemetry
+from taco_jax.collectives import AxisName, axis_size
+from taco_jax.tahquant import TahQuant
+
+DEFAULT_STAGE_CODEC = "tahquant"
+StageCodec = codecs.Codec | TahQuant
+
+
+@dataclasses.dataclass(frozen=True)
+class _Direction:
+    """One direction's codec and options (static)."""
+
+    codec: StageCodec
+    impl: str
+    telemetry: bool
+
+
+def resolve_codec(codec: str | StageCodec) -> StageCodec:
+    """A stage codec (`tahquant.STAGE_CODEC_NAMES`) or a TP codec (`codecs.CODEC_NAMES`)."""
+    if isinstance(codec, codecs.Codec | TahQuant):
+        return codec
+    if codec in tahquant.STAGE_CODEC_NAMES:
+        return tahquant.get_stage_codec(codec)
+    if codec in codecs.CODEC_NAMES:
+        return codecs.get_codec(codec)
+    names = tahquant.STAGE_CODEC_NAMES + codecs.CODEC_NAMES
+    raise ValueError(f"unknown codec {codec!r}; choose one of {names}")
+
+
+def backward_codec(codec: StageCodec) -> StageCodec:
+    """The default codec of the gradients: TAH-Quant's symmetric variant, else the same codec."""
+    return codec.backward if isinstance(codec, TahQuant) else codec
+
+
+def check_perm(perm, n_ranks: int) -> tuple[tuple[int, int], ...]:
+    """`perm` as a tuple of (source, destination) pairs; a clear error if it is not one."""
+    try:
+        pairs = tuple((int(s), int(d)) for s, d in perm)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"perm={perm!r} must be a sequence of (source, destination) pairs"
+        ) from None
+    for s, d in pairs:
+        if not (0 <= s < n_ranks and 0 <= d < n_ranks):
+            raise ValueError(
+                f"perm={perm!r}: pair ({s}, {d}) is outside the axis of size {n_ranks}"
+            )
+    for position, label in ((0, "source"), (1, "destination")):
+        ranks = [pair[position] for pair in pairs]
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"perm={perm!r}: a {label} appears twice")
+    return pairs
+
+
+def _wire_ops(direction: _Direction):
+    """(encode(rows, key) -> wire, decode(wire, n, dtype) -> rows) of the direction's codec."""
+    codec = direction.codec
+    if isinstance(codec, TahQuant):  # the jnp reference (no fused kernel yet)
+        return (functools.partial(tahquant.encode_wire, codec),
+                functools.partial(tahquant.decode_wire, codec))  # fmt: skip
+    ops = _backends.get_ops(direction.impl)
+    return (lambda rows, key: ops.encode(codec, rows),
+            lambda wire, n, dtype: ops.decode(codec, wire, n, dtype))  # fmt: skip
+
+
+def _completed(pairs, n_ranks: int) -> tuple[tuple[int, int], ...]:
+    """`pairs` extended to a permutation of all ranks (the ranks that send nothing send to those
+    that receive nothing): `lax.ppermute` under `vmap` takes only full permutations."""
+    free_sources = sorted(set(range(n_ranks)) - {s for s, _ in pairs})
+    free_destinations = sorted(set(range(n_ranks)) - {d for _, d in pairs})
+    return pairs + tuple(zip(free_sources, free_destinations, strict=True))
+
+
+def _receives(axis_name, pairs) -> jax.Array:
+    """Whether this rank is a destination of `pairs`."""
+    return jnp.isin(lax.axis_index(axis_name), jnp.asarray([d for _, d in pairs]))
+
+
+def _moved(v, axis_name, pairs, full):
+    """`lax.ppermute(v, axis_name, pairs)`, moved along `full` (`_completed(pairs)`): zeros on
+    ranks that receive nothing, also under vmap."""
+    moved = lax.ppermute(v, axis_name, full)
+    return moved if full == pairs else jnp.where(_receives(axis_name, pairs), moved, 0)
+
+
+def _send(x, axis_name, pairs, full, direction: _Direction, key, tag):
+    """One compressed ppermute of x along `pairs` (`full`: `_completed(pairs)`)."""
+    if direction.codec.is_identity:
+        return _moved(x, axis_name, pairs, full)
+    encode, decode = _wire_ops(direction)
+    if key is not None:  # ranks draw independent rounding noise
+        key = jax.random.fold_in(key, lax.axis_index(axis_name))
+    row, size = codecs.pad_to_multiple(x.reshape(1, -1), direction.codec.group_size)
+    wire = lax.ppermute(encode(row, key), axis_name, full)
+    out = decode(wire, row.shape[-1], x.dtype)[0, :size].reshape(x.shape)
+    # Ranks that receive nothing return zeros: what they decoded came from a filler pair of the
+    # completed permutation (or is a zero wire, which need not decode to 0 for a TP codec).
+    out = jnp.where(_receives(axis_name, pairs), out, jnp.zeros_like(out))
+    if direction.telemetry:
+        exact = _moved(x, axis_name, pairs, full)
+        telemetry.record(f"{tag}:{direction.codec.name}", out, exact)
+    return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+def _ppermute(x, key, axis_name, perms, n_ranks, fwd, bwd, tag):
+    pairs, full = perms
+    return _send(x, axis_name, pairs, full, fwd, key, tag)
+
+
+def _ppermute_fwd(x, key, axis_name, perms, n_ranks, fwd, bwd, tag):
+    return _ppermute(x, key, axis_name, perms, n_ranks, fwd, bwd, tag), key
+
+
+def _ppermute_bwd(axis_name, perms, n_ranks, fwd, bwd, tag, key, ct):
+    pairs, _ = perms
+    inverse = tuple((d, s) for s, d in pairs)
+    ct_key = None if key is None else jax.random.fold_in(key, 1)  # noise apart from the forward
+    full = _completed(inverse, n_ranks)
+    return _send(ct, axis_name, inverse, full, bwd, ct_key, f"{tag}_bwd"), None
+
+
+_ppermute.defvjp(_ppermute_fwd, _ppermute_bwd)
+
+
+def compressed_ppermute(
+    x: jax.Array,
+    axis_name: AxisName,
+    perm,
+    *,
+    codec: str | StageCodec = DEFAULT_STAGE_CODEC,
+    bwd_codec: str | StageCodec | None = None,
+    key: jax.Array | None = None,
+    impl: str = "auto",
+    telemetry: bool = False,
+    name: str = "ppermute",
+) -> jax.Array:
+    """`jax.lax.ppermute(x, axis_name, perm)` with compressed traffic, up to the codec's rounding.
+
+    Sharding: each rank's x goes to the rank its (source, destination) pair names; a rank that
+    is no destination returns zeros. `codec="none"` is `lax.ppermute` itself.
+    Backward: the compressed ppermute of the cotangent along the inverse permutation, with
+    `bwd_codec` (default: a TAH-Quant codec's symmetric variant, a TP codec itself).
+
+    Args:
+      x: floating array, any shape (flattened, padded to a multiple of G, trimmed back).
+      axis_name: a bound `shard_map` mesh axis or `vmap` axis name.
+      perm: (source, destination) pairs of ranks along the axis, each rank at most once as a
+        source and once as a destination (as `lax.ppermute`).
+      codec: a stage codec (`taco_jax.tahquant.STAGE_CODEC_NAMES`: "tahquant", "tahquant4",
+        ...) or a TP codec (`taco_jax.CODEC_NAMES`), or a codec object.
+      key: PRNG key of the stochastic rounding (required by stochastic codecs): thread it
+        through the training loop so that a resumed run draws the same numbers. Each rank folds
+        in its index; the backward folds in 1.
+      impl: the TP codecs' kernels (as `CommConfig.impl`); TAH-Quant runs its jnp reference.
+      telemetry: also run `lax.ppermute` and record the relative error (`taco_jax.telemetry`).
+      name: the telemetry label.
+    """
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"compressed_ppermute compresses floating arrays, got dtype={x.dtype}")
+    n_ranks = axis_size(axis_name)
+    pairs = check_perm(perm, n_ranks)
+    fwd_codec = resolve_codec(codec)
+    bwd = backward_codec(fwd_codec) if bwd_codec is None else resolve_codec(bwd_codec)
+    for c in (fwd_codec, bwd):
+        if isinstance(c, TahQuant) and c.stochastic and key is None:
+            raise ValueError(f"codec {c.name!r} rounds stochastically: pass key=")
+    if impl not in _backends.IMPLS:
+        raise ValueError(f"unknown impl={impl!r}; choose one of {_backends.IMPLS}")
+    fwd = _Direction(fwd_codec, impl, telemetry)
+    perms = (pairs, _completed(pairs, n_ranks))
+    bwd_direction = _Direction(bwd, impl, telemetry)
+    return _ppermute(x, key, axis_name, perms, n_ranks, fwd, bwd_direction, name)

@@ -1,0 +1,274 @@
+"""TAH-Quant: the codec for pipeline stage-to-stage traffic (activations and their gradients).
+
+The definition (docs/method.md, "Pipeline codecs"; TAH-Quant, arXiv 2506.01352, as COCCL's
+`tahquant` compressor implements it), per group of G channels of one token, in fp32:
+
+1. pivot swap + Hadamard: with m1 >= m2 the two largest |x| of the group, a group where
+   m1 > 2 m2 ("a dominant outlier") swaps its largest element into position 0 and applies the
+   32-point Hadamard to its first 32 elements (where the outlier now is); the group stores a
+   flag and the index. The decoder applies the Hadamard again and swaps back. The Hadamard is
+   the orthonormal H_32 = S_32 / sqrt(32): the outlier's magnitude drops by ~sqrt(32) in the
+   group's absmax, and with it the scale of all G values. (The descriptions this follows use
+   the unnormalized S_32 forward and S_32 / 32 back; with one transformed block per group that
+   leaves the absmax at the outlier's and raised the error of groups of 128 by 13% over no
+   pivot at all, docs/method.md "Pipeline codecs".)
+2. quantize to `bits`: asymmetric (scale = (max - min) / (2^bits - 1), and the min; codes
+   0 .. 2^bits - 1) for activations, symmetric (scale = absmax / (2^(bits-1) - 1), codes
+   -qmax .. qmax) for gradients; stochastic rounding (floor(v + u), u ~ U[0, 1) from a key the
+   caller passes: unbiased, and a resumed run draws the same numbers), or round to nearest.
+3. wire: [codes][n/G fp32 scales][n/G fp32 mins, asymmetric only][n/G pivot bytes], 4-bit codes
+   two per byte (the even element in the low nibble).
+
+As in `taco_jax.codecs`: every group is scaled by a power of two into [1, 2) before the
+arithmetic (nothing overflows or underflows in between), and a group holding NaN or Inf gets a
+NaN scale and decodes to NaN. This module holds the jnp reference; `compressed_ppermute` moves
+its wire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from taco_jax import codecs
+
+PIVOT_BLOCK = 32  # the Hadamard's size: the first block of a pivoted group
+PIVOT_FLAG = 0x80  # pivot byte: flag in the top bit, the index in the low 7
+
+
+@dataclasses.dataclass(frozen=True)
+class TahQuant:
+    """A TAH-Quant codec; construct through `get_stage_codec`. Static and hashable."""
+
+    name: str
+    bits: int = 8
+    group_size: int = 128
+    asymmetric: bool = True
+    pivot: bool = True
+    stochastic: bool = True
+
+    def __post_init__(self):
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits={self.bits} must be 4 or 8 (codec {self.name!r})")
+        if self.group_size not in (32, 64, 128):
+            raise ValueError(f"group_size={self.group_size} must be 32, 64 or 128 (a pivot "
+                             f"index fits 7 bits, the Hadamard block is 32)")  # fmt: skip
+
+    is_identity = False
+
+    @property
+    def levels(self) -> int:
+        """Largest code of the asymmetric grid (codes 0 .. levels)."""
+        return (1 << self.bits) - 1
+
+    @property
+    def qmax(self) -> int:
+        """Largest magnitude of the symmetric grid (codes -qmax .. qmax)."""
+        return (1 << (self.bits - 1)) - 1
+
+    @property
+    def side_fields(self) -> tuple[tuple[str, int], ...]:
+        """(field, bytes per group) of each side section, in wire order."""
+        fields = (("scales", 4),) + (("mins", 4),) * self.asymmetric
+        return fields + (("pivots", 1),) * self.pivot
+
+    @property
+    def bits_per_element(self) -> float:
+        sides = sum(width for _, width in self.side_fields)
+        return self.bits + 8.0 * sides / self.group_size
+
+    def code_bytes(self, n: int) -> int:
+        return n * self.bits // 8
+
+    def wire_bytes(self, n: int) -> int:
+        """Bytes of one packed row of `n` elements (`n` a multiple of G)."""
+        return self.code_bytes(n) + sum(w for _, w in self.side_fields) * (n // self.group_size)
+
+    @property
+    def backward(self) -> TahQuant:
+        """The codec for the gradients of what this codec carries: symmetric (TAH-Quant)."""
+        if not self.asymmetric:
+            return self
+        return dataclasses.replace(self, name=f"{self.name}_sym", asymmetric=False)
+
+
+_STAGE_CODECS = {
+    # COCCL's tahquant: INT8, groups of 128, asymmetric forward (symmetric backward), pivot swap.
+    "tahquant": dict(bits=8, group_size=128),
+    "tahquant_sym": dict(bits=8, group_size=128, asymmetric=False),
+    # COCCL's training-config variant: 4-bit, groups of 32, symmetric, pivot swap.
+    "tahquant4": dict(bits=4, group_size=32, asymmetric=False),
+}
+STAGE_CODEC_NAMES = tuple(_STAGE_CODECS)
+
+
+def get_stage_codec(name: str | TahQuant) -> TahQuant:
+    """The TAH-Quant codec named `name` (one of `STAGE_CODEC_NAMES`), or `name` itself."""
+    if isinstance(name, TahQuant):
+        return name
+    if name not in _STAGE_CODECS:
+        raise ValueError(f"unknown stage codec {name!r}; choose one of {STAGE_CODEC_NAMES}")
+    return TahQuant(name=name, **_STAGE_CODECS[name])
+
+
+# --------------------------------------------------------------------------------------------
+# Stages, on groups [M, G] (fp32).
+
+
+def pivot_rule(groups: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(flag [M] bool, index [M] int32): whether each group has a dominant outlier (m1 > 2 m2),
+    and where its largest |x| is."""
+    magnitude = jnp.abs(groups)
+    index = jnp.argmax(magnitude, axis=-1).astype(jnp.int32)
+    is_max = lax.broadcasted_iota(jnp.int32, groups.shape, 1) == index[:, None]
+    m1 = jnp.max(magnitude, axis=-1)
+    m2 = jnp.max(jnp.where(is_max, 0.0, magnitude), axis=-1)
+    return m1 > 2.0 * m2, index
+
+
+def swap_to_front(groups: jax.Array, index: jax.Array, flag: jax.Array) -> jax.Array:
+    """Exchanges elements 0 and `index` of each flagged group (its own inverse)."""
+    positions = lax.broadcasted_iota(jnp.int32, groups.shape, 1)
+    at_index = jnp.take_along_axis(groups, index[:, None], axis=-1)
+    swapped = jnp.where(positions == 0, at_index, groups)
+    swapped = jnp.where(positions == index[:, None], groups[:, :1], swapped)
+    return jnp.where(flag[:, None], swapped, groups)
+
+
+def hadamard_front(groups: jax.Array, flag: jax.Array) -> jax.Array:
+    """The orthonormal H_32 = S_32 / sqrt(32) (its own inverse) applied to the first 32 elements
+    of each flagged group."""
+    signs = jnp.asarray(codecs.hadamard_matrix(PIVOT_BLOCK))
+    front = jnp.matmul(groups[:, :PIVOT_BLOCK], signs, precision=lax.Precision.HIGHEST)
+    transformed = jnp.concatenate([front, groups[:, PIVOT_BLOCK:]], axis=-1)
+    return jnp.where(flag[:, None], transformed, groups)
+
+
+def _rounded(v: jax.Array, noise: jax.Array | None) -> jax.Array:
+    """floor(v + u) with u ~ U[0, 1) (stochastic), or round half to even."""
+    return jnp.floor(v + noise) if noise is not None else jnp.round(v)
+
+
+def quantize_groups(codec: TahQuant, y: jax.Array, noise: jax.Array | None):
+    """y [M, G] -> (codes [M, G] int32 on the codec's grid, scale [M], min [M] or None).
+
+    The code arithmetic runs on y scaled into [1, 2) by a power of two (exact); only the stored
+    scale and min carry the magnitude.
+    """
+    amax = jnp.max(jnp.abs(y), axis=-1)
+    p, _ = codecs.group_normalizer(amax)
+    w = codecs.scale_rows(y, p)
+    if codec.asymmetric:
+        lo, hi = jnp.min(w, axis=-1), jnp.max(w, axis=-1)
+        span = hi - lo
+        to_code = jnp.where(span > 0, codec.levels / span, 0.0)  # a constant group: all code 0
+        v = codecs.scale_rows(w - lo[:, None], to_code)
+        codes = jnp.clip(_rounded(v, noise), 0, codec.levels)
+        scale = codecs.mark_nonfinite(span / codec.levels / p, y)
+        return codes.astype(jnp.int32), scale, lo / p
+    amax_w = amax * p
+    to_code = jnp.where(amax_w > 0, codec.qmax / amax_w, 0.0)
+    codes = jnp.clip(_rounded(codecs.scale_rows(w, to_code), noise), -codec.qmax, codec.qmax)
+    scale = codecs.mark_nonfinite(amax / codec.qmax, y)
+    return codes.astype(jnp.int32), scale, None
+
+
+def dequantize_groups(codec: TahQuant, codes: jax.Array, scale, lo) -> jax.Array:
+    y = codecs.scale_rows(codes.astype(jnp.float32), scale)
+    return y + lo[:, None] if codec.asymmetric else y
+
+
+# --------------------------------------------------------------------------------------------
+# Codes and side bytes <-> the wire.
+
+
+def pack_codes(codec: TahQuant, codes: jax.Array) -> jax.Array:
+    """Grid codes [..., n] int32 -> code bytes [..., n * bits / 8] (uint8)."""
+    stored = codes if codec.asymmetric else codes + (1 << (codec.bits - 1))  # offset binary
+    stored = stored.astype(jnp.uint8)
+    if codec.bits == 8:
+        return stored
+    pairs = stored.reshape(*stored.shape[:-1], -1, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_codes(codec: TahQuant, data: jax.Array) -> jax.Array:
+    """Inverse of `pack_codes`."""
+    if codec.bits == 4:
+        data = jnp.stack([data & 0xF, data >> 4], axis=-1).reshape(*data.shape[:-1], -1)
+    codes = data.astype(jnp.int32)
+    return codes if codec.asymmetric else codes - (1 << (codec.bits - 1))
+
+
+def _sections(codec: TahQuant, n: int) -> dict[str, tuple[int, int]]:
+    """{field: (offset, width)} of the side sections of a row of `n` elements."""
+    groups = n // codec.group_size
+    offset, out = codec.code_bytes(n), {}
+    for field, width in codec.side_fields:
+        out[field] = (offset, width)
+        offset += width * groups
+    return out
+
+
+def check_stage_encodable(codec: TahQuant, x: jax.Array) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"codec {codec.name!r} encodes floating arrays, got dtype={x.dtype}")
+    if x.ndim != 2 or x.shape[-1] % codec.group_size:
+        raise ValueError(f"rows of shape={x.shape} must be [R, n] with n a multiple of "
+                         f"group_size={codec.group_size}")  # fmt: skip
+
+
+def encode_wire(codec: TahQuant, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+    """x [R, n] -> wire [R, codec.wire_bytes(n)]; `key` draws the stochastic rounding (required
+    when `codec.stochastic`)."""
+    check_stage_encodable(codec, x)
+    if codec.stochastic and key is None:
+        raise ValueError(f"codec {codec.name!r} rounds stochastically: pass a PRNG key")
+    rows, n = x.shape
+    g = codec.group_size
+    groups = x.astype(jnp.float32).reshape(-1, g)
+    flag, index = pivot_rule(groups) if codec.pivot else (None, None)
+    y = hadamard_front(swap_to_front(groups, index, flag), flag) if codec.pivot else groups
+    noise = jax.random.uniform(key, y.shape, jnp.float32) if codec.stochastic else None
+    codes, scale, lo = quantize_groups(codec, y, noise)
+    sides = {"scales": scale, "mins": lo}
+    if codec.pivot:
+        sides["pivots"] = (index | jnp.where(flag, PIVOT_FLAG, 0)).astype(jnp.uint8)
+    parts = [pack_codes(codec, codes.reshape(rows, n))]
+    for field, width in codec.side_fields:
+        parts.append(codecs.side_to_bytes(sides[field].reshape(rows, -1), width))
+    # A real boundary: XLA must not fold the rounding into a following decode.
+    return lax.optimization_barrier(jnp.concatenate(parts, axis=-1))
+
+
+def unpack_sides(codec: TahQuant, wire: jax.Array, n: int) -> dict[str, jax.Array]:
+    """The per-group side values of wire rows [R, B], flattened over rows: scales (fp32), mins
+    (fp32, asymmetric codecs), pivots (uint8: flag bit and index)."""
+    groups = n // codec.group_size
+    sides = {}
+    for field, (offset, width) in _sections(codec, n).items():
+        data = wire[:, offset : offset + width * groups]
+        sides[field] = codecs.side_from_bytes(data, width).reshape(-1)
+    return sides
+
+
+def decode_wire(codec: TahQuant, wire: jax.Array, n: int, dtype=jnp.float32) -> jax.Array:
+    """wire [R, B] -> x [R, n] of `dtype`."""
+    sides = unpack_sides(codec, wire, n)
+    codes = unpack_codes(codec, wire[:, : codec.code_bytes(n)]).reshape(-1, codec.group_size)
+    y = dequantize_groups(codec, codes, sides["scales"], sides.get("mins"))
+    if codec.pivot:
+        pivots = sides["pivots"].astype(jnp.int32)
+        flag, index = (pivots & PIVOT_FLAG) != 0, pivots & (PIVOT_FLAG - 1)
+        y = swap_to_front(hadamard_front(y, flag), index, flag)
+    return y.reshape(wire.shape[0], n).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def roundtrip(codec: TahQuant, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+    """decode(encode(x)) of rows [R, n] (n a multiple of G), fp32."""
+    return decode_wire(codec, encode_wire(codec, x, key), x.shape[-1])

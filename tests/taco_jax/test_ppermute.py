@@ -1,0 +1,150 @@
+"""`compressed_ppermute` on 8 fake CPU devices (shard_map) and under vmap emulation.
+
+What it must equal, exactly: on every destination, the receiver's decode of what the source
+encoded: for a stage codec `tahquant.roundtrip(codec, x_source, fold_in(key, source))` (the
+source folds in its index), for a TP codec `codecs.roundtrip`; zeros on ranks that receive
+nothing; `codec="none"` is `lax.ppermute` bit for bit. The codecs' own error bounds are tested in
+test_tahquant.py and test_codecs.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from tp_testing import MODES, run_tp
+
+import taco_jax as tj
+from taco_jax import codecs, tahquant, telemetry
+
+KEY = jax.random.key(11)
+CYCLE4 = [(0, 1), (1, 2), (2, 3), (3, 0)]
+CHAIN4 = [(0, 1), (1, 2), (2, 3)]  # a pipeline's forward sends: rank 0 receives nothing
+
+
+def _ranks(n, shape, seed=0):
+    return jax.random.normal(jax.random.key(seed), (n, *shape), jnp.float32)
+
+
+def _expected(codec_name, x, perm, key=KEY):
+    """What every rank must hold: the decoded source message, zeros where nothing arrives."""
+    out = np.zeros(x.shape, np.float32)
+    for source, destination in perm:
+        if codec_name == "none":
+            out[destination] = np.asarray(x[source])
+        elif codec_name in tahquant.STAGE_CODEC_NAMES:
+            codec = tahquant.get_stage_codec(codec_name)
+            row, size = codecs.pad_to_multiple(x[source].reshape(1, -1), codec.group_size)
+            decoded = tahquant.roundtrip(codec, row, jax.random.fold_in(key, source))
+            out[destination] = np.asarray(decoded[0, :size]).reshape(x.shape[1:])
+        else:
+            decoded = codecs.roundtrip(codec_name, x[source].reshape(1, -1))
+            out[destination] = np.asarray(decoded).reshape(x.shape[1:])
+    return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("perm", [CYCLE4, CHAIN4], ids=["cycle", "chain"])
+@pytest.mark.parametrize("name", ["none", "tahquant", "tahquant_sym", "tahquant4", "taco"])
+def test_receivers_hold_the_decoded_message(mode, perm, name):
+    x = _ranks(4, (3, 100), seed=1)  # 300 elements: not a multiple of any group size
+    fn = lambda v: tj.compressed_ppermute(v, "pp", perm, codec=name, key=KEY)  # noqa: E731
+    out = run_tp(fn, x, tp=4, mode=mode, axis_name="pp")
+    np.testing.assert_array_equal(out, _expected(name, x, perm))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_none_equals_lax_ppermute_with_gradients(mode):
+    x = _ranks(4, (64,), seed=2)
+
+    def both(v):
+        ours = lambda u: jnp.sum(tj.compressed_ppermute(u, "pp", CYCLE4, codec="none") ** 3)  # noqa: E731
+        theirs = lambda u: jnp.sum(lax.ppermute(u, "pp", CYCLE4) ** 3)  # noqa: E731
+        return jax.grad(ours)(v), jax.grad(theirs)(v)
+
+    ours, theirs = run_tp(both, x, tp=4, mode=mode, axis_name="pp")
+    np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_is_the_compressed_inverse_send(mode):
+    """d/dx of sum(c * ppermute(x)) is ppermute(c) along the inverse permutation: with
+    `tahquant` forward, the backward sends c with the symmetric variant and key fold_in(key, 1);
+    sources that sent nothing get zero."""
+    x = _ranks(4, (256,), seed=3)
+    c = _ranks(4, (256,), seed=4)
+
+    def grad(args):
+        v, ct = args
+        loss = lambda u: jnp.sum(ct * tj.compressed_ppermute(u, "pp", CHAIN4, key=KEY))  # noqa: E731
+        return jax.grad(loss)(v)
+
+    out = run_tp(grad, (x, c), tp=4, mode=mode, axis_name="pp")
+    inverse = [(d, s) for s, d in CHAIN4]
+    want = _expected("tahquant_sym", c, inverse, key=jax.random.fold_in(KEY, 1))
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(out[3], 0.0)
+
+
+def test_under_jit_scan_and_remat():
+    """A pipeline-like loop: microbatches sent along the chain inside lax.scan, remat'd."""
+    x = _ranks(4, (3, 128), seed=5)
+
+    def per_rank(v):
+        def step(carry, micro):
+            sent = jax.checkpoint(lambda u: tj.compressed_ppermute(u, "pp", CHAIN4, codec="taco"))(
+                micro
+            )
+            return carry + jnp.sum(sent**2), sent
+
+        return lax.scan(step, 0.0, v)
+
+    fn = lambda v: jax.grad(lambda u: per_rank(u)[0])(v)  # noqa: E731
+    grads = run_tp(fn, x, tp=4, mode="shard_map", axis_name="pp")
+    sent = run_tp(lambda v: per_rank(v)[1], x, tp=4, mode="shard_map", axis_name="pp")
+    # d sum(sent^2) / dx_s = compressed send back of 2 sent_d: within two taco quantizations.
+    want = np.zeros_like(np.asarray(x))
+    want[:3] = 2 * np.asarray(sent)[1:]
+    err = np.linalg.norm(np.asarray(grads) - want) / np.linalg.norm(want)
+    assert err <= 2 * 2.0**-4  # two E4M3 round trips (u = 2^-4 each, to first order)
+    np.testing.assert_array_equal(np.asarray(grads)[3], 0.0)
+
+
+def test_nonfinite_values_stay_visible():
+    x = _ranks(4, (256,), seed=6).at[1, 5].set(jnp.nan).at[2, 200].set(jnp.inf)
+    out = run_tp(lambda v: tj.compressed_ppermute(v, "pp", CYCLE4, key=KEY), x, tp=4,
+                 mode="vmap", axis_name="pp")  # fmt: skip
+    assert bool(jnp.all(jnp.isnan(out[2, :128]))) and bool(jnp.all(jnp.isnan(out[3, 128:])))
+    assert bool(jnp.all(jnp.isfinite(out[2, 128:]))) and bool(jnp.all(jnp.isfinite(out[0])))
+
+
+def test_telemetry_records_the_stage_error():
+    telemetry.drain()
+    x = _ranks(4, (1024,), seed=7)
+    fn = lambda v: tj.compressed_ppermute(v, "pp", CHAIN4, key=KEY, telemetry=True, name="pp")  # noqa: E731
+    run_tp(fn, x, tp=4, mode="vmap", axis_name="pp")
+    errors = telemetry.drain()
+    # Asymmetric INT8 of N(0, 1) groups of 128: step (max - min) / 255 ~ 5.5 / 255, stochastic
+    # rounding error ~ step / sqrt(6) per element: ~0.009 relative; 0.02 bounds it.
+    assert 0.0 < errors["pp:tahquant"] < 0.02
+
+
+def test_errors_name_the_offending_value():
+    x = jnp.zeros((4, 128))
+    send = lambda perm, **kw: run_tp(lambda v: tj.compressed_ppermute(v, "pp", perm, **kw), x,
+                                     tp=4, mode="vmap", axis_name="pp")  # fmt: skip
+    with pytest.raises(ValueError, match=r"pair \(3, 4\)"):
+        send([(3, 4)], key=KEY)
+    with pytest.raises(ValueError, match="a source appears twice"):
+        send([(0, 1), (0, 2)], key=KEY)
+    with pytest.raises(ValueError, match="a destination appears twice"):
+        send([(0, 1), (2, 1)], key=KEY)
+    with pytest.raises(ValueError, match="pairs"):
+        send([0, 1], key=KEY)
+    with pytest.raises(ValueError, match="pass key="):
+        send(CYCLE4)
+    with pytest.raises(ValueError, match="'tahquant7'"):
+        send(CYCLE4, codec="tahquant7")
+    with pytest.raises(TypeError, match="int32"):
+        run_tp(lambda v: tj.compressed_ppermute(v.astype(jnp.int32), "pp", CYCLE4), x, tp=4,
+               mode="vmap", axis_name="pp")  # fmt: skip
