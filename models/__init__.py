@@ -4,6 +4,8 @@ ModelConfig                         (config.py: geometry, presets, parameter cou
 Transformer                         (model.py: the per-device model)
 ParallelConfig, init_params,
 make_loss_and_grads, ...            (parallel.py: shard_map / vmap / unsharded runners)
+PipelineConfig,
+make_pipeline_loss_and_grads        (pipeline.py: GPipe stages over "pp", with TP and DP)
 
 The optimizer side (train state, jitted steps) lives in the training application, `taco_train`.
 """
@@ -23,16 +25,24 @@ from models.parallel import (
     unshard_params,
     weight_decay_mask,
 )
+from models.pipeline import (
+    PipelineConfig,
+    make_pipeline_loss_and_grads,
+    pipeline_param_specs,
+)
 
 __all__ = [
     "ModelConfig",
     "ParallelConfig",
+    "PipelineConfig",
     "Transformer",
     "init_params",
     "make_logits",
     "make_loss",
     "make_loss_and_grads",
+    "make_pipeline_loss_and_grads",
     "param_specs",
+    "pipeline_param_specs",
     "reference_logits",
     "reference_loss_and_grads",
     "shard_params",

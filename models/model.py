@@ -152,10 +152,18 @@ class Transformer(nnx.Module):
         remat: bool = False,
         scan_layers: bool = True,
     ) -> jax.Array:  # [B, T, V_local] logits of this rank's vocabulary shard, in ctx.dtype
-        x = layers.vocab_parallel_embed(self.wte[...], tokens, ctx)  # [B, T(_sp), D]
+        x = self.embed(tokens, ctx)
+        return self.head(self.run_blocks(x, ctx, remat=remat, scan_layers=scan_layers), ctx)
+
+    def embed(self, tokens: jax.Array, ctx: TPContext) -> jax.Array:  # [B, T] -> [B, T(_sp), D]
+        """Token (and, for gpt, position) embeddings: the first pipeline stage's part."""
+        x = layers.vocab_parallel_embed(self.wte[...], tokens, ctx)
         if self.cfg.arch == "gpt":
             x = x + self._positions(tokens.shape[1], ctx).astype(ctx.dtype)
-        x = self._run_blocks(x, ctx, remat=remat, scan_layers=scan_layers)
+        return x
+
+    def head(self, x: jax.Array, ctx: TPContext) -> jax.Array:  # [B, T(_sp), D] -> [B, T, V_local]
+        """Final norm and output projection (tied: the embedding): the last stage's part."""
         x = ctx.enter(self.norm_out(x))  # [B, T, D]
         if self.cfg.tied_embeddings:
             return jnp.einsum("BTD,VD->BTV", x, self.wte[...].astype(ctx.dtype))
@@ -169,7 +177,9 @@ class Transformer(nnx.Module):
         t_sp = t // ctx.size()
         return lax.dynamic_slice_in_dim(self.wpe[...], ctx.rank() * t_sp, t_sp, axis=0)
 
-    def _run_blocks(self, x: jax.Array, ctx: TPContext, *, remat: bool, scan_layers: bool):
+    def run_blocks(self, x: jax.Array, ctx: TPContext, *, remat: bool, scan_layers: bool):
+        """The stacked blocks this model holds, in order (a pipeline stage holds its own slice
+        of the "layers" axis). [B, T(_sp), D] -> same."""
         graphdef, stacked = nnx.split(self.blocks)
 
         def block(x, layer_state):
@@ -180,6 +190,6 @@ class Transformer(nnx.Module):
             block = jax.checkpoint(block, policy=policy)
         if scan_layers:
             return lax.scan(block, x, stacked)[0]
-        for i in range(self.cfg.n_layers):
+        for i in range(jax.tree.leaves(stacked)[0].shape[0]):
             x = block(x, jax.tree.map(lambda a, i=i: a[i], stacked))[0]
         return x

@@ -1,0 +1,137 @@
+"""The pipelined model (GPipe over "pp", with TP and DP in one shard_map) equals the unsharded
+model: loss and every parameter gradient, uncompressed in fp32; within derived bounds with each
+stage codec. 8 fake CPU devices.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+import pytest
+from tolerances import BATCH, exact_tolerance
+
+import taco_jax
+from models import ModelConfig, ParallelConfig, init_params, reference_loss_and_grads
+from models.pipeline import PipelineConfig, make_pipeline_loss_and_grads
+
+GPT = ModelConfig.preset("gpt_tiny", n_layers=4)  # tied embeddings: the first and last stage
+QWEN = ModelConfig.preset("qwen2_tiny", n_layers=4)
+KEY = jax.random.key(3)
+
+# Per-send relative error of each stage codec (RMS error / RMS of the values), for groups of
+# N(0, 1)-like activations. Stochastic rounding to a grid of step q has error variance <= q^2/4.
+# tahquant (asymmetric INT8, G = 128): q = range / 255, E[range] ~ 5.2 sigma -> 0.0102;
+# tahquant4 (symmetric INT4, G = 32): q = absmax / 7, E[absmax] ~ 2.2 sigma -> 0.157;
+# taco: one E4M3 rounding, RMS 0.0265 (tests/models/test_tp_equivalence.py);
+# int8_hadamard: round to nearest, q = absmax / 127 after the Hadamard (~2.6 sigma) -> 0.0059.
+# A factor 2 covers groups whose range is twice the Gaussian one (activations are not Gaussian).
+EPS_SEND = {"tahquant": 0.0102, "tahquant4": 0.157, "taco": 0.0265, "int8_hadamard": 0.0059}
+MARGIN = 2.0
+
+
+def _tokens(cfg, seed=1):
+    return jax.random.randint(jax.random.key(seed), (BATCH, cfg.seq_len + 1), 0, cfg.vocab_size)
+
+
+def _needs_devices(n):
+    if jax.device_count() < n:
+        pytest.skip(f"needs {n} devices; set XLA_FLAGS=--xla_force_host_platform_device_count=8")
+
+
+def _run(cfg, dp, pp, tp, microbatches, codec="none", sp=False, key=None, params=None):
+    _needs_devices(dp * pp * tp)
+    parallel = ParallelConfig(dp=dp, tp=tp, sequence_parallel=sp, compute_dtype="float32")
+    pipe = PipelineConfig(pp=pp, microbatches=microbatches, stage_codec=codec)
+    comm = taco_jax.TPComm.create("tp", fwd="none")
+    fn = make_pipeline_loss_and_grads(cfg, parallel, pipe, comm)
+    params = init_params(cfg, jax.random.key(0)) if params is None else params
+    return jax.jit(fn)(params, _tokens(cfg), key)
+
+
+@pytest.fixture(scope="module")
+def references():
+    out = {}
+    for cfg in (GPT, QWEN):
+        params = init_params(cfg, jax.random.key(0))
+        out[cfg] = jax.jit(lambda p, c=cfg: reference_loss_and_grads(c, p, _tokens(c)))(params)
+    return out
+
+
+def _normwise(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _flat(tree) -> np.ndarray:
+    return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
+
+
+@pytest.mark.parametrize(
+    "cfg,dp,pp,tp,microbatches,sp",
+    [
+        (GPT, 1, 2, 1, 1, False),
+        (GPT, 2, 2, 2, 2, False),
+        (GPT, 1, 4, 2, 4, False),
+        (GPT, 1, 4, 2, 1, True),
+        (QWEN, 2, 2, 2, 1, False),
+        (QWEN, 1, 2, 4, 4, True),
+    ],
+)
+def test_uncompressed_pipeline_equals_unsharded(references, cfg, dp, pp, tp, microbatches, sp):
+    """Same function, reductions reassociated (TP partial sums, microbatch means, the psum of
+    the tied embedding's two gradient parts): the fp32 bound of tests/tolerances.py."""
+    ref_loss, ref_grads = references[cfg]
+    loss, grads = _run(cfg, dp, pp, tp, microbatches, sp=sp)
+    tol = exact_tolerance(cfg)
+    assert abs(float(loss) - float(ref_loss)) <= tol * abs(float(ref_loss))
+    errors = jax.tree.map(_normwise, grads, ref_grads)
+    worst = max(jax.tree_util.tree_leaves_with_path(errors), key=lambda kv: kv[1])
+    assert worst[1] <= tol, f"gradient {jax.tree_util.keystr(worst[0])}: {worst[1]:.3g} > {tol:.3g}"
+
+
+@pytest.mark.parametrize("codec", sorted(EPS_SEND))
+@pytest.mark.parametrize("pp", [2, 4])
+def test_stage_codecs_within_their_bound(references, codec, pp):
+    """P - 1 sends lie on each forward path and P - 1 on each backward path; independent errors
+    add in quadrature: the loss moves by at most MARGIN EPS sqrt(P - 1) relative (it is no more
+    sensitive than the activations at init), the gradients by MARGIN EPS sqrt(2 (P - 1)) in
+    relative L2."""
+    ref_loss, ref_grads = references[GPT]
+    loss, grads = _run(GPT, 1, pp, 2, 4 if pp == 4 else 2, codec=codec, key=KEY)
+    eps = MARGIN * EPS_SEND[codec]
+    assert abs(float(loss) - float(ref_loss)) <= eps * math.sqrt(pp - 1) * float(ref_loss)
+    err = np.linalg.norm(_flat(grads) - _flat(ref_grads)) / np.linalg.norm(_flat(ref_grads))
+    assert 0 < err <= eps * math.sqrt(2 * (pp - 1))
+
+
+def test_stochastic_stage_codec_is_reproducible_from_its_key():
+    first = _run(GPT, 1, 2, 2, 2, codec="tahquant", key=KEY)
+    again = _run(GPT, 1, 2, 2, 2, codec="tahquant", key=KEY)
+    other = _run(GPT, 1, 2, 2, 2, codec="tahquant", key=jax.random.key(4))
+    np.testing.assert_array_equal(_flat(first), _flat(again))
+    assert not np.array_equal(_flat(first), _flat(other))
+
+
+def test_bubble_fraction():
+    assert PipelineConfig(pp=4, microbatches=8).bubble_fraction == 3 / 11
+    assert PipelineConfig(pp=1, microbatches=8).bubble_fraction == 0
+
+
+def test_errors_name_the_offending_value():
+    with pytest.raises(ValueError, match="n_layers=4 is not a multiple of pp=3"):
+        _run(GPT, 1, 3, 1, 1)
+    with pytest.raises(ValueError, match="microbatches=3"):
+        _run(GPT, 1, 2, 1, 3)
+    with pytest.raises(ValueError, match="pass key="):
+        _run(GPT, 1, 2, 1, 1, codec="tahquant")
+    with pytest.raises(ValueError, match="schedule='1f1b'"):
+        PipelineConfig(pp=2, schedule="1f1b")
+    parallel = ParallelConfig(tp=2, mode="vmap")
+    with pytest.raises(ValueError, match="mode='vmap'"):
+        make_pipeline_loss_and_grads(GPT, parallel, PipelineConfig(pp=2),
+                                     taco_jax.TPComm.create("tp"))  # fmt: skip
+    with pytest.raises(ValueError, match="needs 32 devices"):
+        make_pipeline_loss_and_grads(GPT, ParallelConfig(dp=4, tp=4), PipelineConfig(pp=2),
+                                     taco_jax.TPComm.create("tp"))  # fmt: skip
