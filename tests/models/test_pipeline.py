@@ -1,6 +1,6 @@
-"""The pipelined model (GPipe over "pp", with TP and DP in one shard_map) equals the unsharded
-model: loss and every parameter gradient, uncompressed in fp32; within derived bounds with each
-stage codec. 8 fake CPU devices.
+"""The pipelined model (GPipe and circular schedules over "pp", with TP and DP in one
+shard_map) equals the unsharded model: loss and every parameter gradient, uncompressed in fp32;
+within derived bounds with each stage codec. 8 fake CPU devices.
 """
 
 from __future__ import annotations
@@ -14,9 +14,15 @@ from tolerances import BATCH, exact_tolerance
 
 import taco_jax
 from models import ModelConfig, ParallelConfig, init_params, reference_loss_and_grads
-from models.pipeline import PipelineConfig, make_pipeline_loss_and_grads
+from models.pipeline import (
+    PipelineConfig,
+    from_stages,
+    make_pipeline_loss_and_grads,
+    to_stages,
+)
 
 GPT = ModelConfig.preset("gpt_tiny", n_layers=4)  # tied embeddings: the first and last stage
+GPT8 = ModelConfig.preset("gpt_tiny", n_layers=8)  # circular: pp x repeats chunks
 QWEN = ModelConfig.preset("qwen2_tiny", n_layers=4)
 KEY = jax.random.key(3)
 
@@ -40,20 +46,21 @@ def _needs_devices(n):
         pytest.skip(f"needs {n} devices; set XLA_FLAGS=--xla_force_host_platform_device_count=8")
 
 
-def _run(cfg, dp, pp, tp, microbatches, codec="none", sp=False, key=None, params=None):
+def _run(cfg, dp, pp, tp, microbatches, codec="none", sp=False, key=None, repeats=1):
     _needs_devices(dp * pp * tp)
     parallel = ParallelConfig(dp=dp, tp=tp, sequence_parallel=sp, compute_dtype="float32")
-    pipe = PipelineConfig(pp=pp, microbatches=microbatches, stage_codec=codec)
+    schedule = "circular" if repeats > 1 else "gpipe"
+    pipe = PipelineConfig(pp=pp, microbatches=microbatches, schedule=schedule, repeats=repeats,
+                          stage_codec=codec)  # fmt: skip
     comm = taco_jax.TPComm.create("tp", fwd="none")
     fn = make_pipeline_loss_and_grads(cfg, parallel, pipe, comm)
-    params = init_params(cfg, jax.random.key(0)) if params is None else params
-    return jax.jit(fn)(params, _tokens(cfg), key)
+    return jax.jit(fn)(init_params(cfg, jax.random.key(0)), _tokens(cfg), key)
 
 
 @pytest.fixture(scope="module")
 def references():
     out = {}
-    for cfg in (GPT, QWEN):
+    for cfg in (GPT, GPT8, QWEN):
         params = init_params(cfg, jax.random.key(0))
         out[cfg] = jax.jit(lambda p, c=cfg: reference_loss_and_grads(c, p, _tokens(c)))(params)
     return out
@@ -69,21 +76,26 @@ def _flat(tree) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "cfg,dp,pp,tp,microbatches,sp",
+    "cfg,dp,pp,tp,microbatches,sp,repeats",
     [
-        (GPT, 1, 2, 1, 1, False),
-        (GPT, 2, 2, 2, 2, False),
-        (GPT, 1, 4, 2, 4, False),
-        (GPT, 1, 4, 2, 1, True),
-        (QWEN, 2, 2, 2, 1, False),
-        (QWEN, 1, 2, 4, 4, True),
+        (GPT, 1, 2, 1, 1, False, 1),
+        (GPT, 2, 2, 2, 2, False, 1),
+        (GPT, 1, 4, 2, 4, False, 1),
+        (GPT, 1, 4, 2, 1, True, 1),
+        (QWEN, 2, 2, 2, 1, False, 1),
+        (QWEN, 1, 2, 4, 4, True, 1),
+        (GPT8, 1, 2, 2, 2, False, 2),  # circular
+        (GPT8, 1, 4, 2, 4, True, 2),
+        (GPT8, 2, 2, 1, 2, False, 4),
     ],
 )
-def test_uncompressed_pipeline_equals_unsharded(references, cfg, dp, pp, tp, microbatches, sp):
+def test_uncompressed_pipeline_equals_unsharded(
+    references, cfg, dp, pp, tp, microbatches, sp, repeats
+):
     """Same function, reductions reassociated (TP partial sums, microbatch means, the psum of
     the tied embedding's two gradient parts): the fp32 bound of tests/tolerances.py."""
     ref_loss, ref_grads = references[cfg]
-    loss, grads = _run(cfg, dp, pp, tp, microbatches, sp=sp)
+    loss, grads = _run(cfg, dp, pp, tp, microbatches, sp=sp, repeats=repeats)
     tol = exact_tolerance(cfg)
     assert abs(float(loss) - float(ref_loss)) <= tol * abs(float(ref_loss))
     errors = jax.tree.map(_normwise, grads, ref_grads)
@@ -114,14 +126,43 @@ def test_stochastic_stage_codec_is_reproducible_from_its_key():
     assert not np.array_equal(_flat(first), _flat(other))
 
 
+def test_circular_with_a_stage_codec_within_its_bound(references):
+    """The circular schedule sends every microbatch through P V - 1 stage boundaries (the wrap
+    included): the bound of test_stage_codecs_within_their_bound with that many sends."""
+    ref_loss, ref_grads = references[GPT8]
+    loss, grads = _run(GPT8, 1, 2, 2, 2, codec="tahquant", key=KEY, repeats=2)
+    eps, sends = MARGIN * EPS_SEND["tahquant"], 2 * 2 - 1
+    assert abs(float(loss) - float(ref_loss)) <= eps * math.sqrt(sends) * float(ref_loss)
+    err = np.linalg.norm(_flat(grads) - _flat(ref_grads)) / np.linalg.norm(_flat(ref_grads))
+    assert 0 < err <= eps * math.sqrt(2 * sends)
+
+
+def test_stages_are_a_free_reshape_of_the_full_layout():
+    pipe = PipelineConfig(pp=2, microbatches=2, schedule="circular", repeats=2)
+    params = init_params(GPT8, jax.random.key(0))
+    staged = to_stages(params, GPT8, pipe)
+    w = params["blocks"]["mlp"]["w_up"]  # [L, D, F]
+    chunk = staged["blocks"]["mlp"]["w_up"]  # [V, P, L / 4, D, F]: chunk v P + p
+    np.testing.assert_array_equal(chunk[1, 0], w[4:6])  # chunk 2: layers 4-5 on stage 0
+    np.testing.assert_array_equal(_flat(from_stages(staged, GPT8)), _flat(params))
+
+
 def test_bubble_fraction():
     assert PipelineConfig(pp=4, microbatches=8).bubble_fraction == 3 / 11
+    assert (
+        PipelineConfig(pp=4, microbatches=8, schedule="circular", repeats=2).bubble_fraction
+        == 3 / 19
+    )
     assert PipelineConfig(pp=1, microbatches=8).bubble_fraction == 0
 
 
 def test_errors_name_the_offending_value():
-    with pytest.raises(ValueError, match="n_layers=4 is not a multiple of pp=3"):
+    with pytest.raises(ValueError, match="n_layers=4 is not a multiple of pp x repeats=3"):
         _run(GPT, 1, 3, 1, 1)
+    with pytest.raises(ValueError, match="microbatches >= pp"):
+        PipelineConfig(pp=4, microbatches=2, schedule="circular", repeats=2)
+    with pytest.raises(ValueError, match="repeats=2 needs schedule='circular'"):
+        PipelineConfig(pp=2, repeats=2)
     with pytest.raises(ValueError, match="microbatches=3"):
         _run(GPT, 1, 2, 1, 3)
     with pytest.raises(ValueError, match="pass key="):
