@@ -112,9 +112,8 @@ def _send(x, axis_name, pairs, full, direction: _Direction, key, tag):
     row, size = codecs.pad_to_multiple(x.reshape(1, -1), direction.codec.group_size)
     wire = lax.ppermute(encode(row, key), axis_name, full)
     out = decode(wire, row.shape[-1], x.dtype)[0, :size].reshape(x.shape)
-    # Ranks that receive nothing return zeros: what they decoded came from a filler pair of the
-    # completed permutation (or is a zero wire, which need not decode to 0 for a TP codec).
-    out = jnp.where(_receives(axis_name, pairs), out, jnp.zeros_like(out))
+    if full != pairs:  # ranks that receive nothing decoded a filler pair's message: zero it
+        out = jnp.where(_receives(axis_name, pairs), out, jnp.zeros_like(out))
     if direction.telemetry:
         exact = _moved(x, axis_name, pairs, full)
         telemetry.record(f"{tag}:{direction.codec.name}", out, exact)
