@@ -4,8 +4,8 @@ ModelConfig                         (config.py: geometry, presets, parameter cou
 Transformer                         (model.py: the per-device model)
 ParallelConfig, init_params,
 make_loss_and_grads, ...            (parallel.py: shard_map / vmap / unsharded runners)
-PipelineConfig,
-make_pipeline_loss_and_grads        (pipeline.py: GPipe stages over "pp", with TP and DP)
+StageCodecs,
+make_pipeline_loss_and_grads        (pipeline.py: GPipe / circular stages over "pp", with TP, DP)
 
 The optimizer side (train state, jitted steps) lives in the training application, `taco_train`.
 """
@@ -26,7 +26,8 @@ from models.parallel import (
     weight_decay_mask,
 )
 from models.pipeline import (
-    PipelineConfig,
+    StageCodecs,
+    make_pipeline_loss,
     make_pipeline_loss_and_grads,
     pipeline_param_specs,
 )
@@ -34,12 +35,13 @@ from models.pipeline import (
 __all__ = [
     "ModelConfig",
     "ParallelConfig",
-    "PipelineConfig",
+    "StageCodecs",
     "Transformer",
     "init_params",
     "make_logits",
     "make_loss",
     "make_loss_and_grads",
+    "make_pipeline_loss",
     "make_pipeline_loss_and_grads",
     "param_specs",
     "pipeline_param_specs",

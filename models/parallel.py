@@ -43,16 +43,23 @@ DP_AXIS = "dp"
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
 
 
+PP_AXIS = "pp"
+SCHEDULES = ("gpipe", "circular")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """How the model is laid out over devices.
 
-    dp / tp: sizes of the mesh axes "dp" and "tp". mode "shard_map": dp x tp devices; mode "vmap":
-    TP emulated on each device with `jax.vmap(axis_name="tp")`, dp devices. remat: recompute each
-    block in the backward pass, keeping the TP collective outputs. scan_layers: one compiled block
-    under `lax.scan` (fast compiles) or an unrolled loop. attention: "auto" (cuDNN flash attention
-    for bf16 on GPU, XLA elsewhere and under vmap emulation, where cuDNN's backward cannot batch),
-    "xla" or "cudnn".
+    dp / tp: sizes of the mesh axes "dp" and "tp". mode "shard_map": dp x pp x tp devices; mode
+    "vmap": TP emulated on each device with `jax.vmap(axis_name="tp")`, dp devices. remat:
+    recompute each block in the backward pass, keeping the TP collective outputs. scan_layers:
+    one compiled block under `lax.scan` (fast compiles) or an unrolled loop. attention: "auto"
+    (cuDNN flash attention for bf16 on GPU, XLA elsewhere and under vmap emulation, where cuDNN's
+    backward cannot batch), "xla" or "cudnn".
+    pp, microbatches, schedule, repeats: pipeline stages along a "pp" mesh axis
+    (`models.pipeline`; shard_map only), microbatches per dp rank and step, "gpipe" or
+    "circular" with `repeats` chunks per stage.
     """
 
     dp: int = 1
@@ -63,24 +70,62 @@ class ParallelConfig:
     compute_dtype: str = "bfloat16"
     scan_layers: bool = True
     attention: Literal["auto", "xla", "cudnn"] = "auto"
+    pp: int = 1
+    microbatches: int = 1
+    schedule: Literal["gpipe", "circular"] = "gpipe"
+    repeats: int = 1
 
     def __post_init__(self):
-        if self.dp < 1 or self.tp < 1:
-            raise ValueError(f"dp={self.dp} and tp={self.tp} must be >= 1")
+        if self.dp < 1 or self.tp < 1 or self.pp < 1:
+            raise ValueError(f"dp={self.dp}, tp={self.tp} and pp={self.pp} must be >= 1")
         if self.mode not in ("shard_map", "vmap"):
             raise ValueError(f"mode={self.mode!r} must be 'shard_map' or 'vmap'")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype={self.compute_dtype!r} is not one of {COMPUTE_DTYPES}")
         if self.attention not in ("auto", "xla", "cudnn"):
             raise ValueError(f"attention={self.attention!r} must be 'auto', 'xla' or 'cudnn'")
+        self._check_pipeline()
+
+    def _check_pipeline(self):
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches={self.microbatches} must be >= 1")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} is not one of {SCHEDULES}")
+        if self.schedule == "gpipe" and self.repeats != 1:
+            raise ValueError(f"repeats={self.repeats} needs schedule='circular'")
+        if self.schedule == "circular" and (self.repeats < 2 or self.microbatches < self.pp):
+            raise ValueError(
+                f"schedule='circular' needs repeats >= 2 (got {self.repeats}) and microbatches "
+                f">= pp (got microbatches={self.microbatches}, pp={self.pp})"
+            )
+        if self.pp > 1 and self.mode != "shard_map":
+            raise ValueError(
+                f"pipelining (pp={self.pp}) runs under shard_map, not mode={self.mode!r}"
+            )
 
     @property
     def num_devices(self) -> int:
-        return self.dp * self.tp if self.mode == "shard_map" else self.dp
+        return self.dp * self.pp * self.tp if self.mode == "shard_map" else self.dp
+
+    @property
+    def pipeline_steps(self) -> int:
+        """Steps of the pipeline schedule: M V + P - 1."""
+        return self.microbatches * self.repeats + self.pp - 1
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The idle share of each stage's steps: (P - 1) / (M V + P - 1)."""
+        return (self.pp - 1) / self.pipeline_steps
 
 
 def check_config(model: ModelConfig, parallel: ParallelConfig) -> None:
-    """Raises ValueError naming the value when `model` cannot be split `parallel.tp` ways."""
+    """Raises ValueError naming the value when `model` cannot be split `parallel.tp` ways (and
+    staged pp x repeats ways)."""
+    chunks = parallel.pp * parallel.repeats
+    if model.n_layers % chunks:
+        raise ValueError(
+            f"model.n_layers={model.n_layers} is not a multiple of pp x repeats={chunks}"
+        )
     tp = parallel.tp
     for name, size in (
         ("n_kv_heads", model.n_kv_heads),
@@ -260,7 +305,8 @@ def check_devices(parallel: ParallelConfig) -> None:
     n, visible = parallel.num_devices, jax.device_count()
     if n > visible:
         raise ValueError(
-            f"parallel.dp={parallel.dp} x tp={parallel.tp} (mode={parallel.mode}) needs {n} "
+            f"parallel.dp={parallel.dp} x pp={parallel.pp} x tp={parallel.tp} "
+            f"(mode={parallel.mode}) needs {n} "
             f"devices, {visible} visible; on a CPU, set "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting, or emulate TP "
             "on one device with parallel.mode=vmap"
@@ -268,15 +314,18 @@ def check_devices(parallel: ParallelConfig) -> None:
 
 
 def make_mesh(parallel: ParallelConfig, tp_axis: str = "tp") -> jax.sharding.Mesh:
-    """("dp", tp_axis) over dp x tp devices (shard_map), or ("dp",) over dp devices (vmap)."""
+    """("dp", tp_axis) over dp x tp devices (shard_map), ("dp", "pp", tp_axis) with pipeline
+    stages, or ("dp",) over dp devices (vmap)."""
     check_devices(parallel)
     devices = jax.devices()[: parallel.num_devices]
     if parallel.mode == "vmap":
-        return jax.make_mesh(
-            (parallel.dp,), (DP_AXIS,), (jax.sharding.AxisType.Auto,), devices=devices
-        )
-    shape, names = (parallel.dp, parallel.tp), (DP_AXIS, tp_axis)
-    return jax.make_mesh(shape, names, (jax.sharding.AxisType.Auto,) * 2, devices=devices)
+        shape, names = (parallel.dp,), (DP_AXIS,)
+    elif parallel.pp > 1:
+        shape, names = (parallel.dp, parallel.pp, parallel.tp), (DP_AXIS, PP_AXIS, tp_axis)
+    else:
+        shape, names = (parallel.dp, parallel.tp), (DP_AXIS, tp_axis)
+    auto = (jax.sharding.AxisType.Auto,) * len(shape)
+    return jax.make_mesh(shape, names, auto, devices=devices)
 
 
 def _mapped(model, parallel, comm, fn, out_kind: str, mesh):
@@ -338,6 +387,8 @@ def _runner(model, parallel, comm, mesh, per_device, out_kind: str):
     """`_mapped` of `per_device(model, parallel, ctx, params, tokens)` over `mesh` (default
     `make_mesh`), after checking that the model splits `parallel.tp` ways."""
     check_config(model, parallel)
+    if parallel.pp > 1:
+        raise ValueError(f"pp={parallel.pp}: pipelined runs are models.pipeline's")
     mesh = make_mesh(parallel, comm.axis_name) if mesh is None else mesh
     fn = lambda ctx, p, t: per_device(model, parallel, ctx, p, t)
     return _mapped(model, parallel, comm, fn, out_kind, mesh)

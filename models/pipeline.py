@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -45,66 +44,37 @@ from models import layers
 from models.config import ModelConfig
 from models.parallel import (
     DP_AXIS,
+    PP_AXIS,
     ParallelConfig,
     _context,
     _map_axes,
     check_config,
     graphdef,
+    make_mesh,
     param_specs,
     replicated_mask,
 )
 
-PP_AXIS = "pp"
-SCHEDULES = ("gpipe", "circular")
+
+def check_pipeline(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Raises ValueError naming the value when the model cannot be staged / split as asked."""
+    check_config(model, parallel)
+    if parallel.mode != "shard_map":
+        raise ValueError(f"pipelining runs under shard_map, got parallel.mode={parallel.mode!r}")
 
 
 @dataclasses.dataclass(frozen=True)
-class PipelineConfig:
-    """pp: stages along the "pp" mesh axis; microbatches per dp rank and step; schedule
-    ("gpipe", or "circular" with `repeats` = V > 1 chunks per stage); stage_codec /
-    stage_bwd_codec: the codecs of the activations sent forward and of their gradients sent
-    back (`taco_jax.compressed_ppermute`; None: the codec's default backward)."""
+class StageCodecs:
+    """The codecs of the activations sent forward and of their gradients sent back
+    (`taco_jax.compressed_ppermute`; backward None: the codec's default backward); telemetry:
+    record each send's relative error (`taco_jax.telemetry`, tag "pp:<codec>")."""
 
-    pp: int = 1
-    microbatches: int = 1
-    schedule: Literal["gpipe", "circular"] = "gpipe"
-    repeats: int = 1
-    stage_codec: str = "none"
-    stage_bwd_codec: str | None = None
-
-    def __post_init__(self):
-        if self.pp < 1 or self.microbatches < 1:
-            raise ValueError(f"pp={self.pp} and microbatches={self.microbatches} must be >= 1")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r} is not one of {SCHEDULES}")
-        if self.schedule == "gpipe" and self.repeats != 1:
-            raise ValueError(f"repeats={self.repeats} needs schedule='circular'")
-        if self.schedule == "circular" and (self.repeats < 2 or self.microbatches < self.pp):
-            raise ValueError(
-                f"schedule='circular' needs repeats >= 2 (got {self.repeats}) and microbatches "
-                f">= pp (got microbatches={self.microbatches}, pp={self.pp})"
-            )
-
-    @property
-    def steps(self) -> int:
-        return self.microbatches * self.repeats + self.pp - 1
-
-    @property
-    def bubble_fraction(self) -> float:
-        """The idle share of each stage's steps: (P - 1) / (M V + P - 1)."""
-        return (self.pp - 1) / self.steps
+    forward: str = "none"
+    backward: str | None = None
+    telemetry: bool = False
 
 
-def check_pipeline(model: ModelConfig, parallel: ParallelConfig, pipe: PipelineConfig) -> None:
-    """Raises ValueError naming the value when the model cannot be staged / split as asked."""
-    check_config(model, parallel)
-    chunks = pipe.pp * pipe.repeats
-    if model.n_layers % chunks:
-        raise ValueError(
-            f"model.n_layers={model.n_layers} is not a multiple of pp x repeats={chunks}"
-        )
-    if parallel.mode != "shard_map":
-        raise ValueError(f"pipelining runs under shard_map, got parallel.mode={parallel.mode!r}")
+UNCOMPRESSED = StageCodecs()
 
 
 def pipeline_param_specs(model: ModelConfig, tp_axis: str = "tp") -> dict:
@@ -116,10 +86,10 @@ def pipeline_param_specs(model: ModelConfig, tp_axis: str = "tp") -> dict:
     )
 
 
-def to_stages(params: dict, model: ModelConfig, pipe: PipelineConfig) -> dict:
+def to_stages(params: dict, model: ModelConfig, parallel: ParallelConfig) -> dict:
     """Full parameters -> the staged layout: each block leaf [L, ...] -> [V, P, L / (P V), ...]
     (a free reshape; chunk c = v P + p holds layers [c L / (P V), (c + 1) L / (P V)))."""
-    v, p = pipe.repeats, pipe.pp
+    v, p = parallel.repeats, parallel.pp
     return _map_axes(
         lambda axes, x: x.reshape(v, p, -1, *x.shape[1:]) if axes[0] == "layers" else x,
         model,
@@ -139,30 +109,26 @@ def pp_replicated_mask(model: ModelConfig) -> dict:
     return _map_axes(lambda axes: axes[0] != "layers", model)
 
 
-def make_pipeline_mesh(parallel: ParallelConfig, pipe: PipelineConfig, tp_axis: str = "tp"):
-    """("dp", "pp", tp_axis) over dp x pp x tp devices."""
-    n = parallel.dp * pipe.pp * parallel.tp
-    if n > jax.device_count():
-        raise ValueError(
-            f"dp={parallel.dp} x pp={pipe.pp} x tp={parallel.tp} needs {n} devices, "
-            f"{jax.device_count()} visible; on a CPU, set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting"
-        )
-    shape, names = (parallel.dp, pipe.pp, parallel.tp), (DP_AXIS, PP_AXIS, tp_axis)
-    auto = (jax.sharding.AxisType.Auto,) * 3
-    return jax.make_mesh(shape, names, auto, devices=jax.devices()[:n])
+def full_layout_specs(model: ModelConfig, tp_axis: str = "tp") -> dict:
+    """PartitionSpecs of the full parameters over a ("dp", "pp", tp) mesh: the blocks' layers
+    split over "pp" in contiguous slices, which is the staged layout itself for GPipe (the
+    circular schedule regroups them every step)."""
+    specs = param_specs(model, tp_axis)
+    return _map_axes(
+        lambda axes, spec: P(PP_AXIS, *spec[1:]) if axes[0] == "layers" else spec, model, specs
+    )
 
 
-def _send_forward(y, pipe: PipelineConfig, key, step):
+def _send_forward(y, parallel: ParallelConfig, codecs: StageCodecs, key, step):
     """This stage's activations to the next stage; the last sends to the first in a circular
     schedule, and nothing in GPipe."""
-    pairs = [(s, s + 1) for s in range(pipe.pp - 1)]
-    if pipe.repeats > 1:
-        pairs.append((pipe.pp - 1, 0))
+    pairs = [(s, s + 1) for s in range(parallel.pp - 1)]
+    if parallel.repeats > 1:
+        pairs.append((parallel.pp - 1, 0))
     step_key = None if key is None else jax.random.fold_in(key, step)
     return taco_jax.compressed_ppermute(
-        y, PP_AXIS, pairs, codec=pipe.stage_codec, bwd_codec=pipe.stage_bwd_codec,
-        key=step_key, name="pp",
+        y, PP_AXIS, pairs, codec=codecs.forward, bwd_codec=codecs.backward, key=step_key,
+        telemetry=codecs.telemetry, name="pp",
     )  # fmt: skip
 
 
@@ -177,11 +143,11 @@ def _chunk(params: dict, model: ModelConfig, repeat) -> dict:
     )
 
 
-def _stage_loss(model, parallel, pipe, ctx, params, tokens, key):
+def _stage_loss(model, parallel, codecs, ctx, params, tokens, key):
     """This stage's share of the loss: the mean microbatch loss on the last stage, 0 on the
     others (their part of the gradient arrives through the sends). params: the staged local
     parameters (blocks [V, 1, L / (P V), ...])."""
-    stages, m, v = pipe.pp, pipe.microbatches, pipe.repeats
+    stages, m, v = parallel.pp, parallel.microbatches, parallel.repeats
     stage = lax.axis_index(PP_AXIS)
     micro = tokens.reshape(m, tokens.shape[0] // m, tokens.shape[1])  # [M, b, T + 1]
     t = micro.shape[-1] - 1
@@ -217,16 +183,16 @@ def _stage_loss(model, parallel, pipe, ctx, params, tokens, key):
         last = (stage == stages - 1) & (work >= (v - 1) * m) & (work < v * m)
         loss = lax.cond(stage == stages - 1, loss, lambda: jnp.zeros((), jnp.float32))
         total = total + jnp.where(last, loss, 0.0)
-        return (_send_forward(y, pipe, key, i), store, total), None
+        return (_send_forward(y, parallel, codecs, key, i), store, total), None
 
     init = (blank, store, jnp.zeros((), jnp.float32))
-    (_, _, total), _ = lax.scan(step, init, jnp.arange(pipe.steps))
+    (_, _, total), _ = lax.scan(step, init, jnp.arange(parallel.pipeline_steps))
     return total / m
 
 
-def _stage_loss_and_grads(model, parallel, pipe, ctx, params, tokens, key):
+def _stage_loss_and_grads(model, parallel, codecs, ctx, params, tokens, key):
     loss, grads = jax.value_and_grad(
-        lambda p: _stage_loss(model, parallel, pipe, ctx, p, tokens, key)
+        lambda p: _stage_loss(model, parallel, codecs, ctx, p, tokens, key)
     )(params)
     if ctx.sharded and ctx.sequence_parallel:
         tp = ctx.comm.axis_name
@@ -236,48 +202,83 @@ def _stage_loss_and_grads(model, parallel, pipe, ctx, params, tokens, key):
     grads = jax.tree.map(
         lambda g, r: lax.psum(g, PP_AXIS) if r else g, grads, pp_replicated_mask(model)
     )
-    loss = lax.psum(loss, PP_AXIS)  # only the last stage's is non-zero
-    return jax.tree.map(lambda a: lax.pmean(a, DP_AXIS), (loss, grads))
+    return _reduced_loss(loss), jax.tree.map(lambda g: lax.pmean(g, DP_AXIS), grads)
+
+
+def _reduced_loss(loss):
+    """The mean loss: only the last stage's is non-zero; averaged over dp."""
+    return lax.pmean(lax.psum(loss, PP_AXIS), DP_AXIS)
+
+
+def _check_batch(tokens, parallel: ParallelConfig):
+    if tokens.shape[0] % parallel.microbatches:
+        raise ValueError(
+            f"the batch of each dp rank, {tokens.shape[0]}, is not a multiple of "
+            f"microbatches={parallel.microbatches}"
+        )
+
+
+def _pipelined(model, parallel, comm, mesh, per_device, out_specs):
+    """shard_map of `per_device(ctx, staged params, tokens, key)` over the (dp, pp, tp) mesh,
+    as a function of the full parameters."""
+    check_pipeline(model, parallel)
+    mesh = make_mesh(parallel, comm.axis_name) if mesh is None else mesh
+    ctx = _context(parallel, comm)
+    specs = pipeline_param_specs(model, comm.axis_name)
+
+    def body(params, tokens, key):
+        _check_batch(tokens, parallel)
+        return per_device(ctx, params, tokens, key)
+
+    mapped = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(specs, P(DP_AXIS), P()),
+        out_specs=out_specs(specs),
+        check_vma=False,
+    )
+    return lambda params, tokens, key=None: mapped(to_stages(params, model, parallel), tokens, key)
 
 
 def make_pipeline_loss_and_grads(
     model: ModelConfig,
     parallel: ParallelConfig,
-    pipe: PipelineConfig,
     comm: taco_jax.TPComm,
+    codecs: StageCodecs = UNCOMPRESSED,
     mesh=None,
 ) -> Callable[[dict, jax.Array, jax.Array | None], tuple[jax.Array, dict]]:
     """(full params, tokens [B, T + 1], key) -> (mean loss, full-layout gradients averaged over
-    dp), with the model staged over "pp" (`PipelineConfig`), TP over `comm.axis_name` and DP.
+    dp), staged over "pp" as `parallel` says (pp, microbatches, schedule, repeats), TP over
+    `comm.axis_name`, stage traffic compressed with `codecs`.
 
     params and gradients are in the full layout (`init_params`); inside, they are staged with
     `to_stages` and placed by `pipeline_param_specs`. key: PRNG key of a stochastic stage codec
     (None otherwise); fold in the training step so that every step draws new noise and a resumed
     run the same. Not jitted.
     """
-    check_pipeline(model, parallel, pipe)
-    mesh = make_pipeline_mesh(parallel, pipe, comm.axis_name) if mesh is None else mesh
-    ctx = _context(parallel, comm)
-    specs = pipeline_param_specs(model, comm.axis_name)
 
-    def per_device(params, tokens, key):
-        if tokens.shape[0] % pipe.microbatches:
-            raise ValueError(
-                f"the batch of each dp rank, {tokens.shape[0]}, is not a multiple of "
-                f"microbatches={pipe.microbatches}"
-            )
-        return _stage_loss_and_grads(model, parallel, pipe, ctx, params, tokens, key)
+    def per_device(ctx, params, tokens, key):
+        return _stage_loss_and_grads(model, parallel, codecs, ctx, params, tokens, key)
 
-    mapped = jax.shard_map(
-        per_device,
-        mesh=mesh,
-        in_specs=(specs, P(DP_AXIS), P()),
-        out_specs=(P(), specs),
-        check_vma=False,
-    )
+    fn = _pipelined(model, parallel, comm, mesh, per_device, lambda s: (P(), s))
 
     def loss_and_grads(params, tokens, key=None):
-        loss, grads = mapped(to_stages(params, model, pipe), tokens, key)
+        loss, grads = fn(params, tokens, key)
         return loss, from_stages(grads, model)
 
     return loss_and_grads
+
+
+def make_pipeline_loss(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    comm: taco_jax.TPComm,
+    codecs: StageCodecs = UNCOMPRESSED,
+    mesh=None,
+) -> Callable[[dict, jax.Array, jax.Array | None], jax.Array]:
+    """(full params, tokens, key) -> the mean loss of the pipelined model (no gradients)."""
+
+    def per_device(ctx, params, tokens, key):
+        return _reduced_loss(_stage_loss(model, parallel, codecs, ctx, params, tokens, key))
+
+    return _pipelined(model, parallel, comm, mesh, per_device, lambda s: P())

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import taco_jax
 from models.config import ModelConfig
 from models.parallel import ParallelConfig, check_config
+from models.pipeline import StageCodecs
 from taco_jax import codecs
 
 
@@ -53,6 +54,8 @@ class CompressionConfig:
       (min_compress_bytes unset: `taco_jax.policy` decides).
     telemetry: record the relative error of every compressed collective against the exact one
       (`taco_jax.telemetry`) and log it to the metrics file.
+    pp / pp_bwd: codecs of the pipeline's stage-to-stage traffic (activations / their gradients;
+      `taco_jax.tahquant.STAGE_CODEC_NAMES` or a TP codec; pp_bwd None: the codec's backward).
     """
 
     fwd: str = codecs.DEFAULT_CODEC
@@ -64,6 +67,8 @@ class CompressionConfig:
     min_compress_bytes: int | None = _COMM.min_compress_bytes
     link: str = _COMM.link
     telemetry: bool = _COMM.telemetry
+    pp: str = "none"
+    pp_bwd: str | None = None
 
     def __post_init__(self):
         for name in ("fwd", "bwd"):
@@ -72,11 +77,20 @@ class CompressionConfig:
                 raise ConfigError(
                     f"compression.{name}={codec!r} is not one of {taco_jax.CODEC_NAMES}"
                 )
+        stage_names = taco_jax.tahquant.STAGE_CODEC_NAMES + taco_jax.CODEC_NAMES
+        for name in ("pp", "pp_bwd"):
+            codec = getattr(self, name)
+            if codec is not None and codec not in stage_names:
+                raise ConfigError(f"compression.{name}={codec!r} is not one of {stage_names}")
         self.make_comm()  # Validates group_size, impl, slices and min_compress_bytes in the core.
 
     def make_comm(self) -> taco_jax.TPComm:
-        options = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("fwd", "bwd")}
+        stage_fields = ("fwd", "bwd", "pp", "pp_bwd")
+        options = {k: v for k, v in dataclasses.asdict(self).items() if k not in stage_fields}
         return taco_jax.TPComm.create("tp", fwd=self.fwd, bwd=self.bwd, **options)
+
+    def stage_codecs(self) -> StageCodecs:
+        return StageCodecs(self.pp, self.pp_bwd, self.telemetry)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,8 +217,9 @@ class TrainConfig:
     def __post_init__(self):
         m, p, d = self.model, self.parallel, self.data
         _check(
-            d.batch_size % p.dp == 0,
-            f"data.batch_size={d.batch_size} is not a multiple of parallel.dp={p.dp}",
+            d.batch_size % (p.dp * p.microbatches) == 0,
+            f"data.batch_size={d.batch_size} is not a multiple of parallel.dp x microbatches="
+            f"{p.dp * p.microbatches}",
         )
         _check(
             d.tokenizer != "byte" or m.vocab_size >= 256,

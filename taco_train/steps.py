@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import taco_jax
 from models import parallel as layout
+from models import pipeline
 from models.config import ModelConfig
 from models.parallel import ParallelConfig
 
@@ -77,13 +78,33 @@ def _opt_state_sharding(opt_abstract, params_abstract, param_sharding, replicate
     return jax.tree_util.tree_map_with_path(pick, opt_abstract)
 
 
+def _losses(model, parallel, comm, stage_codecs, mesh, seed):
+    """(loss_and_grads(params, tokens, step), loss(params, tokens, step)) of the layout: the TP
+    runners, or the pipeline's (whose stochastic stage codecs draw from `seed` and the step:
+    every step new noise, a resumed run the same)."""
+    if parallel.pp == 1:
+        both = layout.make_loss_and_grads(model, parallel, comm, mesh)
+        only = layout.make_loss(model, parallel, comm, mesh)
+        return (lambda p, t, step: both(p, t)), (lambda p, t, step: only(p, t))
+    both = pipeline.make_pipeline_loss_and_grads(model, parallel, comm, stage_codecs, mesh)
+    only = pipeline.make_pipeline_loss(model, parallel, comm, stage_codecs, mesh)
+    train_key, eval_key = jax.random.split(jax.random.key(seed))
+    return (
+        lambda p, t, step: both(p, t, jax.random.fold_in(train_key, step)),
+        lambda p, t, step: only(p, t, jax.random.fold_in(eval_key, step)),
+    )
+
+
 def make_steps(
     model: ModelConfig,
     parallel: ParallelConfig,
     comm: taco_jax.TPComm,
     optimizer: optax.GradientTransformation,
+    stage_codecs: pipeline.StageCodecs = pipeline.UNCOMPRESSED,
+    seed: int = 0,
 ) -> Steps:
-    """Jitted init / train / eval steps of `model` laid out by `parallel`, TP traffic by `comm`.
+    """Jitted init / train / eval steps of `model` laid out by `parallel`, TP traffic by `comm`,
+    pipeline stage traffic (parallel.pp > 1) by `stage_codecs` (stochastic ones seeded by `seed`).
 
     train_step(state, tokens [global_batch, T + 1]) -> (state, {"loss", "grad_norm"}) donates
     `state`; eval_step(state, tokens) -> {"loss"} does not (it returns no state to hand back).
@@ -92,9 +113,12 @@ def make_steps(
     mesh = layout.make_mesh(parallel, comm.axis_name)
     replicated = NamedSharding(mesh, P())
     if parallel.mode == "shard_map":
-        param_sharding = jax.tree.map(
-            lambda spec: NamedSharding(mesh, spec), layout.param_specs(model, comm.axis_name)
+        specs = (
+            pipeline.full_layout_specs(model, comm.axis_name)
+            if parallel.pp > 1
+            else layout.param_specs(model, comm.axis_name)
         )
+        param_sharding = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
     else:
         param_sharding = jax.tree.map(lambda _: replicated, layout.abstract_params(model))
     params_abstract = layout.abstract_params(model)
@@ -106,8 +130,7 @@ def make_steps(
         skipped=replicated,
     )
     batch_sharding = NamedSharding(mesh, P(layout.DP_AXIS))
-    loss_and_grads = layout.make_loss_and_grads(model, parallel, comm, mesh)
-    loss_only = layout.make_loss(model, parallel, comm, mesh)
+    loss_and_grads, loss_only = _losses(model, parallel, comm, stage_codecs, mesh, seed)
 
     @functools.partial(jax.jit, out_shardings=state_sharding)
     def init(key: jax.Array) -> TrainState:
@@ -123,7 +146,7 @@ def make_steps(
     )
     def train_step(state: TrainState, tokens: jax.Array):
         layout.check_tokens(model, parallel, tokens)
-        loss, grads = loss_and_grads(state.params, tokens)
+        loss, grads = loss_and_grads(state.params, tokens, state.step)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -141,7 +164,7 @@ def make_steps(
     )
     def eval_step(state: TrainState, tokens: jax.Array):
         layout.check_tokens(model, parallel, tokens)
-        return {"loss": loss_only(state.params, tokens)}
+        return {"loss": loss_only(state.params, tokens, state.step)}
 
     @functools.partial(jax.jit, in_shardings=(state_sharding,), out_shardings=replicated)
     def is_finite(state: TrainState) -> jax.Array:

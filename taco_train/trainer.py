@@ -71,7 +71,14 @@ class _Run:
         mask = weight_decay_mask(cfg.model)
         optimizer = optim.make_optimizer(cfg.optimizer, cfg.run.steps, mask)
         self.schedule = optim.lr_schedule(cfg.optimizer, cfg.run.steps)
-        self.steps = make_steps(cfg.model, cfg.parallel, cfg.compression.make_comm(), optimizer)
+        self.steps = make_steps(
+            cfg.model,
+            cfg.parallel,
+            cfg.compression.make_comm(),
+            optimizer,
+            cfg.compression.stage_codecs(),
+            cfg.run.seed,
+        )
         self.n_devices = self.steps.mesh.devices.size
         device_kind = self.steps.mesh.devices.flat[0].device_kind
         self.peak = metrics.peak_flops(device_kind, cfg.run.peak_tflops)

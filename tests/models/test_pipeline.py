@@ -15,8 +15,9 @@ from tolerances import BATCH, exact_tolerance
 import taco_jax
 from models import ModelConfig, ParallelConfig, init_params, reference_loss_and_grads
 from models.pipeline import (
-    PipelineConfig,
+    StageCodecs,
     from_stages,
+    make_pipeline_loss,
     make_pipeline_loss_and_grads,
     to_stages,
 )
@@ -46,14 +47,19 @@ def _needs_devices(n):
         pytest.skip(f"needs {n} devices; set XLA_FLAGS=--xla_force_host_platform_device_count=8")
 
 
+def _parallel(dp, pp, tp, microbatches, sp=False, repeats=1):
+    schedule = "circular" if repeats > 1 else "gpipe"
+    return ParallelConfig(
+        dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, repeats=repeats,
+        sequence_parallel=sp, compute_dtype="float32",
+    )  # fmt: skip
+
+
 def _run(cfg, dp, pp, tp, microbatches, codec="none", sp=False, key=None, repeats=1):
     _needs_devices(dp * pp * tp)
-    parallel = ParallelConfig(dp=dp, tp=tp, sequence_parallel=sp, compute_dtype="float32")
-    schedule = "circular" if repeats > 1 else "gpipe"
-    pipe = PipelineConfig(pp=pp, microbatches=microbatches, schedule=schedule, repeats=repeats,
-                          stage_codec=codec)  # fmt: skip
+    parallel = _parallel(dp, pp, tp, microbatches, sp, repeats)
     comm = taco_jax.TPComm.create("tp", fwd="none")
-    fn = make_pipeline_loss_and_grads(cfg, parallel, pipe, comm)
+    fn = make_pipeline_loss_and_grads(cfg, parallel, comm, StageCodecs(codec))
     return jax.jit(fn)(init_params(cfg, jax.random.key(0)), _tokens(cfg), key)
 
 
@@ -137,10 +143,20 @@ def test_circular_with_a_stage_codec_within_its_bound(references):
     assert 0 < err <= eps * math.sqrt(2 * sends)
 
 
+def test_loss_only_equals_the_loss_of_loss_and_grads():
+    _needs_devices(8)
+    parallel = _parallel(2, 2, 2, 2)
+    comm = taco_jax.TPComm.create("tp", fwd="none")
+    params, tokens = init_params(GPT, jax.random.key(0)), _tokens(GPT)
+    loss = jax.jit(make_pipeline_loss(GPT, parallel, comm))(params, tokens)
+    with_grads = jax.jit(make_pipeline_loss_and_grads(GPT, parallel, comm))(params, tokens)[0]
+    np.testing.assert_array_equal(loss, with_grads)
+
+
 def test_stages_are_a_free_reshape_of_the_full_layout():
-    pipe = PipelineConfig(pp=2, microbatches=2, schedule="circular", repeats=2)
+    parallel = _parallel(1, 2, 1, 2, repeats=2)
     params = init_params(GPT8, jax.random.key(0))
-    staged = to_stages(params, GPT8, pipe)
+    staged = to_stages(params, GPT8, parallel)
     w = params["blocks"]["mlp"]["w_up"]  # [L, D, F]
     chunk = staged["blocks"]["mlp"]["w_up"]  # [V, P, L / 4, D, F]: chunk v P + p
     np.testing.assert_array_equal(chunk[1, 0], w[4:6])  # chunk 2: layers 4-5 on stage 0
@@ -148,31 +164,26 @@ def test_stages_are_a_free_reshape_of_the_full_layout():
 
 
 def test_bubble_fraction():
-    assert PipelineConfig(pp=4, microbatches=8).bubble_fraction == 3 / 11
-    assert (
-        PipelineConfig(pp=4, microbatches=8, schedule="circular", repeats=2).bubble_fraction
-        == 3 / 19
-    )
-    assert PipelineConfig(pp=1, microbatches=8).bubble_fraction == 0
+    assert _parallel(1, 4, 1, 8).bubble_fraction == 3 / 11
+    assert _parallel(1, 4, 1, 8, repeats=2).bubble_fraction == 3 / 19
+    assert _parallel(1, 1, 1, 8).bubble_fraction == 0
 
 
 def test_errors_name_the_offending_value():
     with pytest.raises(ValueError, match="n_layers=4 is not a multiple of pp x repeats=3"):
         _run(GPT, 1, 3, 1, 1)
-    with pytest.raises(ValueError, match="microbatches >= pp"):
-        PipelineConfig(pp=4, microbatches=2, schedule="circular", repeats=2)
-    with pytest.raises(ValueError, match="repeats=2 needs schedule='circular'"):
-        PipelineConfig(pp=2, repeats=2)
     with pytest.raises(ValueError, match="microbatches=3"):
         _run(GPT, 1, 2, 1, 3)
     with pytest.raises(ValueError, match="pass key="):
         _run(GPT, 1, 2, 1, 1, codec="tahquant")
+    with pytest.raises(ValueError, match="microbatches >= pp"):
+        _parallel(1, 4, 1, 2, repeats=2)
+    with pytest.raises(ValueError, match="repeats=2 needs schedule='circular'"):
+        ParallelConfig(pp=2, repeats=2)
     with pytest.raises(ValueError, match="schedule='1f1b'"):
-        PipelineConfig(pp=2, schedule="1f1b")
-    parallel = ParallelConfig(tp=2, mode="vmap")
+        ParallelConfig(pp=2, schedule="1f1b")
     with pytest.raises(ValueError, match="mode='vmap'"):
-        make_pipeline_loss_and_grads(GPT, parallel, PipelineConfig(pp=2),
-                                     taco_jax.TPComm.create("tp"))  # fmt: skip
+        ParallelConfig(tp=2, pp=2, mode="vmap")
     with pytest.raises(ValueError, match="needs 32 devices"):
-        make_pipeline_loss_and_grads(GPT, ParallelConfig(dp=4, tp=4), PipelineConfig(pp=2),
+        make_pipeline_loss_and_grads(GPT, ParallelConfig(dp=4, tp=4, pp=2),
                                      taco_jax.TPComm.create("tp"))  # fmt: skip
