@@ -11,7 +11,7 @@ keep the full layout, as for TP (`models.parallel`).
 
 Schedules, over the M microbatches of each dp rank's batch, as one `lax.scan` over steps in
 which every stage runs one chunk on one microbatch and sends the result on with
-`taco_jax.compressed_ppermute` (codec `stage_codec`; "none" is `lax.ppermute`):
+`taco_jax.compressed_ppermute` (`StageCodecs`; "none" is `lax.ppermute`):
 - "gpipe" (Huang et al. 2019): step t, stage s runs microbatch t - s; M + P - 1 steps.
 - "circular" (interleaved; MaxText's circular pipeline): stage s's u-th work item (u = t - s)
   is microbatch u mod M through its chunk u // M; the last stage sends back to the first, which
