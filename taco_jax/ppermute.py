@@ -17,12 +17,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from taco_jax import _backends, codecs, tahquant, telemetry
+from taco_jax import _backends, codecs, tahquant, tahquant_adaptive, telemetry
 from taco_jax.collectives import AxisName, axis_size
 from taco_jax.tahquant import TahQuant
+from taco_jax.tahquant_adaptive import AdaptiveTahQuant
 
 DEFAULT_STAGE_CODEC = "tahquant"
-StageCodec = codecs.Codec | TahQuant
+StageCodec = codecs.Codec | TahQuant | AdaptiveTahQuant
+# Every codec name compressed_ppermute takes: the stage codecs, then the TP codecs.
+CODEC_NAMES = tahquant.STAGE_CODEC_NAMES + tahquant_adaptive.CODEC_NAMES + codecs.CODEC_NAMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,20 +38,21 @@ class _Direction:
 
 
 def resolve_codec(codec: str | StageCodec) -> StageCodec:
-    """A stage codec (`tahquant.STAGE_CODEC_NAMES`) or a TP codec (`codecs.CODEC_NAMES`)."""
-    if isinstance(codec, codecs.Codec | TahQuant):
+    """A codec object from one of `CODEC_NAMES` (stage codecs, then TP codecs), or itself."""
+    if isinstance(codec, codecs.Codec | TahQuant | AdaptiveTahQuant):
         return codec
     if codec in tahquant.STAGE_CODEC_NAMES:
         return tahquant.get_stage_codec(codec)
+    if codec in tahquant_adaptive.CODEC_NAMES:
+        return tahquant_adaptive.get_codec(codec)
     if codec in codecs.CODEC_NAMES:
         return codecs.get_codec(codec)
-    names = tahquant.STAGE_CODEC_NAMES + codecs.CODEC_NAMES
-    raise ValueError(f"unknown codec {codec!r}; choose one of {names}")
+    raise ValueError(f"unknown codec {codec!r}; choose one of {CODEC_NAMES}")
 
 
 def backward_codec(codec: StageCodec) -> StageCodec:
     """The default codec of the gradients: TAH-Quant's symmetric variant, else the same codec."""
-    return codec.backward if isinstance(codec, TahQuant) else codec
+    return codec.backward if isinstance(codec, TahQuant | AdaptiveTahQuant) else codec
 
 
 def check_perm(perm, n_ranks: int) -> tuple[tuple[int, int], ...]:
@@ -74,9 +78,10 @@ def check_perm(perm, n_ranks: int) -> tuple[tuple[int, int], ...]:
 def _wire_ops(direction: _Direction):
     """(encode(rows, key) -> wire, decode(wire, n, dtype) -> rows) of the direction's codec."""
     codec = direction.codec
-    if isinstance(codec, TahQuant):  # the jnp reference (no fused kernel yet)
-        return (functools.partial(tahquant.encode_wire, codec),
-                functools.partial(tahquant.decode_wire, codec))  # fmt: skip
+    for kind, module in ((TahQuant, tahquant), (AdaptiveTahQuant, tahquant_adaptive)):
+        if isinstance(codec, kind):  # the jnp reference (no fused kernel yet)
+            return (functools.partial(module.encode_wire, codec),
+                    functools.partial(module.decode_wire, codec))  # fmt: skip
     ops = _backends.get_ops(direction.impl)
     return (lambda rows, key: ops.encode(codec, rows),
             lambda wire, n, dtype: ops.decode(codec, wire, n, dtype))  # fmt: skip
@@ -165,8 +170,8 @@ def compressed_ppermute(
       axis_name: a bound `shard_map` mesh axis or `vmap` axis name.
       perm: (source, destination) pairs of ranks along the axis, each rank at most once as a
         source and once as a destination (as `lax.ppermute`).
-      codec: a stage codec (`taco_jax.tahquant.STAGE_CODEC_NAMES`: "tahquant", "tahquant4",
-        ...) or a TP codec (`taco_jax.CODEC_NAMES`), or a codec object.
+      codec: a name from `CODEC_NAMES`: a stage codec ("tahquant", "tahquant4",
+        "tahquant_adaptive", ...) or a TP codec (`taco_jax.CODEC_NAMES`), or a codec object.
       key: PRNG key of the stochastic rounding (required by stochastic codecs): thread it
         through the training loop so that a resumed run draws the same numbers. Each rank folds
         in its index; the backward folds in 1.
@@ -181,7 +186,7 @@ def compressed_ppermute(
     fwd_codec = resolve_codec(codec)
     bwd = backward_codec(fwd_codec) if bwd_codec is None else resolve_codec(bwd_codec)
     for c in (fwd_codec, bwd):
-        if isinstance(c, TahQuant) and c.stochastic and key is None:
+        if getattr(c, "stochastic", False) and key is None:
             raise ValueError(f"codec {c.name!r} rounds stochastically: pass key=")
     if impl not in _backends.IMPLS:
         raise ValueError(f"unknown impl={impl!r}; choose one of {_backends.IMPLS}")

@@ -55,7 +55,7 @@ class CompressionConfig:
     telemetry: record the relative error of every compressed collective against the exact one
       (`taco_jax.telemetry`) and log it to the metrics file.
     pp / pp_bwd: codecs of the pipeline's stage-to-stage traffic (activations / their gradients;
-      `taco_jax.tahquant.STAGE_CODEC_NAMES` or a TP codec; pp_bwd None: the codec's backward).
+      `taco_jax.ppermute.CODEC_NAMES`; pp_bwd None: the codec's backward).
     """
 
     fwd: str = codecs.DEFAULT_CODEC
@@ -77,7 +77,7 @@ class CompressionConfig:
                 raise ConfigError(
                     f"compression.{name}={codec!r} is not one of {taco_jax.CODEC_NAMES}"
                 )
-        stage_names = taco_jax.tahquant.STAGE_CODEC_NAMES + taco_jax.CODEC_NAMES
+        stage_names = taco_jax.ppermute.CODEC_NAMES
         for name in ("pp", "pp_bwd"):
             codec = getattr(self, name)
             if codec is not None and codec not in stage_names:

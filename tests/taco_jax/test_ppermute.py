@@ -15,7 +15,7 @@ from jax import lax
 from tp_testing import MODES, run_tp
 
 import taco_jax as tj
-from taco_jax import codecs, tahquant, telemetry
+from taco_jax import codecs, tahquant, tahquant_adaptive, telemetry
 
 KEY = jax.random.key(11)
 CYCLE4 = [(0, 1), (1, 2), (2, 3), (3, 0)]
@@ -32,10 +32,13 @@ def _expected(codec_name, x, perm, key=KEY):
     for source, destination in perm:
         if codec_name == "none":
             out[destination] = np.asarray(x[source])
-        elif codec_name in tahquant.STAGE_CODEC_NAMES:
-            codec = tahquant.get_stage_codec(codec_name)
+        elif codec_name in tahquant.STAGE_CODEC_NAMES + tahquant_adaptive.CODEC_NAMES:
+            codec = tj.ppermute.resolve_codec(codec_name)
+            module = tahquant if codec_name in tahquant.STAGE_CODEC_NAMES else tahquant_adaptive
             row, size = codecs.pad_to_multiple(x[source].reshape(1, -1), codec.group_size)
-            decoded = tahquant.roundtrip(codec, row, jax.random.fold_in(key, source))
+            roundtrip = jax.jit(lambda r, k: module.decode_wire(  # noqa: B023
+                codec, module.encode_wire(codec, r, k), r.shape[-1]))  # noqa: B023  # fmt: skip
+            decoded = roundtrip(row, jax.random.fold_in(key, source))
             out[destination] = np.asarray(decoded[0, :size]).reshape(x.shape[1:])
         else:
             decoded = codecs.roundtrip(codec_name, x[source].reshape(1, -1))
@@ -45,7 +48,9 @@ def _expected(codec_name, x, perm, key=KEY):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("perm", [CYCLE4, CHAIN4], ids=["cycle", "chain"])
-@pytest.mark.parametrize("name", ["none", "tahquant", "tahquant_sym", "tahquant4", "taco"])
+@pytest.mark.parametrize(
+    "name", ["none", "tahquant", "tahquant_sym", "tahquant4", "tahquant_adaptive", "taco"]
+)
 def test_receivers_hold_the_decoded_message(mode, perm, name):
     x = _ranks(4, (3, 100), seed=1)  # 300 elements: not a multiple of any group size
     fn = lambda v: tj.compressed_ppermute(v, "pp", perm, codec=name, key=KEY)  # noqa: E731
