@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 ENV_PREFIXES = ("NCCL_", "XLA_", "CUDA_VISIBLE_DEVICES", "JAX_")
@@ -124,3 +125,18 @@ def write_record(
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {path}")
     return path
+
+
+def activation_like(leading: int, size: int, seed: int, dof: float) -> dict[str, jax.Array]:
+    """Three data sets of shape [leading, size] for codec error studies: Gaussian; Student-t with
+    `dof` degrees of freedom (dense near zero, heavy tails); activation-like Gaussian with 1% of
+    the channels (last axis) 30x larger (outlier features)."""
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    gaussian = jax.random.normal(k1, (leading, size))
+    student = jax.random.t(k2, dof, (leading, size))
+    channels = jax.random.uniform(k3, (size,)) < 0.01
+    return {
+        "gaussian": gaussian,
+        f"student_t{dof:g}": student,
+        "outlier_channels": gaussian * jnp.where(channels, 30.0, 1.0),
+    }

@@ -17,7 +17,7 @@ import pathlib  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from _common import write_record  # noqa: E402
+from _common import activation_like, write_record  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -28,15 +28,8 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 
 
 def datasets(tp: int, size: int, seed: int) -> dict[str, jax.Array]:
-    """Per-rank partial sums [tp, size] of three kinds."""
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    gaussian = jax.random.normal(k1, (tp, size))
-    # Student-t with 2 degrees of freedom: dense near zero, infinite-variance tails.
-    student = jax.random.t(k2, 2.0, (tp, size))
-    # Activation-like: Gaussian with 1% of channels 30x larger (outlier features).
-    channels = jax.random.uniform(k3, (size,)) < 0.01
-    outliers = gaussian * jnp.where(channels, 30.0, 1.0)
-    return {"gaussian": gaussian, "student_t2": student, "outlier_channels": outliers}
+    """Per-rank partial sums [tp, size]: Gaussian, Student-t (2 dof), outlier channels."""
+    return activation_like(tp, size, seed, dof=2.0)
 
 
 def measure(codec: str, x: jax.Array, mesh) -> dict[str, float]:

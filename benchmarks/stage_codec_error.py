@@ -17,25 +17,12 @@ import argparse
 import pathlib
 
 import jax
-import jax.numpy as jnp
-from _common import write_record
+from _common import activation_like, write_record
 
 from taco_jax import tahquant, tahquant_adaptive
 from taco_jax.telemetry import relative_error
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-
-
-def datasets(rows: int, size: int, seed: int) -> dict[str, jax.Array]:
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    gaussian = jax.random.normal(k1, (rows, size))
-    student = jax.random.t(k2, 3.0, (rows, size))
-    channels = jax.random.uniform(k3, (size,)) < 0.01
-    return {
-        "gaussian": gaussian,
-        "student_t3": student,
-        "outlier_channels": gaussian * jnp.where(channels, 30.0, 1.0),
-    }
 
 
 def candidates() -> dict[str, tuple[object, object]]:
@@ -64,7 +51,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
-    data = datasets(args.rows, args.size, args.seed)
+    data = activation_like(args.rows, args.size, args.seed, dof=3.0)
     keys = list(jax.random.split(jax.random.key(args.seed + 1), args.keys))
     results = []
     for label, (codec, module) in candidates().items():
