@@ -89,6 +89,10 @@ class ParallelConfig:
     def _check_pipeline(self):
         if self.microbatches < 1:
             raise ValueError(f"microbatches={self.microbatches} must be >= 1")
+        if self.pp == 1 and self.microbatches > 1:
+            raise ValueError(
+                f"microbatches={self.microbatches} splits pipeline steps: needs pp > 1"
+            )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not one of {SCHEDULES}")
         if self.schedule == "gpipe" and self.repeats != 1:

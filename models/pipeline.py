@@ -149,6 +149,8 @@ def _stage_loss(model, parallel, codecs, ctx, params, tokens, key):
     parameters (blocks [V, 1, L / (P V), ...])."""
     stages, m, v = parallel.pp, parallel.microbatches, parallel.repeats
     stage = lax.axis_index(PP_AXIS)
+    if key is not None:  # dp ranks draw their own noise; tp ranks the same (replicated values)
+        key = jax.random.fold_in(key, lax.axis_index(DP_AXIS))
     micro = tokens.reshape(m, tokens.shape[0] // m, tokens.shape[1])  # [M, b, T + 1]
     t = micro.shape[-1] - 1
     t_local = t // ctx.size() if (ctx.sharded and ctx.sequence_parallel) else t
@@ -180,9 +182,9 @@ def _stage_loss(model, parallel, codecs, ctx, params, tokens, key):
             targets = micro[micro_index, :, 1:]
             return layers.vocab_parallel_cross_entropy(logits, targets, ctx, model.vocab_size)
 
+        # The head runs only where a microbatch finishes (the same on every TP rank of a stage).
         last = (stage == stages - 1) & (work >= (v - 1) * m) & (work < v * m)
-        loss = lax.cond(stage == stages - 1, loss, lambda: jnp.zeros((), jnp.float32))
-        total = total + jnp.where(last, loss, 0.0)
+        total = total + lax.cond(last, loss, lambda: jnp.zeros((), jnp.float32))
         return (_send_forward(y, parallel, codecs, key, i), store, total), None
 
     init = (blank, store, jnp.zeros((), jnp.float32))

@@ -101,14 +101,15 @@ def _receives(axis_name, pairs) -> jax.Array:
 
 
 def _moved(v, axis_name, pairs, full):
-    """`lax.ppermute(v, axis_name, pairs)`, moved along `full` (`_completed(pairs)`): zeros on
-    ranks that receive nothing, also under vmap."""
+    """`lax.ppermute(v, axis_name, pairs)`, moved along `full` (`pairs`, or `_completed(pairs)`
+    under vmap): zeros on ranks that receive nothing."""
     moved = lax.ppermute(v, axis_name, full)
     return moved if full == pairs else jnp.where(_receives(axis_name, pairs), moved, 0)
 
 
-def _send(x, axis_name, pairs, full, direction: _Direction, key, tag):
-    """One compressed ppermute of x along `pairs` (`full`: `_completed(pairs)`)."""
+def _send(x, axis_name, pairs, full, partial: bool, direction: _Direction, key, tag):
+    """One compressed ppermute of x along `pairs`, moved along `full`; `partial`: some rank
+    receives nothing."""
     if direction.codec.is_identity:
         return _moved(x, axis_name, pairs, full)
     encode, decode = _wire_ops(direction)
@@ -117,18 +118,20 @@ def _send(x, axis_name, pairs, full, direction: _Direction, key, tag):
     row, size = codecs.pad_to_multiple(x.reshape(1, -1), direction.codec.group_size)
     wire = lax.ppermute(encode(row, key), axis_name, full)
     out = decode(wire, row.shape[-1], x.dtype)[0, :size].reshape(x.shape)
-    if full != pairs:  # ranks that receive nothing decoded a filler pair's message: zero it
+    if partial:  # a rank that receives nothing decoded a filler's message or a zero wire (which
+        # need not decode to 0: a TP codec's zero pre-scale): it returns zeros
         out = jnp.where(_receives(axis_name, pairs), out, jnp.zeros_like(out))
     if direction.telemetry:
+        receives = _receives(axis_name, pairs)  # only receivers count: the others hold zeros
         exact = _moved(x, axis_name, pairs, full)
-        telemetry.record(f"{tag}:{direction.codec.name}", out, exact)
+        telemetry.record(f"{tag}:{direction.codec.name}", out, exact, counted=receives)
     return out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
 def _ppermute(x, key, axis_name, perms, n_ranks, fwd, bwd, tag):
     pairs, full = perms
-    return _send(x, axis_name, pairs, full, fwd, key, tag)
+    return _send(x, axis_name, pairs, full, len(pairs) < n_ranks, fwd, key, tag)
 
 
 def _ppermute_fwd(x, key, axis_name, perms, n_ranks, fwd, bwd, tag):
@@ -136,11 +139,12 @@ def _ppermute_fwd(x, key, axis_name, perms, n_ranks, fwd, bwd, tag):
 
 
 def _ppermute_bwd(axis_name, perms, n_ranks, fwd, bwd, tag, key, ct):
-    pairs, _ = perms
+    pairs, full = perms
     inverse = tuple((d, s) for s, d in pairs)
     ct_key = None if key is None else jax.random.fold_in(key, 1)  # noise apart from the forward
-    full = _completed(inverse, n_ranks)
-    return _send(ct, axis_name, inverse, full, bwd, ct_key, f"{tag}_bwd"), None
+    full = inverse if full == pairs else _completed(inverse, n_ranks)
+    partial = len(pairs) < n_ranks
+    return _send(ct, axis_name, inverse, full, partial, bwd, ct_key, f"{tag}_bwd"), None
 
 
 _ppermute.defvjp(_ppermute_fwd, _ppermute_bwd)
@@ -183,6 +187,9 @@ def compressed_ppermute(
         raise TypeError(f"compressed_ppermute compresses floating arrays, got dtype={x.dtype}")
     n_ranks = axis_size(axis_name)
     pairs = check_perm(perm, n_ranks)
+    # shard_map's ppermute takes partial permutations (ranks left out send and receive
+    # nothing); vmap's takes full ones only, so there the pairs are completed with fillers.
+    under_shard_map = axis_name in jax.sharding.get_abstract_mesh().manual_axes
     fwd_codec = resolve_codec(codec)
     bwd = backward_codec(fwd_codec) if bwd_codec is None else resolve_codec(bwd_codec)
     for c in (fwd_codec, bwd):
@@ -191,6 +198,14 @@ def compressed_ppermute(
     if impl not in _backends.IMPLS:
         raise ValueError(f"unknown impl={impl!r}; choose one of {_backends.IMPLS}")
     fwd = _Direction(fwd_codec, impl, telemetry)
-    perms = (pairs, _completed(pairs, n_ranks))
+    if telemetry and not under_shard_map and len(pairs) == n_ranks:
+        # Seen with jax 0.11.2 on the CPU: XLA fails to compile this combination (an internal
+        # "instruction is live and cannot be removed" check), a crash rather than an answer.
+        raise ValueError(
+            f"telemetry=True with the full permutation perm={perm!r} under vmap is not "
+            "supported (an XLA compile failure); record it under shard_map, or with a "
+            "partial permutation"
+        )
+    perms = (pairs, pairs if under_shard_map else _completed(pairs, n_ranks))
     bwd_direction = _Direction(bwd, impl, telemetry)
     return _ppermute(x, key, axis_name, perms, n_ranks, fwd, bwd_direction, name)

@@ -1,7 +1,8 @@
 """TAH-Quant: the codec for pipeline stage-to-stage traffic (activations and their gradients).
 
 The definition (docs/method.md, "Pipeline codecs"; TAH-Quant, arXiv 2506.01352, as COCCL's
-`tahquant` compressor implements it), per group of G channels of one token, in fp32:
+`tahquant` compressor implements it), per group of G consecutive values of the flattened message
+(G channels of one token when the model width is a multiple of G), in fp32:
 
 1. pivot swap + Hadamard: with m1 >= m2 the two largest |x| of the group, a group where
    m1 > 2 m2 ("a dominant outlier") swaps its largest element into position 0 and applies the

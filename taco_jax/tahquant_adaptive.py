@@ -11,7 +11,9 @@ alternating pattern (equal bits, no adaptation), for the comparison in BENCHMARK
 Wire row: [code bytes][n/G fp32 scales][n/G pivot bytes]. Each group's codes fill 12 bytes
 (3-bit: 8 codes in 3 bytes) or 16 (4-bit: 2 per byte), back to back in group order; bit 6 of the
 pivot byte (free: an index of G = 32 needs 5) marks a 4-bit group, so the decoder finds every
-group's bytes by a prefix sum. Bits per element: budget + 40 / G (4.75 at budget 3.5).
+group's bytes by a prefix sum. Bits per element: budget + 40 / G (4.75 at budget 3.5) when
+(budget - 3) x the groups of a row is whole; otherwise the nearest whole number of groups is
+4-bit (`wide_groups`).
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def _priority(codec: AdaptiveTahQuant, y: jax.Array) -> jax.Array:
     if codec.allocation == "absmax":
         return jnp.max(jnp.abs(y), axis=-1)
     position = lax.broadcasted_iota(jnp.int32, y.shape[:1], 0)
-    return -(position % 2).astype(jnp.float32) - position * 1e-9  # even groups first, in order
+    return -(position % 2).astype(jnp.float32)  # even groups first (a stable sort keeps order)
 
 
 def _wide_mask(codec: AdaptiveTahQuant, y: jax.Array, rows: int) -> jax.Array:

@@ -20,8 +20,10 @@ _sums: dict[str, float] = collections.defaultdict(float)
 _counts: dict[str, int] = collections.defaultdict(int)
 
 
-def _accumulate(tag: str, errors) -> None:
+def _accumulate(tag: str, errors, counted=None) -> None:
     values = np.asarray(errors, dtype=np.float64).reshape(-1)
+    if counted is not None:  # ranks that took part (e.g. a ppermute's receivers)
+        values = values[np.asarray(counted, bool).reshape(-1)]
     with _lock:
         _sums[tag] += float(values.sum())
         _counts[tag] += values.size
@@ -34,9 +36,14 @@ def relative_error(approx: jax.Array, exact: jax.Array) -> jax.Array:
     return jnp.where(norm > 0, diff / jnp.where(norm > 0, norm, 1.0), diff)
 
 
-def record(tag: str, approx: jax.Array, exact: jax.Array) -> None:
-    """Records the relative error of `approx` against `exact` under `tag` (works under jit/vmap)."""
-    jax.debug.callback(lambda err: _accumulate(tag, err), relative_error(approx, exact))
+def record(tag: str, approx: jax.Array, exact: jax.Array, counted: jax.Array | None = None):
+    """Records the relative error of `approx` against `exact` under `tag` (works under jit/vmap);
+    with `counted` (a bool scalar per rank), only where it is true."""
+    error = relative_error(approx, exact)
+    if counted is None:
+        jax.debug.callback(lambda err: _accumulate(tag, err), error)
+    else:
+        jax.debug.callback(lambda err, c: _accumulate(tag, err, c), error, counted)
 
 
 def drain() -> dict[str, float]:

@@ -215,7 +215,7 @@ class TrainConfig:
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
 
     def __post_init__(self):
-        m, p, d = self.model, self.parallel, self.data
+        m, p, d, c = self.model, self.parallel, self.data, self.compression
         _check(
             d.batch_size % (p.dp * p.microbatches) == 0,
             f"data.batch_size={d.batch_size} is not a multiple of parallel.dp x microbatches="
@@ -229,6 +229,10 @@ class TrainConfig:
             d.tokenizer != "bpe" or 257 <= m.vocab_size <= 65535,
             f"model.vocab_size={m.vocab_size} must be in [257, 65535] for the bpe tokenizer "
             "(256 byte symbols + end-of-text; token ids are stored as uint16)",
+        )
+        _check(
+            c.pp == "none" or p.pp > 1,
+            f"compression.pp={c.pp!r} compresses pipeline sends: needs parallel.pp > 1",
         )
         try:  # before any data is prepared: the model must split parallel.tp ways
             check_config(m, p)

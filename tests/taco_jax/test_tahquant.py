@@ -84,8 +84,11 @@ def test_stochastic_rounding_is_unbiased_and_reproducible():
     keys = jax.random.split(jax.random.key(5), 64)
     errors = [(groups64(tahquant.roundtrip(codec, x, k), 128) - groups64(x, 128)).reshape(-1)
               for k in keys]  # fmt: skip
-    mean = float(np.mean(np.stack(errors) / scale))
-    assert abs(mean) <= 5 * 0.5 / np.sqrt(64 * x.size)
+    units = np.stack(errors) / scale
+    # Also against the sign of x, so that opposite biases of the two signs cannot cancel.
+    sign = np.sign(np.asarray(x, np.float64).reshape(-1))
+    for weighted in (units, units * sign):
+        assert abs(float(np.mean(weighted))) <= 5 * 0.5 / np.sqrt(64 * x.size)
     again = tahquant.encode_wire(codec, x, keys[0])
     np.testing.assert_array_equal(again, tahquant.encode_wire(codec, x, keys[0]))
     assert not np.array_equal(again, tahquant.encode_wire(codec, x, keys[1]))
