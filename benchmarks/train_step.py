@@ -11,6 +11,13 @@ Cases (`--only TEXT` keeps those whose label contains TEXT):
   3. With >= 2 devices, GPT-1.3B with real TP over all of them (`shard_map`, NCCL): "none",
      "taco auto" (the defaults: `taco_jax.policy` compresses where it measured a gain on this
      link) and "taco ... forced" (every collective compressed, `min_compress_bytes=0`).
+  4. With >= 2 devices, GPT-1.3B pipelined over all of them (pp = devices, `--pp-batch` sequences
+     in `--microbatches` microbatches): the GPipe and circular (2 chunks per stage) schedules,
+     each with stage traffic uncompressed ("none"), "tahquant" and "taco"
+     (`taco_jax.compressed_ppermute`); beside them the same batch unpipelined on one device
+     ("pp-ref"). Effective bubble = 1 - t_ref / (P t_pp): the share of a pipelined step beyond
+     an even split of the one-device step over P stages (idle steps, stage sends, the circular
+     schedule's regroup), next to the schedule's (P - 1) / (M V + P - 1).
 Each configuration: compile, warm-up steps, then >= 10 timed steps, each ended by
 `jax.block_until_ready` (`_common.sample_seconds`); the median is reported. Tokens are random
 (speed does not depend on them). A configuration that fails (e.g. out of memory) is recorded
@@ -43,6 +50,7 @@ from _common import sample_seconds, write_record  # noqa: E402
 
 import taco_jax  # noqa: E402
 from models import ModelConfig, ParallelConfig, layers  # noqa: E402
+from models.pipeline import StageCodecs  # noqa: E402
 from taco_train import metrics as run_metrics  # noqa: E402
 from taco_train.steps import make_steps  # noqa: E402
 
@@ -60,6 +68,7 @@ class Case:
     overrides: tuple = ()
     algorithm: str = "auto"  # of the all-reduces (taco_jax.CommConfig.algorithm)
     min_compress_bytes: int | None = None  # None: taco_jax.policy decides
+    stage_codec: str = "none"  # of pipeline stage traffic (parallel.pp > 1)
 
     def model(self) -> ModelConfig:
         return ModelConfig.preset(self.preset, **dict(self.overrides))
@@ -75,6 +84,7 @@ def default_cases(args) -> list[Case]:
             Case("gpt_tiny", "gpt_tiny", 4, one),
             Case("gpt_tiny tp=2 (vmap) none", "gpt_tiny", 4, tiny, "none"),
             Case("gpt_tiny tp=2 (vmap) taco", "gpt_tiny", 4, tiny, "taco", args.impl),
+            *pipeline_cases(args, 2, preset="gpt_tiny", overrides=(("n_layers", 4),)),
         ]
     cases = [
         # 16 x 2048 tokens; activations ~20 GB without remat.
@@ -107,6 +117,8 @@ def default_cases(args) -> list[Case]:
         if n_devices == 2:  # where one-shot sends the bytes of two-shot
             cases.append(Case(f"{label} taco one_shot forced", codec="taco",
                               algorithm="one_shot", min_compress_bytes=0, **run))  # fmt: skip
+    if n_devices >= 2:
+        cases += pipeline_cases(args, n_devices)
     if args.impl == "auto" and jax.default_backend() == "gpu":
         # The XLA (pure jnp) codec next to the Pallas kernels that "auto" picks on a GPU.
         cases.append(
@@ -115,6 +127,36 @@ def default_cases(args) -> list[Case]:
             )
         )
     return cases
+
+
+PIPELINE_CODECS = ("none", "tahquant", "taco")
+
+
+def pipeline_cases(args, n_devices: int, preset: str = "gpt_1p3b", overrides=()) -> list[Case]:
+    """Case 4: the one-device reference, then each schedule x stage codec at pp = n_devices."""
+    base = ParallelConfig(remat=args.remat, scan_layers=not args.unroll)
+    run = dict(preset=preset, batch=args.pp_batch, overrides=overrides)
+    cases = [Case(f"{preset} pp-ref (1 device)", parallel=base, **run)]
+    for schedule, repeats in (("gpipe", 1), ("circular", 2)):
+        parallel = dataclasses.replace(base, pp=n_devices, microbatches=args.microbatches,
+                                       schedule=schedule, repeats=repeats)  # fmt: skip
+        label = f"{preset} pp={n_devices} {schedule} M={args.microbatches}"
+        cases += [Case(f"{label} {codec}", parallel=parallel, stage_codec=codec, **run)
+                  for codec in PIPELINE_CODECS]  # fmt: skip
+    return cases
+
+
+def effective_bubbles(rows: list[dict]) -> dict[str, dict]:
+    """Per pipelined row: 1 - t_ref / (P t_pp) beside the schedule's (P - 1) / (M V + P - 1)."""
+    ref = next((r for r in rows if "pp-ref" in r["label"] and "error" not in r), None)
+    out = {}
+    for r in rows:
+        if ref is None or "error" in r or r["parallel"]["pp"] == 1:
+            continue
+        parallel = ParallelConfig(**r["parallel"])
+        measured = 1 - ref["median_step_s"] / (parallel.pp * r["median_step_s"])
+        out[r["label"]] = {"effective": measured, "schedule": parallel.bubble_fraction}
+    return out
 
 
 def peak_flops() -> float | None:
@@ -131,7 +173,8 @@ def run_case(case: Case, steps: int, warmup: int) -> dict:
         algorithm=case.algorithm,
         min_compress_bytes=case.min_compress_bytes,
     )
-    built = make_steps(cfg, case.parallel, comm, optax.adamw(1e-4, weight_decay=0.1))
+    stages = StageCodecs(forward=case.stage_codec)
+    built = make_steps(cfg, case.parallel, comm, optax.adamw(1e-4, weight_decay=0.1), stages)
     state = built.init(jax.random.key(0))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (case.batch, cfg.seq_len + 1), dtype=np.int32)
@@ -151,8 +194,8 @@ def run_case(case: Case, steps: int, warmup: int) -> dict:
     median = statistics.median(times)
     tokens_per_step = case.batch * cfg.seq_len
     flops_per_step = cfg.flops_per_token() * tokens_per_step
-    # shard_map spreads the step over dp x tp devices; vmap emulation runs it all on one.
-    devices = case.parallel.dp * case.parallel.tp if case.parallel.mode == "shard_map" else 1
+    # shard_map spreads the step over dp x pp x tp devices; vmap emulation runs it all on one.
+    devices = case.parallel.num_devices if case.parallel.mode == "shard_map" else 1
     peak = peak_flops() * devices if peak_flops() else None
     memory = jax.devices()[0].memory_stats() or {}
     return {
@@ -160,6 +203,7 @@ def run_case(case: Case, steps: int, warmup: int) -> dict:
         "model": dataclasses.asdict(cfg),
         "parallel": dataclasses.asdict(case.parallel),
         "codec": case.codec,
+        "stage_codec": case.stage_codec,
         "algorithm": case.algorithm,
         "impl": case.impl,
         "batch": case.batch,
@@ -236,12 +280,17 @@ def main() -> None:
     parser.add_argument("--batch-125m", type=int, default=16)
     parser.add_argument("--batch-1p3b", type=int, default=8)
     parser.add_argument("--batch-tp", type=int, default=8, help="batch of the emulated-TP runs")
+    parser.add_argument("--pp-batch", type=int, default=16, help="batch of the pipelined runs")
+    parser.add_argument("--microbatches", type=int, default=8, help="of the pipelined runs")
+    parser.add_argument("--suffix", default="", help="appended to the record's file name")
     parser.add_argument("--impl", default="auto", help="codec kernels for taco: auto|xla|pallas")
     parser.add_argument("--remat", action="store_true")
     parser.add_argument("--unroll", action="store_true", help="unrolled layers instead of scan")
     parser.add_argument("--only", default=None, help="run only configs whose label contains this")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(RESULTS))
     args = parser.parse_args()
+    if args.smoke:
+        args.pp_batch, args.microbatches = 4, 2
     steps = args.steps or (2 if args.smoke else 10)
     warmup = 1 if args.smoke else args.warmup
 
@@ -263,10 +312,12 @@ def main() -> None:
         jax.clear_caches()
 
     overhead = overheads(rows)
+    bubbles = effective_bubbles(rows)
     write_record(
         "train_step",
         args.out,
-        suffix="-smoke" if args.smoke else "",
+        suffix=("-smoke" if args.smoke else "") + args.suffix,
+        nccl_env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
         xla_flags=os.environ.get("XLA_FLAGS", ""),
         attention=attention,
         attention_note=attention_note,
@@ -275,12 +326,16 @@ def main() -> None:
         timing=f"median of {steps} steps after {warmup} warm-up steps, block_until_ready each",
         results=rows,
         taco_over_none_step_time=overhead,
+        pipeline_bubbles=bubbles,
     )
     device = f"{jax.device_count()} x {jax.devices()[0].device_kind}"
     print(f"\n{device}, jax {jax.__version__}, attention: {attention}\n")
     print(table(rows))
     for label, ratio in overhead.items():
         print(f"{label}: {ratio:.3f} x the uncompressed step time")
+    for label, bubble in bubbles.items():
+        print(f"{label}: effective bubble {bubble['effective']:.3f} "
+              f"(schedule {bubble['schedule']:.3f})")  # fmt: skip
 
 
 if __name__ == "__main__":

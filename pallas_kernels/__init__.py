@@ -4,19 +4,22 @@ Four ops per codec, each beside the jnp reference it equals (`*_reference`, from
 `taco_jax.codecs`): encode (rows -> wire rows), decode, decode-sum (the end of a
 reduce-scatter) and decode-sum-reencode (the middle of the two-shot all-reduce). Every
 compressing codec of `taco_jax.CODEC_NAMES` is fused; the identity codec "none" (raw fp32 bytes,
-no arithmetic) has no kernel, and `taco_jax` runs its reference there.
+no arithmetic) has no kernel, and `taco_jax` runs its reference there. The pipeline codecs of
+`taco_jax.tahquant` have their encode and decode in `tahquant_kernel`.
 
 Kernels are `pl.pallas_call`s on the Triton lowering, except the `taco` encode of large bf16
 messages on Hopper, a Mosaic GPU kernel (`encode_mosaic`; why: `_pallas.py`). All work under
 `jax.vmap` and inside `jax.shard_map`; `interpret=True` runs the Triton bodies on the CPU (and
 `encode_mosaic.encode(..., interpret=True)` the Mosaic one, codes only).
 
-This package imports the codec definition (`taco_jax.codecs`) and nothing else of taco_jax; the
+This package imports the codec definitions (`taco_jax.codecs`, `taco_jax.tahquant`) and nothing
+else of taco_jax; the
 dispatch from the collectives to these kernels lives in `taco_jax._backends`.
 """
 
 from __future__ import annotations
 
+from pallas_kernels import tahquant_kernel
 from pallas_kernels.config import BlockConfig, block_config
 from pallas_kernels.decode_kernel import decode, decode_reference
 from pallas_kernels.decode_sum_kernel import (
@@ -38,4 +41,5 @@ __all__ = [
     "decode_sum_reference",
     "encode",
     "encode_reference",
+    "tahquant_kernel",
 ]

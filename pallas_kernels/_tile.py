@@ -163,11 +163,29 @@ def store_groups(codec: Codec, ref, row, tile, n: int, cfg: BlockConfig, codes, 
     store_1d(ref, row, tile * t * g, codes.reshape(t * g), n, masked=masked)
     sides = {"scales": scale, "prescales": prescale}
     for section in codecs.wire_sections(codec, n):
-        # byte k of this section belongs to group k // width; the mask counts groups.
         data = codecs.side_to_bytes(sides[section.field], section.width)
-        start = section.offset + section.width * tile * t
-        mask = _mask(tile * t, section.width * t, groups, section.width, masked)
-        _pallas.store(ref.at[_row(row), _pallas.ds(start, section.width * t)], data, mask=mask)
+        store_side(ref, row, section.offset, section.width, tile, data, groups, masked=masked)
+
+
+def store_side(ref, row, offset: int, width: int, tile, data, groups: int, *, masked: bool):
+    """Stores one tile's side bytes data [width * T] into the side section at `offset` (`width`
+    bytes per group) of wire row `row`; byte k belongs to group k // width, the mask counts
+    groups (`groups` per row)."""
+    t = data.shape[0] // width
+    mask = _mask(tile * t, width * t, groups, width, masked)
+    _pallas.store(ref.at[_row(row), _pallas.ds(offset + width * tile * t, width * t)], data,
+                  mask=mask)  # fmt: skip
+
+
+def load_side(ref, row, offset: int, width: int, tile, t: int, groups: int, *, masked: bool,
+              other: int = 0):  # fmt: skip
+    """One tile's side bytes [width * T] of the section at `offset` (as `store_side`); bytes
+    past the row read as `other`."""
+    return _pallas.load(
+        ref.at[_row(row), _pallas.ds(offset + width * tile * t, width * t)],
+        mask=_mask(tile * t, width * t, groups, width, masked),
+        other=other if masked else None,
+    )
 
 
 def load_wire_tile(codec: Codec, ref, row, tile, n: int, cfg: BlockConfig):
@@ -180,11 +198,16 @@ def load_wire_tile(codec: Codec, ref, row, tile, n: int, cfg: BlockConfig):
     codes = load_1d(ref, row, tile * t * g, t * g, n, masked=masked)
     sides = {}
     for section in codecs.wire_sections(codec, n):
-        start = section.offset + section.width * tile * t
-        sides[section.field] = _pallas.load(
-            ref.at[_row(row), _pallas.ds(start, section.width * t)],
-            mask=_mask(tile * t, section.width * t, groups, section.width, masked),
-            other=_masked_side_byte(section) if masked else None,
+        sides[section.field] = load_side(
+            ref,
+            row,
+            section.offset,
+            section.width,
+            tile,
+            t,
+            groups,
+            masked=masked,
+            other=_masked_side_byte(section),
         )
     return codes, sides
 

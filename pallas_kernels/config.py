@@ -43,6 +43,15 @@ TWO_PEERS_DOT = Launch(elements_per_tile=8192, num_warps=4, dot_columns=16, tile
 PEERS_NO_DOT = Launch(elements_per_tile=2048, num_warps=4, dot_columns=None, tiles_per_program=1)
 # A plain streaming pass: the fp8 / int8 codecs without a Hadamard.
 NO_DOT = Launch(elements_per_tile=8192, num_warps=8, dot_columns=None, tiles_per_program=1)
+# TAH-Quant (`tahquant_kernel`), measured at 64 MiB of bf16 (benchmarks/stage_kernels.py
+# --sweep-mib, G = 128): the encode is bound by its arithmetic (pivot rule, butterflies, the
+# noise hash), not by HBM, and ran fastest with small tiles on 2 warps; the decode streams, and
+# ran fastest with 64 groups of 128 (G = 32: 128 groups) on 2 warps.
+STAGE_ENCODE = Launch(elements_per_tile=2048, num_warps=2, dot_columns=None, tiles_per_program=1)
+STAGE_DECODE = Launch(elements_per_tile=8192, num_warps=2, dot_columns=None, tiles_per_program=1)
+STAGE_DECODE_G32 = Launch(
+    elements_per_tile=4096, num_warps=2, dot_columns=None, tiles_per_program=1
+)
 # By (peer rows summed into one: 1, 2 or more, Hadamard dot).
 _LAUNCHES = {
     (1, True): ENCODE_DECODE,
@@ -111,12 +120,14 @@ def _next_pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
 
-def block_config(group_size: int, num_groups: int, *, rows=1, peers=1, dot=True) -> BlockConfig:
+def block_config(group_size: int, num_groups: int, *, rows=1, peers=1, dot=True,
+                 launch: Launch | None = None) -> BlockConfig:  # fmt: skip
     """The launch for `rows` rows (or `peers` rows summed into one) of `num_groups` groups.
 
     dot: the kernel applies the Hadamard dot (then it loops over tiles, see module docstring).
+    launch: a row of the table to use instead of the one `peers` and `dot` pick.
     """
-    launch = _LAUNCHES[(min(peers, 3), dot)]
+    launch = launch or _LAUNCHES[(min(peers, 3), dot)]
     groups = max(MIN_GROUPS_PER_TILE, launch.elements_per_tile // group_size)
     groups = max(MIN_GROUPS_PER_TILE, min(groups, _next_pow2(num_groups)))
     tiles = rows * cdiv(num_groups, groups)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from taco_jax import codecs
+from taco_jax import codecs, tahquant
 from taco_jax.codecs import Codec
 
 IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
@@ -88,6 +88,33 @@ def _warn_fallback(error: str) -> None:
         RuntimeWarning,
         stacklevel=2,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class StageOps:
+    """Packed-wire operations of the TAH-Quant codecs (`taco_jax.tahquant`)."""
+
+    encode: Callable
+    """(codec, x[R, n], key) -> wire[R, B] (key: the stochastic rounding's PRNG key)."""
+    decode: Callable
+    """(codec, wire[R, B], n, dtype) -> x[R, n]."""
+
+
+def get_stage_ops(impl: str) -> StageOps:
+    """The TAH-Quant ops for `impl`, chosen as `get_ops` chooses: the fused kernels of
+    `pallas_kernels.tahquant_kernel`, or the jnp reference."""
+    if get_ops(impl) is XLA_OPS:
+        return StageOps(tahquant.encode_wire, tahquant.decode_wire)
+    kernels = _kernels().tahquant_kernel
+    interpret = impl == "pallas_interpret"
+    return StageOps(
+        functools.partial(_with_interpret, kernels.encode, interpret),
+        functools.partial(_with_interpret, kernels.decode, interpret),
+    )
+
+
+def _with_interpret(kernel, interpret: bool, *args):
+    return kernel(*args, interpret=interpret)
 
 
 def get_ops(impl: str) -> CodecOps:

@@ -61,7 +61,7 @@ QMAX = {"e4m3": 448.0, "e5m2": 57344.0, "int8": 127.0}
 ASH_TARGET_RMS = QMAX["e4m3"]
 # 1.5 * 2^23: adding and subtracting it rounds an fp32 |v| < 2^22 to the nearest integer, ties to
 # even (IEEE add), which is jnp.round's rule; the Triton lowering of Pallas has no `round`.
-_ROUND_MAGIC = 12582912.0
+ROUND_MAGIC = 12582912.0
 # E8M0 (OCP MX): a biased power-of-two exponent byte; 0xFF is NaN.
 E8M0_BIAS = 127.0
 E8M0_NAN = 255
@@ -344,7 +344,7 @@ def quantize(codec: Codec, scaled: jax.Array, *, magic_round: bool = False) -> j
     so the reference and interpret mode use `jnp.round`)."""
     clipped = jnp.clip(scaled, -codec.qmax, codec.qmax)
     if codec.element == "int8":
-        rounded = (clipped + _ROUND_MAGIC) - _ROUND_MAGIC if magic_round else jnp.round(clipped)
+        rounded = (clipped + ROUND_MAGIC) - ROUND_MAGIC if magic_round else jnp.round(clipped)
         return lax.bitcast_convert_type(rounded.astype(jnp.int8), jnp.uint8)
     return lax.bitcast_convert_type(clipped.astype(FLOAT8_DTYPES[codec.element]), jnp.uint8)
 

@@ -78,10 +78,12 @@ def check_perm(perm, n_ranks: int) -> tuple[tuple[int, int], ...]:
 def _wire_ops(direction: _Direction):
     """(encode(rows, key) -> wire, decode(wire, n, dtype) -> rows) of the direction's codec."""
     codec = direction.codec
-    for kind, module in ((TahQuant, tahquant), (AdaptiveTahQuant, tahquant_adaptive)):
-        if isinstance(codec, kind):  # the jnp reference (no fused kernel yet)
-            return (functools.partial(module.encode_wire, codec),
-                    functools.partial(module.decode_wire, codec))  # fmt: skip
+    if isinstance(codec, AdaptiveTahQuant):  # the jnp reference (no fused kernel)
+        return (functools.partial(tahquant_adaptive.encode_wire, codec),
+                functools.partial(tahquant_adaptive.decode_wire, codec))  # fmt: skip
+    if isinstance(codec, TahQuant):
+        ops = _backends.get_stage_ops(direction.impl)
+        return functools.partial(ops.encode, codec), functools.partial(ops.decode, codec)
     ops = _backends.get_ops(direction.impl)
     return (lambda rows, key: ops.encode(codec, rows),
             lambda wire, n, dtype: ops.decode(codec, wire, n, dtype))  # fmt: skip
@@ -179,7 +181,8 @@ def compressed_ppermute(
       key: PRNG key of the stochastic rounding (required by stochastic codecs): thread it
         through the training loop so that a resumed run draws the same numbers. Each rank folds
         in its index; the backward folds in 1.
-      impl: the TP codecs' kernels (as `CommConfig.impl`); TAH-Quant runs its jnp reference.
+      impl: the codec kernels (as `CommConfig.impl`): fused Pallas kernels on a GPU for the TP
+        codecs and TAH-Quant; `tahquant_adaptive` always runs its jnp reference.
       telemetry: also run `lax.ppermute` and record the relative error (`taco_jax.telemetry`).
       name: the telemetry label.
     """

@@ -15,15 +15,17 @@ The definition (docs/method.md, "Pipeline codecs"; TAH-Quant, arXiv 2506.01352, 
    pivot at all, docs/method.md "Pipeline codecs".)
 2. quantize to `bits`: asymmetric (scale = (max - min) / (2^bits - 1), and the min; codes
    0 .. 2^bits - 1) for activations, symmetric (scale = absmax / (2^(bits-1) - 1), codes
-   -qmax .. qmax) for gradients; stochastic rounding (floor(v + u), u ~ U[0, 1) from a key the
-   caller passes: unbiased, and a resumed run draws the same numbers), or round to nearest.
+   -qmax .. qmax) for gradients; stochastic rounding (floor(v + u), u ~ U[0, 1) hashed from the
+   element's index and a key the caller passes, `uniform_noise`: unbiased, and a resumed run
+   draws the same numbers), or round to nearest.
 3. wire: [codes][n/G fp32 scales][n/G fp32 mins, asymmetric only][n/G pivot bytes], 4-bit codes
    two per byte (the even element in the low nibble).
 
 As in `taco_jax.codecs`: every group is scaled by a power of two into [1, 2) before the
 arithmetic (nothing overflows or underflows in between), and a group holding NaN or Inf gets a
-NaN scale and decodes to NaN. This module holds the jnp reference; `compressed_ppermute` moves
-its wire.
+NaN scale and decodes to NaN. This module holds the jnp reference, written in ops that the
+fused kernels (`pallas_kernels.tahquant_kernel`) run on their tiles too; `compressed_ppermute`
+moves its wire.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from taco_jax import codecs
@@ -117,48 +120,111 @@ def get_stage_codec(name: str | TahQuant) -> TahQuant:
 
 
 # --------------------------------------------------------------------------------------------
-# Stages, on groups [M, G] (fp32).
+# Stages, on groups [M, G] (fp32). Written only with ops the Triton lowering of Pallas also
+# takes (reductions, `where`, splits of a last axis of size 2, integer shifts): the fused kernels
+# (`pallas_kernels.tahquant_kernel`) call these same functions on their tiles.
 
 
 def pivot_rule(groups: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(flag [M] bool, index [M] int32): whether each group has a dominant outlier (m1 > 2 m2),
-    and where its largest |x| is."""
+    and where its largest |x| is (the first such position; G - 1 in a group holding a NaN)."""
     magnitude = jnp.abs(groups)
-    index = jnp.argmax(magnitude, axis=-1).astype(jnp.int32)
-    is_max = lax.broadcasted_iota(jnp.int32, groups.shape, 1) == index[:, None]
+    positions = lax.broadcasted_iota(jnp.int32, groups.shape, 1)
     m1 = jnp.max(magnitude, axis=-1)
-    m2 = jnp.max(jnp.where(is_max, 0.0, magnitude), axis=-1)
+    last = groups.shape[-1] - 1
+    index = jnp.min(jnp.where(magnitude == m1[:, None], positions, last), axis=-1)
+    m2 = jnp.max(jnp.where(positions == index[:, None], 0.0, magnitude), axis=-1)
     return m1 > 2.0 * m2, index
+
+
+def _element_at(groups: jax.Array, positions: jax.Array, index) -> jax.Array:
+    """groups[m, index[m]] as a masked sum (one non-zero term: exact), [M]."""
+    return jnp.sum(jnp.where(positions == index, groups, 0.0), axis=-1)
 
 
 def swap_to_front(groups: jax.Array, index: jax.Array, flag: jax.Array) -> jax.Array:
     """Exchanges elements 0 and `index` of each flagged group (its own inverse)."""
     positions = lax.broadcasted_iota(jnp.int32, groups.shape, 1)
-    at_index = jnp.take_along_axis(groups, index[:, None], axis=-1)
-    swapped = jnp.where(positions == 0, at_index, groups)
-    swapped = jnp.where(positions == index[:, None], groups[:, :1], swapped)
+    at_index = _element_at(groups, positions, index[:, None])
+    first = _element_at(groups, positions, 0)
+    swapped = jnp.where(positions == 0, at_index[:, None], groups)
+    swapped = jnp.where(positions == index[:, None], first[:, None], swapped)
     return jnp.where(flag[:, None], swapped, groups)
 
 
+def _signed_hadamard_low_bits(x: jax.Array, bits: int) -> jax.Array:
+    """(I (x) S_{2^bits}) x on the last axis of x [M, K]: the +-1 Sylvester transform over the
+    low `bits` bits of the index, as butterflies (i = 2 i' + i1: y[2 j'] = S a + S b,
+    y[2 j' + 1] = S a - S b, with a, b the even and odd elements)."""
+    if bits == 0:
+        return x
+    m, k = x.shape
+    even, odd = lax.unstack(x.reshape(m, k // 2, 2), axis=2)
+    a = _signed_hadamard_low_bits(even, bits - 1)
+    b = _signed_hadamard_low_bits(odd, bits - 1)
+    return lax.stack([a + b, a - b], axis=2).reshape(m, k)
+
+
+_PIVOT_BITS = PIVOT_BLOCK.bit_length() - 1
+_PIVOT_UNIT = np.float32(1.0 / np.sqrt(PIVOT_BLOCK))
+
+
 def hadamard_front(groups: jax.Array, flag: jax.Array) -> jax.Array:
-    """The orthonormal H_32 = S_32 / sqrt(32) (its own inverse) applied to the first 32 elements
-    of each flagged group."""
-    signs = jnp.asarray(codecs.hadamard_matrix(PIVOT_BLOCK))
-    front = jnp.matmul(groups[:, :PIVOT_BLOCK], signs, precision=lax.Precision.HIGHEST)
-    transformed = jnp.concatenate([front, groups[:, PIVOT_BLOCK:]], axis=-1)
-    return jnp.where(flag[:, None], transformed, groups)
+    """The orthonormal H_32 = S_32 / sqrt(32) (its own inverse up to fp32 rounding) applied to
+    the first 32 elements of each flagged group.
+
+    The butterflies run over every block of 32 and the first block is kept: no slicing, so the
+    kernels run this very function on their tiles."""
+    positions = lax.broadcasted_iota(jnp.int32, groups.shape, 1)
+    transformed = _signed_hadamard_low_bits(groups, _PIVOT_BITS) * _PIVOT_UNIT
+    return jnp.where(flag[:, None] & (positions < PIVOT_BLOCK), transformed, groups)
 
 
-def _rounded(v: jax.Array, noise: jax.Array | None) -> jax.Array:
+# --------------------------------------------------------------------------------------------
+# Stochastic rounding noise: a counter-based hash of (seed, element index), so that a fused
+# kernel draws exactly the numbers of the reference without reading them from memory.
+
+
+def _mix32(h: jax.Array) -> jax.Array:
+    """A bijective 32-bit integer mixer (Wellons' "lowbias32": strong avalanche, 2 multiplies)."""
+    h = h ^ (h >> 16)
+    h = h * np.uint32(0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = h * np.uint32(0x846CA68B)
+    return h ^ (h >> 16)
+
+
+def noise_seeds(key: jax.Array) -> jax.Array:
+    """Two uint32 words of `key` that seed `uniform_noise`, [2]."""
+    return jax.random.bits(key, (2,), jnp.uint32)
+
+
+def uniform_noise(seeds, index: jax.Array) -> jax.Array:
+    """u in [0, 1) (multiples of 2^-24) for uint32 element indices `index`, keyed by the two
+    uint32 words `seeds` (`noise_seeds`; an array [2] or a pair of scalars).
+
+    u = mix(mix(index ^ s0) + s1) >> 8: two keyed rounds of a bijective mixer, so within one
+    seed distinct indices draw distinct hashes. Indices are the element's flat position in the
+    encoded rows (modulo 2^32)."""
+    h = _mix32(_mix32(index ^ seeds[0]) + seeds[1])
+    return (h >> 8).astype(jnp.int32).astype(jnp.float32) * np.float32(2.0**-24)
+
+
+def _rounded(v: jax.Array, noise: jax.Array | None, magic_round: bool) -> jax.Array:
     """floor(v + u) with u ~ U[0, 1) (stochastic), or round half to even."""
-    return jnp.floor(v + noise) if noise is not None else jnp.round(v)
+    if noise is not None:
+        return jnp.floor(v + noise)
+    if magic_round:  # the Triton lowering has no `round` (see codecs.quantize)
+        return (v + codecs.ROUND_MAGIC) - codecs.ROUND_MAGIC
+    return jnp.round(v)
 
 
-def quantize_groups(codec: TahQuant, y: jax.Array, noise: jax.Array | None):
+def quantize_groups(codec: TahQuant, y: jax.Array, noise: jax.Array | None, *,
+                    magic_round: bool = False):  # fmt: skip
     """y [M, G] -> (codes [M, G] int32 on the codec's grid, scale [M], min [M] or None).
 
     The code arithmetic runs on y scaled into [1, 2) by a power of two (exact); only the stored
-    scale and min carry the magnitude.
+    scale and min carry the magnitude. `noise` [M, G]: stochastic rounding, else to nearest.
     """
     amax = jnp.max(jnp.abs(y), axis=-1)
     p, _ = codecs.group_normalizer(amax)
@@ -168,12 +234,13 @@ def quantize_groups(codec: TahQuant, y: jax.Array, noise: jax.Array | None):
         span = hi - lo
         to_code = jnp.where(span > 0, codec.levels / span, 0.0)  # a constant group: all code 0
         v = codecs.scale_rows(w - lo[:, None], to_code)
-        codes = jnp.clip(_rounded(v, noise), 0, codec.levels)
+        codes = jnp.clip(_rounded(v, noise, magic_round), 0, codec.levels)
         scale = codecs.mark_nonfinite(span / codec.levels / p, y)
         return codes.astype(jnp.int32), scale, lo / p
     amax_w = amax * p
     to_code = jnp.where(amax_w > 0, codec.qmax / amax_w, 0.0)
-    codes = jnp.clip(_rounded(codecs.scale_rows(w, to_code), noise), -codec.qmax, codec.qmax)
+    v = codecs.scale_rows(w, to_code)
+    codes = jnp.clip(_rounded(v, noise, magic_round), -codec.qmax, codec.qmax)
     scale = codecs.mark_nonfinite(amax / codec.qmax, y)
     return codes.astype(jnp.int32), scale, None
 
@@ -181,6 +248,29 @@ def quantize_groups(codec: TahQuant, y: jax.Array, noise: jax.Array | None):
 def dequantize_groups(codec: TahQuant, codes: jax.Array, scale, lo) -> jax.Array:
     y = codecs.scale_rows(codes.astype(jnp.float32), scale)
     return y + lo[:, None] if codec.asymmetric else y
+
+
+def encode_groups(codec: TahQuant, groups: jax.Array, noise: jax.Array | None, *,
+                  magic_round: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:  # fmt: skip
+    """groups [M, G] fp32 -> (codes [M, G] int32, {side field: [M]}): the whole encode but the
+    packing (the reference and the fused kernels both run it)."""
+    flag, index = pivot_rule(groups) if codec.pivot else (None, None)
+    y = hadamard_front(swap_to_front(groups, index, flag), flag) if codec.pivot else groups
+    codes, scale, lo = quantize_groups(codec, y, noise, magic_round=magic_round)
+    sides = {"scales": scale, "mins": lo}
+    if codec.pivot:
+        sides["pivots"] = (index | jnp.where(flag, PIVOT_FLAG, 0)).astype(jnp.uint8)
+    return codes, {field: sides[field] for field, _ in codec.side_fields}
+
+
+def decode_groups(codec: TahQuant, codes: jax.Array, sides: dict[str, jax.Array]) -> jax.Array:
+    """Inverse of `encode_groups` up to the rounding: codes [M, G] int32 -> fp32 [M, G]."""
+    y = dequantize_groups(codec, codes, sides["scales"], sides.get("mins"))
+    if not codec.pivot:
+        return y
+    pivots = sides["pivots"].astype(jnp.int32)
+    flag, index = (pivots & PIVOT_FLAG) != 0, pivots & (PIVOT_FLAG - 1)
+    return swap_to_front(hadamard_front(y, flag), index, flag)
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,8 +283,8 @@ def pack_codes(codec: TahQuant, codes: jax.Array) -> jax.Array:
     stored = stored.astype(jnp.uint8)
     if codec.bits == 8:
         return stored
-    pairs = stored.reshape(*stored.shape[:-1], -1, 2)
-    return pairs[..., 0] | (pairs[..., 1] << 4)
+    low, high = lax.unstack(stored.reshape(*stored.shape[:-1], -1, 2), axis=-1)
+    return low | (high << 4)
 
 
 def unpack_codes(codec: TahQuant, data: jax.Array) -> jax.Array:
@@ -205,7 +295,7 @@ def unpack_codes(codec: TahQuant, data: jax.Array) -> jax.Array:
     return codes if codec.asymmetric else codes - (1 << (codec.bits - 1))
 
 
-def _sections(codec: TahQuant, n: int) -> dict[str, tuple[int, int]]:
+def sections(codec: TahQuant, n: int) -> dict[str, tuple[int, int]]:
     """{field: (offset, width)} of the side sections of a row of `n` elements."""
     groups = n // codec.group_size
     offset, out = codec.code_bytes(n), {}
@@ -230,15 +320,12 @@ def encode_wire(codec: TahQuant, x: jax.Array, key: jax.Array | None = None) -> 
     if codec.stochastic and key is None:
         raise ValueError(f"codec {codec.name!r} rounds stochastically: pass a PRNG key")
     rows, n = x.shape
-    g = codec.group_size
-    groups = x.astype(jnp.float32).reshape(-1, g)
-    flag, index = pivot_rule(groups) if codec.pivot else (None, None)
-    y = hadamard_front(swap_to_front(groups, index, flag), flag) if codec.pivot else groups
-    noise = jax.random.uniform(key, y.shape, jnp.float32) if codec.stochastic else None
-    codes, scale, lo = quantize_groups(codec, y, noise)
-    sides = {"scales": scale, "mins": lo}
-    if codec.pivot:
-        sides["pivots"] = (index | jnp.where(flag, PIVOT_FLAG, 0)).astype(jnp.uint8)
+    groups = x.astype(jnp.float32).reshape(-1, codec.group_size)
+    noise = None
+    if codec.stochastic:
+        index = jnp.arange(rows * n, dtype=jnp.uint32).reshape(groups.shape)
+        noise = uniform_noise(noise_seeds(key), index)
+    codes, sides = encode_groups(codec, groups, noise)
     parts = [pack_codes(codec, codes.reshape(rows, n))]
     for field, width in codec.side_fields:
         parts.append(codecs.side_to_bytes(sides[field].reshape(rows, -1), width))
@@ -251,7 +338,7 @@ def unpack_sides(codec: TahQuant, wire: jax.Array, n: int) -> dict[str, jax.Arra
     (fp32, asymmetric codecs), pivots (uint8: flag bit and index)."""
     groups = n // codec.group_size
     sides = {}
-    for field, (offset, width) in _sections(codec, n).items():
+    for field, (offset, width) in sections(codec, n).items():
         data = wire[:, offset : offset + width * groups]
         sides[field] = codecs.side_from_bytes(data, width).reshape(-1)
     return sides
@@ -259,13 +346,8 @@ def unpack_sides(codec: TahQuant, wire: jax.Array, n: int) -> dict[str, jax.Arra
 
 def decode_wire(codec: TahQuant, wire: jax.Array, n: int, dtype=jnp.float32) -> jax.Array:
     """wire [R, B] -> x [R, n] of `dtype`."""
-    sides = unpack_sides(codec, wire, n)
     codes = unpack_codes(codec, wire[:, : codec.code_bytes(n)]).reshape(-1, codec.group_size)
-    y = dequantize_groups(codec, codes, sides["scales"], sides.get("mins"))
-    if codec.pivot:
-        pivots = sides["pivots"].astype(jnp.int32)
-        flag, index = (pivots & PIVOT_FLAG) != 0, pivots & (PIVOT_FLAG - 1)
-        y = swap_to_front(hadamard_front(y, flag), index, flag)
+    y = decode_groups(codec, codes, unpack_sides(codec, wire, n))
     return y.reshape(wire.shape[0], n).astype(dtype)
 
 

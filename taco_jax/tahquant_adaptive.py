@@ -162,7 +162,10 @@ def encode_wire(codec: AdaptiveTahQuant, x: jax.Array, key: jax.Array | None = N
     flag, index = tahquant.pivot_rule(groups)
     y = tahquant.hadamard_front(tahquant.swap_to_front(groups, index, flag), flag)
     wide = _wide_mask(codec, y, rows)
-    noise = jax.random.uniform(key, y.shape, jnp.float32) if codec.stochastic else None
+    noise = None
+    if codec.stochastic:  # the fixed-bit codec's noise (`tahquant.uniform_noise`)
+        counters = jnp.arange(rows * n, dtype=jnp.uint32).reshape(y.shape)
+        noise = tahquant.uniform_noise(tahquant.noise_seeds(key), counters)
     narrow, narrow_scale, _ = tahquant.quantize_groups(NARROW, y, noise)
     broad, broad_scale, _ = tahquant.quantize_groups(WIDE, y, noise)
     chunks = jnp.where(  # each group's bytes, padded to 16

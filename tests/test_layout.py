@@ -3,7 +3,8 @@
 - `taco_jax` (with `pallas_kernels`) is a library: importing it loads no Flax, Optax, Orbax,
   models or training application, and its declared dependencies are JAX and NumPy only.
 - The import graph of the first-party modules has no cycle, counting imports inside functions
-  too, and runs one way: taco_train -> models -> taco_jax -> pallas_kernels -> taco_jax.codecs.
+  too, and runs one way: taco_train -> models -> taco_jax -> pallas_kernels -> the codec
+  definitions (taco_jax.codecs, taco_jax.tahquant).
 
 An edge is an import written in a file. Importing `taco_jax.codecs` also runs
 `taco_jax/__init__.py` (Python initializes a package before its submodules), which is not an
@@ -25,7 +26,8 @@ REPO = Path(__file__).parents[1]
 PACKAGES = ("taco_jax", "pallas_kernels", "models", "taco_train")
 APP_MODULES = ("flax", "optax", "orbax", "models", "taco_train", "tokenizers", "matplotlib", "tqdm")
 # Which first-party packages each package may import. pallas_kernels may import only the codec
-# definition of taco_jax (checked separately below).
+# definitions of taco_jax (checked separately below).
+CODEC_DEFINITIONS = {"taco_jax.codecs", "taco_jax.tahquant"}
 ALLOWED = {
     "taco_jax": {"taco_jax", "pallas_kernels"},
     "pallas_kernels": {"pallas_kernels", "taco_jax"},
@@ -75,6 +77,9 @@ def test_graph_walk_sees_the_known_edges():
     graph = _graph()
     assert "pallas_kernels" in graph["taco_jax._backends"]  # imported inside a function
     assert "taco_jax.codecs" in graph["pallas_kernels.encode_kernel"]
+    assert "taco_jax.tahquant" in graph["pallas_kernels.tahquant_kernel"]
+    # the codec definitions need nothing of the package but each other
+    assert graph["taco_jax.tahquant"] <= {"taco_jax.codecs"}
 
 
 def test_no_import_cycle():
@@ -101,7 +106,7 @@ def test_imports_run_one_way():
         for target in targets:
             assert target.split(".")[0] in ALLOWED[package], f"{module} imports {target}"
             if package == "pallas_kernels" and target.startswith("taco_jax"):
-                assert target == "taco_jax.codecs", f"{module} imports {target}, not the codecs"
+                assert target in CODEC_DEFINITIONS, f"{module} imports {target}, not a codec"
 
 
 def test_importing_the_library_loads_no_app_dependency():

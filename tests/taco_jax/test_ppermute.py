@@ -59,6 +59,23 @@ def test_receivers_hold_the_decoded_message(mode, perm, name):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["tahquant", "tahquant4"])
+def test_fused_kernels_carry_the_same_message(mode, name):
+    """impl="pallas_interpret" runs the fused TAH-Quant kernels (`pallas_kernels.tahquant_kernel`)
+    in Pallas' CPU interpreter: the same codes as the reference (the kernel calls the reference's
+    tile functions; tests/pallas_kernels/test_tahquant_kernel.py), decoded within the kernel
+    decode's bound 8 * 32 * 2^-24 of a group's largest value (derived there)."""
+    x = _ranks(4, (3, 100), seed=2)
+    fn = lambda v: tj.compressed_ppermute(  # noqa: E731
+        v, "pp", CYCLE4, codec=name, key=KEY, impl="pallas_interpret"
+    )
+    out = run_tp(fn, x, tp=4, mode=mode, axis_name="pp")
+    expected = _expected(name, x, CYCLE4)
+    atol = 8 * 32 * 2.0**-24 * np.abs(expected).max()
+    np.testing.assert_allclose(out, expected, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_none_equals_lax_ppermute_with_gradients(mode):
     x = _ranks(4, (64,), seed=2)
 

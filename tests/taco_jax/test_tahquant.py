@@ -94,6 +94,24 @@ def test_stochastic_rounding_is_unbiased_and_reproducible():
     assert not np.array_equal(again, tahquant.encode_wire(codec, x, keys[1]))
 
 
+def test_uniform_noise_is_uniform_and_keyed():
+    """The counter hash behind stochastic rounding, over N = 2^16 indices: values in [0, 1) on
+    the 2^-24 grid; a 64-bin histogram's chi-square (63 degrees of freedom: mean 63, sd
+    sqrt(126) ~ 11.2) below mean + 6 sd; the correlation of neighbours and of two seeds' streams
+    below 6 / sqrt(N) (6 standard deviations of an independent pair's sample correlation)."""
+    n = 1 << 16
+    index = jnp.arange(n, dtype=jnp.uint32)
+    u0, u1 = (np.asarray(tahquant.uniform_noise(tahquant.noise_seeds(jax.random.key(s)), index),
+                         np.float64) for s in (0, 1))  # fmt: skip
+    assert u0.min() >= 0 and u0.max() < 1
+    np.testing.assert_array_equal(u0 * 2**24, np.round(u0 * 2**24))
+    counts = np.histogram(u0, bins=64, range=(0, 1))[0]
+    chi2 = float(np.sum((counts - n / 64) ** 2 / (n / 64)))
+    assert chi2 < 63 + 6 * np.sqrt(126), chi2
+    for a, b in ((u0[:-1], u0[1:]), (u0, u1)):
+        assert abs(np.corrcoef(a, b)[0, 1]) < 6 / np.sqrt(n)
+
+
 def test_pivot_rule_flags_exactly_the_dominant_outliers():
     x = _normal((8, 1024), seed=6).at[:3, 5::128].set(30.0)  # 3 rows with an outlier per group
     codec = get_stage_codec("tahquant")

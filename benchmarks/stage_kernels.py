@@ -1,0 +1,156 @@
+"""Times the fused TAH-Quant kernels (`pallas_kernels.tahquant_kernel`) against a copy of the
+same bytes and against their jnp references, on one GPU (BENCHMARKS.md, "Pipeline codec kernels").
+
+    PYTHONPATH=. python benchmarks/stage_kernels.py --out $OUT
+
+For each bf16 message size (one row, as `compressed_ppermute` encodes a stage's activation) and
+each stage codec: encode (bf16 -> wire) and decode (wire -> bf16), fused and reference.
+Bandwidth is logical IO (bytes read + bytes written, once each); "of copy" divides it by the
+bandwidth of an XLA negate of a bf16 array of the same size (read + write), timed in the same
+run. Timings: host-dispatched batches (`_common.batched_seconds`), inputs rotating over
+>= 256 MiB so that nothing is served from L2. Before timing, each kernel's output is checked
+against the reference (the bounds of tests/pallas_kernels/test_tahquant_kernel.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _common import batched_seconds, write_record
+
+from pallas_kernels import tahquant_kernel as tk
+from pallas_kernels.config import BlockConfig
+from taco_jax import tahquant
+
+MiB = 1 << 20
+ROTATE_BYTES = 256 * MiB
+
+
+def _rotating(make, size: int) -> list[tuple]:
+    """Enough distinct inputs of `size` bytes to cover ROTATE_BYTES (at least 2)."""
+    return [make(i) for i in range(max(2, ROTATE_BYTES // size))]
+
+
+def _check(codec, x, key) -> dict:
+    """Moved codes and the largest decode error of the fused kernels against the reference."""
+    n = x.shape[-1]
+    wire, ref = tk.encode(codec, x, key), tahquant.encode_wire(codec, x, key)
+    codes = tahquant.unpack_codes(codec, wire[:, : codec.code_bytes(n)])
+    ref_codes = tahquant.unpack_codes(codec, ref[:, : codec.code_bytes(n)])
+    decoded = tk.decode(codec, ref, n, jnp.float32)
+    want = tahquant.decode_wire(codec, ref, n)
+    scale = float(jnp.max(jnp.abs(want)))
+    return {
+        "moved_codes": int(jnp.sum(codes != ref_codes)),
+        "max_code_step": int(jnp.max(jnp.abs(codes - ref_codes))),
+        "decode_max_err_rel": float(jnp.max(jnp.abs(decoded - want))) / scale,
+    }
+
+
+def bench(size: int, names) -> dict:
+    elements = size // 2
+    key = jax.random.key(size)
+    xs = _rotating(lambda i: (jax.random.normal(jax.random.fold_in(key, i), (1, elements),
+                                                jnp.bfloat16),), size)  # fmt: skip
+    copy = jax.jit(lambda x: -x)
+    t_copy, _ = batched_seconds(copy, xs)
+    row = {"bytes": size, "copy_s": t_copy, "copy_tbps": 2 * size / t_copy / 1e12}
+    copy_bw = 2 * size / t_copy
+    for name in names:
+        codec = tahquant.get_stage_codec(name)
+        wire_bytes = codec.wire_bytes(elements)
+        keys = [jax.random.fold_in(key, 1000 + i) for i in range(len(xs))]
+        enc_in = [(x, k) for (x,), k in zip(xs, keys, strict=True)]
+        wires = [(tahquant.encode_wire(codec, x, k),) for x, k in enc_in]
+        ops = {
+            "encode": (jax.jit(lambda x, k, c=codec: tk.encode(c, x, k)),
+                       jax.jit(lambda x, k, c=codec: tahquant.encode_wire(c, x, k)), enc_in),
+            "decode": (jax.jit(lambda w, c=codec: tk.decode(c, w, elements, jnp.bfloat16)),
+                       jax.jit(lambda w, c=codec: tahquant.decode_wire(c, w, elements,
+                                                                        jnp.bfloat16)), wires),
+        }  # fmt: skip
+        entry = {"bits_per_element": codec.bits_per_element,
+                 "check": _check(codec, xs[0][0], keys[0])}  # fmt: skip
+        io = size + wire_bytes  # bf16 in, wire out (and the reverse)
+        for op, (fused, ref, inputs) in ops.items():
+            t_k, spread = batched_seconds(fused, inputs)
+            t_r, _ = batched_seconds(ref, inputs, reps=5)
+            entry[op] = {
+                "kernel_s": t_k,
+                "ref_s": t_r,
+                "kernel_tbps": io / t_k / 1e12,
+                "of_copy": io / t_k / copy_bw,
+                "speedup_over_ref": t_r / t_k,
+                "spread": spread,
+            }
+        row[name] = entry
+        del wires
+    print("BENCH", json.dumps(row), flush=True)
+    return row
+
+
+SWEEP = [(groups, warps) for groups in (16, 32, 64, 128) for warps in (2, 4, 8)]
+
+
+def sweep(size: int, names) -> list[dict]:
+    """Encode / decode time of each launch (groups per tile x warps, `BlockConfig`) at `size`."""
+    elements = size // 2
+    key = jax.random.key(size)
+    xs = _rotating(lambda i: (jax.random.normal(jax.random.fold_in(key, i), (1, elements),
+                                                jnp.bfloat16),), size)  # fmt: skip
+    t_copy, _ = batched_seconds(jax.jit(lambda x: -x), xs)
+    out = []
+    for name in names:
+        codec = tahquant.get_stage_codec(name)
+        io = size + codec.wire_bytes(elements)
+        enc_in = [(x, jax.random.fold_in(key, i)) for i, (x,) in enumerate(xs)]
+        wires = [(tahquant.encode_wire(codec, x, k),) for x, k in enc_in]
+        for groups, warps in SWEEP:
+            if groups * codec.group_size > 16384:
+                continue
+            cfg = BlockConfig(groups, num_warps=warps, num_stages=1)
+            enc = jax.jit(lambda x, k, c=codec, f=cfg: tk.encode(c, x, k, config=f))
+            dec = jax.jit(lambda w, c=codec, f=cfg: tk.decode(c, w, elements, jnp.bfloat16,
+                                                              config=f))  # fmt: skip
+            row = {"codec": name, "groups_per_tile": groups, "num_warps": warps}
+            for op, fn, inputs in (("encode", enc, enc_in), ("decode", dec, wires)):
+                t, _ = batched_seconds(fn, inputs)
+                row[op + "_of_copy"] = (io / t) / (2 * size / t_copy)
+            print("SWEEP", json.dumps(row), flush=True)
+            out.append(row)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[4, 16, 64, 256])
+    parser.add_argument("--codecs", nargs="+", default=list(tahquant.STAGE_CODEC_NAMES))
+    parser.add_argument("--sweep-mib", type=float, default=None,
+                        help="also time launch configurations at this size")  # fmt: skip
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = parser.parse_args()
+    if jax.default_backend() != "gpu":
+        raise SystemExit("stage_kernels.py times compiled GPU kernels: run it on a GPU")
+    rows = [bench(int(s * MiB), args.codecs) for s in args.sizes_mib]
+    swept = sweep(int(args.sweep_mib * MiB), args.codecs) if args.sweep_mib else []
+    write_record("stage_kernels", args.out, results=rows, launch_sweep=swept)
+    print("\n| size | codec | encode % of copy | decode % of copy | vs reference (enc/dec) |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        for name in args.codecs:
+            e, d = row[name]["encode"], row[name]["decode"]
+            print(f"| {row['bytes'] / MiB:g} MiB | {name} | {100 * e['of_copy']:.0f}% | "
+                  f"{100 * d['of_copy']:.0f}% | {e['speedup_over_ref']:.1f}x / "
+                  f"{d['speedup_over_ref']:.1f}x |")  # fmt: skip
+    np.testing.assert_array_less(  # a moved code differs by one step at most
+        [row[n]["check"]["max_code_step"] for row in rows for n in args.codecs], 2
+    )
+
+
+if __name__ == "__main__":
+    main()

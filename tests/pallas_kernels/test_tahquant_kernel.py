@@ -1,0 +1,137 @@
+"""Fused TAH-Quant kernels vs the jnp reference (interpret mode on the CPU; the GPU class on a GPU).
+
+Tolerances (derivations):
+- codes: the kernel runs the reference's own tile functions, so a code can differ only through
+  fp32 rounding of the compiled arithmetic (the GPU may fuse a multiply and an add: one rounding
+  fewer). The pre-rounding value v + u (v <= 2^b - 1 < 256) then moves by a few ulp,
+  |dv| <= DV = 4 * 256 * 2^-24, and a code moves by one step only if v + u lies within DV of an
+  integer: probability <= 2 DV per element (u is uniform). Over E elements the count of moved
+  codes is ~Poisson(2 DV E); we allow 2 DV E + 5 sqrt(2 DV E) + 3, and every moved code by
+  exactly one step.
+- side values (fp32 scale, min): the same arithmetic on the same group; the reductions are
+  order-independent (max, min) and the rest is a few multiplies: rtol 4 * 2^-24.
+- pivot bytes: a comparison of exact magnitudes: equal in every finite group.
+- decode: per element a code times the scale plus the min (two roundings), then in a pivoted
+  group 5 butterfly levels over 32 values and one multiply: each rounding <= 2^-24 of a partial
+  sum <= 32 max|y| (y the dequantized group). Bound: 8 * 32 * 2^-24 * max|y| per group.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import tahquant_kernel as tk
+from taco_jax import tahquant
+from taco_jax.tahquant import get_stage_codec
+
+FP32_EPS = 2.0**-24
+CODE_DV = 4 * 256 * FP32_EPS
+NAMES = tahquant.STAGE_CODEC_NAMES
+
+
+def _split(codec, wire, n):
+    codes = tahquant.unpack_codes(codec, wire[:, : codec.code_bytes(n)])
+    sides = tahquant.unpack_sides(codec, wire, n)
+    return np.asarray(codes), {field: np.asarray(value) for field, value in sides.items()}
+
+
+def assert_wire_matches(codec, wire, ref, n):
+    codes, sides = _split(codec, wire, n)
+    ref_codes, ref_sides = _split(codec, ref, n)
+    moved = codes != ref_codes
+    assert np.all(np.abs(codes - ref_codes) <= 1), "a code moved by more than one step"
+    expected = 2 * CODE_DV * codes.size
+    allowed = expected + 5 * np.sqrt(expected) + 3
+    assert moved.sum() <= allowed, f"{int(moved.sum())} moved codes, allowed {allowed:.1f}"
+    finite = np.isfinite(ref_sides["scales"])
+    np.testing.assert_array_equal(np.isfinite(sides["scales"]), finite)
+    for field in ("scales", "mins"):
+        if field in sides:
+            np.testing.assert_allclose(sides[field][finite], ref_sides[field][finite],
+                                       rtol=4 * FP32_EPS, atol=0)  # fmt: skip
+    if "pivots" in sides:
+        np.testing.assert_array_equal(sides["pivots"][finite], ref_sides["pivots"][finite])
+
+
+def _data(shape, dtype, seed):
+    """N(0, 1) rows with a dominant outlier in every fourth group of 32 (the pivot path), a
+    constant run, and magnitudes from 1e-20 to 1e20 across rows."""
+    x = jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+    x = x.at[:, 7::128].set(40.0).at[0, 64:96].set(3.0)
+    decades = jnp.logspace(-20, 20, shape[0], dtype=jnp.float32)[:, None]
+    return (x * decades).astype(dtype)
+
+
+class TahQuantKernelTest:
+    """Shared suite: INTERPRET=False needs a GPU; the subclass below runs it on the CPU."""
+
+    INTERPRET = False
+    GROUPS = 37  # of 128: one partial tile (masked tail path)
+
+    @pytest.fixture(autouse=True)
+    def _need_backend(self):
+        if not self.INTERPRET and jax.default_backend() != "gpu":
+            pytest.skip("needs a GPU")
+
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+    @pytest.mark.parametrize("name", NAMES)
+    def test_encode_matches_reference(self, name, dtype):
+        codec = get_stage_codec(name)
+        n = 128 * self.GROUPS
+        x = _data((5, n), dtype, seed=len(name))
+        key = jax.random.key(7)
+        wire = tk.encode(codec, x, key, interpret=self.INTERPRET)
+        assert wire.shape == (5, codec.wire_bytes(n)) and wire.dtype == jnp.uint8
+        assert_wire_matches(codec, wire, tahquant.encode_wire(codec, x, key), n)
+
+    @pytest.mark.parametrize("name", NAMES)
+    def test_decode_matches_reference(self, name):
+        codec = get_stage_codec(name)
+        n = 128 * self.GROUPS
+        wire = tahquant.encode_wire(codec, _data((5, n), jnp.float32, seed=3), jax.random.key(1))
+        want = np.asarray(tahquant.decode_wire(codec, wire, n), np.float64)
+        for dtype in (jnp.float32, jnp.bfloat16):
+            got = tk.decode(codec, wire, n, dtype, interpret=self.INTERPRET)
+            assert got.dtype == dtype
+            groups = want.reshape(-1, codec.group_size)
+            bound = 8 * 32 * FP32_EPS * np.max(np.abs(groups), axis=-1, keepdims=True)
+            if dtype == jnp.bfloat16:  # plus the cast: half a bf16 ulp of each value
+                bound = bound + np.abs(groups) * 2.0**-8
+            err = np.abs(np.asarray(got, np.float64).reshape(groups.shape) - groups)
+            assert np.all(err <= bound), f"decode error {err.max():.3g} beyond its bound"
+
+    def test_nonfinite_groups_stay_nonfinite(self):
+        codec = get_stage_codec("tahquant")
+        x = _data((2, 512), jnp.float32, seed=1).at[0, 3].set(jnp.nan).at[1, 300].set(jnp.inf)
+        out = tk.decode(codec, tk.encode(codec, x, jax.random.key(0), interpret=self.INTERPRET),
+                        512, interpret=self.INTERPRET)  # fmt: skip
+        nan_groups = np.isnan(np.asarray(out)).reshape(2, 4, 128).all(axis=-1)
+        np.testing.assert_array_equal(nan_groups, [[1, 0, 0, 0], [0, 0, 1, 0]])
+
+    def test_keys_draw_reproducible_noise(self):
+        codec = get_stage_codec("tahquant4")
+        x = _data((1, 4096), jnp.float32, seed=2)
+        run = dict(interpret=self.INTERPRET)
+        first = tk.encode(codec, x, jax.random.key(0), **run)
+        np.testing.assert_array_equal(first, tk.encode(codec, x, jax.random.key(0), **run))
+        assert not np.array_equal(first, tk.encode(codec, x, jax.random.key(1), **run))
+
+    def test_errors_name_the_offending_value(self):
+        codec = get_stage_codec("tahquant")
+        with pytest.raises(ValueError, match="PRNG key"):
+            tk.encode(codec, jnp.zeros((1, 128)), interpret=self.INTERPRET)
+        with pytest.raises(ValueError, match="wire shape"):
+            tk.decode(codec, jnp.zeros((1, 10), jnp.uint8), 128, interpret=self.INTERPRET)
+        with pytest.raises(ValueError, match="n=100"):
+            tk.decode(codec, jnp.zeros((1, 10), jnp.uint8), 100, interpret=self.INTERPRET)
+
+
+@pytest.mark.gpu
+class TestTahQuantKernelGPU(TahQuantKernelTest):
+    INTERPRET = False
+    GROUPS = 1027  # several tiles, the last one partial
+
+
+class TestTahQuantKernelInterpret(TahQuantKernelTest):
+    INTERPRET = True
