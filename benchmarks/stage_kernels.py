@@ -15,6 +15,7 @@ against the reference (the bounds of tests/pallas_kernels/test_tahquant_kernel.p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -126,19 +127,55 @@ def sweep(size: int, names) -> list[dict]:
     return out
 
 
+# label: (TahQuant fields, encode options)
+ABLATIONS = {
+    "full": ({}, {}),
+    "no noise (round to nearest)": ({"stochastic": False}, {}),
+    "no pivot": ({"pivot": False}, {}),
+    "neither": ({"stochastic": False, "pivot": False}, {}),
+}
+
+
+def ablate(size: int, names) -> list[dict]:
+    """Encode time of each codec with its pivot and / or stochastic rounding switched off
+    (real codecs, `TahQuant` fields): where the encode's arithmetic goes."""
+    elements = size // 2
+    key = jax.random.key(size)
+    xs = _rotating(lambda i: (jax.random.normal(jax.random.fold_in(key, i), (1, elements),
+                                                jnp.bfloat16),), size)  # fmt: skip
+    t_copy, _ = batched_seconds(jax.jit(lambda x: -x), xs)
+    out = []
+    for name in names:
+        for label, (fields, options) in ABLATIONS.items():
+            codec = dataclasses.replace(tahquant.get_stage_codec(name), **fields)
+            enc = jax.jit(lambda x, k, c=codec, o=options: tk.encode(
+                c, x, k if c.stochastic else None, **o))  # fmt: skip
+            inputs = [(x, jax.random.fold_in(key, i)) for i, (x,) in enumerate(xs)]
+            t, _ = batched_seconds(enc, inputs)
+            io = size + codec.wire_bytes(elements)
+            row = {"codec": name, "variant": label, "encode_s": t,
+                   "encode_of_copy": (io / t) / (2 * size / t_copy)}  # fmt: skip
+            print("ABLATE", json.dumps(row), flush=True)
+            out.append(row)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[4, 16, 64, 256])
     parser.add_argument("--codecs", nargs="+", default=list(tahquant.STAGE_CODEC_NAMES))
     parser.add_argument("--sweep-mib", type=float, default=None,
                         help="also time launch configurations at this size")  # fmt: skip
+    parser.add_argument("--ablate-mib", type=float, default=None,
+                        help="also time the encode without pivot / noise at this size")  # fmt: skip
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         raise SystemExit("stage_kernels.py times compiled GPU kernels: run it on a GPU")
     rows = [bench(int(s * MiB), args.codecs) for s in args.sizes_mib]
     swept = sweep(int(args.sweep_mib * MiB), args.codecs) if args.sweep_mib else []
-    write_record("stage_kernels", args.out, results=rows, launch_sweep=swept)
+    ablated = ablate(int(args.ablate_mib * MiB), args.codecs) if args.ablate_mib else []
+    write_record("stage_kernels", args.out, results=rows, launch_sweep=swept, ablation=ablated)
     print("\n| size | codec | encode % of copy | decode % of copy | vs reference (enc/dec) |")
     print("|---|---|---|---|---|")
     for row in rows:

@@ -32,11 +32,11 @@ from taco_jax import codecs, tahquant
 from taco_jax.tahquant import TahQuant
 
 
-def _tile_counters(row, tile, t: int, g: int, n: int) -> jax.Array:
-    """The flat uint32 element index of each value of a [T, G] tile (the noise counter)."""
-    start = row.astype(jnp.uint32) * np.uint32(n) + (tile * t * g).astype(jnp.uint32)
-    within = (lax.broadcasted_iota(jnp.int32, (t, g), 0) * g
-              + lax.broadcasted_iota(jnp.int32, (t, g), 1))  # fmt: skip
+def _tile_pairs(row, tile, t: int, g: int, n: int) -> jax.Array:
+    """The uint32 pair numbers of a [T, G] tile, [T, G / 2] (`tahquant.pair_counters`)."""
+    start = row.astype(jnp.uint32) * np.uint32(n // 2) + (tile * (t * g // 2)).astype(jnp.uint32)
+    within = (lax.broadcasted_iota(jnp.int32, (t, g // 2), 0) * (g // 2)
+              + lax.broadcasted_iota(jnp.int32, (t, g // 2), 1))  # fmt: skip
     return start + within.astype(jnp.uint32)
 
 
@@ -54,7 +54,7 @@ def _encode_kernel(x_ref, seeds_ref, wire_ref, *, codec: TahQuant, n: int, cfg: 
     def encode_tile(tile, x):
         noise = None
         if codec.stochastic:
-            noise = tahquant.uniform_noise(seeds, _tile_counters(row, tile, t, g, n))
+            noise = tahquant.uniform_noise(seeds, _tile_pairs(row, tile, t, g, n))
         values = x.reshape(t, g).astype(jnp.float32)
         codes, sides = tahquant.encode_groups(codec, values, noise, magic_round=not interpret)
         packed = tahquant.pack_codes(codec, codes.reshape(t * g))

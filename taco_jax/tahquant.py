@@ -15,9 +15,9 @@ The definition (docs/method.md, "Pipeline codecs"; TAH-Quant, arXiv 2506.01352, 
    pivot at all, docs/method.md "Pipeline codecs".)
 2. quantize to `bits`: asymmetric (scale = (max - min) / (2^bits - 1), and the min; codes
    0 .. 2^bits - 1) for activations, symmetric (scale = absmax / (2^(bits-1) - 1), codes
-   -qmax .. qmax) for gradients; stochastic rounding (floor(v + u), u ~ U[0, 1) hashed from the
-   element's index and a key the caller passes, `uniform_noise`: unbiased, and a resumed run
-   draws the same numbers), or round to nearest.
+   -qmax .. qmax) for gradients; stochastic rounding (floor(v + u), u ~ U(0, 1) hashed from the
+   element's index and a key the caller passes, `uniform_noise`: unbiased within 2^-17 of a
+   step, and a resumed run draws the same numbers), or round to nearest.
 3. wire: [codes][n/G fp32 scales][n/G fp32 mins, asymmetric only][n/G pivot bytes], 4-bit codes
    two per byte (the even element in the low nibble).
 
@@ -166,18 +166,23 @@ def _signed_hadamard_low_bits(x: jax.Array, bits: int) -> jax.Array:
 
 
 _PIVOT_BITS = PIVOT_BLOCK.bit_length() - 1
-_PIVOT_UNIT = np.float32(1.0 / np.sqrt(PIVOT_BLOCK))
+PIVOT_UNIT = np.float32(1.0 / np.sqrt(PIVOT_BLOCK))  # H_32 = S_32 * PIVOT_UNIT
 
 
 def hadamard_front(groups: jax.Array, flag: jax.Array) -> jax.Array:
     """The orthonormal H_32 = S_32 / sqrt(32) (its own inverse up to fp32 rounding) applied to
     the first 32 elements of each flagged group.
 
-    The butterflies run over every block of 32 and the first block is kept: no slicing, so the
-    kernels run this very function on their tiles."""
-    positions = lax.broadcasted_iota(jnp.int32, groups.shape, 1)
-    transformed = _signed_hadamard_low_bits(groups, _PIVOT_BITS) * _PIVOT_UNIT
-    return jnp.where(flag[:, None] & (positions < PIVOT_BLOCK), transformed, groups)
+    Written without slicing, so the kernels run this very function on their tiles: the first
+    block of 32 is taken out as a masked sum over the blocks (one non-zero term: exact), goes
+    through the butterflies, and is put back with a `where`."""
+    m, g = groups.shape
+    blocks = groups.reshape(m, g // PIVOT_BLOCK, PIVOT_BLOCK)
+    first_block = lax.broadcasted_iota(jnp.int32, blocks.shape, 1) == 0
+    front = jnp.sum(jnp.where(first_block, blocks, 0.0), axis=1)  # [M, 32]
+    transformed = _signed_hadamard_low_bits(front, _PIVOT_BITS) * PIVOT_UNIT
+    keep = first_block & flag[:, None, None]
+    return jnp.where(keep, transformed[:, None, :], blocks).reshape(m, g)
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,15 +204,26 @@ def noise_seeds(key: jax.Array) -> jax.Array:
     return jax.random.bits(key, (2,), jnp.uint32)
 
 
-def uniform_noise(seeds, index: jax.Array) -> jax.Array:
-    """u in [0, 1) (multiples of 2^-24) for uint32 element indices `index`, keyed by the two
-    uint32 words `seeds` (`noise_seeds`; an array [2] or a pair of scalars).
+def uniform_noise(seeds, pairs: jax.Array) -> jax.Array:
+    """Noise u in (0, 1) for the element pairs numbered `pairs` (uint32 [..., K]) -> [..., 2 K]:
+    elements 2 j and 2 j + 1 of the flat encoded rows take the low and the high 16 bits of
+    h = mix(mix(j ^ s0) + s1), u = (bits + 1/2) / 2^16, keyed by the two uint32 words `seeds`
+    (`noise_seeds`; an array [2] or a pair of scalars).
 
-    u = mix(mix(index ^ s0) + s1) >> 8: two keyed rounds of a bijective mixer, so within one
-    seed distinct indices draw distinct hashes. Indices are the element's flat position in the
-    encoded rows (modulo 2^32)."""
-    h = _mix32(_mix32(index ^ seeds[0]) + seeds[1])
-    return (h >> 8).astype(jnp.int32).astype(jnp.float32) * np.float32(2.0**-24)
+    Two keyed rounds of a bijective mixer: within one seed distinct pairs draw distinct hashes.
+    One hash serves two elements (the hash is the encode's costliest arithmetic,
+    BENCHMARKS.md "Pipeline codec kernels"); 16 bits of noise round within 2^-17 of a step of
+    unbiased. Pair numbers count modulo 2^32."""
+    h = _mix32(_mix32(pairs ^ seeds[0]) + seeds[1])
+    halves = [(h & 0xFFFF), (h >> 16)]
+    u = [(half.astype(jnp.int32).astype(jnp.float32) + 0.5) * np.float32(2.0**-16)
+         for half in halves]  # fmt: skip
+    return lax.stack(u, axis=-1).reshape(*pairs.shape[:-1], 2 * pairs.shape[-1])
+
+
+def pair_counters(rows: int, n: int) -> jax.Array:
+    """The pair numbers of rows [R, n] (n even) as [R n / 2] uint32: j = (r n + i) / 2."""
+    return jnp.arange(rows * n // 2, dtype=jnp.uint32)
 
 
 def _rounded(v: jax.Array, noise: jax.Array | None, magic_round: bool) -> jax.Array:
@@ -226,17 +242,22 @@ def quantize_groups(codec: TahQuant, y: jax.Array, noise: jax.Array | None, *,
     The code arithmetic runs on y scaled into [1, 2) by a power of two (exact); only the stored
     scale and min carry the magnitude. `noise` [M, G]: stochastic rounding, else to nearest.
     """
-    amax = jnp.max(jnp.abs(y), axis=-1)
-    p, _ = codecs.group_normalizer(amax)
-    w = codecs.scale_rows(y, p)
     if codec.asymmetric:
-        lo, hi = jnp.min(w, axis=-1), jnp.max(w, axis=-1)
+        # min and max of y give its absmax too; scaling by the power of two p is exact, so
+        # min(y) p = min(y p): two reductions instead of three.
+        low, high = jnp.min(y, axis=-1), jnp.max(y, axis=-1)
+        p, _ = codecs.group_normalizer(jnp.maximum(high, -low))
+        w = codecs.scale_rows(y, p)
+        lo, hi = low * p, high * p
         span = hi - lo
         to_code = jnp.where(span > 0, codec.levels / span, 0.0)  # a constant group: all code 0
         v = codecs.scale_rows(w - lo[:, None], to_code)
         codes = jnp.clip(_rounded(v, noise, magic_round), 0, codec.levels)
         scale = codecs.mark_nonfinite(span / codec.levels / p, y)
         return codes.astype(jnp.int32), scale, lo / p
+    amax = jnp.max(jnp.abs(y), axis=-1)
+    p, _ = codecs.group_normalizer(amax)
+    w = codecs.scale_rows(y, p)
     amax_w = amax * p
     to_code = jnp.where(amax_w > 0, codec.qmax / amax_w, 0.0)
     v = codecs.scale_rows(w, to_code)
@@ -323,8 +344,8 @@ def encode_wire(codec: TahQuant, x: jax.Array, key: jax.Array | None = None) -> 
     groups = x.astype(jnp.float32).reshape(-1, codec.group_size)
     noise = None
     if codec.stochastic:
-        index = jnp.arange(rows * n, dtype=jnp.uint32).reshape(groups.shape)
-        noise = uniform_noise(noise_seeds(key), index)
+        pairs = pair_counters(rows, n).reshape(groups.shape[0], -1)
+        noise = uniform_noise(noise_seeds(key), pairs)
     codes, sides = encode_groups(codec, groups, noise)
     parts = [pack_codes(codec, codes.reshape(rows, n))]
     for field, width in codec.side_fields:

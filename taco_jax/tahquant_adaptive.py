@@ -164,8 +164,8 @@ def encode_wire(codec: AdaptiveTahQuant, x: jax.Array, key: jax.Array | None = N
     wide = _wide_mask(codec, y, rows)
     noise = None
     if codec.stochastic:  # the fixed-bit codec's noise (`tahquant.uniform_noise`)
-        counters = jnp.arange(rows * n, dtype=jnp.uint32).reshape(y.shape)
-        noise = tahquant.uniform_noise(tahquant.noise_seeds(key), counters)
+        pairs = tahquant.pair_counters(rows, n).reshape(y.shape[0], -1)
+        noise = tahquant.uniform_noise(tahquant.noise_seeds(key), pairs)
     narrow, narrow_scale, _ = tahquant.quantize_groups(NARROW, y, noise)
     broad, broad_scale, _ = tahquant.quantize_groups(WIDE, y, noise)
     chunks = jnp.where(  # each group's bytes, padded to 16
