@@ -8,8 +8,9 @@ each stage codec: encode (bf16 -> wire) and decode (wire -> bf16), fused and ref
 Bandwidth is logical IO (bytes read + bytes written, once each); "of copy" divides it by the
 bandwidth of an XLA negate of a bf16 array of the same size (read + write), timed in the same
 run. Timings: host-dispatched batches (`_common.batched_seconds`), inputs rotating over
->= 256 MiB so that nothing is served from L2. Before timing, each kernel's output is checked
-against the reference (the bounds of tests/pallas_kernels/test_tahquant_kernel.py).
+>= 256 MiB so that nothing is served from L2. Each size first compares the kernels' outputs
+with the reference on one message (moved codes, largest decode difference, in the record); a
+code moved by more than one step stops the run before it writes its record.
 """
 
 from __future__ import annotations
@@ -32,9 +33,15 @@ MiB = 1 << 20
 ROTATE_BYTES = 256 * MiB
 
 
-def _rotating(make, size: int) -> list[tuple]:
-    """Enough distinct inputs of `size` bytes to cover ROTATE_BYTES (at least 2)."""
-    return [make(i) for i in range(max(2, ROTATE_BYTES // size))]
+def _messages(size: int) -> tuple[jax.Array, list[tuple], float]:
+    """(key, bf16 rows [1, size / 2] as 1-tuples, copy seconds): enough distinct messages to
+    cover ROTATE_BYTES (at least 2), and an XLA negate of one timed over them."""
+    key = jax.random.key(size)
+    count = max(2, ROTATE_BYTES // size)
+    xs = [(jax.random.normal(jax.random.fold_in(key, i), (1, size // 2), jnp.bfloat16),)
+          for i in range(count)]  # fmt: skip
+    t_copy, _ = batched_seconds(jax.jit(lambda x: -x), xs)
+    return key, xs, t_copy
 
 
 def _check(codec, x, key) -> dict:
@@ -55,11 +62,7 @@ def _check(codec, x, key) -> dict:
 
 def bench(size: int, names) -> dict:
     elements = size // 2
-    key = jax.random.key(size)
-    xs = _rotating(lambda i: (jax.random.normal(jax.random.fold_in(key, i), (1, elements),
-                                                jnp.bfloat16),), size)  # fmt: skip
-    copy = jax.jit(lambda x: -x)
-    t_copy, _ = batched_seconds(copy, xs)
+    key, xs, t_copy = _messages(size)
     row = {"bytes": size, "copy_s": t_copy, "copy_tbps": 2 * size / t_copy / 1e12}
     copy_bw = 2 * size / t_copy
     for name in names:
@@ -101,10 +104,7 @@ SWEEP = [(groups, warps) for groups in (16, 32, 64, 128) for warps in (2, 4, 8)]
 def sweep(size: int, names) -> list[dict]:
     """Encode / decode time of each launch (groups per tile x warps, `BlockConfig`) at `size`."""
     elements = size // 2
-    key = jax.random.key(size)
-    xs = _rotating(lambda i: (jax.random.normal(jax.random.fold_in(key, i), (1, elements),
-                                                jnp.bfloat16),), size)  # fmt: skip
-    t_copy, _ = batched_seconds(jax.jit(lambda x: -x), xs)
+    key, xs, t_copy = _messages(size)
     out = []
     for name in names:
         codec = tahquant.get_stage_codec(name)
@@ -127,12 +127,12 @@ def sweep(size: int, names) -> list[dict]:
     return out
 
 
-# label: (TahQuant fields, encode options)
+# label: the TahQuant fields switched off
 ABLATIONS = {
-    "full": ({}, {}),
-    "no noise (round to nearest)": ({"stochastic": False}, {}),
-    "no pivot": ({"pivot": False}, {}),
-    "neither": ({"stochastic": False, "pivot": False}, {}),
+    "full": {},
+    "no noise (round to nearest)": {"stochastic": False},
+    "no pivot": {"pivot": False},
+    "neither": {"stochastic": False, "pivot": False},
 }
 
 
@@ -140,16 +140,12 @@ def ablate(size: int, names) -> list[dict]:
     """Encode time of each codec with its pivot and / or stochastic rounding switched off
     (real codecs, `TahQuant` fields): where the encode's arithmetic goes."""
     elements = size // 2
-    key = jax.random.key(size)
-    xs = _rotating(lambda i: (jax.random.normal(jax.random.fold_in(key, i), (1, elements),
-                                                jnp.bfloat16),), size)  # fmt: skip
-    t_copy, _ = batched_seconds(jax.jit(lambda x: -x), xs)
+    key, xs, t_copy = _messages(size)
     out = []
     for name in names:
-        for label, (fields, options) in ABLATIONS.items():
+        for label, fields in ABLATIONS.items():
             codec = dataclasses.replace(tahquant.get_stage_codec(name), **fields)
-            enc = jax.jit(lambda x, k, c=codec, o=options: tk.encode(
-                c, x, k if c.stochastic else None, **o))  # fmt: skip
+            enc = jax.jit(lambda x, k, c=codec: tk.encode(c, x, k if c.stochastic else None))
             inputs = [(x, jax.random.fold_in(key, i)) for i, (x,) in enumerate(xs)]
             t, _ = batched_seconds(enc, inputs)
             io = size + codec.wire_bytes(elements)
@@ -173,6 +169,9 @@ def main() -> None:
     if jax.default_backend() != "gpu":
         raise SystemExit("stage_kernels.py times compiled GPU kernels: run it on a GPU")
     rows = [bench(int(s * MiB), args.codecs) for s in args.sizes_mib]
+    np.testing.assert_array_less(  # checked before anything is recorded: a code moves by <= 1
+        [row[n]["check"]["max_code_step"] for row in rows for n in args.codecs], 2
+    )
     swept = sweep(int(args.sweep_mib * MiB), args.codecs) if args.sweep_mib else []
     ablated = ablate(int(args.ablate_mib * MiB), args.codecs) if args.ablate_mib else []
     write_record("stage_kernels", args.out, results=rows, launch_sweep=swept, ablation=ablated)
@@ -184,9 +183,6 @@ def main() -> None:
             print(f"| {row['bytes'] / MiB:g} MiB | {name} | {100 * e['of_copy']:.0f}% | "
                   f"{100 * d['of_copy']:.0f}% | {e['speedup_over_ref']:.1f}x / "
                   f"{d['speedup_over_ref']:.1f}x |")  # fmt: skip
-    np.testing.assert_array_less(  # a moved code differs by one step at most
-        [row[n]["check"]["max_code_step"] for row in rows for n in args.codecs], 2
-    )
 
 
 if __name__ == "__main__":

@@ -15,12 +15,14 @@ Cases (`--only TEXT` keeps those whose label contains TEXT):
      in `--microbatches` microbatches): the GPipe and circular (2 chunks per stage) schedules,
      each with stage traffic uncompressed ("none"), "tahquant" and "taco"
      (`taco_jax.compressed_ppermute`); beside them the same batch unpipelined on one device
-     ("pp-ref"). Effective bubble = 1 - t_ref / (P t_pp): the share of a pipelined step beyond
-     an even split of the one-device step over P stages (idle steps, stage sends, the circular
-     schedule's regroup), next to the schedule's (P - 1) / (M V + P - 1).
-Each configuration: compile, warm-up steps, then >= 10 timed steps, each ended by
-`jax.block_until_ready` (`_common.sample_seconds`); the median is reported. Tokens are random
-(speed does not depend on them). A configuration that fails (e.g. out of memory) is recorded
+     ("pp-ref"). Printed and recorded per pipelined row: its overhead over an even split,
+     1 - t_ref / (P t_pp) (the share of the step beyond the one-device step divided over P
+     stages: idle steps, smaller microbatches, stage sends, the circular schedule's regroup),
+     next to the schedule's bubble (P - 1) / (M V + P - 1). The bubble itself comes from two
+     runs at different M (BENCHMARKS.md, "Pipelined training step").
+Each configuration: compile, `--warmup` steps, then `--steps` timed steps (default 10), each
+ended by `jax.block_until_ready` (`_common.sample_seconds`); the median is reported. Tokens are
+random (speed does not depend on them). A configuration that fails (e.g. out of memory) is recorded
 with its error and the run goes on. Writes `train_step-<date>.json` to `--out` (default `$OUT`,
 else benchmarks/results/) and prints a table.
 
@@ -84,7 +86,12 @@ def default_cases(args) -> list[Case]:
             Case("gpt_tiny", "gpt_tiny", 4, one),
             Case("gpt_tiny tp=2 (vmap) none", "gpt_tiny", 4, tiny, "none"),
             Case("gpt_tiny tp=2 (vmap) taco", "gpt_tiny", 4, tiny, "taco", args.impl),
-            *pipeline_cases(args, 2, preset="gpt_tiny", overrides=(("n_layers", 4),)),
+            # pp = 2 on fake CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=2+)
+            *(
+                pipeline_cases(args, 2, preset="gpt_tiny", overrides=(("n_layers", 4),))
+                if jax.device_count() >= 2
+                else []
+            ),
         ]
     cases = [
         # 16 x 2048 tokens; activations ~20 GB without remat.
@@ -118,7 +125,7 @@ def default_cases(args) -> list[Case]:
             cases.append(Case(f"{label} taco one_shot forced", codec="taco",
                               algorithm="one_shot", min_compress_bytes=0, **run))  # fmt: skip
     if n_devices >= 2:
-        cases += pipeline_cases(args, n_devices)
+        cases += pipeline_cases(args, n_devices)  # case 4
     if args.impl == "auto" and jax.default_backend() == "gpu":
         # The XLA (pure jnp) codec next to the Pallas kernels that "auto" picks on a GPU.
         cases.append(
@@ -146,7 +153,7 @@ def pipeline_cases(args, n_devices: int, preset: str = "gpt_1p3b", overrides=())
     return cases
 
 
-def effective_bubbles(rows: list[dict]) -> dict[str, dict]:
+def split_overheads(rows: list[dict]) -> dict[str, dict]:
     """Per pipelined row: 1 - t_ref / (P t_pp) beside the schedule's (P - 1) / (M V + P - 1)."""
     ref = next((r for r in rows if "pp-ref" in r["label"] and "error" not in r), None)
     out = {}
@@ -155,7 +162,7 @@ def effective_bubbles(rows: list[dict]) -> dict[str, dict]:
             continue
         parallel = ParallelConfig(**r["parallel"])
         measured = 1 - ref["median_step_s"] / (parallel.pp * r["median_step_s"])
-        out[r["label"]] = {"effective": measured, "schedule": parallel.bubble_fraction}
+        out[r["label"]] = {"over_even_split": measured, "schedule_bubble": parallel.bubble_fraction}
     return out
 
 
@@ -280,7 +287,7 @@ def main() -> None:
     parser.add_argument("--batch-125m", type=int, default=16)
     parser.add_argument("--batch-1p3b", type=int, default=8)
     parser.add_argument("--batch-tp", type=int, default=8, help="batch of the emulated-TP runs")
-    parser.add_argument("--pp-batch", type=int, default=16, help="batch of the pipelined runs")
+    parser.add_argument("--pp-batch", type=int, default=8, help="batch of the pipelined runs")
     parser.add_argument("--microbatches", type=int, default=8, help="of the pipelined runs")
     parser.add_argument("--suffix", default="", help="appended to the record's file name")
     parser.add_argument("--impl", default="auto", help="codec kernels for taco: auto|xla|pallas")
@@ -312,7 +319,7 @@ def main() -> None:
         jax.clear_caches()
 
     overhead = overheads(rows)
-    bubbles = effective_bubbles(rows)
+    bubbles = split_overheads(rows)
     write_record(
         "train_step",
         args.out,
@@ -326,7 +333,7 @@ def main() -> None:
         timing=f"median of {steps} steps after {warmup} warm-up steps, block_until_ready each",
         results=rows,
         taco_over_none_step_time=overhead,
-        pipeline_bubbles=bubbles,
+        pipeline_over_even_split=bubbles,
     )
     device = f"{jax.device_count()} x {jax.devices()[0].device_kind}"
     print(f"\n{device}, jax {jax.__version__}, attention: {attention}\n")
@@ -334,8 +341,8 @@ def main() -> None:
     for label, ratio in overhead.items():
         print(f"{label}: {ratio:.3f} x the uncompressed step time")
     for label, bubble in bubbles.items():
-        print(f"{label}: effective bubble {bubble['effective']:.3f} "
-              f"(schedule {bubble['schedule']:.3f})")  # fmt: skip
+        print(f"{label}: {bubble['over_even_split']:.3f} over an even split "
+              f"(schedule bubble {bubble['schedule_bubble']:.3f})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -96,7 +96,15 @@ def _decode_kernel(wire_ref, out_ref, *, codec: TahQuant, n: int, cfg: BlockConf
     _tile.for_each_tile(cfg, _pallas.program_id(1), load, decode_tile)
 
 
+# A tile holds at least 16 groups (`config.MIN_GROUPS_PER_TILE`): larger groups would not fit a
+# program's registers. Codecs with larger groups (SDP4Bit's qWD, G = 2048) run the reference.
+MAX_KERNEL_GROUP = 128
+
+
 def _launch(codec: TahQuant, rows: int, n: int, launch: Launch) -> BlockConfig:
+    if codec.group_size > MAX_KERNEL_GROUP:
+        raise ValueError(f"group_size={codec.group_size} of codec {codec.name!r}: the kernels "
+                         f"take groups of at most {MAX_KERNEL_GROUP}")  # fmt: skip
     return block_config(codec.group_size, n // codec.group_size, rows=rows, launch=launch)
 
 

@@ -108,13 +108,16 @@ def get_stage_ops(impl: str) -> StageOps:
     kernels = _kernels().tahquant_kernel
     interpret = impl == "pallas_interpret"
     return StageOps(
-        functools.partial(_with_interpret, kernels.encode, interpret),
-        functools.partial(_with_interpret, kernels.decode, interpret),
+        functools.partial(_stage_op, kernels.encode, tahquant.encode_wire, interpret),
+        functools.partial(_stage_op, kernels.decode, tahquant.decode_wire, interpret),
     )
 
 
-def _with_interpret(kernel, interpret: bool, *args):
-    return kernel(*args, interpret=interpret)
+def _stage_op(kernel, reference, interpret: bool, codec, *args):
+    """The kernel where it takes the codec's groups (G <= MAX_KERNEL_GROUP), else the reference."""
+    if codec.group_size > _kernels().tahquant_kernel.MAX_KERNEL_GROUP:
+        return reference(codec, *args)
+    return kernel(codec, *args, interpret=interpret)
 
 
 def get_ops(impl: str) -> CodecOps:

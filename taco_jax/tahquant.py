@@ -42,6 +42,7 @@ from taco_jax import codecs
 
 PIVOT_BLOCK = 32  # the Hadamard's size: the first block of a pivoted group
 PIVOT_FLAG = 0x80  # pivot byte: flag in the top bit, the index in the low 7
+MAX_PIVOT_GROUP = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,9 +59,13 @@ class TahQuant:
     def __post_init__(self):
         if self.bits not in (4, 8):
             raise ValueError(f"bits={self.bits} must be 4 or 8 (codec {self.name!r})")
-        if self.group_size not in (32, 64, 128):
-            raise ValueError(f"group_size={self.group_size} must be 32, 64 or 128 (a pivot "
-                             f"index fits 7 bits, the Hadamard block is 32)")  # fmt: skip
+        g = self.group_size
+        if g < PIVOT_BLOCK or g & (g - 1):
+            raise ValueError(f"group_size={g} must be a power of two >= {PIVOT_BLOCK} "
+                             f"(codec {self.name!r})")  # fmt: skip
+        if self.pivot and g > MAX_PIVOT_GROUP:
+            raise ValueError(f"group_size={g} must be at most {MAX_PIVOT_GROUP} with the pivot "
+                             f"(its index fits 7 bits; codec {self.name!r})")  # fmt: skip
 
     is_identity = False
 
@@ -127,7 +132,8 @@ def get_stage_codec(name: str | TahQuant) -> TahQuant:
 
 def pivot_rule(groups: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(flag [M] bool, index [M] int32): whether each group has a dominant outlier (m1 > 2 m2),
-    and where its largest |x| is (the first such position; G - 1 in a group holding a NaN)."""
+    and where its largest |x| is (the first such position; unspecified in a group holding a
+    NaN, which decodes to NaN whatever its pivot byte says)."""
     magnitude = jnp.abs(groups)
     positions = lax.broadcasted_iota(jnp.int32, groups.shape, 1)
     m1 = jnp.max(magnitude, axis=-1)
@@ -227,7 +233,7 @@ def pair_counters(rows: int, n: int) -> jax.Array:
 
 
 def _rounded(v: jax.Array, noise: jax.Array | None, magic_round: bool) -> jax.Array:
-    """floor(v + u) with u ~ U[0, 1) (stochastic), or round half to even."""
+    """floor(v + u) with u in (0, 1) (`uniform_noise`: stochastic), or round half to even."""
     if noise is not None:
         return jnp.floor(v + noise)
     if magic_round:  # the Triton lowering has no `round` (see codecs.quantize)
@@ -254,7 +260,7 @@ def quantize_groups(codec: TahQuant, y: jax.Array, noise: jax.Array | None, *,
         v = codecs.scale_rows(w - lo[:, None], to_code)
         codes = jnp.clip(_rounded(v, noise, magic_round), 0, codec.levels)
         scale = codecs.mark_nonfinite(span / codec.levels / p, y)
-        return codes.astype(jnp.int32), scale, lo / p
+        return codes.astype(jnp.int32), scale, low
     amax = jnp.max(jnp.abs(y), axis=-1)
     p, _ = codecs.group_normalizer(amax)
     w = codecs.scale_rows(y, p)
