@@ -7,6 +7,7 @@ Public API:
   TPComm, copy_to_tp, reduce_from_tp, gather_from_sp, scatter_to_sp (tp.py: Megatron f / g)
   Codec, Payload, get_codec, CODEC_NAMES, roundtrip                 (codecs.py)
   tahquant: TAH-Quant, the stage codecs (get_stage_codec, STAGE_CODEC_NAMES)
+  sdp4bit: SDP4Bit's data-parallel compressors (tlq_hs_psum_scatter, qwd_all_gather)
   policy: what the "auto" options choose (whether and how to compress), from measurements
   telemetry: per-collective relative error (a study tool)
 
@@ -14,7 +15,7 @@ The library needs JAX and NumPy only; the fused GPU kernels (`pallas_kernels`) a
 first use, and nothing here imports the models or the training application.
 """
 
-from taco_jax import policy, tahquant, telemetry
+from taco_jax import policy, sdp4bit, tahquant, telemetry
 from taco_jax.codecs import CODEC_NAMES, Codec, Payload, get_codec, roundtrip
 from taco_jax.collectives import (
     CommConfig,
@@ -45,6 +46,7 @@ __all__ = [
     "reduce_from_tp",
     "roundtrip",
     "scatter_to_sp",
+    "sdp4bit",
     "tahquant",
     "telemetry",
     "wire_bytes_per_rank",

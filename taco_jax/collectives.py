@@ -146,7 +146,7 @@ def _varying(wire: jax.Array, axis_name: AxisName) -> jax.Array:
     return wire + (lax.axis_index(axis_name) * 0).astype(wire.dtype)
 
 
-def _exchange(wire: jax.Array, axis_name: AxisName) -> jax.Array:
+def exchange_rows(wire: jax.Array, axis_name: AxisName) -> jax.Array:
     """all_to_all of [N, B] wire rows: afterwards row j is what rank j sent to this rank."""
     return lax.all_to_all(_varying(wire, axis_name), axis_name, 0, 0, tiled=True)
 
@@ -158,7 +158,7 @@ def _reduce_scatter_rows(
     or its re-encoded wire [B]."""
     ops = _backends.get_ops(cfg.impl)
     n = rows.shape[-1]
-    received = _exchange(ops.encode(cfg.codec, rows), axis_name)
+    received = exchange_rows(ops.encode(cfg.codec, rows), axis_name)
     if reencode:
         return ops.decode_sum_reencode(cfg.codec, received, n)
     return ops.decode_sum(cfg.codec, received, n, dtype)
