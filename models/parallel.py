@@ -336,8 +336,9 @@ def _mapped(model, parallel, comm, fn, out_kind: str, mesh):
     """Maps a per-device `fn(ctx, params, tokens)` over TP and DP.
 
     out_kind: "loss" (a replicated scalar, pmean over dp), "loss_grads" (scalar and parameter
-    gradients, pmean over dp) or "logits" ([B, T, V] with V gathered over TP, B over dp).
-    Returns a function of (full params, tokens) usable under jit.
+    gradients, pmean over dp), "loss_local_grads" (the scalar pmean over dp, every dp rank's
+    own gradients stacked on a leading dp axis) or "logits" ([B, T, V] with V gathered over TP,
+    B over dp). Returns a function of (full params, tokens) usable under jit.
     """
     ctx = _context(parallel, comm)
     tp_axis = comm.axis_name
@@ -346,12 +347,16 @@ def _mapped(model, parallel, comm, fn, out_kind: str, mesh):
     def dp_reduce(out):
         if out_kind == "logits":
             return out
+        if out_kind == "loss_local_grads":
+            loss, grads = out
+            return lax.pmean(loss, DP_AXIS), jax.tree.map(lambda g: g[None], grads)
         return jax.tree.map(lambda x: lax.pmean(x, DP_AXIS), out)
 
     if parallel.mode == "shard_map":
         out_specs = {
             "loss": P(),
             "loss_grads": (P(), specs),
+            "loss_local_grads": (P(), jax.tree.map(lambda spec: P(DP_AXIS, *spec), specs)),
             "logits": P(DP_AXIS, None, tp_axis),
         }[out_kind]
         return jax.shard_map(
@@ -363,7 +368,9 @@ def _mapped(model, parallel, comm, fn, out_kind: str, mesh):
         )
 
     tp = parallel.tp
-    out_axes = {"loss": 0, "loss_grads": (0, vmap_out_axes(model)), "logits": 2}[out_kind]
+    grad_axes = (0, vmap_out_axes(model))
+    out_axes = {"loss": 0, "loss_grads": grad_axes, "loss_local_grads": grad_axes,
+                "logits": 2}[out_kind]  # fmt: skip
 
     def per_dp(params, tokens):
         view, in_axes = shard_params(params, model, tp)
@@ -375,13 +382,13 @@ def _mapped(model, parallel, comm, fn, out_kind: str, mesh):
         )(view, tokens)
         if out_kind == "loss":
             out = out[0]
-        elif out_kind == "loss_grads":
+        elif out_kind in ("loss_grads", "loss_local_grads"):
             out = (out[0][0], unshard_params(out[1], model, tp))
         else:  # [B, T, tp, V_local] -> [B, T, V]
             out = out.reshape(out.shape[:2] + (-1,))
         return dp_reduce(out)
 
-    out_specs = P(DP_AXIS) if out_kind == "logits" else P()
+    out_specs = {"logits": P(DP_AXIS), "loss_local_grads": (P(), P(DP_AXIS))}.get(out_kind, P())
     return jax.shard_map(
         per_dp, mesh=mesh, in_specs=(P(), P(DP_AXIS)), out_specs=out_specs, check_vma=False
     )
@@ -404,6 +411,15 @@ def make_loss_and_grads(
     """(full params, tokens [B, T + 1]) -> (mean loss, full-layout gradients averaged over dp).
     Not jitted; place inputs with `NamedSharding`s over `mesh` (default `make_mesh`)."""
     return _runner(model, parallel, comm, mesh, _loss_and_grads, "loss_grads")
+
+
+def make_loss_and_local_grads(
+    model: ModelConfig, parallel: ParallelConfig, comm: taco_jax.TPComm, mesh=None
+) -> Callable[[dict, jax.Array], tuple[jax.Array, dict]]:
+    """(full params, tokens) -> (mean loss, each dp rank's own full-layout gradients of its
+    share of the batch, stacked on a leading dp axis): for a sharded optimizer that averages
+    them itself (`taco_train.zero`). Not jitted."""
+    return _runner(model, parallel, comm, mesh, _loss_and_grads, "loss_local_grads")
 
 
 def make_loss(

@@ -22,9 +22,10 @@ from typing import Any, Literal
 
 import taco_jax
 from models.config import ModelConfig
-from models.parallel import ParallelConfig, check_config
+from models.parallel import DP_AXIS, ParallelConfig, check_config
 from models.pipeline import StageCodecs
 from taco_jax import codecs
+from taco_train import zero
 
 
 class ConfigError(ValueError):
@@ -56,6 +57,8 @@ class CompressionConfig:
       (`taco_jax.telemetry`) and log it to the metrics file.
     pp / pp_bwd: codecs of the pipeline's stage-to-stage traffic (activations / their gradients;
       `taco_jax.ppermute.CODEC_NAMES`; pp_bwd None: the codec's backward).
+    dp_grad / dp_param: SDP4Bit's codecs of the sharded optimizer's traffic (optimizer.sharded):
+      "tlq_hs" for the gradient reduce-scatter, "qwd" for the parameter all-gather, or "none".
     """
 
     fwd: str = codecs.DEFAULT_CODEC
@@ -69,6 +72,8 @@ class CompressionConfig:
     telemetry: bool = _COMM.telemetry
     pp: str = "none"
     pp_bwd: str | None = None
+    dp_grad: str = "none"
+    dp_param: str = "none"
 
     def __post_init__(self):
         for name in ("fwd", "bwd"):
@@ -82,20 +87,32 @@ class CompressionConfig:
             codec = getattr(self, name)
             if codec is not None and codec not in stage_names:
                 raise ConfigError(f"compression.{name}={codec!r} is not one of {stage_names}")
+        for name, valid in (("dp_grad", zero.GRAD_CODECS), ("dp_param", zero.PARAM_CODECS)):
+            if getattr(self, name) not in valid:
+                raise ConfigError(f"compression.{name}={getattr(self, name)!r} is not one of "
+                                  f"{valid}")  # fmt: skip
         self.make_comm()  # Validates group_size, impl, slices and min_compress_bytes in the core.
 
     def make_comm(self) -> taco_jax.TPComm:
-        stage_fields = ("fwd", "bwd", "pp", "pp_bwd")
+        stage_fields = ("fwd", "bwd", "pp", "pp_bwd", "dp_grad", "dp_param")
         options = {k: v for k, v in dataclasses.asdict(self).items() if k not in stage_fields}
         return taco_jax.TPComm.create("tp", fwd=self.fwd, bwd=self.bwd, **options)
 
     def stage_codecs(self) -> StageCodecs:
         return StageCodecs(self.pp, self.pp_bwd, self.telemetry)
 
+    def zero_config(self, grad_clip: float) -> zero.ZeroConfig:
+        return zero.ZeroConfig(DP_AXIS, self.dp_grad, self.dp_param, grad_clip)
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW with linear warmup then cosine decay to `lr * min_lr_ratio`, global-norm clipping."""
+    """AdamW with linear warmup then cosine decay to `lr * min_lr_ratio`, global-norm clipping.
+
+    sharded: ZeRO-1 over the dp ranks (`taco_train.zero`): fp32 master weights and Adam moments
+    split over dp, a replica of the parameters in the compute dtype on every rank; compressible
+    with compression.dp_grad / dp_param. Needs parallel.pp = 1 and, under shard_map, tp = 1
+    (TP emulated under vmap works)."""
 
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
@@ -105,6 +122,7 @@ class OptimizerConfig:
     b2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
+    sharded: bool = False
 
     def __post_init__(self):
         _check(self.lr > 0, f"optimizer.lr={self.lr} must be > 0")
@@ -234,6 +252,19 @@ class TrainConfig:
             c.pp == "none" or p.pp > 1,
             f"compression.pp={c.pp!r} compresses pipeline sends: needs parallel.pp > 1",
         )
+        for name in ("dp_grad", "dp_param"):
+            _check(
+                getattr(c, name) == "none" or self.optimizer.sharded,
+                f"compression.{name}={getattr(c, name)!r} compresses the sharded optimizer's "
+                "traffic: needs optimizer.sharded=true",
+            )
+        if self.optimizer.sharded:
+            _check(p.pp == 1, f"optimizer.sharded with parallel.pp={p.pp}: not supported yet")
+            _check(
+                p.mode == "vmap" or p.tp == 1,
+                f"optimizer.sharded with parallel.tp={p.tp} under shard_map: not supported yet "
+                "(TP emulated with parallel.mode='vmap' is)",
+            )
         try:  # before any data is prepared: the model must split parallel.tp ways
             check_config(m, p)
         except ValueError as error:

@@ -20,20 +20,27 @@ def lr_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
     )
 
 
+def make_adamw(
+    cfg: OptimizerConfig, total_steps: int, decay_mask: Any
+) -> optax.GradientTransformation:
+    """AdamW with the schedule; `decay_mask` (a pytree of bools like the params, e.g.
+    `models.parallel.weight_decay_mask`) says which leaves are decayed: matrices and embeddings,
+    not norms and biases (GPT-3 / Megatron). No clipping: a sharded optimizer
+    (`taco_train.zero`) clips by the global norm across its shards itself."""
+    return optax.adamw(
+        lr_schedule(cfg, total_steps),
+        b1=cfg.b1,
+        b2=cfg.b2,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        mask=decay_mask,
+    )
+
+
 def make_optimizer(
     cfg: OptimizerConfig, total_steps: int, decay_mask: Any
 ) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW; `decay_mask` (a pytree of bools like the params, e.g.
-    `models.parallel.weight_decay_mask`) says which leaves are decayed: matrices and embeddings,
-    not norms and biases (GPT-3 / Megatron)."""
+    """Global-norm clipping, then AdamW (`make_adamw`)."""
     return optax.chain(
-        optax.clip_by_global_norm(cfg.grad_clip),
-        optax.adamw(
-            lr_schedule(cfg, total_steps),
-            b1=cfg.b1,
-            b2=cfg.b2,
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            mask=decay_mask,
-        ),
+        optax.clip_by_global_norm(cfg.grad_clip), make_adamw(cfg, total_steps, decay_mask)
     )

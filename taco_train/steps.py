@@ -26,6 +26,7 @@ from models import parallel as layout
 from models import pipeline
 from models.config import ModelConfig
 from models.parallel import ParallelConfig
+from taco_train import zero
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -102,13 +103,18 @@ def make_steps(
     optimizer: optax.GradientTransformation,
     stage_codecs: pipeline.StageCodecs = pipeline.UNCOMPRESSED,
     seed: int = 0,
+    sharded: zero.ZeroConfig | None = None,
 ) -> Steps:
     """Jitted init / train / eval steps of `model` laid out by `parallel`, TP traffic by `comm`,
     pipeline stage traffic (parallel.pp > 1) by `stage_codecs` (stochastic ones seeded by `seed`).
 
+    sharded: ZeRO-1 over dp (`taco_train.zero`, `make_sharded_steps`); `optimizer` must then not
+    clip (the sharded step clips by `sharded.grad_clip` over all shards).
     train_step(state, tokens [global_batch, T + 1]) -> (state, {"loss", "grad_norm"}) donates
     `state`; eval_step(state, tokens) -> {"loss"} does not (it returns no state to hand back).
     """
+    if sharded is not None:
+        return make_sharded_steps(model, parallel, comm, optimizer, sharded, seed)
     layout.check_config(model, parallel)
     mesh = layout.make_mesh(parallel, comm.axis_name)
     replicated = NamedSharding(mesh, P())
@@ -153,23 +159,134 @@ def make_steps(
         # A non-finite loss or gradient skips the update on the device (no host sync per step):
         # the state stays the last finite one, and the count tells the host at its next look.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        params, opt_state = jax.tree.map(keep, (params, opt_state), (state.params, state.opt_state))
+        params, opt_state = _guarded(finite, (params, opt_state), (state.params, state.opt_state))
         skipped = state.skipped + (~finite).astype(jnp.int32)
         new_state = TrainState(state.step + 1, params, opt_state, skipped)
         return new_state, {"loss": loss, "grad_norm": grad_norm, "skipped_steps": skipped}
 
+    eval_step = _eval_step(model, parallel, loss_only, state_sharding, batch_sharding)
+    is_finite = _is_finite(state_sharding, replicated)
+    return Steps(init, train_step, eval_step, is_finite, state_sharding, batch_sharding, mesh)
+
+
+def _eval_step(model, parallel, loss_only, state_sharding, batch_sharding):
+    """eval_step(state, tokens) -> {"loss"}, with loss_only(params, tokens, step)."""
+
     @functools.partial(
-        jax.jit, in_shardings=(state_sharding, batch_sharding), out_shardings=replicated
+        jax.jit,
+        in_shardings=(state_sharding, batch_sharding),
+        out_shardings=NamedSharding(batch_sharding.mesh, P()),
     )
     def eval_step(state: TrainState, tokens: jax.Array):
         layout.check_tokens(model, parallel, tokens)
         return {"loss": loss_only(state.params, tokens, state.step)}
 
+    return eval_step
+
+
+def _is_finite(state_sharding, replicated):
     @functools.partial(jax.jit, in_shardings=(state_sharding,), out_shardings=replicated)
     def is_finite(state: TrainState) -> jax.Array:
         """Whether every parameter and optimizer value is finite (checked before each save)."""
         leaves = jax.tree.leaves((state.params, state.opt_state))
         return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves if x.dtype.kind == "f"]))
 
+    return is_finite
+
+
+def _guarded(finite, new, old):
+    """`new` where the step was finite, else `old` (the state stays the last finite one)."""
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+
+def make_sharded_steps(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    comm: taco_jax.TPComm,
+    optimizer: optax.GradientTransformation,
+    sharded: zero.ZeroConfig,
+    seed: int = 0,
+) -> Steps:
+    """`make_steps` with ZeRO-1 over the dp ranks (`taco_train.zero`).
+
+    The state: params, the replica every rank computes with (in `parallel.compute_dtype`,
+    replicated); opt_state, a `zero.ShardState` of the fp32 master shards and the optimizer's
+    state, every leaf [dp, ...] split over "dp". A step computes each dp rank's gradients of its
+    share of the batch (fp32, taken at the replica's values), then `zero.update` (reduce-scatter,
+    clip, optimizer, all-gather; compressed as `sharded` says, its noise keyed by `seed` and the
+    step). Layouts: pp = 1, and tp = 1 under shard_map (TP emulated under vmap works).
+    """
+    layout.check_config(model, parallel)
+    if parallel.pp > 1 or (parallel.mode == "shard_map" and parallel.tp > 1):
+        raise ValueError(
+            f"the sharded optimizer takes pp = 1 and, under shard_map, tp = 1 (got pp="
+            f"{parallel.pp}, tp={parallel.tp}, mode={parallel.mode!r})"
+        )
+    mesh = layout.make_mesh(parallel, comm.axis_name)
+    replicated = NamedSharding(mesh, P())
+    split = NamedSharding(mesh, P(layout.DP_AXIS))
+    dp = parallel.dp
+    params_abstract = layout.abstract_params(model)
+    replica_dtype = jnp.dtype(parallel.compute_dtype)
+    shards_abstract = jax.eval_shape(lambda p: zero.shard_leaves(p, dp), params_abstract)
+    opt_abstract = jax.eval_shape(jax.vmap(optimizer.init), shards_abstract)
+    state_sharding = TrainState(
+        step=replicated,
+        params=jax.tree.map(lambda _: replicated, params_abstract),
+        opt_state=jax.tree.map(lambda _: split, zero.ShardState(shards_abstract, opt_abstract)),
+        skipped=replicated,
+    )
+    batch_sharding = NamedSharding(mesh, P(layout.DP_AXIS))
+    local_grads = layout.make_loss_and_local_grads(model, parallel, comm, mesh)
+    loss_only = layout.make_loss(model, parallel, comm, mesh)
+    step_key = jax.random.key(seed)
+
+    def per_rank(grads, shard_state, replica, key):
+        first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
+        new, replica, norm = zero.update(
+            optimizer, sharded, first(grads), first(shard_state), replica, key
+        )
+        return jax.tree.map(lambda x: x[None], new), replica, norm
+
+    dp_spec = P(layout.DP_AXIS)
+    update = jax.shard_map(
+        per_rank,
+        mesh=mesh,
+        in_specs=(dp_spec, dp_spec, P(), P()),
+        out_specs=(dp_spec, P(), P()),
+        check_vma=False,
+    )
+
+    @functools.partial(jax.jit, out_shardings=state_sharding)
+    def init(key: jax.Array) -> TrainState:
+        params = layout.init_params(model, key)
+        master = zero.shard_leaves(params, dp)
+        state = zero.ShardState(master, jax.vmap(optimizer.init)(master))
+        replica = jax.tree.map(lambda p: p.astype(replica_dtype), params)
+        zero_count = jnp.zeros((), jnp.int32)
+        return TrainState(zero_count, replica, state, zero_count)
+
+    @functools.partial(
+        jax.jit,
+        in_shardings=(state_sharding, batch_sharding),
+        out_shardings=(state_sharding, replicated),
+        donate_argnums=0,
+    )
+    def train_step(state: TrainState, tokens: jax.Array):
+        layout.check_tokens(model, parallel, tokens)
+        at_replica = jax.tree.map(lambda p: p.astype(jnp.float32), state.params)
+        loss, grads = local_grads(at_replica, tokens)
+        key = jax.random.fold_in(step_key, state.step)
+        shard_state, replica, grad_norm = update(grads, state.opt_state, state.params, key)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        replica, shard_state = _guarded(
+            finite, (replica, shard_state), (state.params, state.opt_state)
+        )
+        skipped = state.skipped + (~finite).astype(jnp.int32)
+        new_state = TrainState(state.step + 1, replica, shard_state, skipped)
+        return new_state, {"loss": loss, "grad_norm": grad_norm, "skipped_steps": skipped}
+
+    eval_step = _eval_step(model, parallel, lambda p, t, step: loss_only(p, t), state_sharding,
+                           batch_sharding)  # fmt: skip
+    is_finite = _is_finite(state_sharding, replicated)
     return Steps(init, train_step, eval_step, is_finite, state_sharding, batch_sharding, mesh)

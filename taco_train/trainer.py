@@ -69,7 +69,11 @@ class _Run:
         self.train_batches = data.Batches(self.dataset.train, b, t, seed=cfg.data.seed)
         self.val_batches = data.Batches(self.dataset.val, b, t, seed=cfg.data.seed)
         mask = weight_decay_mask(cfg.model)
-        optimizer = optim.make_optimizer(cfg.optimizer, cfg.run.steps, mask)
+        sharded = None
+        if cfg.optimizer.sharded:  # ZeRO-1: the sharded step clips over its shards itself
+            sharded = cfg.compression.zero_config(cfg.optimizer.grad_clip)
+        make_optimizer = optim.make_adamw if sharded else optim.make_optimizer
+        optimizer = make_optimizer(cfg.optimizer, cfg.run.steps, mask)
         self.schedule = optim.lr_schedule(cfg.optimizer, cfg.run.steps)
         self.steps = make_steps(
             cfg.model,
@@ -78,6 +82,7 @@ class _Run:
             optimizer,
             cfg.compression.stage_codecs(),
             cfg.run.seed,
+            sharded,
         )
         self.n_devices = self.steps.mesh.devices.size
         device_kind = self.steps.mesh.devices.flat[0].device_kind
@@ -144,6 +149,10 @@ def check_resumable(cfg: TrainConfig, out: Path) -> None:
         for key in sorted(old.keys() | new.keys())
         if key.startswith(RESUME_KEYS) and key not in RESUME_EXEMPT and old.get(key) != new.get(key)
     ]
+    if cfg.optimizer.sharded and old.get("parallel.dp") != new.get("parallel.dp"):
+        # The state holds one master shard per dp rank.
+        differing.append(f"parallel.dp: {old.get('parallel.dp')!r} -> {new.get('parallel.dp')!r}"
+                         " (optimizer.sharded splits the state over dp)")  # fmt: skip
     if differing:
         raise ConfigError(
             f"{out} holds a run with another configuration ({'; '.join(differing)}); use another "
@@ -188,10 +197,18 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
     board = run.out / "tensorboard" if cfg.run.tensorboard else None
     writer = metrics.MetricsWriter(run.out / "metrics.jsonl", start, lead, board)
     params = cfg.model.num_params()
+    comp = cfg.compression
+    layout = f"tp={cfg.parallel.tp} ({cfg.parallel.mode}) dp={cfg.parallel.dp}"
+    if cfg.parallel.pp > 1:
+        layout += f" pp={cfg.parallel.pp} ({cfg.parallel.schedule})"
+    codecs = f"compression fwd={comp.fwd} bwd={comp.bwd or comp.fwd}"
+    if cfg.parallel.pp > 1:
+        codecs += f" pp={comp.pp}"
+    if cfg.optimizer.sharded:
+        layout += " (sharded optimizer)"
+        codecs += f" dp_grad={comp.dp_grad} dp_param={comp.dp_param}"
     _say(
-        f"model {params / 1e6:.2f}M params | tp={cfg.parallel.tp} ({cfg.parallel.mode}) "
-        f"dp={cfg.parallel.dp} | compression fwd={cfg.compression.fwd} "
-        f"bwd={cfg.compression.bwd or cfg.compression.fwd} | train tokens "
+        f"model {params / 1e6:.2f}M params | {layout} | {codecs} | train tokens "
         f"{run.dataset.train.size:,} | steps {start} -> {cfg.run.steps} | out {run.out}"
     )
     _say_policy(cfg, run.out)

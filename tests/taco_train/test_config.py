@@ -76,6 +76,9 @@ def test_int_widens_to_float_and_strings_parse():
         ("run.stop_at=5000", "run.stop_at=5000"),
         ("model.preset='gpt_huge'", "gpt_huge"),
         ("data.tokenizer=chars", "data.tokenizer='chars'"),
+        ("compression.dp_grad=fp8", "compression.dp_grad='fp8'"),
+        ("compression.dp_param=tlq_hs", "compression.dp_param='tlq_hs'"),
+        ("compression.dp_grad=tlq_hs", "needs optimizer.sharded=true"),
     ],
 )
 def test_validation_errors_name_the_value(override, message):
@@ -93,3 +96,15 @@ def test_apply_override_builds_sections():
     apply_override(tree, "run.steps=5")
     apply_override(tree, "run.out_dir=/tmp/x")
     assert tree == {"run": {"steps": 5, "out_dir": "/tmp/x"}}
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel.pp=2", "parallel.microbatches=2"], "parallel.pp=2: not supported yet"),
+        (["parallel.mode='shard_map'", "parallel.tp=2"], "parallel.tp=2 under shard_map"),
+    ],
+)
+def test_sharded_optimizer_layouts_not_yet_supported_say_so(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, ["optimizer.sharded=true", *overrides])

@@ -12,6 +12,7 @@ from tolerances import exact_tolerance
 import taco_jax
 from models import ModelConfig, ParallelConfig
 from models.parallel import check_config
+from taco_train import zero
 from taco_train.steps import make_steps
 
 CFG = ModelConfig.preset("gpt_tiny")
@@ -130,3 +131,40 @@ def test_a_nonfinite_step_is_skipped_on_the_device():
                         strict=True):  # fmt: skip
         np.testing.assert_array_equal(old, new)
     assert not bool(steps.is_finite(after))
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        ParallelConfig(dp=2, compute_dtype="float32"),
+        ParallelConfig(dp=2, tp=2, mode="vmap", compute_dtype="float32"),
+    ],
+    ids=["shard_map-dp2", "vmap-dp2-tp2"],
+)
+def test_sharded_optimizer_is_the_replicated_one(parallel):
+    """ZeRO-1 (`optimizer.sharded`), uncompressed, fp32: three steps land where the replicated
+    optimizer lands. Bound per value (tests/taco_train/test_zero.py derives it): the same mean
+    gradient at dp = 2; the global norm summed in another order scales every clipped gradient
+    by a common 1 + d, |d| <= n 2^-24 for n parameters, which Adam's step ignores but for eps;
+    and ~8 roundings of each update that XLA may compile differently:
+    |dp| <= steps 2^-24 (lr (n + 4) + 17 lr + 3 |p|)."""
+    if jax.device_count() < parallel.num_devices:
+        pytest.skip(f"needs {parallel.num_devices} devices")
+    lr, steps_run = 3e-3, 3
+    comm = taco_jax.TPComm.create("tp", fwd="none")
+    adamw = optax.adamw(lr, weight_decay=0.1)
+    plain = make_steps(CFG, parallel, comm, optax.chain(optax.clip_by_global_norm(1.0), adamw))
+    sharded = make_steps(CFG, parallel, comm, adamw, sharded=zero.ZeroConfig(grad_clip=1.0))
+    a, b = plain.init(jax.random.key(0)), sharded.init(jax.random.key(0))
+    tokens = _batch(4)
+    for _ in range(steps_run):
+        a, _ = plain.train_step(a, jax.device_put(tokens, plain.batch_sharding))
+        b, _ = sharded.train_step(b, jax.device_put(tokens, sharded.batch_sharding))
+    n = sum(x.size for x in jax.tree.leaves(a.params))
+    for want, got in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+        want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
+        bound = steps_run * 2.0**-24 * (lr * (n + 4) + 17 * lr + 3 * np.abs(want))
+        assert np.all(np.abs(got - want) <= bound)
+    masters = zero.unshard_leaves(b.opt_state.master, a.params)
+    for got, replica in zip(jax.tree.leaves(masters), jax.tree.leaves(b.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(replica))  # fp32 replica
