@@ -144,12 +144,7 @@ def make_steps(
         zero = jnp.zeros((), jnp.int32)
         return TrainState(zero, params, optimizer.init(params), zero)
 
-    @functools.partial(
-        jax.jit,
-        in_shardings=(state_sharding, batch_sharding),
-        out_shardings=(state_sharding, replicated),
-        donate_argnums=0,
-    )
+    @_jitted_train_step(state_sharding, batch_sharding)
     def train_step(state: TrainState, tokens: jax.Array):
         layout.check_tokens(model, parallel, tokens)
         loss, grads = loss_and_grads(state.params, tokens, state.step)
@@ -192,6 +187,18 @@ def _is_finite(state_sharding, replicated):
         return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves if x.dtype.kind == "f"]))
 
     return is_finite
+
+
+def _jitted_train_step(state_sharding, batch_sharding):
+    """jit of train_step(state, tokens) -> (state, metrics): placed state and batch, replicated
+    metrics, the state donated."""
+    replicated = NamedSharding(batch_sharding.mesh, P())
+    return functools.partial(
+        jax.jit,
+        in_shardings=(state_sharding, batch_sharding),
+        out_shardings=(state_sharding, replicated),
+        donate_argnums=0,
+    )
 
 
 def _guarded(finite, new, old):
@@ -266,12 +273,7 @@ def make_sharded_steps(
         zero_count = jnp.zeros((), jnp.int32)
         return TrainState(zero_count, replica, state, zero_count)
 
-    @functools.partial(
-        jax.jit,
-        in_shardings=(state_sharding, batch_sharding),
-        out_shardings=(state_sharding, replicated),
-        donate_argnums=0,
-    )
+    @_jitted_train_step(state_sharding, batch_sharding)
     def train_step(state: TrainState, tokens: jax.Array):
         layout.check_tokens(model, parallel, tokens)
         at_replica = jax.tree.map(lambda p: p.astype(jnp.float32), state.params)

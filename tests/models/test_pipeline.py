@@ -5,6 +5,7 @@ within derived bounds with each stage codec. 8 fake CPU devices.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -57,10 +58,16 @@ def _parallel(dp, pp, tp, microbatches, sp=False, repeats=1):
 
 def _run(cfg, dp, pp, tp, microbatches, codec="none", sp=False, key=None, repeats=1):
     _needs_devices(dp * pp * tp)
+    fn = _compiled(cfg, dp, pp, tp, microbatches, codec, sp, repeats)
+    return fn(init_params(cfg, jax.random.key(0)), _tokens(cfg), key)
+
+
+@functools.cache
+def _compiled(cfg, dp, pp, tp, microbatches, codec, sp, repeats):
+    """The jitted loss and gradients of one layout (tests that vary only the key share it)."""
     parallel = _parallel(dp, pp, tp, microbatches, sp, repeats)
     comm = taco_jax.TPComm.create("tp", fwd="none")
-    fn = make_pipeline_loss_and_grads(cfg, parallel, comm, StageCodecs(codec))
-    return jax.jit(fn)(init_params(cfg, jax.random.key(0)), _tokens(cfg), key)
+    return jax.jit(make_pipeline_loss_and_grads(cfg, parallel, comm, StageCodecs(codec)))
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +117,11 @@ def test_uncompressed_pipeline_equals_unsharded(
     assert worst[1] <= tol, f"gradient {jax.tree_util.keystr(worst[0])}: {worst[1]:.3g} > {tol:.3g}"
 
 
-@pytest.mark.parametrize("codec", sorted(EPS_SEND))
-@pytest.mark.parametrize("pp", [2, 4])
+# Every codec at pp = 2; pp = 4 (three sends on each path) with the INT8 and INT4 stage codecs.
+STAGE_CASES = [(codec, 2) for codec in sorted(EPS_SEND)] + [("tahquant", 4), ("tahquant4", 4)]
+
+
+@pytest.mark.parametrize("codec,pp", STAGE_CASES)
 def test_stage_codecs_within_their_bound(references, codec, pp):
     """P - 1 sends lie on each forward path and P - 1 on each backward path; independent errors
     add in quadrature: the gradients move by at most MARGIN EPS sqrt(2 (P - 1)) in relative L2.

@@ -31,15 +31,24 @@ from taco_jax import sdp4bit, tahquant
 from taco_jax.tahquant import get_stage_codec
 
 FP32_EPS = 2.0**-24
+ROWS = 3  # rows of the test messages (magnitudes 1e-20, 1, 1e20: `_data`)
 CODE_DV = 4 * 256 * FP32_EPS
 NAMES = tahquant.STAGE_CODEC_NAMES
-# Every kernel path: the stage codecs, their round-to-nearest variants (the magic-number
-# rounding that runs only compiled), and SDP4Bit's gradient codecs (no pivot).
-CODECS = (
-    [get_stage_codec(name) for name in NAMES]
-    + [dataclasses.replace(get_stage_codec(name), stochastic=False) for name in NAMES]
-    + [sdp4bit.TLQ_INNER, sdp4bit.TLQ_OUTER]
-)
+# Every kernel path, in bf16 and fp32: the stage codecs (asymmetric and symmetric, 8 and 4
+# bits); in fp32 only, a round-to-nearest variant of each grid (the magic-number rounding that
+# runs only compiled) and SDP4Bit's 4-bit gradient codec (no pivot).
+ENCODE_CASES = (
+    [(get_stage_codec(name), dtype) for name in NAMES for dtype in (jnp.float32, jnp.bfloat16)]
+    + [(dataclasses.replace(get_stage_codec(name), stochastic=False), jnp.float32)
+       for name in ("tahquant", "tahquant4")]
+    + [(sdp4bit.TLQ_OUTER, jnp.float32)]
+)  # fmt: skip
+
+
+def _case_id(case):
+    codec, dtype = case
+    nearest = "-nearest" * (not codec.stochastic)
+    return f"{codec.name}{nearest}-{jnp.dtype(dtype).name}"
 
 
 def _split(codec, wire, n):
@@ -79,23 +88,21 @@ class TahQuantKernelTest:
     """Shared suite: INTERPRET=False needs a GPU; the subclass below runs it on the CPU."""
 
     INTERPRET = False
-    GROUPS = 37  # of 128: one partial tile (masked tail path)
+    GROUPS = 19  # of 128 elements: a whole encode tile (16 groups of 128) and a partial one
 
     @pytest.fixture(autouse=True)
     def _need_backend(self):
         if not self.INTERPRET and jax.default_backend() != "gpu":
             pytest.skip("needs a GPU")
 
-    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-    @pytest.mark.parametrize(
-        "codec", CODECS, ids=lambda c: c.name + "-nearest" * (not c.stochastic)
-    )
-    def test_encode_matches_reference(self, codec, dtype):
+    @pytest.mark.parametrize("case", ENCODE_CASES, ids=_case_id)
+    def test_encode_matches_reference(self, case):
+        codec, dtype = case
         n = 128 * self.GROUPS
-        x = _data((5, n), dtype, seed=len(codec.name))
+        x = _data((ROWS, n), dtype, seed=len(codec.name))
         key = jax.random.key(7) if codec.stochastic else None
         wire = tk.encode(codec, x, key, interpret=self.INTERPRET)
-        assert wire.shape == (5, codec.wire_bytes(n)) and wire.dtype == jnp.uint8
+        assert wire.shape == (ROWS, codec.wire_bytes(n)) and wire.dtype == jnp.uint8
         ref = tahquant.encode_wire(codec, x, key)
         if self.INTERPRET:
             np.testing.assert_array_equal(wire, ref)
@@ -105,7 +112,7 @@ class TahQuantKernelTest:
     def test_decode_matches_reference(self, name):
         codec = get_stage_codec(name)
         n = 128 * self.GROUPS
-        wire = tahquant.encode_wire(codec, _data((5, n), jnp.float32, seed=3), jax.random.key(1))
+        wire = tahquant.encode_wire(codec, _data((ROWS, n), jnp.float32, seed=3), jax.random.key(1))
         want = np.asarray(tahquant.decode_wire(codec, wire, n), np.float64)
         for dtype in (jnp.float32, jnp.bfloat16):
             got = tk.decode(codec, wire, n, dtype, interpret=self.INTERPRET)

@@ -59,7 +59,7 @@ def test_receivers_hold_the_decoded_message(mode, perm, name):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", ["tahquant", "tahquant4"])
+@pytest.mark.parametrize("name", ["tahquant"])  # the other codecs: test_tahquant_kernel.py
 def test_fused_kernels_carry_the_same_message(mode, name):
     """impl="pallas_interpret" runs the fused TAH-Quant kernels (`pallas_kernels.tahquant_kernel`)
     in Pallas' CPU interpreter: the same codes as the reference (the kernel calls the reference's

@@ -153,9 +153,16 @@ def test_pipelined_run_trains_and_resumes_exactly(cache, tmp_path):
                     if "telemetry/train/pp:tahquant" in r]  # fmt: skip
     # Asymmetric INT8 sends of activations: ~0.01 relative (test_ppermute.py); 0.05 bounds it.
     assert stage_errors and all(0 < e < 0.05 for e in stage_errors)
-    _cli(resumed, cache, *PIPELINED, "run.stop_at=3")
-    _cli(resumed, cache, *PIPELINED)
-    assert untimed(metrics.read_jsonl(resumed / "metrics.jsonl")) == untimed(records)
+    _assert_resume_is_exact(full, resumed, cache, PIPELINED)
+
+
+def _assert_resume_is_exact(full, resumed, cache, overrides):
+    """A run of `overrides` stopped at its step-3 checkpoint and resumed ends with the metrics
+    and the state of the uninterrupted run in `full`, bit for bit."""
+    _cli(resumed, cache, *overrides, "run.stop_at=3")
+    _cli(resumed, cache, *overrides)
+    want = untimed(metrics.read_jsonl(full / "metrics.jsonl"))
+    assert untimed(metrics.read_jsonl(resumed / "metrics.jsonl")) == want
     a, b = _final_params(full, 6), _final_params(resumed, 6)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -182,12 +189,7 @@ def test_sharded_sdp4bit_run_trains_and_resumes_exactly(cache, tmp_path, capsys)
     records = metrics.read_jsonl(full / "metrics.jsonl")
     train = [r for r in records if "loss" in r and r["kind"] == "train"]
     assert train[-1]["loss"] < train[0]["loss"]
-    _cli(resumed, cache, *SHARDED, "run.stop_at=3")
-    _cli(resumed, cache, *SHARDED)
-    assert untimed(metrics.read_jsonl(resumed / "metrics.jsonl")) == untimed(records)
-    a, b = _final_params(full, 6), _final_params(resumed, 6)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    _assert_resume_is_exact(full, resumed, cache, SHARDED)
     with pytest.raises(SystemExit):  # the state holds one master shard per dp rank
         _cli(resumed, cache, *SHARDED[:1], "parallel.dp=1", *SHARDED[2:])
     assert "parallel.dp: 2 -> 1" in capsys.readouterr().err
