@@ -84,9 +84,10 @@ def _check_gradient(x: jax.Array, ranks: int) -> None:
         )
 
 
-def padded_size(size: int, ranks: int, group_size: int = QWD.group_size) -> int:
-    """The smallest multiple of ranks x group_size >= size: what the collectives here take."""
-    quantum = ranks * group_size
+def padded_size(size: int, ranks: int) -> int:
+    """The smallest multiple of ranks x 2048 (qWD's group, a multiple of TLq-HS's) >= size:
+    a size both collectives here take."""
+    quantum = ranks * QWD.group_size
     return -(-size // quantum) * quantum
 
 
@@ -115,7 +116,7 @@ def tlq_hs_psum_scatter(
     if len(axes) not in (1, 2):
         raise ValueError(f"axis_names={axis_names!r}: one dp axis or (outer, inner)")
     sizes = [axis_size(axis) for axis in axes]
-    ranks = sizes[0] * (sizes[1] if len(sizes) == 2 else 1)
+    ranks = axis_size(axes)
     _check_gradient(x, ranks)
     key = _rank_key(key, axes)
     y = smoothed(x)
@@ -155,14 +156,12 @@ def qwd_all_gather(
     Args:
       new_shard: this rank's updated fp32 master shard [m], m a multiple of 2048.
       replica: the full parameter replica [ranks x m] (bf16 in SDP4Bit; any float dtype).
-      axis_names: the dp axis (or a tuple of axes, outer major, as `lax.all_gather`).
+      axis_names: the dp axis, or a tuple of axes (outer major, as `lax.all_gather`).
       key: PRNG key of the stochastic rounding (each rank folds in its indices).
       impl: the codec ops (`taco_jax._backends`; groups of 2048 run the jnp reference).
     """
     axes = _axes(axis_names)
-    ranks = 1
-    for axis in axes:
-        ranks *= axis_size(axis)
+    ranks = axis_size(axes)
     m = new_shard.shape[0]
     if new_shard.ndim != 1 or m % QWD.group_size:
         raise ValueError(f"new_shard shape={new_shard.shape} must be flat with a multiple of "
@@ -173,9 +172,25 @@ def qwd_all_gather(
     mine = lax.dynamic_slice_in_dim(replica, index * m, m).astype(jnp.float32)
     delta = new_shard.astype(jnp.float32) - mine
     wire = _encode(QWD, delta[None], _rank_key(key, axes), impl)
-    every = lax.all_gather(wire[0], axes, tiled=False)  # [ranks, B], row j from rank j
+    every = gather_over(wire, axes)  # [ranks, B], row j from rank j
     deltas = _backends.get_stage_ops(impl).decode(QWD, every, m, jnp.float32).reshape(-1)
     return (replica.astype(jnp.float32) + deltas).astype(replica.dtype)
+
+
+def gather_over(x: jax.Array, axes: tuple) -> jax.Array:
+    """`lax.all_gather(x, axes, tiled=True)`, one axis at a time (innermost first), so it also
+    runs under nested `vmap` (JAX 0.11.2 fails there on a tuple of axes): outer-major order."""
+    for axis in reversed(axes):
+        x = lax.all_gather(x, axis, tiled=True)
+    return x
+
+
+def scatter_over(x: jax.Array, axes: tuple) -> jax.Array:
+    """`lax.psum_scatter(x, axes, tiled=True)` on the leading axis, one axis at a time
+    (outermost first; as `gather_over`): this rank gets shard outer_index x inner + inner_index."""
+    for axis in axes:
+        x = lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
+    return x
 
 
 def rank_index(axes: tuple) -> jax.Array:

@@ -102,7 +102,7 @@ class CompressionConfig:
         return StageCodecs(self.pp, self.pp_bwd, self.telemetry)
 
     def zero_config(self, grad_clip: float) -> zero.ZeroConfig:
-        return zero.ZeroConfig(DP_AXIS, self.dp_grad, self.dp_param, grad_clip)
+        return zero.ZeroConfig(DP_AXIS, self.dp_grad, self.dp_param, grad_clip, self.impl)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -184,7 +184,8 @@ def _is_finite(state_sharding, replicated):
     def is_finite(state: TrainState) -> jax.Array:
         """Whether every parameter and optimizer value is finite (checked before each save)."""
         leaves = jax.tree.leaves((state.params, state.opt_state))
-        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves if x.dtype.kind == "f"]))
+        floating = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)]  # bf16 too
+        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in floating]))
 
     return is_finite
 
@@ -231,22 +232,24 @@ def make_sharded_steps(
         )
     mesh = layout.make_mesh(parallel, comm.axis_name)
     replicated = NamedSharding(mesh, P())
-    split = NamedSharding(mesh, P(layout.DP_AXIS))
+    split = NamedSharding(mesh, P(layout.DP_AXIS))  # also the batch's
     dp = parallel.dp
     params_abstract = layout.abstract_params(model)
     replica_dtype = jnp.dtype(parallel.compute_dtype)
     shards_abstract = jax.eval_shape(lambda p: zero.shard_leaves(p, dp), params_abstract)
-    opt_abstract = jax.eval_shape(jax.vmap(optimizer.init), shards_abstract)
+    init_shards = jax.vmap(functools.partial(zero.init, optimizer))
+    opt_abstract = jax.eval_shape(init_shards, shards_abstract).opt_state
     state_sharding = TrainState(
         step=replicated,
         params=jax.tree.map(lambda _: replicated, params_abstract),
         opt_state=jax.tree.map(lambda _: split, zero.ShardState(shards_abstract, opt_abstract)),
         skipped=replicated,
     )
-    batch_sharding = NamedSharding(mesh, P(layout.DP_AXIS))
+    batch_sharding = split
     local_grads = layout.make_loss_and_local_grads(model, parallel, comm, mesh)
     loss_only = layout.make_loss(model, parallel, comm, mesh)
-    step_key = jax.random.key(seed)
+    # The compressors' noise: a stream apart from the parameters' init (key(seed) itself).
+    step_key = jax.random.split(jax.random.key(seed), 3)[2]
 
     def per_rank(grads, shard_state, replica, key):
         first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
@@ -267,8 +270,7 @@ def make_sharded_steps(
     @functools.partial(jax.jit, out_shardings=state_sharding)
     def init(key: jax.Array) -> TrainState:
         params = layout.init_params(model, key)
-        master = zero.shard_leaves(params, dp)
-        state = zero.ShardState(master, jax.vmap(optimizer.init)(master))
+        state = init_shards(zero.shard_leaves(params, dp))
         replica = jax.tree.map(lambda p: p.astype(replica_dtype), params)
         zero_count = jnp.zeros((), jnp.int32)
         return TrainState(zero_count, replica, state, zero_count)

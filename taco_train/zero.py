@@ -20,7 +20,6 @@ Uncompressed, its master weights equal the replicated-DP AdamW update of the mea
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import flax.struct
@@ -47,12 +46,14 @@ class ShardState(flax.struct.PyTreeNode):
 @dataclasses.dataclass(frozen=True)
 class ZeroConfig:
     """The dp axes (one axis, or (outer, inner) for TLq-HS's two levels), the codec of each
-    collective, and the global-norm clipping threshold (None: no clipping)."""
+    collective, the global-norm clipping threshold (None: no clipping), and the codec kernels
+    (`impl`, as `taco_jax.CommConfig.impl`)."""
 
     dp_axes: str | tuple[str, ...] = "dp"
     grad_codec: str = "none"
     param_codec: str = "none"
     grad_clip: float | None = None
+    impl: str = "auto"
 
     def __post_init__(self):
         if self.grad_codec not in GRAD_CODECS:
@@ -93,28 +94,20 @@ def init(optimizer: optax.GradientTransformation, master: Any) -> ShardState:
     return ShardState(master, optimizer.init(master))
 
 
-def _ranks(axes: Sequence[str]) -> int:
-    total = 1
-    for axis in axes:
-        total *= axis_size(axis)
-    return total
-
-
 def _reduce_scatter(g: jax.Array, cfg: ZeroConfig, key: jax.Array) -> jax.Array:
     """This rank's shard of the sum over ranks of the flat padded gradient g."""
     if cfg.grad_codec == "tlq_hs":
-        return sdp4bit.tlq_hs_psum_scatter(g, cfg.axes, key=key)
-    return lax.psum_scatter(g, cfg.axes, scatter_dimension=0, tiled=True)
+        return sdp4bit.tlq_hs_psum_scatter(g, cfg.axes, key=key, impl=cfg.impl)
+    return sdp4bit.scatter_over(g, cfg.axes)
 
 
 def _all_gather(shard: jax.Array, replica: jax.Array, cfg: ZeroConfig, key: jax.Array):
     """The new replica leaf (replica's shape and dtype) from every rank's new master shard."""
-    ranks = _ranks(cfg.axes)
     if cfg.param_codec == "qwd":
-        flat = _padded_flat(replica, ranks, replica.dtype)
-        new = sdp4bit.qwd_all_gather(shard, flat, cfg.axes, key=key)
+        flat = _padded_flat(replica, axis_size(cfg.axes), replica.dtype)
+        new = sdp4bit.qwd_all_gather(shard, flat, cfg.axes, key=key, impl=cfg.impl)
     else:
-        new = lax.all_gather(shard.astype(replica.dtype), cfg.axes, tiled=True)
+        new = sdp4bit.gather_over(shard.astype(replica.dtype), cfg.axes)
     return new[: replica.size].reshape(replica.shape)
 
 
@@ -150,7 +143,7 @@ def update(
     the full fp32 parameters with the dp-mean gradient, the replica being the new parameters
     cast to its dtype.
     """
-    ranks = _ranks(cfg.axes)
+    ranks = axis_size(cfg.axes)
     grad_key, param_key = jax.random.split(key)
     shards = jax.tree.map(
         lambda g, k: _valid(_reduce_scatter(_padded_flat(g, ranks), cfg, k) / ranks, g.size, cfg),

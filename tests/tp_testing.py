@@ -35,3 +35,30 @@ def run_tp(per_device_fn, stacked, *, tp: int, mode: str, axis_name: str = "tp")
         body, mesh=mesh, in_specs=P(axis_name), out_specs=P(axis_name), check_vma=False
     )
     return jax.jit(mapped)(placed)
+
+
+def run_on_mesh(fn, stacked, shape, names, mode):
+    """`fn(rank's input)` on every rank of a mesh `shape` x `names` (fake CPU devices under
+    shard_map, or nested vmaps with those axis names); inputs and outputs are pytrees stacked
+    [*shape, ...]."""
+    if mode == "vmap":
+        for name in reversed(names):
+            fn = jax.vmap(fn, axis_name=name)
+        return jax.jit(fn)(stacked)
+    count = 1
+    for size in shape:
+        count *= size
+    if jax.device_count() < count:
+        pytest.skip(f"needs {count} devices, have {jax.device_count()}")
+    mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names),
+                         devices=jax.devices()[:count])  # fmt: skip
+    spec = P(*names)
+    lead = (0,) * len(names)
+
+    def body(block):
+        out = fn(jax.tree.map(lambda a: a[lead], block))
+        return jax.tree.map(lambda a: a[(None,) * len(names)], out)
+
+    placed = jax.device_put(stacked, NamedSharding(mesh, spec))
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+    return jax.jit(mapped)(placed)

@@ -25,15 +25,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from tp_testing import run_on_mesh
 
 from taco_train import zero
 
 LR = 1e-2
 STEPS = 3
-SHAPES = {"w": (37, 19), "b": (19,), "emb": (300, 8)}
-DECAY = {"w": True, "b": False, "emb": True}
+# "long" crosses a rank boundary at dp = 4 inside a block of 32 (2100 = 65 x 32 + 20): the
+# padding mask must use the rank's offset.
+SHAPES = {"w": (37, 19), "b": (19,), "emb": (300, 8), "long": (2100,)}
+DECAY = {"w": True, "b": False, "emb": True, "long": True}
+N_PARAMS = sum(int(np.prod(s)) for s in SHAPES.values())
 MODES = ("shard_map", "vmap")
 
 
@@ -43,7 +45,8 @@ def _params():
 
 
 def _grads(ranks, step):
-    """Per-rank gradients [ranks, *shape] of step `step`."""
+    """Per-rank gradients [ranks, *shape] of step `step`; their mean's norm grows with the step
+    (about 1, 2, 3 x sqrt(N_PARAMS / ranks))."""
     out = {}
     for i, (name, shape) in enumerate(SHAPES.items()):
         key = jax.random.fold_in(jax.random.key(100 + step), i)
@@ -56,94 +59,101 @@ def _adamw():
 
 
 def _replicated(params, ranks, clip):
-    """The reference: replicated DP, mean gradient, clipping, AdamW on fp32 parameters."""
+    """The reference: replicated DP, mean gradient, clipping, AdamW on fp32 parameters.
+    Returns (params, the mean gradient's norm at each step)."""
     opt = optax.chain(optax.clip_by_global_norm(clip), _adamw())
-    state = opt.init(params)
+    state, norms = opt.init(params), []
     for step in range(STEPS):
         grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), _grads(ranks, step))
+        norms.append(float(optax.tree.norm(grads)))
         updates, state = opt.update(grads, state, params)
         params = optax.apply_updates(params, updates)
-    return params
+    return params, norms
 
 
-def _run_per_rank(fn, stacked, ranks, mode, axis="dp"):
-    if mode == "vmap":
-        return jax.jit(jax.vmap(fn, axis_name=axis))(stacked)
-    mesh = jax.make_mesh((ranks,), (axis,), axis_types=(jax.sharding.AxisType.Auto,),
-                         devices=jax.devices()[:ranks])  # fmt: skip
-
-    def body(block):
-        out = fn(jax.tree.map(lambda a: a[0], block))
-        return jax.tree.map(lambda a: a[None], out)
-
-    placed = jax.device_put(stacked, NamedSharding(mesh, P(axis)))
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(axis), check_vma=False)
-    return jax.jit(mapped)(placed)
-
-
-def _sharded(params, ranks, cfg, mode, replica_dtype=jnp.float32):
-    """STEPS sharded updates; returns (master shards [ranks, S] per leaf, replicas per rank,
-    the replicas and masters of the last step's start)."""
-    opt = _adamw()
-    master = zero.shard_leaves(params, ranks)
-    replica = jax.tree.map(lambda p: jnp.broadcast_to(p.astype(replica_dtype), (ranks, *p.shape)),
+def _sharded(params, cfg, mode, shape, replica_dtype=jnp.float32):
+    """STEPS sharded updates on a dp mesh of `shape` (names: cfg.axes). Returns (master shards
+    [ranks, S] per leaf, replicas [ranks, ...], the replicas before the last step, the norms)."""
+    opt, names = _adamw(), cfg.axes
+    ranks = int(np.prod(shape))
+    stack = lambda tree: jax.tree.map(lambda x: x.reshape(*shape, *x.shape[1:]), tree)  # noqa: E731
+    flat = lambda tree: jax.tree.map(lambda x: x.reshape(ranks, *x.shape[len(shape) :]), tree)  # noqa: E731
+    state = run_on_mesh(lambda m: zero.init(opt, m), stack(zero.shard_leaves(params, ranks)),
+                        shape, names, mode)  # fmt: skip
+    replica = jax.tree.map(lambda p: jnp.broadcast_to(p.astype(replica_dtype), (*shape, *p.shape)),
                            params)  # fmt: skip
-
-    def init(shard):
-        return zero.init(opt, shard)
-
-    state = _run_per_rank(init, master, ranks, mode)
-    history = []
+    norms = []
     for step in range(STEPS):
-        history.append(replica)
+        before = replica
 
         def step_fn(args, step=step):
             grads, state, replica = args
             key = jax.random.fold_in(jax.random.key(7), step)  # the same on every rank
-            new_state, new_replica, _ = zero.update(opt, cfg, grads, state, replica, key)
-            return new_state, new_replica
+            return zero.update(opt, cfg, grads, state, replica, key)
 
-        state, replica = _run_per_rank(step_fn, (_grads(ranks, step), state, replica), ranks,
-                                       mode)  # fmt: skip
-    return state.master, replica, history[-1]
+        state, replica, norm = run_on_mesh(step_fn, (stack(_grads(ranks, step)), state, replica),
+                                           shape, names, mode)  # fmt: skip
+        norms.append(np.asarray(norm).reshape(-1))
+    return flat(state.master), flat(replica), flat(before), norms
+
+
+def _assert_close_to_replicated(got, want, clip_term):
+    """|dp| <= steps 2^-24 (clip_term + 17 lr + 3 |p|) per value (module docstring)."""
+    for name in SHAPES:
+        w = np.asarray(want[name], np.float64)
+        bound = STEPS * 2.0**-24 * (clip_term + 17 * LR + 3 * np.abs(w))
+        assert np.all(np.abs(np.asarray(got[name], np.float64) - w) <= bound), name
+
+
+def _assert_norms(norms, want):
+    """Every rank reports the global norm of the mean gradient: the same squares summed in
+    another order, relative error <= N_PARAMS 2^-24."""
+    for got, ref in zip(norms, want, strict=True):
+        np.testing.assert_allclose(got, ref, rtol=N_PARAMS * 2.0**-24)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_uncompressed_equals_replicated_adamw(mode):
     params = _params()
-    want = _replicated(params, 2, clip=1e9)
-    master, replica, _ = _sharded(params, 2, zero.ZeroConfig(grad_clip=1e9), mode)
+    want, want_norms = _replicated(params, 2, clip=1e9)
+    master, replica, _, norms = _sharded(params, zero.ZeroConfig(grad_clip=1e9), mode, (2,))
     got = zero.unshard_leaves(master, params)
-    for name in SHAPES:
-        w = np.asarray(want[name], np.float64)
-        bound = STEPS * 2.0**-24 * (17 * LR + 3 * np.abs(w))
-        assert np.all(np.abs(np.asarray(got[name], np.float64) - w) <= bound), name
-        for rank in range(2):  # the fp32 replica is the master itself
+    _assert_close_to_replicated(got, want, 0.0)
+    _assert_norms(norms, want_norms)
+    for name in SHAPES:  # the fp32 replica is the master itself
+        for rank in range(2):
             np.testing.assert_array_equal(replica[name][rank], got[name])
 
 
-def test_clipping_uses_the_global_norm_of_the_mean_gradient():
-    params = _params()
-    clip = 1.0  # the gradients' norm is ~40-120: every step clips
-    want = _replicated(params, 4, clip=clip)
-    master, _, _ = _sharded(params, 4, zero.ZeroConfig(grad_clip=clip), "shard_map")
-    got = zero.unshard_leaves(master, params)
-    squares = sum(int(np.prod(s)) for s in SHAPES.values())
-    for name in SHAPES:
-        w = np.asarray(want[name], np.float64)
-        bound = STEPS * 2.0**-24 * (LR * (squares + 4) + 17 * LR + 3 * np.abs(w))
-        assert np.all(np.abs(np.asarray(got[name], np.float64) - w) <= bound), name
+@pytest.mark.parametrize(
+    "shape,axes", [((4,), "dp"), ((2, 2), ("outer", "inner"))], ids=["dp4", "outer2-inner2"]
+)
+def test_clipping_uses_the_global_norm_of_the_mean_gradient(shape, axes):
+    """The mean gradient's norm is ~ 36, 72, 108 over the three steps at dp = 4: a threshold of
+    40 leaves the first step unclipped and clips the others. Over two dp axes the reduce-scatter
+    and the all-gather run one axis at a time."""
+    params, clip = _params(), 40.0
+    want, want_norms = _replicated(params, 4, clip=clip)
+    assert want_norms[0] < clip < want_norms[1]
+    cfg = zero.ZeroConfig(dp_axes=axes, grad_clip=clip)
+    master, _, _, norms = _sharded(params, cfg, "shard_map", shape)
+    _assert_close_to_replicated(zero.unshard_leaves(master, params), want, LR * (N_PARAMS + 4))
+    _assert_norms(norms, want_norms)
 
 
 @pytest.mark.parametrize("mode", ["shard_map"])  # vmap: test_sdp4bit.py runs both under it
 def test_sdp4bit_replicas_stay_bit_identical_near_the_master(mode):
     ranks = 4
     params = _params()
-    cfg = zero.ZeroConfig(grad_codec="tlq_hs", param_codec="qwd", grad_clip=1.0)
-    master, replica, before = _sharded(params, ranks, cfg, mode, jnp.bfloat16)
+    cfg = zero.ZeroConfig(grad_codec="tlq_hs", param_codec="qwd", grad_clip=40.0)
+    master, replica, before, _ = _sharded(params, cfg, mode, (ranks,), jnp.bfloat16)
+    plain, _, _, _ = _sharded(params, zero.ZeroConfig(grad_clip=40.0), mode, (ranks,),
+                              jnp.bfloat16)  # fmt: skip
     for name in SHAPES:
         for rank in range(1, ranks):
             np.testing.assert_array_equal(replica[name][rank], replica[name][0])
+        # TLq-HS really ran: the compressed gradients moved the master elsewhere.
+        assert not np.array_equal(np.asarray(master[name]), np.asarray(plain[name])), name
     # The last step's bound, group by group of each rank's padded shard.
     new = {n: np.asarray(m, np.float64).reshape(-1, 2048) for n, m in master.items()}
     old = zero.shard_leaves(jax.tree.map(lambda r: r[0].astype(jnp.float32), before), ranks)
@@ -151,9 +161,13 @@ def test_sdp4bit_replicas_stay_bit_identical_near_the_master(mode):
     for name in SHAPES:
         step = np.abs(new[name] - np.asarray(old[name], np.float64).reshape(-1, 2048))
         s = step.max(axis=-1, keepdims=True) / 7
-        err = np.abs(np.asarray(got[name], np.float64).reshape(-1, 2048) - new[name])
+        replica64 = np.asarray(got[name], np.float64).reshape(-1, 2048)
+        err = np.abs(replica64 - new[name])
         assert np.all(err <= s + 2.0**-8 * (np.abs(new[name]) + s)), name
         assert np.any(step > 0), name  # the master moved
+        # qWD really ran: the replica is not the master rounded to bf16.
+        rounded = np.asarray(jnp.asarray(new[name], jnp.bfloat16), np.float64)
+        assert not np.array_equal(replica64, rounded), name
         padding = np.asarray(master[name]).reshape(-1)[int(np.prod(SHAPES[name])) :]
         np.testing.assert_array_equal(padding, 0)  # the optimizer never moves padding
 
