@@ -46,11 +46,18 @@ def _expected(codec_name, x, perm, key=KEY):
     return out.reshape(x.shape)
 
 
+# Every codec over the cycle; over the chain (a partial permutation) one codec per kind:
+# none, a fixed-bit stage codec, the adaptive one, a TP codec.
+RECEIVER_CASES = [(name, CYCLE4) for name in (
+    "none", "tahquant", "tahquant_sym", "tahquant4", "tahquant_adaptive", "taco")] + [
+    (name, CHAIN4) for name in ("none", "tahquant", "tahquant_adaptive", "taco")]  # fmt: skip
+
+
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("perm", [CYCLE4, CHAIN4], ids=["cycle", "chain"])
 @pytest.mark.parametrize(
-    "name", ["none", "tahquant", "tahquant_sym", "tahquant4", "tahquant_adaptive", "taco"]
-)
+    "name,perm", RECEIVER_CASES,
+    ids=[f"{n}-{'cycle' if p is CYCLE4 else 'chain'}" for n, p in RECEIVER_CASES],
+)  # fmt: skip
 def test_receivers_hold_the_decoded_message(mode, perm, name):
     x = _ranks(4, (3, 100), seed=1)  # 300 elements: not a multiple of any group size
     fn = lambda v: tj.compressed_ppermute(v, "pp", perm, codec=name, key=KEY)  # noqa: E731
