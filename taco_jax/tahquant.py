@@ -161,7 +161,8 @@ def swap_to_front(groups: jax.Array, index: jax.Array, flag: jax.Array) -> jax.A
 def _signed_hadamard_low_bits(x: jax.Array, bits: int) -> jax.Array:
     """(I (x) S_{2^bits}) x on the last axis of x [M, K]: the +-1 Sylvester transform over the
     low `bits` bits of the index, as butterflies (i = 2 i' + i1: y[2 j'] = S a + S b,
-    y[2 j' + 1] = S a - S b, with a, b the even and odd elements)."""
+    y[2 j' + 1] = S a - S b, with a, b the even and odd elements). The fp32 counterpart of the
+    TP kernels' `pallas_kernels._tile._split_low_bit`, which ends in tensor-core dots."""
     if bits == 0:
         return x
     m, k = x.shape

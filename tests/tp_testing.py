@@ -22,19 +22,7 @@ def run_tp(per_device_fn, stacked, *, tp: int, mode: str, axis_name: str = "tp")
     Returns the per-rank outputs stacked along a new leading axis, in either mode:
     "shard_map" on `tp` fake devices, or "vmap" with `axis_name` on one device.
     """
-    if mode == "vmap":
-        return jax.jit(jax.vmap(per_device_fn, axis_name=axis_name))(stacked)
-    mesh = tp_mesh(tp, axis_name)
-
-    def body(block):
-        out = per_device_fn(jax.tree.map(lambda a: a[0], block))
-        return jax.tree.map(lambda a: a[None], out)
-
-    placed = jax.device_put(stacked, NamedSharding(mesh, P(axis_name)))
-    mapped = jax.shard_map(
-        body, mesh=mesh, in_specs=P(axis_name), out_specs=P(axis_name), check_vma=False
-    )
-    return jax.jit(mapped)(placed)
+    return run_on_mesh(per_device_fn, stacked, (tp,), (axis_name,), mode)
 
 
 def run_on_mesh(fn, stacked, shape, names, mode):
