@@ -87,8 +87,7 @@ def _chosen(algorithm: str, tp: int, size: int) -> str:
     return "auto:" + (choice.algorithm if choice.compress else "plain")
 
 
-def _check(tp: int, codec: str, algorithm: str, x_global: jax.Array, mesh) -> dict:
-    """One compressed_psum against the exact fp32 sum; rank-identical output."""
+def _psum_once(tp: int, codec: str, algorithm: str, x_global: jax.Array, mesh) -> jax.Array:
     fn = jax.jit(
         jax.shard_map(
             lambda v: tj.compressed_psum(
@@ -100,12 +99,22 @@ def _check(tp: int, codec: str, algorithm: str, x_global: jax.Array, mesh) -> di
             check_vma=False,
         )
     )
-    out = fn(x_global).astype(jnp.float32).reshape(tp, -1)
+    return fn(x_global).astype(jnp.float32).reshape(tp, -1)
+
+
+def _check(tp: int, codec: str, algorithm: str, x_global: jax.Array, mesh) -> dict:
+    """One compressed_psum against the exact fp32 sum; rank-identical output; "fused" also bit
+    for bit against "one_shot" (the same codes and sums, exchanged by the kernel)."""
+    out = _psum_once(tp, codec, algorithm, x_global, mesh)
     exact = jnp.sum(x_global.astype(jnp.float32).reshape(tp, -1), axis=0)
-    return {
+    check = {
         "rel_err": float(relative_error(out[0], exact)),
         "rank_identical": bool(jnp.all(out == out[0])),
     }
+    if algorithm == "fused":
+        one_shot = _psum_once(tp, codec, "one_shot", x_global, mesh)
+        check["equals_one_shot"] = bool(jnp.all(out == one_shot))
+    return check
 
 
 def run(args) -> dict:
@@ -174,6 +183,8 @@ def run(args) -> dict:
 
 def _format(row: dict) -> str:
     extra = f" err={row['rel_err']:.4f} same={row['rank_identical']}" if "rel_err" in row else ""
+    if "equals_one_shot" in row:
+        extra += f" =one_shot:{row['equals_one_shot']}"
     return (
         f"tp={row['tp']} {row['bytes'] / MiB:8.2f} MiB {row['op']:26s} {row['codec']:10s} "
         f"{row['algorithm']:14s} "

@@ -122,8 +122,16 @@ def default_cases(args) -> list[Case]:
             ),  # fmt: skip
         ]
         if n_devices == 2:  # where one-shot sends the bytes of two-shot
-            cases.append(Case(f"{label} taco one_shot forced", codec="taco",
-                              algorithm="one_shot", min_compress_bytes=0, **run))  # fmt: skip
+            cases += [
+                Case(
+                    f"{label} taco {algorithm} forced",
+                    codec="taco",
+                    algorithm=algorithm,
+                    min_compress_bytes=0,
+                    **run,
+                )  # fmt: skip
+                for algorithm in ("one_shot", "fused")
+            ]
     if n_devices >= 2:
         cases += pipeline_cases(args, n_devices)  # case 4
     if args.impl == "auto" and jax.default_backend() == "gpu":

@@ -19,7 +19,7 @@ dispatch from the collectives to these kernels lives in `taco_jax._backends`.
 
 from __future__ import annotations
 
-from pallas_kernels import tahquant_kernel
+from pallas_kernels import exchange_mosaic, tahquant_kernel
 from pallas_kernels.config import BlockConfig, block_config
 from pallas_kernels.decode_kernel import decode, decode_reference
 from pallas_kernels.decode_sum_kernel import (
@@ -41,5 +41,6 @@ __all__ = [
     "decode_sum_reference",
     "encode",
     "encode_reference",
+    "exchange_mosaic",
     "tahquant_kernel",
 ]

@@ -169,6 +169,34 @@ def wait_stores(pending: int):
 commit_smem = plgpu.commit_smem
 
 
+def wait_writes():
+    """Waits until every TMA store of this thread has written its bytes (also a peer's)."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+
+# Peer memory (Mosaic GPU on NVLink-connected GPUs: `exchange_mosaic`). Peers are named by their
+# index along one mesh axis; the other mesh axes keep this device's coordinates.
+
+
+def peer_ref(ref, axis_name: str, peer):
+    """`ref` (a kernel operand or output, allocated by XLA on every device) on rank `peer`."""
+    return plgpu.remote_ref(ref, {axis_name: peer})
+
+
+def semaphore():
+    """One semaphore per program, zero at launch; a peer's program of the same index signals."""
+    return plgpu.SemaphoreType.REGULAR
+
+
+def signal_peer(sem, axis_name: str, peer):
+    pl.semaphore_signal(sem, 1, device_id={axis_name: peer})
+
+
+def wait_signals(sem, count: int):
+    """Blocks until `sem` has been signalled `count` times, and takes them (back to zero)."""
+    pl.semaphore_wait(sem, count)
+
+
 def wgmma(a_smem, b_smem, shape):
     """a @ b (shared-memory bf16 operands) on the tensor cores -> fp32 registers of `shape`."""
 
@@ -179,15 +207,34 @@ def wgmma(a_smem, b_smem, shape):
     return pl.run_scoped(dot, plgpu.ACC(shape, jnp.float32))
 
 
-def mosaic_kernel(body, *args, out_shape, scratch, grid, grid_names, name: str, interpret=False):
+def mosaic_kernel(
+    body,
+    *args,
+    out_shape,
+    scratch,
+    grid,
+    grid_names,
+    name: str,
+    interpret=False,
+    replicated_along=(),
+):
     """Runs a Mosaic GPU kernel `body(*arg_refs, out_ref, *scratch_refs)` over `grid`.
 
     `jax.vmap` adds a grid axis (`plgpu.kernel`'s batching rule); under `shard_map` the output
-    is typed like args[0] (`_typed_like`). interpret: Mosaic GPU's CPU interpreter.
+    is typed like args[0] (`_typed_like`), except that it is replicated along the mesh axes
+    `replicated_along` (a kernel that gathers the same bytes onto every rank of them).
+    interpret: Mosaic GPU's CPU interpreter.
     """
+    out_type = _typed_like(out_shape, args[0])
+    manual = getattr(out_type, "manual_axis_type", None)
+    if replicated_along and manual is not None:
+        replicated = type(manual)(varying=manual.varying - frozenset(replicated_along))
+        out_type = jax.ShapeDtypeStruct(
+            out_shape.shape, out_shape.dtype, manual_axis_type=replicated
+        )
     return plgpu.kernel(
         body,
-        out_type=_typed_like(out_shape, args[0]),
+        out_type=out_type,
         scratch_types=scratch,
         grid=grid,
         grid_names=grid_names,

@@ -93,26 +93,34 @@ def encode(
     )
     wire_rows = codec.wire_bytes(n) // ROW_BYTES
     out_shape = jax.ShapeDtypeStruct((rows, wire_rows, ROW_BYTES), jnp.uint8)
-    signs = codecs.signs_matrix(GROUP_SIZE)  # exact in bf16
     wire = _pallas.mosaic_kernel(
         body,
         x.reshape(rows, groups, GROUP_SIZE),
-        jnp.asarray(signs, jnp.bfloat16),
+        signs_operand(),
         out_shape=out_shape,
-        scratch=[
-            _pallas.smem((GROUP_SIZE, GROUP_SIZE), jnp.bfloat16, swizzled=True),
-            _pallas.barrier(),
-            _pallas.smem((2, _TILE, GROUP_SIZE), jnp.uint8),  # codes of two tiles
-            _pallas.smem_union(  # fp32 sides of two tiles, and the same bytes as uint8 rows
-                ((2, 2, _TILE), jnp.float32), ((2, 4, ROW_BYTES), jnp.uint8)
-            ),
-        ],
+        scratch=encode_scratch(),
         grid=(rows, (groups // _TILE) // tiles_per_program),
         grid_names=("row", "program"),
         name=f"taco_encode_mosaic_{codec.name}_g{GROUP_SIZE}",
         interpret=interpret,
     )
     return wire.reshape(rows, wire_rows * ROW_BYTES)
+
+
+def signs_operand() -> jax.Array:
+    """The +-1 Sylvester matrix the wgmma multiplies by (exact in bf16), staged per program."""
+    return jnp.asarray(codecs.signs_matrix(GROUP_SIZE), jnp.bfloat16)
+
+
+def encode_scratch() -> list:
+    """Shared memory of `encode_tiles`: the signs (and their load barrier), two tiles' codes,
+    two tiles' fp32 sides seen also as uint8 rows (`RefUnion`) for the TMA stores."""
+    return [
+        _pallas.smem((GROUP_SIZE, GROUP_SIZE), jnp.bfloat16, swizzled=True),
+        _pallas.barrier(),
+        _pallas.smem((2, _TILE, GROUP_SIZE), jnp.uint8),
+        _pallas.smem_union(((2, 2, _TILE), jnp.float32), ((2, 4, ROW_BYTES), jnp.uint8)),
+    ]
 
 
 def _encode_body(
@@ -129,19 +137,37 @@ def _encode_body(
     steps,
     sections,
 ):
-    """One program: `tiles_per_program` consecutive tiles of row `row`.
-
-    The pipeline only loads; each step stores its own tile (`_store_tile`), unpredicated, so the
-    kernel also runs in Mosaic GPU's interpreter (which has no predicated stores)."""
+    """One program: `tiles_per_program` consecutive tiles of row `row`, into the wire row."""
     _pallas.copy_in(signs_gmem, signs_smem, signs_barrier)
     row = lax.axis_index("row")
+    encode_tiles(
+        x_gmem.at[row],
+        [wire_gmem.at[row]],
+        codec=codec,
+        signs_smem=signs_smem,
+        out=(codes_smem, sides),
+        tiles_per_program=tiles_per_program,
+        steps=steps,
+        sections=sections,
+    )
+    _pallas.wait_stores(0)
+
+
+def encode_tiles(x_row, wire_rows, *, codec, signs_smem, out, tiles_per_program, steps, sections):
+    """Encodes this program's `tiles_per_program` consecutive tiles of one bf16 row `x_row`
+    (GMEM, [groups, G]) and TMA-stores each tile's codes and sides into every ref of
+    `wire_rows` (GMEM wire rows [W / 128, 128], local or a peer's: `exchange_mosaic`).
+
+    The pipeline only loads; each step stores its own tile (`_store_tile`), unpredicated, so the
+    kernel also runs in Mosaic GPU's interpreter (which has no predicated stores). Stores may
+    still be in flight on return."""
     first = lax.axis_index("program") * tiles_per_program
     step = _pallas.partial(
         _encode_step,
         codec=codec,
         signs_smem=signs_smem,
-        out=(codes_smem, sides),
-        wire_row=wire_gmem.at[row],
+        out=out,
+        wire_rows=wire_rows,
         first=first,
         sections=sections,
     )
@@ -152,37 +178,37 @@ def _encode_body(
         in_specs=[_pallas.block((_TILE, GROUP_SIZE), tile_block, swizzled=True)],
         out_specs=[],
         in_flight=steps,
-    )(x_gmem.at[row])
-    _pallas.wait_stores(0)
+    )(x_row)
 
 
-def _encode_step(index, x_smem, *, codec, signs_smem, out, wire_row, first, sections):
+def _encode_step(index, x_smem, *, codec, signs_smem, out, wire_rows, first, sections):
     (i,) = index
     v = _pallas.wgmma(x_smem, signs_smem, (_TILE, GROUP_SIZE))  # S x, fp32
     unit = codecs.hadamard_unit(GROUP_SIZE)
     codes, scale, prescale = codecs.encode_groups(codec, v, unit=unit, magic_round=True)
     sides = {"scales": scale, "prescales": prescale}
-    _store_tile(out, wire_row, first + i, sections, codes, sides)
+    _store_tile(out, wire_rows, first + i, sections, codes, sides)
 
 
-def _store_tile(out, wire_row, tile, sections, codes, sides):
-    """TMA-stores one tile's codes and its side values (fp32, by `Payload` field) into the row.
+def _store_tile(out, wire_rows, tile, sections, codes, sides):
+    """TMA-stores one tile's codes and its side values (fp32, by `Payload` field) into each row.
 
-    Two slots alternate between tiles. Each tile issues 3 bulk stores, so waiting until at most
-    3 are pending frees the slot of two tiles ago.
+    Two slots alternate between tiles. Each tile issues 3 bulk stores per row, so waiting until
+    at most that many are pending frees the slot of two tiles ago.
     """
     codes_smem, (sides_f32, sides_u8) = out
     slot = lax.rem(tile, 2)
-    _pallas.wait_stores(3)
+    _pallas.wait_stores((1 + len(sections)) * len(wire_rows))
     codes_smem[slot] = codes
     for k, section in enumerate(sections):
         sides_f32[slot, k] = sides[section.field]
     _pallas.commit_smem()
-    _pallas.copy_out(codes_smem.at[slot], wire_row.at[_pallas.ds(_TILE * tile, _TILE)])
-    for k, section in enumerate(sections):
-        rows = section.width * _TILE // ROW_BYTES  # 64 fp32 values = 2 rows
-        first_row = section.offset // ROW_BYTES + rows * tile
-        _pallas.copy_out(
-            sides_u8.at[slot, _pallas.ds(rows * k, rows)],
-            wire_row.at[_pallas.ds(first_row, rows)],
-        )
+    for wire_row in wire_rows:
+        _pallas.copy_out(codes_smem.at[slot], wire_row.at[_pallas.ds(_TILE * tile, _TILE)])
+        for k, section in enumerate(sections):
+            rows = section.width * _TILE // ROW_BYTES  # 64 fp32 values = 2 rows
+            first_row = section.offset // ROW_BYTES + rows * tile
+            _pallas.copy_out(
+                sides_u8.at[slot, _pallas.ds(rows * k, rows)],
+                wire_row.at[_pallas.ds(first_row, rows)],
+            )

@@ -120,6 +120,27 @@ def _stage_op(kernel, reference, interpret: bool, codec, *args):
     return kernel(codec, *args, interpret=interpret)
 
 
+# The fused all-gather takes rows of a multiple of this many elements: 16 tiles of 64 groups of
+# 128, so that a row splits into up to 16 x its length / 2^17 programs (`exchange_mosaic.launch`).
+FUSED_ROW_MULTIPLE = 16 * 64 * 128
+
+
+def fused_all_gather(impl: str, codec: Codec, x: jax.Array, axis_name: str):
+    """`pallas_kernels.exchange_mosaic.encode_all_gather` bound to (codec, axis_name, its size),
+    a function of x[R, n] -> wire[N, R, B], where `impl` runs compiled kernels and the kernel takes
+    `x` (a Hopper GPU; see `exchange_mosaic.unsupported`); else None. The caller vouches for the
+    link (peer stores need NVLink) and for the axis (one `shard_map` mesh axis)."""
+    if impl not in ("auto", "pallas") or get_ops(impl) is XLA_OPS:
+        return None
+    exchange = _kernels().exchange_mosaic
+    if exchange.unsupported(codec, x) is not None:
+        return None
+    n_ranks = jax.lax.axis_size(axis_name)
+    return functools.partial(
+        exchange.encode_all_gather, codec, axis_name=axis_name, n_ranks=n_ranks
+    )
+
+
 def get_ops(impl: str) -> CodecOps:
     """The ops for `impl`: "xla", "pallas", "pallas_interpret" (the kernels in Pallas' CPU
     interpreter) or "auto".

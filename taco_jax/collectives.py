@@ -30,7 +30,11 @@ MAX_SLICES = 16
 # collective, one quantization; each rank sends (N - 1) x the wire). "two_shot": reduce-scatter
 # of codes, re-encode of the sum, all-gather (two quantizations; each rank sends 2 (N - 1) / N x
 # the wire). "auto": `taco_jax.policy` chooses.
-ALGORITHMS = ("auto", "one_shot", "two_shot")
+# "fused": one-shot, with the exchange done by the encode kernel itself, which stores the codes
+# straight into every peer's memory (`pallas_kernels.exchange_mosaic`; Hopper GPUs on NVLink
+# under shard_map); the same bytes and the same sums as "one_shot", which it runs wherever the
+# fused kernel cannot (`_fused_gather`).
+ALGORITHMS = ("auto", "one_shot", "two_shot", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,9 +212,24 @@ def _sliced(fn, rows: jax.Array, slices: int) -> jax.Array:
     return jnp.concatenate([fn(piece) for piece in pieces], axis=-1)
 
 
-def _rows_for(flat: jax.Array, rows: int, cfg: CommConfig) -> tuple[jax.Array, int]:
-    """Pads flat [M] so that each of `rows` rows is a multiple of G x slices; returns [rows, m]."""
+def _fused_gather(piece: jax.Array, axis_name: AxisName, cfg: CommConfig):
+    """The fused encode + all-gather for rows `piece` [R, n] (-> wire [N, R, B]), or None where
+    it cannot run: the codec kernels are not compiled ones, the axis is not one shard_map axis
+    of Hopper GPUs on NVLink (`policy.peer_writes`), or the kernel does not take the shape."""
+    if not policy.peer_writes(cfg, axis_name):
+        return None
+    return _backends.fused_all_gather(cfg.impl, cfg.codec, piece, axis_name)
+
+
+def _rows_for(
+    flat: jax.Array, rows: int, cfg: CommConfig, *, fused: bool = False
+) -> tuple[jax.Array, int]:
+    """Pads flat [M] so that each of `rows` rows is a multiple of G x slices (and, `fused`, of
+    the fused kernel's row multiple x slices); returns [rows, m]. Padding adds whole zero groups
+    after the message, so the message's own groups and codes do not depend on it."""
     multiple = rows * cfg.codec.group_size * cfg.slices
+    if fused:
+        multiple = math.lcm(multiple, rows * cfg.slices * _backends.FUSED_ROW_MULTIPLE)
     padded, size = codecs.pad_to_multiple(flat, multiple)
     return padded.reshape(rows, -1), size
 
@@ -229,16 +248,21 @@ def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) ->
         return _gather_wire(reduced_wire, n, axis_name, cfg, x.dtype, invariant=invariant)
 
     def one_shot(piece):  # piece: [1, m / slices], this rank's whole message
-        wire = ops.encode(cfg.codec, piece)[0]
-        gathered = _all_gather_wire(wire, axis_name, invariant=invariant)
+        fused = _fused_gather(piece, axis_name, cfg) if choice.algorithm == "fused" else None
+        if fused is not None:
+            gathered = fused(piece)[:, 0]
+        else:
+            wire = ops.encode(cfg.codec, piece)[0]
+            gathered = _all_gather_wire(wire, axis_name, invariant=invariant)
         # Every rank sums the same N rows in rank order: bit-identical outputs.
         return ops.decode_sum(cfg.codec, gathered, piece.shape[-1], x.dtype)[None]
 
-    if choice.algorithm == "one_shot":
+    if choice.algorithm in ("one_shot", "fused"):
         fn, rows_of = one_shot, 1
     else:
         fn, rows_of = two_shot, n_ranks
-    rows, size = _rows_for(x.reshape(-1), rows_of, cfg)
+    fused = choice.algorithm == "fused"
+    rows, size = _rows_for(x.reshape(-1), rows_of, cfg, fused=fused)
     out = _sliced(fn, rows, cfg.slices).reshape(-1)[:size].reshape(x.shape)
     if cfg.telemetry:
         telemetry.record(f"{tag}:{cfg.codec.name}", out, lax.psum(x, axis_name))

@@ -113,6 +113,17 @@ def on_real_link(axis_name) -> bool:
     return jax.default_backend() == "gpu" and all(name in manual for name in names)
 
 
+def peer_writes(cfg, axis_name) -> bool:
+    """Whether a kernel may store into the peers' memory along `axis_name` (the "fused"
+    algorithm): one `shard_map` axis of GPUs on NVLink. Over shared memory or sockets the link is
+    NCCL's transport, which a kernel's peer stores would bypass."""
+    return (
+        isinstance(axis_name, str)
+        and on_real_link(axis_name)
+        and resolve_link(cfg.link) == "nvlink"
+    )
+
+
 def choose(cfg, op: str, nbytes: int, axis_name, n_ranks: int) -> Choice:
     """The `Choice` for one collective of `cfg` (a `CommConfig`) on `nbytes` per rank.
 

@@ -1,0 +1,139 @@
+"""Fused encode + all-gather over NVLink (Mosaic GPU): each rank's encoded rows on all ranks.
+
+`encode_all_gather(codec, x, axis_name)` inside `jax.shard_map` equals
+`lax.all_gather(encode_mosaic.encode(codec, x), axis_name, axis=0)`, byte for byte: wire[N, R, W],
+block [r] the packed wire rows of rank r, identical on every rank. It is the exchange of the
+one-shot all-reduce and of the compressed all-gather (`taco_jax.collectives`).
+
+Why a kernel and not encode -> NCCL all-gather: those two run one after the other, and on
+NVLink the all-gather of the wire alone takes most of what NCCL's bf16 all-reduce takes
+(BENCHMARKS.md, "Where the time goes"). Here each program encodes its tiles as
+`encode_mosaic` does and TMA-stores every tile's codes and scales both into its own output and
+straight into the same place of every peer's output (`plgpu.remote_ref`), so the transfer runs
+under the encode of the next tiles. When its stores have landed, a program signals the program of
+the same index on every peer and waits for theirs; when the kernel returns on a rank, every peer's
+bytes are in its output. (QuickReduce and FlashInfer's all-reduce work this way; multicast is
+off on the machines measured, so each peer is written separately.)
+
+Conditions, beyond `encode_mosaic`'s: a `jax.shard_map` mesh axis of GPUs that can load and store
+each other's memory (NVLink; the peers' buffers are XLA's, whose addresses XLA passes to the
+kernel), a mesh in row-major device order (Mosaic GPU's rule), and few enough programs to be
+resident together: a program waits for its peer counterparts, which must not wait for a free
+SM (`launch`). Mosaic GPU's CPU interpreter has no semaphores, so this kernel runs only on GPUs;
+its tests compare it on two GPUs with the encode + NCCL all-gather it replaces.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _pallas, encode_mosaic
+from pallas_kernels.config import MOSAIC_GROUPS_PER_TILE, MOSAIC_STEPS_IN_FLIGHT, MosaicLaunch
+from taco_jax import codecs
+from taco_jax.codecs import Codec
+
+GROUP_SIZE = encode_mosaic.GROUP_SIZE
+ROW_BYTES = encode_mosaic.ROW_BYTES
+_TILE = MOSAIC_GROUPS_PER_TILE
+# At most this many programs, so that all are resident at once on a 132-SM H100 / H200 (one
+# program per SM: its shared memory, ~100 KiB, leaves room for NCCL's kernels beside it).
+MAX_PROGRAMS = 128
+
+
+def launch(rows: int, tiles_per_row: int) -> MosaicLaunch | None:
+    """The fewest tiles per program (most programs, at most MAX_PROGRAMS) that divide a row's
+    tiles; None when even one program per row exceeds MAX_PROGRAMS."""
+    for per_program in range(1, tiles_per_row + 1):
+        if tiles_per_row % per_program == 0 and rows * tiles_per_row // per_program <= MAX_PROGRAMS:
+            return MosaicLaunch(per_program, min(MOSAIC_STEPS_IN_FLIGHT, per_program))
+    return None
+
+
+def unsupported(codec: Codec, x: jax.Array, *, need_hopper: bool = True) -> str | None:
+    """Why this kernel cannot gather `x` encoded with `codec` (None: it can). The link and the
+    mesh are the caller's to check (`taco_jax.collectives`)."""
+    reason = encode_mosaic.unsupported(codec, x, need_hopper=need_hopper)
+    if reason is None and launch(x.shape[0], x.shape[1] // (_TILE * GROUP_SIZE)) is None:
+        reason = f"{x.shape[0]} rows (more than {MAX_PROGRAMS} programs)"
+    return reason
+
+
+def encode_all_gather(codec: Codec, x: jax.Array, axis_name: str, n_ranks: int) -> jax.Array:
+    """x[R, n] on each of the `n_ranks` ranks of mesh axis `axis_name` -> wire[N, R, W] on every
+    rank, W = codec.wire_bytes(n); raises ValueError where `unsupported`.
+
+    The result is typed replicated along `axis_name` (under `check_vma=True`), as
+    `lax.all_gather(..., to="invarying")` would type it.
+    """
+    reason = unsupported(codec, x)
+    if reason is not None:
+        raise ValueError(f"the fused Mosaic GPU all-gather cannot take {reason}")
+    rows, n = x.shape
+    groups = n // GROUP_SIZE
+    plan = launch(rows, groups // _TILE)
+    body = _pallas.partial(
+        _exchange_body,
+        axis_name=axis_name,
+        n_ranks=n_ranks,
+        codec=codec,
+        tiles_per_program=plan.tiles_per_program,
+        steps=plan.steps_in_flight,
+        sections=codecs.wire_sections(codec, n),
+    )
+    wire_rows = codec.wire_bytes(n) // ROW_BYTES
+    gathered = _pallas.mosaic_kernel(
+        body,
+        x.reshape(rows, groups, GROUP_SIZE),
+        encode_mosaic.signs_operand(),
+        out_shape=jax.ShapeDtypeStruct((n_ranks, rows, wire_rows, ROW_BYTES), jnp.uint8),
+        scratch=[*encode_mosaic.encode_scratch(), _pallas.semaphore()],
+        grid=(rows, (groups // _TILE) // plan.tiles_per_program),
+        grid_names=("row", "program"),
+        name=f"taco_encode_all_gather_{codec.name}_n{n_ranks}",
+        replicated_along=(axis_name,),
+    )
+    return gathered.reshape(n_ranks, rows, wire_rows * ROW_BYTES)
+
+
+def _exchange_body(
+    x_gmem,
+    signs_gmem,
+    gathered_gmem,
+    signs_smem,
+    signs_barrier,
+    codes_smem,
+    sides,
+    done,
+    *,
+    axis_name,
+    n_ranks,
+    codec,
+    tiles_per_program,
+    steps,
+    sections,
+):
+    """One program: its tiles of row `row`, into block [rank] of this rank's and every peer's
+    output; then the handshake with the programs of the same index on the peers."""
+    _pallas.copy_in(signs_gmem, signs_smem, signs_barrier)
+    rank = lax.axis_index(axis_name)
+    row = lax.axis_index("row")
+    peers = [lax.rem(rank + k, n_ranks) for k in range(1, n_ranks)]
+    destinations = [gathered_gmem.at[rank, row]] + [
+        _pallas.peer_ref(gathered_gmem, axis_name, peer).at[rank, row] for peer in peers
+    ]
+    encode_mosaic.encode_tiles(
+        x_gmem.at[row],
+        destinations,
+        codec=codec,
+        signs_smem=signs_smem,
+        out=(codes_smem, sides),
+        tiles_per_program=tiles_per_program,
+        steps=steps,
+        sections=sections,
+    )
+    _pallas.wait_writes()  # this program's bytes are in every peer's output
+    for peer in peers:
+        _pallas.signal_peer(done, axis_name, peer)
+    _pallas.wait_signals(done, n_ranks - 1)  # and every peer's program's bytes are in ours

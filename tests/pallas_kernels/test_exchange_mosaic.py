@@ -1,0 +1,157 @@
+"""The fused encode + all-gather (`pallas_kernels.exchange_mosaic`) and the "fused" all-reduce.
+
+Mosaic GPU's CPU interpreter has no semaphores, so the kernel itself runs only on >= 2 Hopper
+GPUs; there it must equal, byte for byte, the encode + NCCL all-gather it replaces, and the
+"fused" all-reduce must equal "one_shot" bit for bit (same codes, same sum order): no tolerance
+is needed. On the CPU: the launch rule, the fallback to one-shot, and that the kernel lowers for
+CUDA inside shard_map (which catches Mosaic GPU API drift without a GPU).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import taco_jax as tj
+from pallas_kernels import _pallas, encode_mosaic, exchange_mosaic
+from pallas_kernels.config import MOSAIC_MIN_TILES
+from taco_jax import codecs, policy
+
+TILE = 64 * 128  # elements of one 64-group tile of G = 128
+
+two_hopper_gpus = pytest.mark.skipif(
+    not _pallas.hopper_gpu() or jax.device_count() < 2, reason="needs >= 2 Hopper GPUs"
+)
+
+
+def _mesh(n):
+    return jax.make_mesh(
+        (n,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n]
+    )
+
+
+def _sharded(mesh, shape, seed):
+    x = jax.random.normal(jax.random.key(seed), shape, jnp.bfloat16)
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.P("tp")))
+
+
+@pytest.mark.parametrize(
+    "rows,tiles,expected",
+    [(1, 2, (1, 1)), (1, 1024, (8, 3)), (1, 1030, (10, 3)), (2, 256, (4, 3)), (129, 2, None)],
+)
+def test_launch_keeps_every_program_resident(rows, tiles, expected):
+    plan = exchange_mosaic.launch(rows, tiles)
+    if expected is None:
+        assert plan is None
+        return
+    assert (plan.tiles_per_program, plan.steps_in_flight) == expected
+    assert rows * tiles // plan.tiles_per_program <= exchange_mosaic.MAX_PROGRAMS
+
+
+def test_unsupported_names_too_many_rows():
+    x = jnp.zeros((200, 2 * TILE), jnp.bfloat16)
+    reason = exchange_mosaic.unsupported(codecs.get_codec("taco"), x, need_hopper=False)
+    assert "200 rows" in reason
+
+
+def test_fused_runs_one_shot_off_a_real_link():
+    """On the CPU (no peer memory) "fused" is one-shot through the lax all-gather, bit for bit."""
+    mesh = _mesh(2)
+    x = _sharded(mesh, (2, 3 * TILE + 128), seed=0)
+
+    def run(algorithm):
+        fn = lambda v: tj.compressed_psum(v, "tp", algorithm=algorithm, impl="xla")  # noqa: E731
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=jax.P("tp"), out_specs=jax.P()))(x)
+
+    assert not policy.peer_writes(tj.comm_config("taco"), "tp")
+    np.testing.assert_array_equal(run("fused"), run("one_shot"))
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_kernel_lowers_for_cuda_inside_shard_map(monkeypatch, check_vma):
+    """The kernel's Mosaic GPU module builds (peer refs, semaphores, TMA stores to a peer)."""
+    monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
+    mesh = _mesh(2)
+    codec = codecs.get_codec("taco")
+    gather = lambda v: exchange_mosaic.encode_all_gather(codec, v, "tp", 2)  # noqa: E731
+    fn = jax.jit(
+        jax.shard_map(
+            gather, mesh=mesh, in_specs=jax.P("tp"), out_specs=jax.P(), check_vma=check_vma
+        )
+    )
+    x = jax.ShapeDtypeStruct(
+        (2, 4 * TILE), jnp.bfloat16, sharding=jax.NamedSharding(mesh, jax.P("tp"))
+    )
+    text = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+# ------------------------------------------------------------------------------------------
+# On two Hopper GPUs.
+
+
+@pytest.mark.gpu
+@two_hopper_gpus
+@pytest.mark.parametrize("rows,tiles", [(1, 2), (1, 1030), (2, 512)])
+def test_encode_all_gather_equals_encode_then_all_gather(rows, tiles):
+    n = jax.device_count()
+    mesh = _mesh(n)
+    codec = codecs.get_codec("taco")
+
+    def fused(v):
+        return exchange_mosaic.encode_all_gather(codec, v, "tp", n)
+
+    def reference(v):
+        return lax.all_gather(encode_mosaic.encode(codec, v), "tp", axis=0)
+
+    def run(fn, x):
+        return jax.jit(
+            jax.shard_map(
+                fn, mesh=mesh, in_specs=jax.P("tp"), out_specs=jax.P("tp"), check_vma=False
+            )
+        )(x)
+
+    # Two different inputs in a row: a byte the kernel failed to write (or wrote late) would
+    # keep the first call's value in a reused buffer and fail the second comparison.
+    for seed in (1, 2):
+        x = _sharded(mesh, (n * rows, tiles * TILE), seed)
+        got = np.asarray(run(fused, x)).reshape(n, n, rows, -1)
+        want = np.asarray(run(reference, x)).reshape(n, n, rows, -1)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got, got[:1].repeat(n, axis=0))  # every rank alike
+
+
+@pytest.mark.gpu
+@two_hopper_gpus
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_fused_psum_equals_one_shot_with_gradients(check_vma):
+    """Forward and backward (a psum of the cotangent under check_vma=False), bit for bit, over
+    dependent calls (the semaphores must come back to zero between calls). 64 MiB per rank, so
+    that one-shot's own encode is the Mosaic one too (Triton's may differ at rounding ties)."""
+    n = jax.device_count()
+    mesh = _mesh(n)
+    x = _sharded(mesh, (n, MOSAIC_MIN_TILES * TILE), seed=3)
+
+    def run(algorithm):
+        def forward(v):
+            for _ in range(3):
+                v = tj.compressed_psum(v, "tp", algorithm=algorithm, min_compress_bytes=0) / n
+                if check_vma:  # the next call's input is again a partial sum, typed varying
+                    v = lax.pcast(v, "tp", to="varying")
+            return v
+
+        def out_and_grad(v):
+            out, vjp = jax.vjp(forward, v)
+            return out, vjp(out)[0]
+
+        fn = jax.shard_map(
+            out_and_grad, mesh=mesh, in_specs=jax.P("tp"), out_specs=jax.P("tp"),
+            check_vma=check_vma,
+        )  # fmt: skip
+        return jax.jit(fn)(x)
+
+    out_f, grad_f = run("fused")
+    out_o, grad_o = run("one_shot")
+    np.testing.assert_array_equal(out_f, out_o)
+    np.testing.assert_array_equal(grad_f, grad_o)
