@@ -63,36 +63,65 @@ def _one_shot_ppermute_unordered(codec, ops, x):
 def _pieces(codec, ops, n):
     """name -> (per-rank function, which per-rank input it takes)."""
     b = codec.wire_bytes(n)
+    return (
+        {
+            "lax.psum": (lambda x: lax.psum(x, "tp"), "x"),
+            "hbm copy (x * 2)": (lambda x: x * 2, "x"),
+            "encode": (lambda x: ops.encode(codec, x.reshape(1, -1))[0], "x"),
+            "all_gather(wire)": (lambda w: lax.all_gather(w, "tp", axis=0, tiled=False), "wire"),
+            "ppermute(wire)": (lambda w: lax.ppermute(w, "tp", [(0, 1), (1, 0)]), "wire"),
+            "all_to_all(wire)": (
+                lambda w: lax.all_to_all(w.reshape(2, b // 2), "tp", 0, 0, tiled=True),
+                "wire",
+            ),
+            "stack two wires (uint8 copy)": (lambda w: jnp.stack([w, w]), "wire"),
+            "decode_sum(gathered [2, B]) -> bf16": (
+                lambda g: ops.decode_sum(codec, g, n, jnp.bfloat16),
+                "gathered",
+            ),
+            "one_shot (ppermute, ordered)": (lambda x: _one_shot_ppermute(codec, ops, x), "x"),
+            "one_shot (ppermute, [own, peer])": (
+                lambda x: _one_shot_ppermute_unordered(codec, ops, x),
+                "x",
+            ),
+        }
+        | {
+            f"{algorithm} D={slices}": (
+                functools.partial(
+                    tj.compressed_psum,
+                    axis_name="tp",
+                    codec=codec,
+                    algorithm=algorithm,
+                    slices=slices,
+                    min_compress_bytes=0,  # compressed whatever the policy would choose
+                ),
+                "x",
+            )
+            for algorithm in ("two_shot", "one_shot")
+            for slices in (1, 4, 8)
+        }
+        | (_fused_pieces(codec, n) if jax.default_backend() == "gpu" else {})
+    )
+
+
+def _fused_pieces(codec, n):
+    """The fused encode + all-gather kernel alone (peer stores, `exchange_mosaic`) and the
+    "fused" all-reduce it starts (then the decode-sum above)."""
+    from pallas_kernels import exchange_mosaic
+
     return {
-        "lax.psum": (lambda x: lax.psum(x, "tp"), "x"),
-        "hbm copy (x * 2)": (lambda x: x * 2, "x"),
-        "encode": (lambda x: ops.encode(codec, x.reshape(1, -1))[0], "x"),
-        "all_gather(wire)": (lambda w: lax.all_gather(w, "tp", axis=0, tiled=False), "wire"),
-        "ppermute(wire)": (lambda w: lax.ppermute(w, "tp", [(0, 1), (1, 0)]), "wire"),
-        "all_to_all(wire)": (
-            lambda w: lax.all_to_all(w.reshape(2, b // 2), "tp", 0, 0, tiled=True),
-            "wire",
-        ),
-        "stack two wires (uint8 copy)": (lambda w: jnp.stack([w, w]), "wire"),
-        "decode_sum(gathered [2, B]) -> bf16": (
-            lambda g: ops.decode_sum(codec, g, n, jnp.bfloat16),
-            "gathered",
-        ),
-        "one_shot (ppermute, ordered)": (lambda x: _one_shot_ppermute(codec, ops, x), "x"),
-        "one_shot (ppermute, [own, peer])": (
-            lambda x: _one_shot_ppermute_unordered(codec, ops, x),
+        "encode + all_gather, fused kernel": (
+            lambda x: exchange_mosaic.encode_all_gather(codec, x.reshape(1, -1), "tp", TP),
             "x",
         ),
-    } | {
-        f"{algorithm} D={slices}": (
+        "fused D=1": (
             functools.partial(
-                tj.compressed_psum, axis_name="tp", codec=codec, algorithm=algorithm, slices=slices
+                tj.compressed_psum, axis_name="tp", codec=codec, algorithm="fused",
+                min_compress_bytes=0,
             ),
             "x",
-        )
-        for algorithm in ("two_shot", "one_shot")
-        for slices in (1, 4, 8)
-    }
+        ),
+    }  # fmt: skip
 
 
 SCHEDULE_OPS = re.compile(
@@ -166,7 +195,7 @@ def run(args) -> dict:
             )
             seconds = median_seconds(mapped, inputs[source], reps=args.reps, warmup=3)
             row = dict(bytes=int(size_mib * MiB), piece=name, ms=seconds * 1e3)
-            if name.startswith(("one_shot", "two_shot")) and "D=8" not in name:
+            if name.startswith(("one_shot", "two_shot", "fused")) and "D=8" not in name:
                 text = mapped.lower(inputs[source]).compile().as_text()
                 row["schedule"] = _schedule(text)
             rows.append(row)

@@ -6,13 +6,13 @@ CODEC = "taco"
 
 SOURCES = {
     "nvlink": {
-        "command": "python3 benchmarks/collectives.py --sizes-mib 1 4 16 64 256 1024 "
-        "--codecs taco --algorithms one_shot two_shot --slices 1 --inner 5 "
-        "--reps 10 --out /root/out/nvlink",
+        "command": "python benchmarks/collectives.py --sizes-mib 1 4 16 64 256 1024 "
+        "--codecs taco --algorithms one_shot two_shot fused --slices 1 --inner "
+        "5 --reps 10 --out /root/out/nvlink",
         "date": "2026-11-30",
         "device": "2 x NVIDIA H200 (x86_64)",
         "env": {"NCCL_NVLS_ENABLE": "0", "NCCL_VERSION": "2.28.3-1"},
-        "record": "collectives-2026-11-30-x2-nvlink.json",
+        "record": "collectives-2026-11-30-x2-nvlink-fused.json",
     },
     "shm": {
         "command": "python3 benchmarks/collectives.py --sizes-mib 1 4 16 64 256 1024 --codecs "
@@ -42,31 +42,39 @@ SOURCES = {
 SPEEDUPS = {
     "nvlink": {
         "all_reduce": {
+            "fused": {
+                1048576: 0.687,
+                4194304: 1.068,
+                16777216: 1.034,
+                67108864: 1.223,
+                268435456: 1.26,
+                1073741824: 1.276,
+            },
             "one_shot": {
-                1048576: 0.936,
-                4194304: 1.031,
-                16777216: 0.772,
-                67108864: 0.899,
-                268435456: 0.882,
-                1073741824: 0.853,
+                1048576: 0.813,
+                4194304: 0.951,
+                16777216: 0.953,
+                67108864: 0.964,
+                268435456: 0.905,
+                1073741824: 0.927,
             },
             "two_shot": {
-                1048576: 0.621,
-                4194304: 1.045,
-                16777216: 0.789,
-                67108864: 0.934,
-                268435456: 0.972,
-                1073741824: 1.003,
+                1048576: 0.626,
+                4194304: 0.836,
+                16777216: 0.997,
+                67108864: 0.948,
+                268435456: 0.968,
+                1073741824: 1.011,
             },
         },
         "reduce_scatter_all_gather": {
             "-": {
-                1048576: 0.862,
-                4194304: 0.812,
-                16777216: 0.999,
-                67108864: 0.966,
-                268435456: 1.064,
-                1073741824: 1.077,
+                1048576: 0.85,
+                4194304: 0.948,
+                16777216: 0.81,
+                67108864: 1.02,
+                268435456: 1.118,
+                1073741824: 1.123,
             }
         },
     },

@@ -32,8 +32,8 @@ MAX_SLICES = 16
 # the wire). "auto": `taco_jax.policy` chooses.
 # "fused": one-shot, with the exchange done by the encode kernel itself, which stores the codes
 # straight into every peer's memory (`pallas_kernels.exchange_mosaic`; Hopper GPUs on NVLink
-# under shard_map); the same bytes and the same sums as "one_shot", which it runs wherever the
-# fused kernel cannot (`_fused_gather`).
+# under shard_map, codec `taco`, bf16); the same bytes and the same sums as "one_shot", which
+# runs wherever the fused kernel cannot (`policy.choose`).
 ALGORITHMS = ("auto", "one_shot", "two_shot", "fused")
 
 
@@ -46,7 +46,7 @@ class CommConfig:
 
     codec: the codec (`codec.is_identity` means the plain lax collective).
     impl: "auto" | "xla" | "pallas" | "pallas_interpret"; which codec kernels run.
-    algorithm: "auto" | "one_shot" | "two_shot"; how an all-reduce moves its codes
+    algorithm: "auto" | "one_shot" | "two_shot" | "fused"; how an all-reduce moves its codes
       (`ALGORITHMS`; "auto": `taco_jax.policy`). Reduce-scatter and all-gather have one each.
     slices: split the message into this many independent pieces (1..16) so that the encode of
       piece i+1 can overlap the transfer of piece i.
@@ -79,10 +79,13 @@ class CommConfig:
         if self.link not in policy.LINKS:
             raise ValueError(f"unknown link={self.link!r}; choose one of {policy.LINKS}")
 
-    def choice(self, op: str, x: jax.Array, axis_name, n_ranks: int, *, scale: int = 1):
-        """`taco_jax.policy.choose` for `op` on x (message bytes per rank: x's, times `scale`)."""
+    def choice(
+        self, op: str, x: jax.Array, axis_name, n_ranks: int, *, scale: int = 1, fused=False
+    ):
+        """`taco_jax.policy.choose` for `op` on x (message bytes per rank: x's, times `scale`);
+        `fused`: whether the fused all-reduce kernel can run here."""
         nbytes = x.size * x.dtype.itemsize * scale
-        return policy.choose(self, op, nbytes, axis_name, n_ranks)
+        return policy.choose(self, op, nbytes, axis_name, n_ranks, fused_available=fused)
 
 
 CodecLike = str | Codec | CommConfig
@@ -212,13 +215,20 @@ def _sliced(fn, rows: jax.Array, slices: int) -> jax.Array:
     return jnp.concatenate([fn(piece) for piece in pieces], axis=-1)
 
 
-def _fused_gather(piece: jax.Array, axis_name: AxisName, cfg: CommConfig):
-    """The fused encode + all-gather for rows `piece` [R, n] (-> wire [N, R, B]), or None where
-    it cannot run: the codec kernels are not compiled ones, the axis is not one shard_map axis
-    of Hopper GPUs on NVLink (`policy.peer_writes`), or the kernel does not take the shape."""
+def _fused_gather(piece, axis_name: AxisName, cfg: CommConfig):
+    """The fused encode + all-gather for rows `piece` [R, n] (-> wire [N, R, B]; piece may be a
+    ShapeDtypeStruct), or None where it cannot run: the codec kernels are not compiled ones, the
+    axis is not one shard_map axis of Hopper GPUs on NVLink (`policy.peer_writes`), or the
+    kernel does not take the codec, dtype or shape."""
     if not policy.peer_writes(cfg, axis_name):
         return None
     return _backends.fused_all_gather(cfg.impl, cfg.codec, piece, axis_name)
+
+
+def _fused_runs(x: jax.Array, axis_name: AxisName, cfg: CommConfig) -> bool:
+    """Whether "fused" would run its kernel on x's dtype (padded rows always fit its shape)."""
+    row = jax.ShapeDtypeStruct((1, _backends.FUSED_ROW_MULTIPLE), x.dtype)
+    return _fused_gather(row, axis_name, cfg) is not None
 
 
 def _rows_for(
@@ -236,7 +246,7 @@ def _rows_for(
 
 def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) -> jax.Array:
     n_ranks = axis_size(axis_name)
-    choice = cfg.choice("all_reduce", x, axis_name, n_ranks)
+    choice = cfg.choice("all_reduce", x, axis_name, n_ranks, fused=_fused_runs(x, axis_name, cfg))
     if n_ranks == 1 or not choice.compress:
         return lax.psum(x, axis_name)  # N = 1 moves nothing, so nothing is compressed
     invariant = varies_along(x, axis_name)
@@ -248,9 +258,8 @@ def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) ->
         return _gather_wire(reduced_wire, n, axis_name, cfg, x.dtype, invariant=invariant)
 
     def one_shot(piece):  # piece: [1, m / slices], this rank's whole message
-        fused = _fused_gather(piece, axis_name, cfg) if choice.algorithm == "fused" else None
-        if fused is not None:
-            gathered = fused(piece)[:, 0]
+        if choice.algorithm == "fused":  # chosen only where the kernel runs (`_fused_runs`)
+            gathered = _fused_gather(piece, axis_name, cfg)(piece)[:, 0]
         else:
             wire = ops.encode(cfg.codec, piece)[0]
             gathered = _all_gather_wire(wire, axis_name, invariant=invariant)
@@ -381,7 +390,8 @@ def compressed_psum(
     Sharding: `x[...]{U_axis} -> x[...]` (unreduced partial sums in, the replicated sum out,
     bit-identical on every rank). Two-shot quantizes each element twice (docs/method.md,
     "Collectives"), so its error is about sqrt(2) times one codec round trip of the sum's scale;
-    one-shot (`algorithm="one_shot"`) quantizes each rank's input once.
+    one-shot (`algorithm="one_shot"`, or "fused": the same, its exchange done by the encode
+    kernel through the peers' memory on NVLink) quantizes each rank's input once.
 
     Backward: `lax.psum`'s own, so gradients taken inside or outside `shard_map` match it: the
     identity under `shard_map(check_vma=True)` (the output is typed replicated), a compressed
@@ -404,7 +414,7 @@ def compressed_psum(
       name: this collective's label in `taco_jax.telemetry`.
       **overrides: any `CommConfig` option, applied to both directions: `group_size` (G,
         32..512), `impl` ("auto": Pallas kernels on GPU, else XLA; "xla", "pallas",
-        "pallas_interpret"), `algorithm` ("auto", "one_shot", "two_shot"), `slices` (1..16
+        "pallas_interpret"), `algorithm` ("auto", "one_shot", "two_shot", "fused"), `slices` (1..16
         independent pieces), `min_compress_bytes` (smaller messages run `lax.psum`; None:
         `taco_jax.policy`), `link` (what the policy assumes),
         `telemetry`. Defaults: `CommConfig`'s.
@@ -499,9 +509,11 @@ def wire_bytes_per_rank(num_elements: int, n_ranks: int, cfg: CommConfig) -> int
     docs/method.md, "Collectives", for `taco`: two-shot 2 (N-1)/N x (1 + 8/G) bytes per element
     (both phases), one-shot (N-1) x (1 + 8/G); a bf16 ring all-reduce sends 2 (N-1)/N x 2.
     `algorithm="auto"` counts as two-shot, what it runs off a real link (on GPUs
-    `taco_jax.policy` may choose one-shot, or no compression at all).
+    `taco_jax.policy` may choose one-shot, or no compression at all); "fused" as one-shot, what
+    it runs off NVLink (where its kernel runs, it pads to `_backends.FUSED_ROW_MULTIPLE` x
+    slices elements, not counted here).
     """
-    one_shot = cfg.algorithm == "one_shot"
+    one_shot = cfg.algorithm in ("one_shot", "fused")
     rows = 1 if one_shot else n_ranks
     per_row = math.ceil(num_elements / (rows * cfg.codec.group_size * cfg.slices))
     chunk = cfg.codec.wire_bytes(per_row * cfg.codec.group_size * cfg.slices)

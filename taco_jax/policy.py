@@ -48,7 +48,7 @@ TABLE_OPS = {
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """compress: run the compressed collective (else the plain lax one); algorithm: the
-    all-reduce's ("one_shot" | "two_shot"), "-" for the other ops."""
+    all-reduce's ("one_shot" | "two_shot" | "fused"), "-" for the other ops."""
 
     compress: bool
     algorithm: str
@@ -66,20 +66,21 @@ def resolve_link(link: str) -> str:
     return detect_link() if link == "auto" else link
 
 
-def _table(op: str, link: str, n_ranks: int) -> dict[str, dict[int, float]]:
+def _table(op: str, link: str, n_ranks: int, fused: bool = True) -> dict[str, dict[int, float]]:
     """{algorithm: {bytes: speedup}} the decision for `op` reads. Above N = 2 only two-shot's
-    row: it is the algorithm that runs there (fewer bytes than one-shot, see module docstring)."""
+    row: it is the algorithm that runs there (fewer bytes than one-shot, see module docstring).
+    Without `fused` (its kernel cannot run here), not the "fused" row."""
     rows = _policy_table.SPEEDUPS[resolve_link(link)][TABLE_OPS[op]]
     if op == "all_reduce" and n_ranks > 2:
         return {"two_shot": rows["two_shot"]}
-    return rows
+    return {a: per_size for a, per_size in rows.items() if fused or a != "fused"}
 
 
 def _best_at(rows, size: int) -> tuple[str, float]:
     return max(((a, per_size[size]) for a, per_size in rows.items()), key=lambda r: r[1])
 
 
-def measured_choice(op: str, link: str, n_ranks: int, nbytes: int) -> Choice:
+def measured_choice(op: str, link: str, n_ranks: int, nbytes: int, fused: bool = True) -> Choice:
     """What the table says for `op` on `link` with a message of `nbytes` per rank (the all-reduce's
     and reduce-scatter's input, the all-gather's output).
 
@@ -87,9 +88,10 @@ def measured_choice(op: str, link: str, n_ranks: int, nbytes: int) -> Choice:
     sizes only when both did; above the largest as the largest; below the smallest never. The
     algorithm is the best measured at the nearest size at or below (the smallest size's below
     it), whether or not the table says to compress, so that a forced compression runs the
-    faster one.
+    faster one. `fused`: whether the "fused" algorithm's kernel can run (else its row is left
+    out).
     """
-    rows = _table(op, link, n_ranks)
+    rows = _table(op, link, n_ranks, fused)
     sizes = sorted({size for per_size in rows.values() for size in per_size})
     below = [size for size in sizes if size <= nbytes]
     above = [size for size in sizes if size > nbytes]
@@ -124,16 +126,21 @@ def peer_writes(cfg, axis_name) -> bool:
     )
 
 
-def choose(cfg, op: str, nbytes: int, axis_name, n_ranks: int) -> Choice:
+def choose(
+    cfg, op: str, nbytes: int, axis_name, n_ranks: int, *, fused_available: bool = False
+) -> Choice:
     """The `Choice` for one collective of `cfg` (a `CommConfig`) on `nbytes` per rank.
 
     Explicit options win: `min_compress_bytes` (an int) decides whether, `algorithm` (not
     "auto") how; "auto" options come from the table on a real link, else as the module says.
+    `fused_available`: whether the "fused" algorithm's kernel runs here (`peer_writes`, and the
+    kernel takes the codec and dtype); where it does not, "fused" is "one_shot" and the table's
+    "fused" measurements are not read.
     """
     asks_policy = cfg.min_compress_bytes is None or cfg.algorithm == "auto"
     measured = None
     if asks_policy and on_real_link(axis_name):
-        measured = measured_choice(op, cfg.link, n_ranks, nbytes)
+        measured = measured_choice(op, cfg.link, n_ranks, nbytes, fused_available)
     if cfg.min_compress_bytes is not None:
         compress = nbytes >= cfg.min_compress_bytes
         reason = f"min_compress_bytes={cfg.min_compress_bytes}"
@@ -143,6 +150,8 @@ def choose(cfg, op: str, nbytes: int, axis_name, n_ranks: int) -> Choice:
         compress, reason = True, "no real link: every message is compressed"
     if op != "all_reduce":
         algorithm = "-"
+    elif cfg.algorithm == "fused" and not fused_available:
+        algorithm = "one_shot"
     elif cfg.algorithm != "auto":
         algorithm = cfg.algorithm
     elif measured is not None:

@@ -155,3 +155,25 @@ def test_fused_psum_equals_one_shot_with_gradients(check_vma):
     out_o, grad_o = run("one_shot")
     np.testing.assert_array_equal(out_f, out_o)
     np.testing.assert_array_equal(grad_f, grad_o)
+
+
+@pytest.mark.gpu
+@two_hopper_gpus
+def test_fused_psum_of_a_padded_message():
+    """A message the kernel pads (not whole tiles): within the all-reduce's bound of the exact
+    sum (test_check_vma_gpu.py: U = 2^-4 per E4M3 rounding), rank-identical."""
+    n = jax.device_count()
+    mesh = _mesh(n)
+    x = _sharded(mesh, (n, 3 * 1024 * TILE + 300), seed=4)
+    run = lambda psum: jax.jit(  # noqa: E731
+        jax.shard_map(psum, mesh=mesh, in_specs=jax.P("tp"), out_specs=jax.P("tp"),
+                      check_vma=False)
+    )(x).astype(jnp.float32).reshape(n, -1)  # fmt: skip
+    out = run(lambda v: tj.compressed_psum(v, "tp", algorithm="fused", min_compress_bytes=0))
+    exact = run(lambda v: lax.psum(v.astype(jnp.float32), "tp"))
+    u = 2.0**-4
+    norms = jnp.linalg.norm(x.astype(jnp.float32).reshape(n, -1), axis=1)
+    # Each rank's codes: <= u of its input; the sum, rounded once to bf16: + 2^-9 of the sum.
+    bound = u * float(jnp.sum(norms)) + 2.0**-9 * float(jnp.linalg.norm(exact[0]))
+    assert float(jnp.linalg.norm(out[0] - exact[0])) <= bound
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out[:1]).repeat(n, axis=0))

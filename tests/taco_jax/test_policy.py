@@ -149,13 +149,21 @@ def _moves_uint8(text: str) -> bool:
 
 
 @pytest.mark.parametrize(
-    "link,nbytes,compressed",
-    [("nvlink", 64 * MiB, False), ("socket", MiB, False), ("socket", 64 * MiB, True)],
+    "link,nbytes,with_fused,compressed",
+    [
+        ("nvlink", 64 * MiB, True, False),
+        ("nvlink", MiB, False, False),
+        ("socket", MiB, False, False),
+        ("socket", 64 * MiB, True, True),
+    ],
 )
-def test_collectives_follow_the_measured_choice(monkeypatch, link, nbytes, compressed):
-    """Read from the shipped table: NVLink measured no gain, sockets one from 16 MiB."""
+def test_collectives_follow_the_measured_choice(monkeypatch, link, nbytes, with_fused, compressed):
+    """Read from the shipped table. On NVLink only the fused kernel measured a gain (from 64
+    MiB): where it cannot run (here, a CPU posing as a GPU link) the table's other rows decide,
+    and they say plain; sockets measured one from 16 MiB with every algorithm."""
     monkeypatch.setattr(policy, "on_real_link", lambda axis_name: True)
-    expected = policy.measured_choice("all_reduce", link, 2, nbytes)
+    assert policy.measured_choice("all_reduce", link, 2, nbytes).compress == with_fused
+    expected = policy.measured_choice("all_reduce", link, 2, nbytes, fused=False)
     assert expected.compress == compressed
     text = _lowered(lambda v: tj.compressed_psum(v, "tp", link=link), nbytes)
     assert _moves_uint8(text) == compressed
@@ -197,3 +205,17 @@ def test_summary_names_every_op_and_size():
     text = policy.summary("socket")
     assert text.count("\n") == len(policy.TABLE_OPS) - 1
     assert "all_reduce on socket, N = 2: 1 MiB plain" in text
+
+
+def test_fused_only_where_its_kernel_runs(monkeypatch):
+    """NVLink's table picks "fused" from 64 MiB where its kernel runs; where it does not, the
+    policy reads the other rows (plain there), and an explicit "fused" runs one-shot."""
+    monkeypatch.setattr(policy, "on_real_link", lambda axis_name: True)
+    cfg = tj.comm_config(link="nvlink")
+    choice = policy.choose(cfg, "all_reduce", 64 * MiB, "tp", 2, fused_available=True)
+    assert (choice.compress, choice.algorithm) == (True, "fused")
+    assert not policy.choose(cfg, "all_reduce", 64 * MiB, "tp", 2).compress
+    forced = tj.comm_config(link="nvlink", algorithm="fused", min_compress_bytes=0)
+    assert policy.choose(forced, "all_reduce", 64 * MiB, "tp", 2).algorithm == "one_shot"
+    assert not policy.peer_writes(tj.comm_config(link="shm"), "tp")
+    assert not policy.peer_writes(cfg, ("dp", "tp"))
