@@ -60,6 +60,9 @@ def _forced(algorithm: str) -> dict:
 
 def _ops(codec: str, slices: int, algorithm: str):
     options = dict(codec=codec, slices=slices, **_forced(algorithm))
+    # The pair's exchange: NCCL under one- and two-shot, the fused kernel (where it runs) under
+    # "fused" and "auto".
+    pair_options = dict(options, algorithm=algorithm)
 
     def psum(v):
         if codec == "lax":
@@ -70,10 +73,26 @@ def _ops(codec: str, slices: int, algorithm: str):
         if codec == "lax":
             part = lax.psum_scatter(v, "tp", scatter_dimension=0, tiled=True)
             return lax.all_gather(part, "tp", axis=0, tiled=True)
-        part = tj.compressed_psum_scatter(v, "tp", **options)
-        return tj.compressed_all_gather(part, "tp", axis=0, tiled=True, **options)
+        part = tj.compressed_psum_scatter(v, "tp", **pair_options)
+        return tj.compressed_all_gather(part, "tp", axis=0, tiled=True, **pair_options)
 
     return {"all_reduce": psum, "reduce_scatter+all_gather": psum_scatter_then_gather}
+
+
+def _times_pair(algorithm: str, algorithms: list[str]) -> bool:
+    """The pair is timed once through NCCL (with the first of one- and two-shot), once fused,
+    once for "auto"."""
+    if algorithm in ("auto", "fused"):
+        return True
+    return algorithm == next(a for a in algorithms if a in ("one_shot", "two_shot"))
+
+
+def _row_algorithm(codec: str, op: str, algorithm: str, chosen: str) -> str:
+    if codec == "lax":
+        return "-"
+    if op == "all_reduce":
+        return chosen
+    return "fused" if algorithm == "fused" else "-"
 
 
 def _chosen(algorithm: str, tp: int, size: int) -> str:
@@ -139,8 +158,12 @@ def run(args) -> dict:
                 chosen = _chosen(algorithm, tp, size)
                 check = _check(tp, codec, algorithm, x, mesh) if codec != "lax" else {}
                 for name, op in _ops(codec, slices, algorithm).items():
-                    if codec != "lax" and name != "all_reduce" and algorithm != args.algorithms[0]:
-                        continue  # the algorithm is the all-reduce's; time the pair once
+                    if (
+                        codec != "lax"
+                        and name != "all_reduce"
+                        and not _times_pair(algorithm, args.algorithms)
+                    ):
+                        continue  # one- and two-shot are the all-reduce's: time the pair once
                     fn = jax.jit(
                         jax.shard_map(
                             _looped(op, args.inner),
@@ -159,7 +182,7 @@ def run(args) -> dict:
                             bytes=size,
                             op=name,
                             codec=codec,
-                            algorithm="-" if codec == "lax" or name != "all_reduce" else chosen,
+                            algorithm=_row_algorithm(codec, name, algorithm, chosen),
                             slices=slices,
                             seconds=seconds,
                             algbw_gbs=size / seconds / 1e9,

@@ -31,7 +31,7 @@ def speedups(record: dict, codec: str) -> dict:
     for row in record["rows"]:
         if row["tp"] != 2 or row["codec"] != codec or row["slices"] != 1:
             continue
-        algorithm = row["algorithm"] if row["op"] == "all_reduce" else "-"
+        algorithm = row["algorithm"]  # the pair's: "-" (NCCL) or "fused"
         per_size = table.setdefault(OPS[row["op"]], {}).setdefault(algorithm, {})
         per_size[row["bytes"]] = round(row["speedup"], 3)
     return table

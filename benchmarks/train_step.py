@@ -10,7 +10,8 @@ Cases (`--only TEXT` keeps those whose label contains TEXT):
      GPU with `--impl auto` also "taco" through the XLA reference codec.
   3. With >= 2 devices, GPT-1.3B with real TP over all of them (`shard_map`, NCCL): "none",
      "taco auto" (the defaults: `taco_jax.policy` compresses where it measured a gain on this
-     link) and "taco ... forced" (every collective compressed, `min_compress_bytes=0`).
+     link) and "taco ... forced" (every collective compressed, `min_compress_bytes=0`); the
+     same with sequence parallelism ("sp").
   4. With >= 2 devices, GPT-1.3B pipelined over all of them (pp = devices, `--pp-batch` sequences
      in `--microbatches` microbatches): the GPipe and circular (2 chunks per stage) schedules,
      each with stage traffic uncompressed ("none"), "tahquant" and "taco"
@@ -20,6 +21,9 @@ Cases (`--only TEXT` keeps those whose label contains TEXT):
      stages: idle steps, smaller microbatches, stage sends, the circular schedule's regroup),
      next to the schedule's bubble (P - 1) / (M V + P - 1). The bubble itself comes from two
      runs at different M (BENCHMARKS.md, "Pipelined training step").
+  5. With >= 2 devices, data parallelism over all of them (`--dp-preset`, default GPT-350M,
+     `--dp-batch` sequences): replicated AdamW (an fp32 all-reduce of the gradients), ZeRO-1
+     uncompressed, and ZeRO-1 with SDP4Bit (TLq-HS gradients, qWD weights; `taco_train.zero`).
 Each configuration: compile, `--warmup` steps, then `--steps` timed steps (default 10), each
 ended by `jax.block_until_ready` (`_common.sample_seconds`); the median is reported. Tokens are
 random (speed does not depend on them). A configuration that fails (e.g. out of memory) is recorded
@@ -55,6 +59,7 @@ from models import ModelConfig, ParallelConfig, layers  # noqa: E402
 from models.pipeline import StageCodecs  # noqa: E402
 from taco_train import metrics as run_metrics  # noqa: E402
 from taco_train.steps import make_steps  # noqa: E402
+from taco_train.zero import ZeroConfig  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -71,6 +76,7 @@ class Case:
     algorithm: str = "auto"  # of the all-reduces (taco_jax.CommConfig.algorithm)
     min_compress_bytes: int | None = None  # None: taco_jax.policy decides
     stage_codec: str = "none"  # of pipeline stage traffic (parallel.pp > 1)
+    sharded: ZeroConfig | None = None  # ZeRO-1 over dp and its codecs (case 5)
 
     def model(self) -> ModelConfig:
         return ModelConfig.preset(self.preset, **dict(self.overrides))
@@ -121,6 +127,14 @@ def default_cases(args) -> list[Case]:
                 **run,
             ),  # fmt: skip
         ]
+        # Sequence parallelism: the reduce-scatter / all-gather pair instead of all-reduces.
+        sp = dataclasses.replace(real, sequence_parallel=True)
+        sp_label = f"gpt_1p3b tp={n_devices} sp (shard_map)"
+        sp_run = dict(run, parallel=sp)
+        cases += [
+            Case(f"{sp_label} none", codec="none", **sp_run),
+            Case(f"{sp_label} taco auto", codec="taco", **sp_run),
+        ]
         if n_devices == 2:  # where one-shot sends the bytes of two-shot
             cases += [
                 Case(
@@ -134,6 +148,7 @@ def default_cases(args) -> list[Case]:
             ]
     if n_devices >= 2:
         cases += pipeline_cases(args, n_devices)  # case 4
+        cases += data_parallel_cases(args, n_devices)  # case 5
     if args.impl == "auto" and jax.default_backend() == "gpu":
         # The XLA (pure jnp) codec next to the Pallas kernels that "auto" picks on a GPU.
         cases.append(
@@ -145,6 +160,22 @@ def default_cases(args) -> list[Case]:
 
 
 PIPELINE_CODECS = ("none", "tahquant", "taco")
+
+
+def data_parallel_cases(args, n_devices: int) -> list[Case]:
+    """Case 5: dp = n_devices, replicated AdamW, then ZeRO-1 without and with SDP4Bit."""
+    parallel = ParallelConfig(dp=n_devices, remat=args.remat, scan_layers=not args.unroll)
+    label = f"{args.dp_preset} dp={n_devices}"
+    run = dict(preset=args.dp_preset, batch=args.dp_batch, parallel=parallel)
+    return [
+        Case(f"{label} replicated", **run),
+        Case(f"{label} zero1 none", sharded=ZeroConfig(), **run),
+        Case(
+            f"{label} zero1 sdp4bit",
+            **run,
+            sharded=ZeroConfig(grad_codec="tlq_hs", param_codec="qwd"),
+        ),  # fmt: skip
+    ]
 
 
 def pipeline_cases(args, n_devices: int, preset: str = "gpt_1p3b", overrides=()) -> list[Case]:
@@ -189,7 +220,8 @@ def run_case(case: Case, steps: int, warmup: int) -> dict:
         min_compress_bytes=case.min_compress_bytes,
     )
     stages = StageCodecs(forward=case.stage_codec)
-    built = make_steps(cfg, case.parallel, comm, optax.adamw(1e-4, weight_decay=0.1), stages)
+    optimizer = optax.adamw(1e-4, weight_decay=0.1)
+    built = make_steps(cfg, case.parallel, comm, optimizer, stages, sharded=case.sharded)
     state = built.init(jax.random.key(0))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (case.batch, cfg.seq_len + 1), dtype=np.int32)
@@ -219,6 +251,7 @@ def run_case(case: Case, steps: int, warmup: int) -> dict:
         "parallel": dataclasses.asdict(case.parallel),
         "codec": case.codec,
         "stage_codec": case.stage_codec,
+        "sharded": dataclasses.asdict(case.sharded) if case.sharded else None,
         "algorithm": case.algorithm,
         "impl": case.impl,
         "batch": case.batch,
@@ -297,6 +330,8 @@ def main() -> None:
     parser.add_argument("--batch-tp", type=int, default=8, help="batch of the emulated-TP runs")
     parser.add_argument("--pp-batch", type=int, default=8, help="batch of the pipelined runs")
     parser.add_argument("--microbatches", type=int, default=8, help="of the pipelined runs")
+    parser.add_argument("--dp-preset", default="gpt_350m", help="model of the data-parallel runs")
+    parser.add_argument("--dp-batch", type=int, default=8, help="batch of the data-parallel runs")
     parser.add_argument("--suffix", default="", help="appended to the record's file name")
     parser.add_argument("--impl", default="auto", help="codec kernels for taco: auto|xla|pallas")
     parser.add_argument("--remat", action="store_true")

@@ -5,7 +5,9 @@ Four ops per codec, each beside the jnp reference it equals (`*_reference`, from
 reduce-scatter) and decode-sum-reencode (the middle of the two-shot all-reduce). Every
 compressing codec of `taco_jax.CODEC_NAMES` is fused; the identity codec "none" (raw fp32 bytes,
 no arithmetic) has no kernel, and `taco_jax` runs its reference there. The pipeline codecs of
-`taco_jax.tahquant` have their encode and decode in `tahquant_kernel`.
+`taco_jax.tahquant` have their encode and decode in `tahquant_kernel`. `exchange_mosaic` holds
+the `taco` encodes that store their codes into the peers' memory (all-gather, all-to-all) for
+the collectives on NVLink.
 
 Kernels are `pl.pallas_call`s on the Triton lowering, except the `taco` encode of large bf16
 messages on Hopper, a Mosaic GPU kernel (`encode_mosaic`; why: `_pallas.py`). All work under

@@ -16,7 +16,10 @@ behind the choice: docs/development_history.md):
   in place stream at copy speed. `plgpu.kernel` batches under `vmap` by adding a grid axis. Its
   CPU interpreter runs the kernel, because the kernel issues its own stores (the interpreter has
   no predicated stores, which `emit_pipeline`'s outputs use), but it does not alias `RefUnion`
-  members: on the CPU only the codes are checked, the side bytes on the GPU.
+  members: on the CPU only the codes are checked, the side bytes on the GPU. The same encode,
+  storing into the peers' memory too (`exchange_mosaic`: `plgpu.remote_ref`, semaphores), is the
+  exchange of the collectives on NVLink; the interpreter has no semaphores, so that one runs
+  only on GPUs (on the CPU it is lowered for CUDA, not run).
 - jax-triton (raw Triton): not used. Its 0.4.1 release needs triton >= 3.7 (the GPU image has
   3.6) and does not batch under `vmap`, which TP emulation needs.
 

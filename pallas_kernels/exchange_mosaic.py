@@ -60,47 +60,69 @@ def unsupported(codec: Codec, x: jax.Array, *, need_hopper: bool = True) -> str 
     return reason
 
 
-def encode_all_gather(codec: Codec, x: jax.Array, axis_name: str, n_ranks: int) -> jax.Array:
+def encode_all_gather(
+    codec: Codec, x: jax.Array, axis_name: str, n_ranks: int, *, replicated: bool = True
+) -> jax.Array:
     """x[R, n] on each of the `n_ranks` ranks of mesh axis `axis_name` -> wire[N, R, W] on every
     rank, W = codec.wire_bytes(n); raises ValueError where `unsupported`.
 
-    The result is typed replicated along `axis_name` (under `check_vma=True`), as
-    `lax.all_gather(..., to="invarying")` would type it.
+    `replicated`: type the result as replicated along `axis_name` (under `check_vma=True`), as
+    `lax.all_gather(..., to="invarying")` would; else varying, as by default.
     """
+    rows = x.shape[0]
+    gathered = _exchange(codec, x, axis_name, n_ranks, scatter=False, replicated=replicated)
+    return gathered.reshape(n_ranks, rows, -1)
+
+
+def encode_all_to_all(codec: Codec, x: jax.Array, axis_name: str, n_ranks: int) -> jax.Array:
+    """x[N, n] on each of the `n_ranks` ranks of mesh axis `axis_name` -> wire[N, W]: row j is
+    what rank j encoded from its row [this rank]. Equals
+    `lax.all_to_all(encode_mosaic.encode(codec, x), axis_name, 0, 0, tiled=True)` byte for byte
+    (the exchange of a reduce-scatter); raises ValueError where `unsupported`."""
+    if x.shape[0] != n_ranks:
+        raise ValueError(f"the all-to-all takes one row per rank: x.shape={x.shape}, N={n_ranks}")
+    return _exchange(codec, x, axis_name, n_ranks, scatter=True, replicated=False)
+
+
+def _exchange(codec, x, axis_name, n_ranks, *, scatter: bool, replicated: bool):
     reason = unsupported(codec, x)
     if reason is not None:
-        raise ValueError(f"the fused Mosaic GPU all-gather cannot take {reason}")
+        raise ValueError(f"the fused Mosaic GPU exchange cannot take {reason}")
     rows, n = x.shape
     groups = n // GROUP_SIZE
-    plan = launch(rows, groups // _TILE)
+    # A gather's program takes its tiles of one row; a scatter's, its tiles of every row.
+    grid_rows = 1 if scatter else rows
+    plan = launch(grid_rows, groups // _TILE)
     body = _pallas.partial(
         _exchange_body,
         axis_name=axis_name,
         n_ranks=n_ranks,
+        scatter=scatter,
         codec=codec,
         tiles_per_program=plan.tiles_per_program,
         steps=plan.steps_in_flight,
         sections=codecs.wire_sections(codec, n),
     )
     wire_rows = codec.wire_bytes(n) // ROW_BYTES
-    gathered = _pallas.mosaic_kernel(
+    out_rows = () if scatter else (rows,)
+    kind = "all_to_all" if scatter else "all_gather"
+    return _pallas.mosaic_kernel(
         body,
         x.reshape(rows, groups, GROUP_SIZE),
         encode_mosaic.signs_operand(),
-        out_shape=jax.ShapeDtypeStruct((n_ranks, rows, wire_rows, ROW_BYTES), jnp.uint8),
+        out_shape=jax.ShapeDtypeStruct((n_ranks, *out_rows, wire_rows, ROW_BYTES), jnp.uint8),
         scratch=[*encode_mosaic.encode_scratch(), _pallas.semaphore()],
-        grid=(rows, (groups // _TILE) // plan.tiles_per_program),
+        grid=(grid_rows, (groups // _TILE) // plan.tiles_per_program),
         grid_names=("row", "program"),
-        name=f"taco_encode_all_gather_{codec.name}_n{n_ranks}",
-        replicated_along=(axis_name,),
-    )
-    return gathered.reshape(n_ranks, rows, wire_rows * ROW_BYTES)
+        name=f"taco_encode_{kind}_{codec.name}_n{n_ranks}",
+        replicated_along=(axis_name,) if replicated else (),
+    ).reshape(n_ranks, *out_rows, wire_rows * ROW_BYTES)
 
 
 def _exchange_body(
     x_gmem,
     signs_gmem,
-    gathered_gmem,
+    out_gmem,
     signs_smem,
     signs_barrier,
     codes_smem,
@@ -109,31 +131,34 @@ def _exchange_body(
     *,
     axis_name,
     n_ranks,
-    codec,
-    tiles_per_program,
-    steps,
-    sections,
+    scatter,
+    **encode,
 ):
-    """One program: its tiles of row `row`, into block [rank] of this rank's and every peer's
-    output; then the handshake with the programs of the same index on the peers."""
+    """One program: its tiles, into block [rank] of this rank's and the peers' outputs (a
+    gather: of row `row`, to every rank; a scatter: of row j, to rank j alone); then the
+    handshake with the programs of the same index on the peers."""
     _pallas.copy_in(signs_gmem, signs_smem, signs_barrier)
+    encode = dict(encode, signs_smem=signs_smem, out=(codes_smem, sides))
     rank = lax.axis_index(axis_name)
-    row = lax.axis_index("row")
     peers = [lax.rem(rank + k, n_ranks) for k in range(1, n_ranks)]
-    destinations = [gathered_gmem.at[rank, row]] + [
-        _pallas.peer_ref(gathered_gmem, axis_name, peer).at[rank, row] for peer in peers
-    ]
-    encode_mosaic.encode_tiles(
-        x_gmem.at[row],
-        destinations,
-        codec=codec,
-        signs_smem=signs_smem,
-        out=(codes_smem, sides),
-        tiles_per_program=tiles_per_program,
-        steps=steps,
-        sections=sections,
-    )
+    if scatter:
+        for k, to in enumerate([rank, *peers]):
+            if k:  # the next row's tiles count from the program's first again: free both slots
+                _pallas.wait_stores(0)
+            out = out_gmem if k == 0 else _pallas.peer_ref(out_gmem, axis_name, to)
+            encode_mosaic.encode_tiles(x_gmem.at[to], [out.at[rank]], **encode)
+    else:
+        row = lax.axis_index("row")
+        destinations = [
+            gathered.at[rank, row] for gathered in _everywhere(out_gmem, axis_name, peers)
+        ]
+        encode_mosaic.encode_tiles(x_gmem.at[row], destinations, **encode)
     _pallas.wait_writes()  # this program's bytes are in every peer's output
     for peer in peers:
         _pallas.signal_peer(done, axis_name, peer)
     _pallas.wait_signals(done, n_ranks - 1)  # and every peer's program's bytes are in ours
+
+
+def _everywhere(ref, axis_name, peers):
+    """`ref` here and on every peer."""
+    return [ref] + [_pallas.peer_ref(ref, axis_name, peer) for peer in peers]

@@ -125,19 +125,25 @@ def _stage_op(kernel, reference, interpret: bool, codec, *args):
 FUSED_ROW_MULTIPLE = 16 * 64 * 128
 
 
-def fused_all_gather(impl: str, codec: Codec, x: jax.Array, axis_name: str):
-    """`pallas_kernels.exchange_mosaic.encode_all_gather` bound to (codec, axis_name, its size),
-    a function of x[R, n] -> wire[N, R, B], where `impl` runs compiled kernels and the kernel takes
-    `x` (a Hopper GPU; see `exchange_mosaic.unsupported`); else None. The caller vouches for the
+FUSED_KINDS = ("all_gather", "all_to_all")
+
+
+def fused_exchange(kind: str, impl: str, codec: Codec, x: jax.Array, axis_name: str):
+    """The fused encode + exchange kernel of `pallas_kernels.exchange_mosaic` for `kind`
+    ("all_gather": x[R, n] -> wire[N, R, B]; "all_to_all": x[N, n] -> wire[N, B]) bound to
+    (codec, axis_name, its size), where `impl` runs compiled kernels and the kernel takes `x`
+    (a Hopper GPU; see `exchange_mosaic.unsupported`); else None. The caller vouches for the
     link (peer stores need NVLink) and for the axis (one `shard_map` mesh axis)."""
+    if kind not in FUSED_KINDS:
+        raise ValueError(f"unknown fused exchange {kind=}; choose one of {FUSED_KINDS}")
     if impl not in ("auto", "pallas") or get_ops(impl) is XLA_OPS:
         return None
     exchange = _kernels().exchange_mosaic
     if exchange.unsupported(codec, x) is not None:
         return None
-    n_ranks = jax.lax.axis_size(axis_name)
+    kernel = getattr(exchange, f"encode_{kind}")
     return functools.partial(
-        exchange.encode_all_gather, codec, axis_name=axis_name, n_ranks=n_ranks
+        kernel, codec, axis_name=axis_name, n_ranks=jax.lax.axis_size(axis_name)
     )
 
 

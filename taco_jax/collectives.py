@@ -47,7 +47,9 @@ class CommConfig:
     codec: the codec (`codec.is_identity` means the plain lax collective).
     impl: "auto" | "xla" | "pallas" | "pallas_interpret"; which codec kernels run.
     algorithm: "auto" | "one_shot" | "two_shot" | "fused"; how an all-reduce moves its codes
-      (`ALGORITHMS`; "auto": `taco_jax.policy`). Reduce-scatter and all-gather have one each.
+      (`ALGORITHMS`; "auto": `taco_jax.policy`). Reduce-scatter and all-gather have one each,
+      whose exchange runs in the fused kernel where it can under "auto" and "fused", and
+      through NCCL under the other two.
     slices: split the message into this many independent pieces (1..16) so that the encode of
       piece i+1 can overlap the transfer of piece i.
     min_compress_bytes: messages smaller than this use the plain lax collective (0: compress
@@ -215,20 +217,33 @@ def _sliced(fn, rows: jax.Array, slices: int) -> jax.Array:
     return jnp.concatenate([fn(piece) for piece in pieces], axis=-1)
 
 
-def _fused_gather(piece, axis_name: AxisName, cfg: CommConfig):
-    """The fused encode + all-gather for rows `piece` [R, n] (-> wire [N, R, B]; piece may be a
-    ShapeDtypeStruct), or None where it cannot run: the codec kernels are not compiled ones, the
-    axis is not one shard_map axis of Hopper GPUs on NVLink (`policy.peer_writes`), or the
-    kernel does not take the codec, dtype or shape."""
+def _fused_exchange(kind: str, piece, axis_name: AxisName, cfg: CommConfig):
+    """The fused encode + exchange (`_backends.fused_exchange`: "all_gather" or "all_to_all")
+    for rows `piece` (may be a ShapeDtypeStruct), or None where it cannot run: the codec kernels
+    are not compiled ones, the axis is not one shard_map axis of Hopper GPUs on NVLink
+    (`policy.peer_writes`), or the kernel does not take the codec, dtype or shape."""
     if not policy.peer_writes(cfg, axis_name):
         return None
-    return _backends.fused_all_gather(cfg.impl, cfg.codec, piece, axis_name)
+    return _backends.fused_exchange(kind, cfg.impl, cfg.codec, piece, axis_name)
 
 
 def _fused_runs(x: jax.Array, axis_name: AxisName, cfg: CommConfig) -> bool:
-    """Whether "fused" would run its kernel on x's dtype (padded rows always fit its shape)."""
+    """Whether the fused kernels would run on x's dtype (padded rows always fit their shape)."""
     row = jax.ShapeDtypeStruct((1, _backends.FUSED_ROW_MULTIPLE), x.dtype)
-    return _fused_gather(row, axis_name, cfg) is not None
+    return _fused_exchange("all_gather", row, axis_name, cfg) is not None
+
+
+def _exchange_fused(x: jax.Array, axis_name: AxisName, cfg: CommConfig) -> bool:
+    """Whether a reduce-scatter or all-gather exchanges through the fused kernel: where it runs,
+    unless `algorithm` names one of the all-reduce's NCCL algorithms."""
+    return cfg.algorithm in ("auto", "fused") and _fused_runs(x, axis_name, cfg)
+
+
+def _row_multiple(cfg: CommConfig, fused: bool) -> int:
+    """What each row of a collective is padded to: whole groups per slice, and for the fused
+    kernels whole `_backends.FUSED_ROW_MULTIPLE`s per slice."""
+    multiple = cfg.codec.group_size * cfg.slices
+    return math.lcm(multiple, _backends.FUSED_ROW_MULTIPLE * cfg.slices) if fused else multiple
 
 
 def _rows_for(
@@ -237,10 +252,7 @@ def _rows_for(
     """Pads flat [M] so that each of `rows` rows is a multiple of G x slices (and, `fused`, of
     the fused kernel's row multiple x slices); returns [rows, m]. Padding adds whole zero groups
     after the message, so the message's own groups and codes do not depend on it."""
-    multiple = rows * cfg.codec.group_size * cfg.slices
-    if fused:
-        multiple = math.lcm(multiple, rows * cfg.slices * _backends.FUSED_ROW_MULTIPLE)
-    padded, size = codecs.pad_to_multiple(flat, multiple)
+    padded, size = codecs.pad_to_multiple(flat, rows * _row_multiple(cfg, fused))
     return padded.reshape(rows, -1), size
 
 
@@ -259,7 +271,7 @@ def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) ->
 
     def one_shot(piece):  # piece: [1, m / slices], this rank's whole message
         if choice.algorithm == "fused":  # chosen only where the kernel runs (`_fused_runs`)
-            gathered = _fused_gather(piece, axis_name, cfg)(piece)[:, 0]
+            gathered = _fused_exchange("all_gather", piece, axis_name, cfg)(piece)[:, 0]
         else:
             wire = ops.encode(cfg.codec, piece)[0]
             gathered = _all_gather_wire(wire, axis_name, invariant=invariant)
@@ -296,16 +308,18 @@ def _reduce_scatter(
         raise ValueError(f"tiled=False needs shape[{dim}] == axis size {n_ranks}, got {x.shape}")
     if n_ranks == 1:
         return x if tiled else jnp.squeeze(x, dim)
-    if not cfg.choice("reduce_scatter", x, axis_name, n_ranks).compress:
+    fused = _exchange_fused(x, axis_name, cfg)
+    if not cfg.choice("reduce_scatter", x, axis_name, n_ranks, fused=fused).compress:
         return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
     moved = jnp.moveaxis(x, dim, 0)
     block_shape = (moved.shape[0] // n_ranks,) + moved.shape[1:]
-    rows, size = codecs.pad_to_multiple(
-        moved.reshape(n_ranks, -1), cfg.codec.group_size * cfg.slices
-    )
+    rows, size = codecs.pad_to_multiple(moved.reshape(n_ranks, -1), _row_multiple(cfg, fused))
 
     def reduce_scatter(piece):  # piece: [N, m / slices], row j for rank j
-        return _reduce_scatter_rows(piece, axis_name, cfg, reencode=False, dtype=x.dtype)
+        if not fused:
+            return _reduce_scatter_rows(piece, axis_name, cfg, reencode=False, dtype=x.dtype)
+        received = _fused_exchange("all_to_all", piece, axis_name, cfg)(piece)
+        return _backends.get_ops(cfg.impl).decode_sum(cfg.codec, received, piece.shape[-1], x.dtype)
 
     block = _sliced(reduce_scatter, rows, cfg.slices)[:size].reshape(block_shape)
     out = jnp.moveaxis(block, 0, dim) if tiled else block[0]
@@ -324,17 +338,23 @@ def _all_gather(
     tag: str,
 ) -> jax.Array:
     n_ranks = axis_size(axis_name)
+    fused = n_ranks > 1 and _exchange_fused(x, axis_name, cfg)
     # The policy reads the all-gather's output size (the sequence-parallel pair's message).
-    if n_ranks == 1 or not cfg.choice("all_gather", x, axis_name, n_ranks, scale=n_ranks).compress:
+    choice = n_ranks > 1 and cfg.choice(
+        "all_gather", x, axis_name, n_ranks, scale=n_ranks, fused=fused
+    )
+    if n_ranks == 1 or not choice.compress:
         # N = 1 moves nothing; the lax op then only adds or keeps the gathered axis.
         return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
     ops = _backends.get_ops(cfg.impl)
-    row, size = codecs.pad_to_multiple(x.reshape(1, -1), cfg.codec.group_size * cfg.slices)
+    row, size = codecs.pad_to_multiple(x.reshape(1, -1), _row_multiple(cfg, fused))
 
     def gather(piece):  # piece: [1, n]
-        return _gather_wire(
-            ops.encode(cfg.codec, piece)[0], piece.shape[-1], axis_name, cfg, x.dtype
-        )
+        n = piece.shape[-1]
+        if not fused:
+            return _gather_wire(ops.encode(cfg.codec, piece)[0], n, axis_name, cfg, x.dtype)
+        exchange = _fused_exchange("all_gather", piece, axis_name, cfg)
+        return ops.decode(cfg.codec, exchange(piece, replicated=False)[:, 0], n, x.dtype)
 
     stacked = _sliced(gather, row, cfg.slices)[:, :size].reshape((n_ranks,) + x.shape)
     out = jnp.moveaxis(stacked, 0, axis)

@@ -1,11 +1,28 @@
-"""Test session set-up: 8 fake CPU devices for shard_map.
+"""Test session set-up: 8 fake CPU devices for shard_map, and a compilation cache.
 
 The suite expects `XLA_FLAGS=--xla_force_host_platform_device_count=8` (set by `.ci/run` and the
 README's test command); it is set here too, before JAX initializes, for a bare `pytest` run.
 Shared helpers live in plain modules beside this file (`tp_testing.py`, `tolerances.py`), not
 here: `from conftest import ...` would pick whichever conftest.py was imported first.
+
+Many tests compile the same program more than once (a run, then its resume from a checkpoint,
+each building its jitted step anew); JAX's persistent compilation cache, in a fresh directory per
+session (nothing carries over between sessions), compiles each once. It changes no result: a
+cached executable is the one compiled.
 """
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+_JIT_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _JIT_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="taco-jit-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _JIT_CACHE is not None:
+        shutil.rmtree(_JIT_CACHE, ignore_errors=True)
