@@ -31,6 +31,27 @@ def _mesh(n):
     )
 
 
+TP_SPEC = jax.P("tp")
+
+
+def _on_mesh(fn, mesh, x, *, out_specs=TP_SPEC, check_vma=False):
+    """jit(shard_map(fn)) over the "tp" axis of `mesh`, applied to x (sharded along it)."""
+    mapped = jax.shard_map(
+        fn, mesh=mesh, in_specs=TP_SPEC, out_specs=out_specs, check_vma=check_vma
+    )
+    return jax.jit(mapped)(x)
+
+
+def _out_and_grad_on_mesh(forward, mesh, x, *, check_vma=False):
+    """forward(x) and the gradient of 0.5 |forward(x)|^2 (the vjp of the output itself)."""
+
+    def out_and_grad(v):
+        out, vjp = jax.vjp(forward, v)
+        return out, vjp(out)[0]
+
+    return _on_mesh(out_and_grad, mesh, x, check_vma=check_vma)
+
+
 def _sharded(mesh, shape, seed):
     x = jax.random.normal(jax.random.key(seed), shape, jnp.bfloat16)
     return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.P("tp")))
@@ -62,7 +83,7 @@ def test_fused_runs_one_shot_off_a_real_link():
 
     def run(algorithm):
         fn = lambda v: tj.compressed_psum(v, "tp", algorithm=algorithm, impl="xla")  # noqa: E731
-        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=jax.P("tp"), out_specs=jax.P()))(x)
+        return _on_mesh(fn, mesh, x, out_specs=jax.P(), check_vma=True)
 
     assert not policy.peer_writes(tj.comm_config("taco"), "tp")
     np.testing.assert_array_equal(run("fused"), run("one_shot"))
@@ -102,58 +123,32 @@ def test_kernels_lower_for_cuda_inside_shard_map(monkeypatch, check_vma, kind):
 
 @pytest.mark.gpu
 @two_hopper_gpus
-@pytest.mark.parametrize("rows,tiles", [(1, 2), (1, 1030), (2, 512)])
-def test_encode_all_gather_equals_encode_then_all_gather(rows, tiles):
+@pytest.mark.parametrize(
+    "kind,rows,tiles",
+    [("all_gather", 1, 2), ("all_gather", 1, 1030), ("all_gather", 2, 512),
+     ("all_to_all", None, 2), ("all_to_all", None, 1030)],
+)  # fmt: skip
+def test_fused_exchange_equals_encode_then_the_lax_collective(kind, rows, tiles):
+    """Byte for byte: `encode_all_gather` as the Mosaic encode then `lax.all_gather` (every rank
+    alike), `encode_all_to_all` (one row per rank) as the encode then `lax.all_to_all`."""
     n = jax.device_count()
     mesh = _mesh(n)
     codec = codecs.get_codec("taco")
-
-    def fused(v):
-        return exchange_mosaic.encode_all_gather(codec, v, "tp", n)
-
-    def reference(v):
-        return lax.all_gather(encode_mosaic.encode(codec, v), "tp", axis=0)
-
-    def run(fn, x):
-        return jax.jit(
-            jax.shard_map(
-                fn, mesh=mesh, in_specs=jax.P("tp"), out_specs=jax.P("tp"), check_vma=False
-            )
-        )(x)
-
+    rows = rows or n
+    fused = lambda v: getattr(exchange_mosaic, f"encode_{kind}")(codec, v, "tp", n)  # noqa: E731
+    lax_collective = {
+        "all_gather": lambda w: lax.all_gather(w, "tp", axis=0),
+        "all_to_all": lambda w: lax.all_to_all(w, "tp", 0, 0, tiled=True),
+    }[kind]
+    reference = lambda v: lax_collective(encode_mosaic.encode(codec, v))  # noqa: E731
     # Two different inputs in a row: a byte the kernel failed to write (or wrote late) would
     # keep the first call's value in a reused buffer and fail the second comparison.
     for seed in (1, 2):
         x = _sharded(mesh, (n * rows, tiles * TILE), seed)
-        got = np.asarray(run(fused, x)).reshape(n, n, rows, -1)
-        want = np.asarray(run(reference, x)).reshape(n, n, rows, -1)
-        np.testing.assert_array_equal(got, want)
-        np.testing.assert_array_equal(got, got[:1].repeat(n, axis=0))  # every rank alike
-
-
-@pytest.mark.gpu
-@two_hopper_gpus
-@pytest.mark.parametrize("tiles", [2, 1030])
-def test_encode_all_to_all_equals_encode_then_all_to_all(tiles):
-    n = jax.device_count()
-    mesh = _mesh(n)
-    codec = codecs.get_codec("taco")
-
-    def fused(v):
-        return exchange_mosaic.encode_all_to_all(codec, v, "tp", n)
-
-    def reference(v):
-        return lax.all_to_all(encode_mosaic.encode(codec, v), "tp", 0, 0, tiled=True)
-
-    def run(fn, x):
-        return jax.jit(
-            jax.shard_map(fn, mesh=mesh, in_specs=jax.P("tp"), out_specs=jax.P("tp"),
-                          check_vma=False)
-        )(x)  # fmt: skip
-
-    for seed in (5, 6):  # two inputs in a row: see the all-gather's test
-        x = _sharded(mesh, (n * n, tiles * TILE), seed)
-        np.testing.assert_array_equal(run(fused, x), run(reference, x))
+        got = np.asarray(_on_mesh(fused, mesh, x)).reshape(n, -1)
+        np.testing.assert_array_equal(got, np.asarray(_on_mesh(reference, mesh, x)).reshape(n, -1))
+        if kind == "all_gather":  # every rank holds every rank's codes
+            np.testing.assert_array_equal(got, got[:1].repeat(n, axis=0))
 
 
 @pytest.mark.gpu
@@ -173,14 +168,7 @@ def test_fused_pair_equals_the_nccl_pair_with_gradients():
             part = tj.compressed_psum_scatter(v, "tp", **options)
             return tj.compressed_all_gather(part, "tp", axis=0, tiled=True, **options)
 
-        def out_and_grad(v):
-            out, vjp = jax.vjp(pair, v)
-            return out, vjp(out)[0]
-
-        fn = jax.shard_map(
-            out_and_grad, mesh=mesh, in_specs=jax.P("tp"), out_specs=jax.P("tp"), check_vma=False
-        )
-        return jax.jit(fn)(x)
+        return _out_and_grad_on_mesh(pair, mesh, x)
 
     for fused, nccl in zip(run("fused"), run("one_shot"), strict=True):
         np.testing.assert_array_equal(fused, nccl)
@@ -205,15 +193,7 @@ def test_fused_psum_equals_one_shot_with_gradients(check_vma):
                     v = lax.pcast(v, "tp", to="varying")
             return v
 
-        def out_and_grad(v):
-            out, vjp = jax.vjp(forward, v)
-            return out, vjp(out)[0]
-
-        fn = jax.shard_map(
-            out_and_grad, mesh=mesh, in_specs=jax.P("tp"), out_specs=jax.P("tp"),
-            check_vma=check_vma,
-        )  # fmt: skip
-        return jax.jit(fn)(x)
+        return _out_and_grad_on_mesh(forward, mesh, x, check_vma=check_vma)
 
     out_f, grad_f = run("fused")
     out_o, grad_o = run("one_shot")
@@ -229,10 +209,7 @@ def test_fused_psum_of_a_padded_message():
     n = jax.device_count()
     mesh = _mesh(n)
     x = _sharded(mesh, (n, 3 * 1024 * TILE + 300), seed=4)
-    run = lambda psum: jax.jit(  # noqa: E731
-        jax.shard_map(psum, mesh=mesh, in_specs=jax.P("tp"), out_specs=jax.P("tp"),
-                      check_vma=False)
-    )(x).astype(jnp.float32).reshape(n, -1)  # fmt: skip
+    run = lambda psum: _on_mesh(psum, mesh, x).astype(jnp.float32).reshape(n, -1)  # noqa: E731
     out = run(lambda v: tj.compressed_psum(v, "tp", algorithm="fused", min_compress_bytes=0))
     exact = run(lambda v: lax.psum(v.astype(jnp.float32), "tp"))
     u = 2.0**-4
