@@ -88,11 +88,13 @@ def _times_pair(algorithm: str, algorithms: list[str]) -> bool:
 
 
 def _row_algorithm(codec: str, op: str, algorithm: str, chosen: str) -> str:
+    """The all-reduce's algorithm (for "auto", what ran); the pair's exchange: "-" (NCCL),
+    "fused", or "auto" (whichever the defaults ran)."""
     if codec == "lax":
         return "-"
     if op == "all_reduce":
         return chosen
-    return "fused" if algorithm == "fused" else "-"
+    return algorithm if algorithm in ("fused", "auto") else "-"
 
 
 def _chosen(algorithm: str, tp: int, size: int) -> str:

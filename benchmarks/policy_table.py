@@ -32,6 +32,10 @@ def speedups(record: dict, codec: str) -> dict:
         if row["tp"] != 2 or row["codec"] != codec or row["slices"] != 1:
             continue
         algorithm = row["algorithm"]  # the pair's: "-" (NCCL) or "fused"
+        if algorithm.startswith("auto"):
+            sys.exit(
+                f"{algorithm!r} rows measure the policy itself: give a record of named algorithms"
+            )
         per_size = table.setdefault(OPS[row["op"]], {}).setdefault(algorithm, {})
         per_size[row["bytes"]] = round(row["speedup"], 3)
     return table

@@ -210,6 +210,22 @@ def wgmma(a_smem, b_smem, shape):
     return pl.run_scoped(dot, plgpu.ACC(shape, jnp.float32))
 
 
+def _retyped(out, like, replicated_along):
+    """`out` typed as varying along the mesh axes `like` varies along, except `replicated_along`.
+
+    Under `shard_map(check_vma=True)` jax 0.11.2's `plgpu.kernel` types its output replicated
+    (it ignores `out_type`'s manual axis type); a kernel maps rows to rows, so its output varies
+    where its input does, unless it leaves the same bytes on every rank of an axis.
+    """
+    manual = getattr(jax.typeof(like), "manual_axis_type", None)
+    if manual is None:
+        return out
+    have = getattr(jax.typeof(out), "manual_axis_type", None)
+    have = set(have.varying) if have is not None else set()
+    missing = tuple(sorted(set(manual.varying) - set(replicated_along) - have))
+    return jax.lax.pcast(out, missing, to="varying") if missing else out
+
+
 def mosaic_kernel(
     body,
     *args,
@@ -224,23 +240,17 @@ def mosaic_kernel(
     """Runs a Mosaic GPU kernel `body(*arg_refs, out_ref, *scratch_refs)` over `grid`.
 
     `jax.vmap` adds a grid axis (`plgpu.kernel`'s batching rule); under `shard_map` the output
-    is typed like args[0] (`_typed_like`), except that it is replicated along the mesh axes
-    `replicated_along` (a kernel that gathers the same bytes onto every rank of them).
-    interpret: Mosaic GPU's CPU interpreter.
+    varies along the mesh axes args[0] varies along (`_retyped`), except `replicated_along` (a
+    kernel that leaves the same bytes on every rank of them). interpret: Mosaic GPU's CPU
+    interpreter.
     """
-    out_type = _typed_like(out_shape, args[0])
-    manual = getattr(out_type, "manual_axis_type", None)
-    if replicated_along and manual is not None:
-        replicated = type(manual)(varying=manual.varying - frozenset(replicated_along))
-        out_type = jax.ShapeDtypeStruct(
-            out_shape.shape, out_shape.dtype, manual_axis_type=replicated
-        )
-    return plgpu.kernel(
+    out = plgpu.kernel(
         body,
-        out_type=out_type,
+        out_type=out_shape,
         scratch_types=scratch,
         grid=grid,
         grid_names=grid_names,
         kernel_name=name,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(*args)
+    return _retyped(out, args[0], replicated_along)

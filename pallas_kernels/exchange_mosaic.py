@@ -37,16 +37,24 @@ from taco_jax.codecs import Codec
 GROUP_SIZE = encode_mosaic.GROUP_SIZE
 ROW_BYTES = encode_mosaic.ROW_BYTES
 _TILE = MOSAIC_GROUPS_PER_TILE
-# At most this many programs, so that all are resident at once on a 132-SM H100 / H200 (one
-# program per SM: its shared memory, ~100 KiB, leaves room for NCCL's kernels beside it).
+# At most this many programs (and no more than the GPU's SMs: `max_programs`), so that all are
+# resident at once (one program per SM: its shared memory, ~100 KiB, leaves room for NCCL's
+# kernels beside it).
 MAX_PROGRAMS = 128
 
 
+def max_programs() -> int:
+    """MAX_PROGRAMS, or fewer on a GPU with fewer SMs (one resident program per SM)."""
+    sms = getattr(jax.devices()[0], "core_count", None) if _pallas.hopper_gpu() else None
+    return min(MAX_PROGRAMS, sms) if sms else MAX_PROGRAMS
+
+
 def launch(rows: int, tiles_per_row: int) -> MosaicLaunch | None:
-    """The fewest tiles per program (most programs, at most MAX_PROGRAMS) that divide a row's
-    tiles; None when even one program per row exceeds MAX_PROGRAMS."""
+    """The fewest tiles per program (most programs, at most `max_programs()`) that divide a row's
+    tiles; None when even one program per row exceeds that."""
+    limit = max_programs()
     for per_program in range(1, tiles_per_row + 1):
-        if tiles_per_row % per_program == 0 and rows * tiles_per_row // per_program <= MAX_PROGRAMS:
+        if tiles_per_row % per_program == 0 and rows * tiles_per_row // per_program <= limit:
             return MosaicLaunch(per_program, min(MOSAIC_STEPS_IN_FLIGHT, per_program))
     return None
 
@@ -56,7 +64,7 @@ def unsupported(codec: Codec, x: jax.Array, *, need_hopper: bool = True) -> str 
     mesh are the caller's to check (`taco_jax.collectives`)."""
     reason = encode_mosaic.unsupported(codec, x, need_hopper=need_hopper)
     if reason is None and launch(x.shape[0], x.shape[1] // (_TILE * GROUP_SIZE)) is None:
-        reason = f"{x.shape[0]} rows (more than {MAX_PROGRAMS} programs)"
+        reason = f"{x.shape[0]} rows (more than {max_programs()} programs)"
     return reason
 
 
@@ -106,17 +114,39 @@ def _exchange(codec, x, axis_name, n_ranks, *, scatter: bool, replicated: bool):
     wire_rows = codec.wire_bytes(n) // ROW_BYTES
     out_rows = () if scatter else (rows,)
     kind = "all_to_all" if scatter else "all_gather"
-    return _pallas.mosaic_kernel(
+    kernel = _pallas.partial(
+        _pallas.mosaic_kernel,
         body,
-        x.reshape(rows, groups, GROUP_SIZE),
-        encode_mosaic.signs_operand(),
         out_shape=jax.ShapeDtypeStruct((n_ranks, *out_rows, wire_rows, ROW_BYTES), jnp.uint8),
         scratch=[*encode_mosaic.encode_scratch(), _pallas.semaphore()],
         grid=(grid_rows, (groups // _TILE) // plan.tiles_per_program),
         grid_names=("row", "program"),
         name=f"taco_encode_{kind}_{codec.name}_n{n_ranks}",
         replicated_along=(axis_name,) if replicated else (),
-    ).reshape(n_ranks, *out_rows, wire_rows * ROW_BYTES)
+    )
+    out = _one_launch_per_call(kernel)(
+        x.reshape(rows, groups, GROUP_SIZE), encode_mosaic.signs_operand()
+    )
+    return out.reshape(n_ranks, *out_rows, wire_rows * ROW_BYTES)
+
+
+def _one_launch_per_call(kernel):
+    """`kernel(x, signs)` that under `jax.vmap` runs once per batch element (`lax.map`), where
+    `plgpu.kernel` would add a grid axis: the programs of one launch must all be resident at
+    once (`MAX_PROGRAMS`), and a batch axis would multiply them."""
+
+    @jax.custom_batching.custom_vmap
+    def call(x, signs):
+        return kernel(x, signs)
+
+    @call.def_vmap
+    def _(axis_size, in_batched, x, signs):
+        if in_batched[1]:
+            raise NotImplementedError("the sign matrix is a constant; it is never batched")
+        x = x if in_batched[0] else jnp.broadcast_to(x, (axis_size, *x.shape))
+        return lax.map(lambda xi: call(xi, signs), x), True
+
+    return call
 
 
 def _exchange_body(

@@ -32,8 +32,9 @@ MAX_SLICES = 16
 # the wire). "auto": `taco_jax.policy` chooses.
 # "fused": one-shot, with the exchange done by the encode kernel itself, which stores the codes
 # straight into every peer's memory (`pallas_kernels.exchange_mosaic`; Hopper GPUs on NVLink
-# under shard_map, codec `taco`, bf16); the same bytes and the same sums as "one_shot", which
-# runs wherever the fused kernel cannot (`policy.choose`).
+# under shard_map, codec `taco`, bf16); the same arithmetic as "one_shot" (the same codes from
+# 64 MiB, where one-shot's encode is the same Mosaic kernel; below, Triton's codes may differ at
+# rounding ties), which runs wherever the fused kernel cannot (`policy.choose`).
 ALGORITHMS = ("auto", "one_shot", "two_shot", "fused")
 
 
@@ -233,10 +234,13 @@ def _fused_runs(x: jax.Array, axis_name: AxisName, cfg: CommConfig) -> bool:
     return _fused_exchange("all_gather", row, axis_name, cfg) is not None
 
 
-def _exchange_fused(x: jax.Array, axis_name: AxisName, cfg: CommConfig) -> bool:
-    """Whether a reduce-scatter or all-gather exchanges through the fused kernel: where it runs,
-    unless `algorithm` names one of the all-reduce's NCCL algorithms."""
-    return cfg.algorithm in ("auto", "fused") and _fused_runs(x, axis_name, cfg)
+def _exchange_fused(x: jax.Array, axis_name: AxisName, cfg: CommConfig, n_ranks: int) -> bool:
+    """Whether a collective may exchange through the fused kernels (the all-reduce: whether the
+    policy may pick "fused"): they run here (`_fused_runs`), and `algorithm` is "fused", or "auto"
+    at N = 2, the only group size measured. One- and two-shot keep NCCL."""
+    if cfg.algorithm == "fused":
+        return _fused_runs(x, axis_name, cfg)
+    return cfg.algorithm == "auto" and n_ranks == 2 and _fused_runs(x, axis_name, cfg)
 
 
 def _row_multiple(cfg: CommConfig, fused: bool) -> int:
@@ -258,7 +262,8 @@ def _rows_for(
 
 def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) -> jax.Array:
     n_ranks = axis_size(axis_name)
-    choice = cfg.choice("all_reduce", x, axis_name, n_ranks, fused=_fused_runs(x, axis_name, cfg))
+    may_fuse = _exchange_fused(x, axis_name, cfg, n_ranks)
+    choice = cfg.choice("all_reduce", x, axis_name, n_ranks, fused=may_fuse)
     if n_ranks == 1 or not choice.compress:
         return lax.psum(x, axis_name)  # N = 1 moves nothing, so nothing is compressed
     invariant = varies_along(x, axis_name)
@@ -271,7 +276,8 @@ def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) ->
 
     def one_shot(piece):  # piece: [1, m / slices], this rank's whole message
         if choice.algorithm == "fused":  # chosen only where the kernel runs (`_fused_runs`)
-            gathered = _fused_exchange("all_gather", piece, axis_name, cfg)(piece)[:, 0]
+            exchange = _fused_exchange("all_gather", piece, axis_name, cfg)
+            gathered = exchange(piece, replicated=invariant)[:, 0]
         else:
             wire = ops.encode(cfg.codec, piece)[0]
             gathered = _all_gather_wire(wire, axis_name, invariant=invariant)
@@ -308,7 +314,7 @@ def _reduce_scatter(
         raise ValueError(f"tiled=False needs shape[{dim}] == axis size {n_ranks}, got {x.shape}")
     if n_ranks == 1:
         return x if tiled else jnp.squeeze(x, dim)
-    fused = _exchange_fused(x, axis_name, cfg)
+    fused = _exchange_fused(x, axis_name, cfg, n_ranks)
     if not cfg.choice("reduce_scatter", x, axis_name, n_ranks, fused=fused).compress:
         return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
     moved = jnp.moveaxis(x, dim, 0)
@@ -338,7 +344,7 @@ def _all_gather(
     tag: str,
 ) -> jax.Array:
     n_ranks = axis_size(axis_name)
-    fused = n_ranks > 1 and _exchange_fused(x, axis_name, cfg)
+    fused = n_ranks > 1 and _exchange_fused(x, axis_name, cfg, n_ranks)
     # The policy reads the all-gather's output size (the sequence-parallel pair's message).
     choice = n_ranks > 1 and cfg.choice(
         "all_gather", x, axis_name, n_ranks, scale=n_ranks, fused=fused
@@ -420,7 +426,8 @@ def compressed_psum(
 
     Where compressing pays depends on the link and the size (BENCHMARKS.md): with the "auto"
     options, on GPUs `taco_jax.policy` runs `lax.psum` itself where the measurements say the
-    compressed one is not faster (on 2 NVLink-connected H200s: every size measured).
+    compressed one is not faster (on 2 NVLink-connected H200s: below 16 MiB; from there the
+    fused all-reduce runs).
     Under `check_vma=True`, x must be typed varying along the axis (partial sums are); for a
     replicated x, `lax.psum` returns N x, which this op does not reproduce.
 

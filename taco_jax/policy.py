@@ -27,6 +27,7 @@ import dataclasses
 import os
 
 import jax
+import numpy as np
 
 from taco_jax import _policy_table
 
@@ -116,14 +117,37 @@ def on_real_link(axis_name) -> bool:
 
 
 def peer_writes(cfg, axis_name) -> bool:
-    """Whether a kernel may store into the peers' memory along `axis_name` (the "fused"
-    algorithm): one `shard_map` axis of GPUs on NVLink. Over shared memory or sockets the link is
-    NCCL's transport, which a kernel's peer stores would bypass."""
+    """Whether a kernel may store into the peers' memory along `axis_name` (the fused kernels):
+    one `shard_map` axis of GPUs on NVLink, driven by one process, in a mesh whose devices are
+    in row-major order where that is known (Mosaic GPU's rule; `_mesh_in_device_order`). Over
+    shared memory or sockets the link is NCCL's transport, which peer stores would bypass; PCIe
+    cards (whose device name says so) and GPUs of other processes or hosts are not reached by
+    peer stores here."""
     return (
         isinstance(axis_name, str)
         and on_real_link(axis_name)
         and resolve_link(cfg.link) == "nvlink"
+        and jax.process_count() == 1
+        and "pcie" not in jax.devices()[0].device_kind.lower()
+        and _mesh_in_device_order()
     )
+
+
+def _mesh_in_device_order() -> bool:
+    """False if the concrete mesh being traced is known and its devices are not 0, 1, ... in
+    row-major order. Under `shard_map(mesh=...)` jax 0.11.2 does not expose the concrete mesh
+    while tracing (only under `jax.set_mesh`); such a mesh must follow the rule itself, or
+    Mosaic GPU refuses it when the program is compiled."""
+    try:  # a private function of jax 0.11 (no public one works inside jit); without it: unknown
+        from jax._src.mesh import get_concrete_mesh
+
+        mesh = get_concrete_mesh()
+    except (ImportError, AttributeError):
+        return True
+    if mesh is None or mesh.empty:
+        return True
+    ids = mesh.device_ids.ravel()
+    return bool((ids == np.arange(ids.size)).all())
 
 
 def choose(

@@ -8,7 +8,9 @@ here: `from conftest import ...` would pick whichever conftest.py was imported f
 Many tests compile the same program more than once (a run, then its resume from a checkpoint,
 each building its jitted step anew); JAX's persistent compilation cache, in a fresh directory per
 session (nothing carries over between sessions), compiles each once. It changes no result: a
-cached executable is the one compiled.
+cached executable is the one compiled. Tests that start processes hand them
+`train_testing.subprocess_env()`, without the cache: a process timed or killed mid-run must
+compile as a user's would.
 """
 
 import os
@@ -17,10 +19,10 @@ import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 _JIT_CACHE = None
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # a cache of the user's own is left alone
     _JIT_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="taco-jit-")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 
 def pytest_sessionfinish(session, exitstatus):

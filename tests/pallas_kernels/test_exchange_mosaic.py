@@ -16,7 +16,7 @@ from jax import lax
 import taco_jax as tj
 from pallas_kernels import _pallas, encode_mosaic, exchange_mosaic
 from pallas_kernels.config import MOSAIC_MIN_TILES
-from taco_jax import codecs, policy
+from taco_jax import _backends, codecs, collectives, policy
 
 TILE = 64 * 128  # elements of one 64-group tile of G = 128
 
@@ -76,17 +76,91 @@ def test_unsupported_names_too_many_rows():
     assert "200 rows" in reason
 
 
-def test_fused_runs_one_shot_off_a_real_link():
-    """On the CPU (no peer memory) "fused" is one-shot through the lax all-gather, bit for bit."""
-    mesh = _mesh(2)
-    x = _sharded(mesh, (2, 3 * TILE + 128), seed=0)
+def _pretend_nvlink(monkeypatch):
+    """Make the fused path's conditions hold on the CPU: a real link, a Hopper GPU."""
+    monkeypatch.setattr(policy, "on_real_link", lambda axis_name: True)
+    monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
+
+
+def _stand_in_exchange(calls):
+    """`_backends.fused_exchange` built from the jnp encode and lax collectives (the bytes the
+    kernels must produce), recording each call: the fused path's padding, slicing, trimming and
+    dispatch, run on the CPU."""
+
+    def fused_exchange(kind, impl, codec, x, axis_name):
+        if x.dtype != jnp.bfloat16:
+            return None
+
+        def exchange(x, replicated=False):
+            calls.append((kind, x.shape))
+            assert x.shape[-1] % _backends.FUSED_ROW_MULTIPLE == 0  # padded for the kernel
+            wire = codecs.encode_wire(codec, x)
+            if kind == "all_to_all":
+                return collectives.exchange_rows(wire, axis_name)
+            to = "invarying" if replicated else "varying"
+            return lax.all_gather(wire, axis_name, axis=0, to=to)
+
+        return exchange
+
+    return fused_exchange
+
+
+@pytest.mark.parametrize("ranks,slices", [(2, 1), (4, 3)])
+@pytest.mark.parametrize("op", ["psum", "psum_scatter", "all_gather"])
+def test_the_fused_path_equals_one_shot_around_its_exchange(monkeypatch, ranks, slices, op):
+    """With a stand-in for the kernels: "fused" pads rows to whole kernel tiles (odd sizes here),
+    slices, exchanges through `_backends.fused_exchange` and trims back, bit for bit as one-shot
+    through NCCL (the same codes: padding adds whole zero groups after the message)."""
+    _pretend_nvlink(monkeypatch)
+    calls = []
+    monkeypatch.setattr(_backends, "fused_exchange", _stand_in_exchange(calls))
+    mesh = _mesh(ranks)
+    x = _sharded(mesh, (ranks * ranks * 3001,), seed=ranks)
+    ops = {
+        "psum": lambda v, **o: tj.compressed_psum(v, "tp", **o),
+        "psum_scatter": lambda v, **o: tj.compressed_psum_scatter(v, "tp", **o),
+        "all_gather": lambda v, **o: tj.compressed_all_gather(v, "tp", tiled=True, **o),
+    }
 
     def run(algorithm):
-        fn = lambda v: tj.compressed_psum(v, "tp", algorithm=algorithm, impl="xla")  # noqa: E731
-        return _on_mesh(fn, mesh, x, out_specs=jax.P(), check_vma=True)
+        options = dict(algorithm=algorithm, impl="xla", slices=slices, min_compress_bytes=0)
+        return _on_mesh(lambda v: ops[op](v, **options)[None], mesh, x)
 
-    assert not policy.peer_writes(tj.comm_config("taco"), "tp")
-    np.testing.assert_array_equal(run("fused"), run("one_shot"))
+    fused = run("fused")
+    assert len(calls) == slices  # every slice went through the stand-in
+    np.testing.assert_array_equal(fused, run("one_shot"))
+    assert len(calls) == slices  # one-shot did not
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_fused_collectives_are_typed_as_lax_ones(monkeypatch, check_vma):
+    """The fused kernels inside the collectives, traced with their gradients: under check_vma the
+    all-reduce's output is replicated (as lax.psum's), the reduce-scatter's and all-gather's vary
+    (as lax's do), so custom_vjp's type checks and out_specs=P() for the psum hold."""
+    _pretend_nvlink(monkeypatch)
+    mesh = _mesh(2)
+    options = dict(impl="pallas", algorithm="fused", min_compress_bytes=0)
+
+    def step(v):
+        total = tj.compressed_psum(v, "tp", **options)
+        part = tj.compressed_psum_scatter(v, "tp", **options)
+        gathered = tj.compressed_all_gather(part, "tp", tiled=True, **options)
+        return total, gathered
+
+    def out_and_grads(v):
+        (total, gathered), vjp = jax.vjp(step, v)
+        return total, gathered, vjp((total, gathered))[0]
+
+    specs = (jax.P(), TP_SPEC, TP_SPEC) if check_vma else (TP_SPEC,) * 3
+    fn = jax.jit(
+        jax.shard_map(out_and_grads, mesh=mesh, in_specs=TP_SPEC, out_specs=specs,
+                      check_vma=check_vma)
+    )  # fmt: skip
+    x = jax.ShapeDtypeStruct(
+        (2 * 4 * TILE,), jnp.bfloat16, sharding=jax.NamedSharding(mesh, TP_SPEC)
+    )
+    jaxpr = str(fn.trace(x).jaxpr)
+    assert jaxpr.count("taco_encode_all_gather") >= 2 and "taco_encode_all_to_all" in jaxpr
 
 
 @pytest.mark.parametrize("check_vma", [True, False])

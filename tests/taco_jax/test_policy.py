@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from tp_testing import tp_mesh
 
 import taco_jax as tj
-from taco_jax import _policy_table, policy
+from taco_jax import _policy_table, collectives, policy
 
 MiB = 1 << 20
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
@@ -158,7 +158,7 @@ def _moves_uint8(text: str) -> bool:
     ],
 )
 def test_collectives_follow_the_measured_choice(monkeypatch, link, nbytes, with_fused, compressed):
-    """Read from the shipped table. On NVLink only the fused kernel measured a gain (from 64
+    """Read from the shipped table. On NVLink only the fused kernel measured a gain (from 16
     MiB): where it cannot run (here, a CPU posing as a GPU link) the table's other rows decide,
     and they say plain; sockets measured one from 16 MiB with every algorithm."""
     monkeypatch.setattr(policy, "on_real_link", lambda axis_name: True)
@@ -208,7 +208,7 @@ def test_summary_names_every_op_and_size():
 
 
 def test_fused_only_where_its_kernel_runs(monkeypatch):
-    """NVLink's table picks "fused" from 64 MiB where its kernel runs; where it does not, the
+    """NVLink's table picks "fused" (from 16 MiB) where its kernel runs; where it does not, the
     policy reads the other rows (plain there), and an explicit "fused" runs one-shot."""
     monkeypatch.setattr(policy, "on_real_link", lambda axis_name: True)
     cfg = tj.comm_config(link="nvlink")
@@ -219,3 +219,20 @@ def test_fused_only_where_its_kernel_runs(monkeypatch):
     assert policy.choose(forced, "all_reduce", 64 * MiB, "tp", 2).algorithm == "one_shot"
     assert not policy.peer_writes(tj.comm_config(link="shm"), "tp")
     assert not policy.peer_writes(cfg, ("dp", "tp"))
+
+
+def test_explicit_nccl_algorithms_never_read_the_fused_row(monkeypatch):
+    """algorithm="one_shot" on NVLink, where the fused kernel could run: NCCL's one-shot row
+    decides (no gain measured: plain), not the fused row's 64 MiB gain."""
+    monkeypatch.setattr(policy, "on_real_link", lambda axis_name: True)
+    monkeypatch.setattr(collectives, "_fused_runs", lambda *args: True)
+    text = _lowered(lambda v: tj.compressed_psum(v, "tp", link="nvlink", algorithm="one_shot"),
+                    64 * MiB)  # fmt: skip
+    assert not _moves_uint8(text) and "all_reduce" in text
+
+
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_gather"])
+def test_the_pair_reads_the_fused_row_only_where_it_runs(op):
+    """NVLink, 16 MiB: the fused pair measured a gain, NCCL's pair none."""
+    assert policy.measured_choice(op, "nvlink", 2, 16 * MiB, fused=True).compress
+    assert not policy.measured_choice(op, "nvlink", 2, 16 * MiB, fused=False).compress

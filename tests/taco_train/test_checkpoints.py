@@ -1,7 +1,6 @@
 """Checkpoints that survive damage: a damaged newest checkpoint is reported in one line and the
 run resumes from the newest good one, which is never deleted for a newer one that is not."""
 
-import os
 import shutil
 import signal
 import subprocess
@@ -10,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from train_testing import REPO, tiny_args, untimed
+from train_testing import REPO, subprocess_env, tiny_args, untimed
 
 from taco_train import metrics
 from taco_train.checkpointing import MANIFEST, damage
@@ -92,13 +91,14 @@ def test_kill_during_saves_never_loses_the_last_good_checkpoint(cache, tmp_path)
     """kill -9 at random moments of a run that saves every step: afterwards every checkpoint
     the directory offers as good is good, and a rerun finishes with the uninterrupted metrics."""
     run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = subprocess_env(PYTHONPATH=str(REPO))
     args = _args(run, cache, "run.checkpoint_every=1", "run.keep_checkpoints=1")
     command = [sys.executable, "-m", "taco_train", *args]
     rng = np.random.default_rng(0)
     for _ in range(3):
         process = subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.DEVNULL)
         time.sleep(float(rng.uniform(4.0, 12.0)))  # start-up and compile take most of it
+        assert process.poll() is None, "the run ended before the kill: nothing was tested"
         process.send_signal(signal.SIGKILL)
         process.wait()
         for step_dir in (run / "checkpoints").glob("[0-9]*"):

@@ -1,13 +1,12 @@
 """Two local CPU processes train together through `jax.distributed` (dp = 2 across processes)."""
 
-import os
 import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from train_testing import REPO, tiny_overrides
+from train_testing import REPO, subprocess_env, tiny_overrides
 
 from taco_train import metrics
 
@@ -31,8 +30,7 @@ def test_two_processes_train(tmp_path):
         cmd += ["--set", o]
     procs = []
     for rank in range(2):
-        env = dict(
-            os.environ,
+        env = subprocess_env(
             JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
             JAX_NUM_PROCESSES="2",
             JAX_PROCESS_ID=str(rank),

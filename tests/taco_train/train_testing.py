@@ -1,5 +1,6 @@
 """Helpers of the training tests (a plain module: see tests/conftest.py for why)."""
 
+import os
 from pathlib import Path
 
 FIXTURE_CORPUS = Path(__file__).parent / "fixtures" / "tiny_corpus"
@@ -29,3 +30,17 @@ def tiny_overrides(out_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
         "run.progress=false",
         *extra,
     ]
+
+
+# The test session's compilation cache (tests/conftest.py) stays out of the processes tests start.
+_SESSION_ONLY = (
+    "JAX_COMPILATION_CACHE_DIR",
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",
+)
+
+
+def subprocess_env(**updates: str) -> dict[str, str]:
+    """os.environ for a process a test starts, without the session's compilation cache."""
+    env = {k: v for k, v in os.environ.items() if k not in _SESSION_ONLY}
+    return env | updates
