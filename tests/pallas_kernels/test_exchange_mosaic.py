@@ -165,27 +165,32 @@ def test_fused_collectives_are_typed_as_lax_ones(monkeypatch, check_vma):
 
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("kind", ["all_gather", "all_to_all"])
-def test_kernels_lower_for_cuda_inside_shard_map(monkeypatch, check_vma, kind):
-    """The kernels' Mosaic GPU modules build (peer refs, semaphores, TMA stores to a peer),
-    typed as lax's collectives are under check_vma (the gather replicated: out_specs=P())."""
+@pytest.mark.parametrize("dp", [1, 2])
+def test_kernels_lower_for_cuda_inside_shard_map(monkeypatch, check_vma, kind, dp):
+    """The kernels' Mosaic GPU modules build (peer refs, semaphores, TMA stores to a peer whose
+    device id is recomputed on the host), on a ("tp",) and a ("dp", "tp") mesh, typed as lax's
+    collectives are under check_vma (the gather replicated along tp: out_specs without tp)."""
     monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
-    mesh = _mesh(2)
+    mesh = jax.make_mesh(
+        (dp, 2), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+        devices=jax.devices()[: 2 * dp],
+    )  # fmt: skip
     codec = codecs.get_codec("taco")
     exchange = getattr(exchange_mosaic, f"encode_{kind}")
-    out_specs = jax.P() if kind == "all_gather" else jax.P("tp")
+    in_specs = jax.P(("dp", "tp"))
+    out_specs = jax.P("dp") if kind == "all_gather" else in_specs
     fn = jax.jit(
         jax.shard_map(
             lambda v: exchange(codec, v, "tp", 2),
             mesh=mesh,
-            in_specs=jax.P("tp"),
+            in_specs=in_specs,
             out_specs=out_specs,
             check_vma=check_vma,
         )
     )
+    rows = 2 if kind == "all_to_all" else 1  # all-to-all: one row per rank
     x = jax.ShapeDtypeStruct(
-        (4 if kind == "all_to_all" else 2, 4 * TILE),  # all-to-all: one row per rank
-        jnp.bfloat16,
-        sharding=jax.NamedSharding(mesh, jax.P("tp")),
+        (2 * dp * rows, 4 * TILE), jnp.bfloat16, sharding=jax.NamedSharding(mesh, in_specs)
     )
     text = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
