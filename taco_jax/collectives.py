@@ -275,8 +275,8 @@ def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) ->
         return _gather_wire(reduced_wire, n, axis_name, cfg, x.dtype, invariant=invariant)
 
     def one_shot(piece):  # piece: [1, m / slices], this rank's whole message
-        if choice.algorithm == "fused":  # chosen only where the kernel runs (`_fused_runs`)
-            exchange = _fused_exchange("all_gather", piece, axis_name, cfg)
+        exchange = fused and _fused_exchange("all_gather", piece, axis_name, cfg)
+        if exchange:
             gathered = exchange(piece, replicated=invariant)[:, 0]
         else:
             wire = ops.encode(cfg.codec, piece)[0]
@@ -284,11 +284,11 @@ def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) ->
         # Every rank sums the same N rows in rank order: bit-identical outputs.
         return ops.decode_sum(cfg.codec, gathered, piece.shape[-1], x.dtype)[None]
 
+    fused = choice.algorithm == "fused"
     if choice.algorithm in ("one_shot", "fused"):
         fn, rows_of = one_shot, 1
     else:
         fn, rows_of = two_shot, n_ranks
-    fused = choice.algorithm == "fused"
     rows, size = _rows_for(x.reshape(-1), rows_of, cfg, fused=fused)
     out = _sliced(fn, rows, cfg.slices).reshape(-1)[:size].reshape(x.shape)
     if cfg.telemetry:
@@ -322,10 +322,11 @@ def _reduce_scatter(
     rows, size = codecs.pad_to_multiple(moved.reshape(n_ranks, -1), _row_multiple(cfg, fused))
 
     def reduce_scatter(piece):  # piece: [N, m / slices], row j for rank j
-        if not fused:
+        exchange = fused and _fused_exchange("all_to_all", piece, axis_name, cfg)
+        if not exchange:
             return _reduce_scatter_rows(piece, axis_name, cfg, reencode=False, dtype=x.dtype)
-        received = _fused_exchange("all_to_all", piece, axis_name, cfg)(piece)
-        return _backends.get_ops(cfg.impl).decode_sum(cfg.codec, received, piece.shape[-1], x.dtype)
+        ops = _backends.get_ops(cfg.impl)
+        return ops.decode_sum(cfg.codec, exchange(piece), piece.shape[-1], x.dtype)
 
     block = _sliced(reduce_scatter, rows, cfg.slices)[:size].reshape(block_shape)
     out = jnp.moveaxis(block, 0, dim) if tiled else block[0]
@@ -344,11 +345,9 @@ def _all_gather(
     tag: str,
 ) -> jax.Array:
     n_ranks = axis_size(axis_name)
-    fused = n_ranks > 1 and _exchange_fused(x, axis_name, cfg, n_ranks)
+    fused = _exchange_fused(x, axis_name, cfg, n_ranks)
     # The policy reads the all-gather's output size (the sequence-parallel pair's message).
-    choice = n_ranks > 1 and cfg.choice(
-        "all_gather", x, axis_name, n_ranks, scale=n_ranks, fused=fused
-    )
+    choice = cfg.choice("all_gather", x, axis_name, n_ranks, scale=n_ranks, fused=fused)
     if n_ranks == 1 or not choice.compress:
         # N = 1 moves nothing; the lax op then only adds or keeps the gathered axis.
         return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
@@ -357,9 +356,9 @@ def _all_gather(
 
     def gather(piece):  # piece: [1, n]
         n = piece.shape[-1]
-        if not fused:
+        exchange = fused and _fused_exchange("all_gather", piece, axis_name, cfg)
+        if not exchange:
             return _gather_wire(ops.encode(cfg.codec, piece)[0], n, axis_name, cfg, x.dtype)
-        exchange = _fused_exchange("all_gather", piece, axis_name, cfg)
         return ops.decode(cfg.codec, exchange(piece, replicated=False)[:, 0], n, x.dtype)
 
     stacked = _sliced(gather, row, cfg.slices)[:, :size].reshape((n_ranks,) + x.shape)
