@@ -160,7 +160,10 @@ def encode_tiles(x_row, wire_rows, *, codec, signs_smem, out, tiles_per_program,
 
     The pipeline only loads; each step stores its own tile (`_store_tile`), unpredicated, so the
     kernel also runs in Mosaic GPU's interpreter (which has no predicated stores). Stores may
-    still be in flight on return."""
+    still be in flight on return; a program may call this again (one row after another)."""
+    # The shared-memory slots alternate by tile parity from this call's first tile: the stores
+    # of an earlier call must be done reading them (a no-op in the first call).
+    _pallas.wait_stores(0)
     first = lax.axis_index("program") * tiles_per_program
     step = _pallas.partial(
         _encode_step,

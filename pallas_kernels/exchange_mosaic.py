@@ -1,9 +1,10 @@
-"""Fused encode + all-gather over NVLink (Mosaic GPU): each rank's encoded rows on all ranks.
+"""Fused encode + exchange over NVLink (Mosaic GPU): encoded rows stored into the peers' memory.
 
-`encode_all_gather(codec, x, axis_name)` inside `jax.shard_map` equals
-`lax.all_gather(encode_mosaic.encode(codec, x), axis_name, axis=0)`, byte for byte: wire[N, R, W],
-block [r] the packed wire rows of rank r, identical on every rank. It is the exchange of the
-one-shot all-reduce and of the compressed all-gather (`taco_jax.collectives`).
+Inside `jax.shard_map`, `encode_all_gather(codec, x, axis_name, n)` equals
+`lax.all_gather(encode_mosaic.encode(codec, x), axis_name, axis=0)` byte for byte (wire[N, R, W],
+block [r] the packed wire rows of rank r, identical on every rank): the exchange of the one-shot
+all-reduce and of the compressed all-gather. `encode_all_to_all` equals `lax.all_to_all` of the
+encoded rows: the exchange of the compressed reduce-scatter (`taco_jax.collectives`).
 
 Why a kernel and not encode -> NCCL all-gather: those two run one after the other, and on
 NVLink the all-gather of the wire alone takes most of what NCCL's bf16 all-reduce takes
@@ -19,8 +20,8 @@ Conditions, beyond `encode_mosaic`'s: a `jax.shard_map` mesh axis of GPUs that c
 each other's memory (NVLink; the peers' buffers are XLA's, whose addresses XLA passes to the
 kernel), a mesh in row-major device order (Mosaic GPU's rule), and few enough programs to be
 resident together: a program waits for its peer counterparts, which must not wait for a free
-SM (`launch`). Mosaic GPU's CPU interpreter has no semaphores, so this kernel runs only on GPUs;
-its tests compare it on two GPUs with the encode + NCCL all-gather it replaces.
+SM (`launch`). Mosaic GPU's CPU interpreter has no semaphores, so these kernels run only on GPUs;
+their tests compare them on two GPUs with the encode + NCCL collective they replace.
 """
 
 from __future__ import annotations
@@ -171,11 +172,9 @@ def _exchange_body(
     encode = dict(encode, signs_smem=signs_smem, out=(codes_smem, sides))
     rank = lax.axis_index(axis_name)
     peers = [lax.rem(rank + k, n_ranks) for k in range(1, n_ranks)]
-    if scatter:
-        for k, to in enumerate([rank, *peers]):
-            if k:  # the next row's tiles count from the program's first again: free both slots
-                _pallas.wait_stores(0)
-            out = out_gmem if k == 0 else _pallas.peer_ref(out_gmem, axis_name, to)
+    if scatter:  # row j to rank j, this rank's own row first
+        outs = _everywhere(out_gmem, axis_name, peers)
+        for to, out in zip([rank, *peers], outs, strict=True):
             encode_mosaic.encode_tiles(x_gmem.at[to], [out.at[rank]], **encode)
     else:
         row = lax.axis_index("row")
