@@ -140,27 +140,38 @@ def _mask(start, size: int, limit: int, repeat: int = 1, masked: bool = True):
     return start + idx < limit
 
 
-def load_1d(ref, row, start, size: int, limit: int, *, repeat: int = 1, masked: bool = True):
-    """ref[row, start : start + size] (elements at or past `limit` read as 0).
-
-    With repeat > 1, element k is valid when start / repeat + k // repeat < limit (byte views of
-    per-group words: `start` and `limit` then count groups)."""
-    mask = _mask(start // repeat, size, limit, repeat, masked)
+def load_1d(ref, row, start, size: int, limit: int, *, offset: int = 0, masked: bool = True):
+    """ref[row, offset + start : offset + start + size]; elements whose index past `offset` is
+    at or past `limit` read as 0."""
+    mask = _mask(start, size, limit, masked=masked)
     other = None if mask is None else 0
-    return _pallas.load(ref.at[_row(row), _pallas.ds(start, size)], mask=mask, other=other)
+    return _pallas.load(ref.at[_row(row), _pallas.ds(offset + start, size)], mask=mask,
+                        other=other)  # fmt: skip
 
 
-def store_1d(ref, row, start, value, limit: int, *, repeat: int = 1, masked: bool = True):
-    mask = _mask(start // repeat, value.shape[0], limit, repeat, masked)
-    _pallas.store(ref.at[_row(row), _pallas.ds(start, value.shape[0])], value, mask=mask)
+def store_1d(ref, row, start, value, limit: int, *, offset: int = 0, masked: bool = True):
+    """ref[row, offset + start : ...] = value, but for elements whose index past `offset` is at
+    or past `limit`."""
+    mask = _mask(start, value.shape[0], limit, masked=masked)
+    _pallas.store(ref.at[_row(row), _pallas.ds(offset + start, value.shape[0])], value, mask=mask)
+
+
+def _plane_span(codec: Codec, plane: codecs.CodePlane, tile, t: int, n: int):
+    """(start, size, limit) of one tile's bytes within `plane` of a row of `n` codes."""
+    size = t * codec.group_size * plane.width // 8
+    return tile * size, size, n * plane.width // 8
 
 
 def store_groups(codec: Codec, ref, row, tile, n: int, cfg: BlockConfig, codes, scale, prescale):
-    """Writes one tile's codes and side bytes into wire row `row` of ref [R, B]."""
+    """Writes one tile's codes (`codecs.code_planes`) and side bytes into wire row `row` of
+    ref [R, B]."""
     g, t = codec.group_size, cfg.groups_per_tile
     groups = n // g
     masked = cfg.masked(groups)
-    store_1d(ref, row, tile * t * g, codes.reshape(t * g), n, masked=masked)
+    for plane in codecs.code_planes(codec, n):
+        start, _, limit = _plane_span(codec, plane, tile, t, n)
+        data = codecs.plane_bytes(codes.reshape(t * g), plane)
+        store_1d(ref, row, start, data, limit, offset=plane.offset, masked=masked)
     sides = {"scales": scale, "prescales": prescale}
     for section in codecs.wire_sections(codec, n):
         data = codecs.side_to_bytes(sides[section.field], section.width)
@@ -189,13 +200,17 @@ def load_side(ref, row, offset: int, width: int, tile, t: int, groups: int, *, m
 
 
 def load_wire_tile(codec: Codec, ref, row, tile, n: int, cfg: BlockConfig):
-    """The raw bytes of one tile of wire row `row`: (codes [T*G], {field: side bytes}).
+    """The raw bytes of one tile of wire row `row`: ([bytes of each `codecs.code_planes`],
+    {field: side bytes}); arrays only, so a tile loop can carry them.
 
     Split from `unpack_wire_tile` so a tile loop can issue the next tile's loads early."""
     g, t = codec.group_size, cfg.groups_per_tile
     groups = n // g
     masked = cfg.masked(groups)
-    codes = load_1d(ref, row, tile * t * g, t * g, n, masked=masked)
+    codes = []
+    for plane in codecs.code_planes(codec, n):
+        start, size, limit = _plane_span(codec, plane, tile, t, n)
+        codes.append(load_1d(ref, row, start, size, limit, offset=plane.offset, masked=masked))
     sides = {}
     for section in codecs.wire_sections(codec, n):
         sides[section.field] = load_side(
@@ -229,7 +244,8 @@ def unpack_wire_tile(codec: Codec, raw, tile, n: int, cfg: BlockConfig, unit: fl
     if prescale is not None and cfg.masked(n // g):
         # masked groups read alpha = 0; keep their (unstored) values finite.
         prescale = jnp.where(_mask(tile * t, t, n // g), prescale, 1.0)
-    q = codecs.dequantize(codec, codes.reshape(t, g))
+    planes = list(zip(codecs.code_planes(codec, n), codes, strict=True))
+    q = codecs.dequantize(codec, codecs.codes_from_planes(planes).reshape(t, g))
     return q, codecs.decode_factor(codec, sides.get("scales"), prescale, unit)
 
 

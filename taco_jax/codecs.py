@@ -14,7 +14,7 @@ scales, and back. It composes four optional stages applied to each contiguous gr
 2. Hadamard:       y = H_G x,  H_G = S_G / sqrt(G), S_G the +-1 Sylvester matrix (orthonormal,
                    self-inverse)
 3. DS post-scale:  s = max|y| / qmax
-4. quantize:       q = round(y / s) in E4M3 / E5M2 / INT8 (saturating)
+4. quantize:       q = round(y / s) in E4M3 / E5M2 / INT8 / INT6 / INT5 / INT4 (saturating)
 
 Decode runs the stages backwards: x = H_G (q s) / alpha. In exact arithmetic alpha cancels from
 y / s = qmax * (S_G x) / max|S_G x|, and the encoder computes the codes in that form, after
@@ -23,7 +23,7 @@ intermediate overflows or underflows, so a codec's relative error is the same at
 magnitude (docs/method.md, "Range"). The decoder returns `(S_G q) * (s / (sqrt(G) alpha))`, one
 multiply per element (`encode_groups`, `decode_factor`).
 
-Codes are stored as uint8 (a bitcast), never as float8: XLA on CPU moves float8 collectives as
+Codes travel as uint8 (a bitcast), never as float8: XLA on CPU moves float8 collectives as
 f16, and XLA may drop an f32 -> f8 -> f32 round trip inside one fusion (docs/method.md, "Traps").
 
 Non-finite input is never hidden: a group holding NaN or Inf gets a NaN scale, so the whole group
@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-ElementFormat = Literal["e4m3", "e5m2", "int8", "raw"]
+ElementFormat = Literal["e4m3", "e5m2", "int8", "int6", "int5", "int4", "raw"]
 ScaleFormat = Literal["fp32", "e8m0"]
 
 ALLOWED_GROUP_SIZES = (32, 64, 128, 256, 512)
@@ -56,7 +56,13 @@ PRESCALE_MIN, PRESCALE_MAX = 2.0**-126, 2.0**126
 
 FLOAT8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 # Largest finite magnitude of each element format; the target of the post-scale.
-QMAX = {"e4m3": 448.0, "e5m2": 57344.0, "int8": 127.0}
+QMAX = {"e4m3": 448.0, "e5m2": 57344.0, "int8": 127.0, "int6": 31.0, "int5": 15.0, "int4": 7.0}
+# Bits of the symmetric integer grids {-qmax .. qmax}, qmax = 2^(bits - 1) - 1.
+INT_BITS = {"int8": 8, "int6": 6, "int5": 5, "int4": 4}
+# How a row's codes are split into bit planes on the wire (low bits first, `code_planes`):
+# every plane packs 8 / width codes per byte, so a tile's codes land in whole bytes of each
+# plane with shifts and pairwise interleaves only (what the Triton lowering supports).
+PLANE_WIDTHS = {8: (8,), 6: (4, 2), 5: (4, 1), 4: (4,)}
 # The ASH pre-scale targets a group RMS of the E4M3 maximum, whatever the element format.
 ASH_TARGET_RMS = QMAX["e4m3"]
 # 1.5 * 2^23: adding and subtracting it rounds an fp32 |v| < 2^22 to the nearest integer, ties to
@@ -78,7 +84,8 @@ E8M0_NAN = 255
 class Payload:
     """An encoded array: `codec.decode(payload) ~= x` for `payload = codec.encode(x)`.
 
-    Invariant: `codes.shape == x.shape` (uint8, one byte per element) and every scale array has
+    Invariant: `codes.shape == x.shape` (uint8, one code per element; `pack` packs sub-byte
+    codes densely on the wire) and every scale array has
     shape `x.shape[:-1] + (x.shape[-1] // group_size,)`. `scales` holds the DS post-scale (fp32,
     or uint8 E8M0 exponents for compact codecs, where it is the whole per-group scale);
     `prescales` holds the ASH pre-scale alpha (fp32) or is None when the codec stores none.
@@ -104,6 +111,21 @@ class WireSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class CodePlane:
+    """One bit plane of the codes of a packed wire row (see `code_planes`).
+
+    shift: the lowest code bit it holds.
+    width: bits per code in this plane (8, 4, 2 or 1); 8 / width codes share a byte, the first
+      one in the byte's low bits.
+    offset: its first byte in the row.
+    """
+
+    shift: int
+    width: int
+    offset: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Codec:
     """A group-wise codec: which of the four stages run, in which formats.
 
@@ -123,12 +145,30 @@ class Codec:
         validate_group_size(self.group_size)
         if self.scale_format == "e8m0" and not self.postscale:
             raise ValueError(f"scale_format=e8m0 needs a post-scale; codec {self.name!r} has none")
-        if self.element == "int8" and not self.postscale:
-            raise ValueError(f"element='int8' needs a post-scale; codec {self.name!r} has none")
+        if self.is_integer and not self.postscale:
+            raise ValueError(
+                f"element={self.element!r} needs a post-scale; codec {self.name!r} has none"
+            )
 
     @property
     def is_identity(self) -> bool:
         return self.element == "raw"
+
+    @property
+    def is_integer(self) -> bool:
+        """Codes on a symmetric integer grid (INT8 .. INT4), not a float format."""
+        return self.element in INT_BITS
+
+    @property
+    def bits(self) -> int:
+        """Bits of one code on the wire."""
+        return INT_BITS.get(self.element, 8)
+
+    @property
+    def code_offset(self) -> int:
+        """What a sub-byte code stores: the grid value plus this (offset binary, 1 .. 2^bits -
+        1); INT8 and the float formats store their own bits (offset 0)."""
+        return 1 << (self.bits - 1) if self.bits < 8 else 0
 
     @property
     def qmax(self) -> float:
@@ -153,16 +193,21 @@ class Codec:
 
     @property
     def bits_per_element(self) -> float:
-        """Wire bits per encoded element (8 + 8 * side bytes / G; 8.5 for `taco` at G=128)."""
+        """Wire bits per encoded element: bits + 8 * side bytes / G (8.5 for `taco` at G = 128,
+        6.25 for `int6_hadamard`)."""
         if self.is_identity:
             return 32.0  # `none` moves the fp32 value itself
-        return 8.0 + 8.0 * self.side_bytes_per_group / self.group_size
+        return self.bits + 8.0 * self.side_bytes_per_group / self.group_size
+
+    def code_bytes(self, n: int) -> int:
+        """Bytes of the codes of a chunk of `n` elements (`n` a multiple of G)."""
+        return n * self.bits // 8
 
     def wire_bytes(self, n: int) -> int:
         """Bytes of one packed chunk of `n` elements (`n` a multiple of G)."""
         if self.is_identity:
             return 4 * n
-        return n + self.side_bytes_per_group * (n // self.group_size)
+        return self.code_bytes(n) + self.side_bytes_per_group * (n // self.group_size)
 
     def encode(self, x: jax.Array) -> Payload:
         """Encodes the last axis of `x` (fp32/bf16/fp16, last dim a multiple of G)."""
@@ -187,6 +232,11 @@ _CODECS = {
     # Fallback for hardware without FP8: per-group absmax symmetric INT8, optionally rotated.
     "int8": dict(element="int8", postscale=True),
     "int8_hadamard": dict(element="int8", hadamard=True, postscale=True),
+    # Sub-byte Hadamard codes for slow links (bits + 32/G bits per element): the Hadamard makes
+    # the groups near-Gaussian, where a uniform grid beats a float format of the same bits.
+    "int6_hadamard": dict(element="int6", hadamard=True, postscale=True),
+    "int5_hadamard": dict(element="int5", hadamard=True, postscale=True),
+    "int4_hadamard": dict(element="int4", hadamard=True, postscale=True),
     # Identity: collectives with this codec are the plain lax collectives.
     "none": dict(element="raw"),
 }
@@ -211,13 +261,28 @@ def get_codec(codec: str | Codec = DEFAULT_CODEC, group_size: int | None = None)
     return Codec(name=codec, group_size=size, **_CODECS[codec])
 
 
+def code_planes(codec: Codec, n: int) -> tuple[CodePlane, ...]:
+    """The code planes of a packed row of `n` codes, in wire order from byte 0.
+
+    8-bit codes are one plane of bytes. A b-bit code is split into planes of 4, 2 and 1 bits
+    (`PLANE_WIDTHS`: 6 = 4 + 2, 5 = 4 + 1): b / 8 bytes per code in all, so four 6-bit codes
+    take three bytes (two of the nibble plane, one of the 2-bit plane).
+    """
+    planes, shift, offset = [], 0, 0
+    for width in PLANE_WIDTHS[codec.bits]:
+        planes.append(CodePlane(shift, width, offset))
+        shift, offset = shift + width, offset + n * width // 8
+    return tuple(planes)
+
+
 def wire_sections(codec: Codec, n: int) -> tuple[WireSection, ...]:
-    """The side sections of a packed row of `n` codes: `[n codes][section 0][section 1]`.
+    """The side sections of a packed row of `n` codes: `[codes][section 0][section 1]`, the
+    codes taking `codec.code_bytes(n)` bytes (`code_planes`).
 
     `pack` / `unpack` and the kernels all read the layout from here.
     """
     groups = n // codec.group_size
-    sections, offset = [], n
+    sections, offset = [], codec.code_bytes(n)
     for field, width in codec.side_fields:
         sections.append(WireSection(field, offset, width))
         offset += width * groups
@@ -339,20 +404,25 @@ def e8m0_value(biased: jax.Array) -> jax.Array:
 def quantize(codec: Codec, scaled: jax.Array, *, magic_round: bool = False) -> jax.Array:
     """fp32 values already divided by their scale -> uint8 codes (saturating).
 
-    INT8 rounds half to even: with `jnp.round`, or with `magic_round` by adding and subtracting
-    1.5 * 2^23 (for the Triton lowering, which has no `round`; XLA on the CPU folds that add away,
-    so the reference and interpret mode use `jnp.round`)."""
+    The integer grids round half to even: with `jnp.round`, or with `magic_round` by adding and
+    subtracting 1.5 * 2^23 (for the Triton lowering, which has no `round`; XLA on the CPU folds
+    that add away, so the reference and interpret mode use `jnp.round`). INT8 stores two's
+    complement, the sub-byte grids offset binary (`Codec.code_offset`)."""
     clipped = jnp.clip(scaled, -codec.qmax, codec.qmax)
-    if codec.element == "int8":
+    if codec.is_integer:
         rounded = (clipped + ROUND_MAGIC) - ROUND_MAGIC if magic_round else jnp.round(clipped)
-        return lax.bitcast_convert_type(rounded.astype(jnp.int8), jnp.uint8)
+        if codec.bits == 8:
+            return lax.bitcast_convert_type(rounded.astype(jnp.int8), jnp.uint8)
+        return (rounded.astype(jnp.int32) + codec.code_offset).astype(jnp.uint8)
     return lax.bitcast_convert_type(clipped.astype(FLOAT8_DTYPES[codec.element]), jnp.uint8)
 
 
 def dequantize(codec: Codec, codes: jax.Array) -> jax.Array:
     """uint8 codes -> their fp32 values (exact: every code is representable)."""
-    if codec.element == "int8":
-        return lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.float32)
+    if codec.is_integer:
+        if codec.bits == 8:
+            return lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.float32)
+        return (codes.astype(jnp.int32) - codec.code_offset).astype(jnp.float32)
     return lax.bitcast_convert_type(codes, FLOAT8_DTYPES[codec.element]).astype(jnp.float32)
 
 
@@ -431,10 +501,52 @@ def side_from_bytes(data: jax.Array, width: int) -> jax.Array:
     return lax.bitcast_convert_type(jnp.sum(words << shift, axis=-1), jnp.float32)
 
 
+# --------------------------------------------------------------------------------------------
+# Codes <-> bit planes, in ops the kernels lower too (shifts, and interleaves of pairs on the
+# last axis). The 4-bit codes of the stage and DP codecs use the same packing.
+
+
+def pack_bits(values: jax.Array, width: int) -> jax.Array:
+    """uint8 values [..., m], each below 2^width (width 1, 2, 4 or 8) -> bytes
+    [..., m * width / 8]; consecutive values fill a byte from its low bits up."""
+    while width < 8:
+        low, high = lax.unstack(values.reshape(*values.shape[:-1], -1, 2), axis=-1)
+        values, width = low | (high << width), 2 * width
+    return values
+
+
+def unpack_bits(data: jax.Array, width: int) -> jax.Array:
+    """Inverse of `pack_bits`: bytes [..., k] -> uint8 values [..., 8 k / width]."""
+    per_value = 8
+    while per_value > width:
+        per_value //= 2
+        low = data & ((1 << per_value) - 1)
+        data = jnp.stack([low, data >> per_value], axis=-1).reshape(*data.shape[:-1], -1)
+    return data
+
+
+def plane_bytes(codes: jax.Array, plane: CodePlane) -> jax.Array:
+    """The bytes of `plane` for codes [..., m]: [..., m * plane.width / 8]."""
+    if plane.width == 8:
+        return codes
+    return pack_bits((codes >> plane.shift) & ((1 << plane.width) - 1), plane.width)
+
+
+def codes_from_planes(planes: list[tuple[CodePlane, jax.Array]]) -> jax.Array:
+    """Inverse of `plane_bytes` over all the planes of a code: [(plane, bytes)] -> codes."""
+    codes = None
+    for plane, data in planes:
+        part = unpack_bits(data, plane.width)
+        part = part << plane.shift if plane.shift else part
+        codes = part if codes is None else codes | part
+    return codes
+
+
 def pack(codec: Codec, payload: Payload) -> jax.Array:
-    """Concatenates codes and side bytes along the last axis: uint8[..., wire_bytes(n)]."""
+    """Concatenates codes (packed into `code_planes`) and side bytes along the last axis:
+    uint8[..., wire_bytes(n)]."""
     n = payload.codes.shape[-1]
-    parts = [payload.codes] + [
+    parts = [plane_bytes(payload.codes, plane) for plane in code_planes(codec, n)] + [
         side_to_bytes(getattr(payload, s.field), s.width) for s in wire_sections(codec, n)
     ]
     return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
@@ -449,7 +561,8 @@ def unpack(codec: Codec, wire: jax.Array, n: int) -> Payload:
         s.field: side_from_bytes(wire[..., s.offset : s.offset + s.width * groups], s.width)
         for s in wire_sections(codec, n)
     }
-    return Payload(wire[..., :n], sides.get("scales"), sides.get("prescales"))
+    planes = [(p, wire[..., p.offset : p.offset + n * p.width // 8]) for p in code_planes(codec, n)]
+    return Payload(codes_from_planes(planes), sides.get("scales"), sides.get("prescales"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -308,18 +308,12 @@ def decode_groups(codec: TahQuant, codes: jax.Array, sides: dict[str, jax.Array]
 def pack_codes(codec: TahQuant, codes: jax.Array) -> jax.Array:
     """Grid codes [..., n] int32 -> code bytes [..., n * bits / 8] (uint8)."""
     stored = codes if codec.asymmetric else codes + (1 << (codec.bits - 1))  # offset binary
-    stored = stored.astype(jnp.uint8)
-    if codec.bits == 8:
-        return stored
-    low, high = lax.unstack(stored.reshape(*stored.shape[:-1], -1, 2), axis=-1)
-    return low | (high << 4)
+    return codecs.pack_bits(stored.astype(jnp.uint8), codec.bits)
 
 
 def unpack_codes(codec: TahQuant, data: jax.Array) -> jax.Array:
     """Inverse of `pack_codes`."""
-    if codec.bits == 4:
-        data = jnp.stack([data & 0xF, data >> 4], axis=-1).reshape(*data.shape[:-1], -1)
-    codes = data.astype(jnp.int32)
+    codes = codecs.unpack_bits(data, codec.bits).astype(jnp.int32)
     return codes if codec.asymmetric else codes - (1 << (codec.bits - 1))
 
 

@@ -4,7 +4,8 @@ and collective tests.
 The bound (round to nearest, p mantissa bits; derivations as in test_codecs.py):
 - E4M3 (p=3) / E5M2 (p=2): ||err||_group <= 2^-(p+1) ||x||_group, plus the subnormal codes'
   half step (2^-10 E4M3, 2^-17 E5M2, in units of the group scale) times sqrt(G);
-- INT8: ||err||_group <= sqrt(G) s / 2 with s = max|H x| / 127;
+- integer grids (INT8 .. INT4): ||err||_group <= sqrt(G) s / 2 with s = max|H x| / qmax
+  (qmax = 2^(bits - 1) - 1: 127, 31, 15, 7);
 - the scale s = max|H x| / qmax, doubled at most by E8M0's round-up to a power of two;
 - the Hadamard is orthonormal, so group-norm errors carry over between the domains.
 Everything here is computed in float64, so the bound itself never under- or overflows.
@@ -46,7 +47,7 @@ def group_error_bound(codec: Codec, x) -> np.ndarray:
     groups = groups64(x, g)
     rotated = groups @ codecs.hadamard_matrix(g).astype(np.float64) if codec.hadamard else groups
     scale = np.abs(rotated).max(axis=-1) / codec.qmax
-    if codec.element == "int8":
+    if codec.is_integer:
         return np.sqrt(g) * scale / 2
     if codec.scale_format == "e8m0":
         scale = 2 * scale

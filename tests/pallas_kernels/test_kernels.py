@@ -105,7 +105,10 @@ ENCODE_CASES = [(name, 128, jnp.bfloat16) for name in codecs.CODEC_NAMES if name
     ("int8_hadamard", 256, jnp.float32),
 ]
 OTHER_CASES = [("taco", 128), ("taco_e8m0", 128), ("fp8", 128), ("taco_no_ds", 128),
-               ("int8_hadamard", 128), ("taco", 512)]  # fmt: skip
+               ("int8_hadamard", 128), ("taco", 512), ("int6_hadamard", 128),
+               ("int5_hadamard", 128), ("int4_hadamard", 32)]  # fmt: skip
+# Sub-byte codes split into bit planes (codecs.code_planes): 6 = 4 + 2 and 5 = 4 + 1 bits.
+SUB_BYTE_CODECS = ["int6_hadamard", "int5_hadamard"]
 
 
 # Launch variants (tile size, tile loop, in-kernel signs, factored Hadamard): each must compute
@@ -207,7 +210,7 @@ class KernelTest:
             wanted[flipped] = own_codes[flipped]
         assert_codes_match(codec, codes, want_codes, ideal)
 
-    @pytest.mark.parametrize("name", ["taco", "taco_e8m0", "fp8", "int8_hadamard"])
+    @pytest.mark.parametrize("name", ["taco", "taco_e8m0", "fp8", "int8_hadamard", "int6_hadamard"])
     def test_every_magnitude_matches_reference(self, name):
         """Groups from 1e-30 to 1e30 side by side: each kernel agrees with the reference group by
         group, within the tolerances above taken relative to each group's own magnitude."""
@@ -232,10 +235,16 @@ class KernelTest:
             tol = rows * 128 * FP32_EPS * np.abs(b).max(axis=-1, keepdims=True)
             assert np.all(np.abs(a - b) <= tol)
 
-    @pytest.mark.parametrize("config", LAUNCH_CONFIGS, ids=_config_id)
-    def test_rows_of_several_tiles(self, config):
-        """Tiles after the first, a partial last tile, and each launch variant of BlockConfig."""
-        codec = codecs.get_codec("taco", 128)
+    @pytest.mark.parametrize(
+        "name,config",
+        [("taco", c) for c in LAUNCH_CONFIGS]
+        + [(name, LAUNCH_CONFIGS[2]) for name in SUB_BYTE_CODECS],
+        ids=lambda v: _config_id(v) if v is None or isinstance(v, pk.BlockConfig) else v,
+    )
+    def test_rows_of_several_tiles(self, name, config):
+        """Tiles after the first, a partial last tile, and each launch variant of BlockConfig
+        (for the bit planes of sub-byte codes: a tile loop that overruns the row)."""
+        codec = codecs.get_codec(name, 128)
         tile = (config or pk.block_config(128, 1 << 20)).groups_per_tile
         groups = 2 * tile + 5  # two whole tiles and a partial one
         n = 128 * groups
@@ -249,8 +258,9 @@ class KernelTest:
         assert_codes_match(codec, got.codes, want.codes,
                            _ideal_scaled(codec, np.asarray(x, np.float64), want))  # fmt: skip
         np.testing.assert_allclose(got.scales, want.scales, rtol=_tie_rtol(128), atol=0)
-        # alpha = 448 / rms: the energy is a G-term fp32 sum (of x, or of H x), same bound.
-        np.testing.assert_allclose(got.prescales, want.prescales, rtol=_tie_rtol(128), atol=0)
+        if codec.prescale:
+            # alpha = 448 / rms: the energy is a G-term fp32 sum (of x, or of H x), same bound.
+            np.testing.assert_allclose(got.prescales, want.prescales, rtol=_tie_rtol(128), atol=0)
         decoded = pk.decode(codec, wire, n, jnp.float32, **run)
         reference = pk.decode_reference(codec, wire, n, jnp.float32)
         scale = float(jnp.max(jnp.abs(reference)))
@@ -264,8 +274,9 @@ class KernelTest:
         ideal = _ideal_scaled(codec, np.asarray(want_total, np.float64)[None], want_again)
         assert_codes_match(codec, again.codes, want_again.codes, ideal)
 
-    def test_every_output_element_is_written(self):
-        codec = codecs.get_codec("taco", 32)
+    @pytest.mark.parametrize("name", ["taco"] + SUB_BYTE_CODECS)
+    def test_every_output_element_is_written(self, name):
+        codec = codecs.get_codec(name, 32)
         n = 32 * self.GROUPS
         x = _x(jax.random.key(3), (2, n), jnp.float32)
         b = codec.wire_bytes(n)
@@ -290,7 +301,7 @@ class KernelTest:
                         interpret=self.INTERPRET)  # fmt: skip
         assert bool(jnp.all(jnp.isnan(out[0, :32]))) and bool(jnp.all(jnp.isfinite(out[0, 32:])))
 
-    @pytest.mark.parametrize("name", ["taco", "fp8", "int8_hadamard", "taco_e8m0"])
+    @pytest.mark.parametrize("name", ["taco", "fp8", "int8_hadamard", "taco_e8m0", "int6_hadamard"])
     def test_lone_nonfinite_values_mark_their_groups(self, name):
         """One NaN or Inf among 2 x 40 groups: its group decodes to NaN, all others stay finite,
         through encode + decode and through decode-sum."""
