@@ -1,6 +1,8 @@
-"""Accuracy of `compressed_psum` against exact `lax.psum`, per codec, at TP = 8 (CPU is enough).
+"""Accuracy of `compressed_psum` against exact `lax.psum`, per codec, at TP = 2, 4, 8 (CPU is
+enough).
 
-Runs the collective under `shard_map` on 8 fake CPU devices and reports, per codec and data set,
+Runs the collective under `shard_map` on 8 fake CPU devices and reports, per TP size, codec and
+data set,
 the relative L2 error ||out - psum|| / ||psum|| and the fraction of non-zero sums that decode to
 exactly zero ("zero collapse"). Writes `codec_error-<date>.json` to `--out` (default
 benchmarks/results/) and prints the markdown table of the README.
@@ -50,20 +52,20 @@ def measure(codec: str, x: jax.Array, mesh) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--size", type=int, default=1 << 20, help="elements per rank")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
-    mesh = jax.make_mesh(
-        (args.tp,),
-        ("tp",),
-        axis_types=(jax.sharding.AxisType.Auto,),
-        devices=jax.devices()[: args.tp],
-    )
-    data = datasets(args.tp, args.size, args.seed)
     codecs = [c for c in tj.CODEC_NAMES if c != "none"]
-    results = {c: {name: measure(c, x, mesh) for name, x in data.items()} for c in codecs}
+    results = {}
+    for tp in args.tp:
+        mesh = jax.make_mesh(
+            (tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:tp]
+        )
+        data = datasets(tp, args.size, args.seed)
+        results[tp] = {c: {name: measure(c, x, mesh) for name, x in data.items()} for c in codecs}
+        print(f"TP = {tp} measured", flush=True)
     bits = {c: tj.get_codec(c).bits_per_element for c in codecs}
     write_record(
         "codec_error",
@@ -72,18 +74,16 @@ def main() -> None:
         elements_per_rank=args.size,
         seed=args.seed,
         bits_per_element=bits,
-        results=results,
+        results={str(tp): r for tp, r in results.items()},
     )
     names = list(data)
-    print(
-        "| codec | bits/elem | " + " | ".join(f"{n} rel. L2 (zero collapse)" for n in names) + " |"
-    )
-    print("|---|---|" + "---|" * len(names))
+    print("| codec | bits/elem | TP | " + " | ".join(f"{n} rel. L2 (zero collapse)" for n in names)
+          + " |")  # fmt: skip
+    print("|---|---|---|" + "---|" * len(names))
     for c in codecs:
-        cells = [
-            f"{results[c][n]['rel_l2']:.4f} ({results[c][n]['zero_collapse']:.1%})" for n in names
-        ]
-        print(f"| `{c}` | {bits[c]:g} | " + " | ".join(cells) + " |")
+        for tp, r in results.items():
+            cells = [f"{r[c][n]['rel_l2']:.4f} ({r[c][n]['zero_collapse']:.1%})" for n in names]
+            print(f"| `{c}` | {bits[c]:g} | {tp} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -86,7 +86,8 @@ def _ops(codec):
 
 
 def _n(codec, wire):
-    return wire.shape[1] * codec.group_size // (codec.group_size + codec.side_bytes_per_group)
+    """Elements of a wire row: wire_bytes(n) = n * bits_per_element / 8."""
+    return round(wire.shape[1] * 8 / codec.bits_per_element)
 
 
 def _inputs(codec, elements, key, kind):
@@ -98,11 +99,16 @@ def _inputs(codec, elements, key, kind):
     return out
 
 
-def _ulp_mismatch(a, b):
-    """(# differing codes, max distance in code steps) for FP8 sign-magnitude bytes."""
-    a = np.asarray(a).astype(np.int32)
-    b = np.asarray(b).astype(np.int32)
-    ordered = lambda c: np.where(c & 0x80, -(c & 0x7F), c & 0x7F)  # noqa: E731
+def _ulp_mismatch(codec, wire, ref, n: int):
+    """(# differing codes, max distance in code steps) of two wire buffers of rows of `n`:
+    integer grids by value, FP8 by their sign-magnitude order."""
+    a, b = (np.asarray(codecs.unpack(codec, w.reshape(-1, w.shape[-1]), n).codes)
+            for w in (wire, ref))  # fmt: skip
+    if codec.is_integer:
+        ordered = lambda c: np.asarray(codecs.dequantize(codec, c)).astype(np.int32)  # noqa: E731
+    else:
+        ordered = lambda c: np.where(c & 0x80, -(c & 0x7F), c & 0x7F)  # noqa: E731
+    a, b = a.astype(np.int32), b.astype(np.int32)
     diff = np.abs(ordered(a) - ordered(b))
     return int(np.sum(a != b)), int(diff.max(initial=0))
 
@@ -136,7 +142,7 @@ def check(key):
             poison = jnp.full((PEERS, b), 0xAB, jnp.uint8)
             wire = pk.encode(codec, x, out_init=poison)
             ref = pk.encode_reference(codec, x)
-            diffs, steps = _ulp_mismatch(wire[:, :n], ref[:, :n])
+            diffs, steps = _ulp_mismatch(codec, wire, ref, n)
             dec = pk.decode(codec, ref, n, jnp.float32, out_init=jnp.full((PEERS, n), jnp.nan))
             dec_ref = pk.decode_reference(codec, ref, n)
             dec_err = float(jnp.max(jnp.abs(dec - dec_ref)) / jnp.max(jnp.abs(dec_ref)))
@@ -145,7 +151,7 @@ def check(key):
             sum_err = float(jnp.max(jnp.abs(s - s_ref)) / jnp.max(jnp.abs(s_ref)))
             r = pk.decode_sum_reencode(codec, ref, n, out_init=jnp.full((b,), 0xAB, jnp.uint8))
             r_ref = pk.decode_sum_reencode_reference(codec, ref, n)
-            r_diffs, r_steps = _ulp_mismatch(r[:n], r_ref[:n])
+            r_diffs, r_steps = _ulp_mismatch(codec, r, r_ref, n)
             row = dict(
                 codec=name,
                 group_size=g,
@@ -186,7 +192,7 @@ def check_mosaic(key) -> list[dict]:
             x = (jax.random.normal(k, (PEERS, n), jnp.float32) * 3).astype(jnp.bfloat16)
             wire = pk.encode(codec, x, backend="mosaic")
             ref = pk.encode_reference(codec, x)
-            diffs, steps = _ulp_mismatch(wire[:, :n], ref[:, :n])
+            diffs, steps = _ulp_mismatch(codec, wire, ref, n)
             row = dict(
                 codec=codec.name,
                 backend="mosaic",
@@ -201,8 +207,8 @@ def check_mosaic(key) -> list[dict]:
     return rows
 
 
-def bench(key, sizes_mib, latency_kib):
-    codec = codecs.get_codec("taco", 128)
+def bench(key, sizes_mib, latency_kib, codec_name="taco"):
+    codec = codecs.get_codec(codec_name, 128)
     copy = jax.jit(lambda x: -x)
     ops = _ops(codec)
     results = []
@@ -312,6 +318,7 @@ def main():
         default="64,256,1024,4096",
         help="sizes timed inside one jitted program (empty: skip)",
     )
+    p.add_argument("--codec", default="taco", help="codec of the bandwidth table")
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--check-mosaic-only", action="store_true", help="check only the Mosaic encode")
     args = p.parse_args()
@@ -325,12 +332,12 @@ def main():
     lat = [int(s) for s in args.latency_kib.split(",") if s]
     floor = launch_floor()
     print("LAUNCH_FLOOR_S", floor, flush=True)
-    results = bench(key, sizes, lat)
+    results = bench(key, sizes, lat, args.codec)
     in_program = latency_in_program(key, [int(s) for s in args.in_program_kib.split(",") if s])
     write_record(
-        "kernels",
+        "kernels" if args.codec == "taco" else f"kernels-{args.codec}",
         args.out,
-        codec="taco",
+        codec=args.codec,
         group_size=128,
         peers=PEERS,
         launch_floor_s=floor,

@@ -1,6 +1,6 @@
 """Training-step speed: step time, tokens/s and MFU of the bf16 GPT, and the cost of TACO in TP.
 
-Cases (`--only TEXT` keeps those whose label contains TEXT):
+Cases (`--only TEXT [TEXT ...]` keeps those whose label contains one of them):
   1. Uncompressed bf16 GPT-125M and GPT-1.3B on one device, no TP (`make_steps` with tp = 1):
      step time, tokens/s and MFU = flops_per_token x tokens/s / peak, with flops_per_token
      = 6 N + 12 L H Q T (PaLM appendix B, nanoGPT's `estimate_mfu`; `ModelConfig.flops_per_token`)
@@ -135,6 +135,9 @@ def default_cases(args) -> list[Case]:
             Case(f"{sp_label} none", codec="none", **sp_run),
             Case(f"{sp_label} taco auto", codec="taco", **sp_run),
         ]
+        for codec in args.tp_codecs:  # other codecs through the same policy (e.g. sub-byte)
+            cases += [Case(f"{label} {codec} auto", codec=codec, **run),
+                      Case(f"{sp_label} {codec} auto", codec=codec, **sp_run)]  # fmt: skip
         if n_devices == 2:  # where one-shot sends the bytes of two-shot
             cases += [
                 Case(
@@ -333,10 +336,13 @@ def main() -> None:
     parser.add_argument("--dp-preset", default="gpt_350m", help="model of the data-parallel runs")
     parser.add_argument("--dp-batch", type=int, default=8, help="batch of the data-parallel runs")
     parser.add_argument("--suffix", default="", help="appended to the record's file name")
+    parser.add_argument("--tp-codecs", nargs="*", default=[],
+                        help="codecs beside taco in the real-TP cases")  # fmt: skip
     parser.add_argument("--impl", default="auto", help="codec kernels for taco: auto|xla|pallas")
     parser.add_argument("--remat", action="store_true")
     parser.add_argument("--unroll", action="store_true", help="unrolled layers instead of scan")
-    parser.add_argument("--only", default=None, help="run only configs whose label contains this")
+    parser.add_argument("--only", nargs="+", default=None,
+                        help="run only configs whose label contains one of these")  # fmt: skip
     parser.add_argument("--out", default=os.environ.get("OUT") or str(RESULTS))
     args = parser.parse_args()
     if args.smoke:
@@ -347,7 +353,7 @@ def main() -> None:
     attention, attention_note = attention_check()
     rows = []
     for case in default_cases(args):
-        if args.only and args.only not in case.label:
+        if args.only and not any(text in case.label for text in args.only):
             continue
         if attention == "xla":  # cuDNN unavailable: every case runs XLA attention
             case = dataclasses.replace(
