@@ -255,6 +255,11 @@ def unshard_params(stacked: dict, model: ModelConfig, tp: int) -> dict:
     return _map_axes(merge, model, stacked)
 
 
+def tp_split_dims(model: ModelConfig) -> dict:
+    """Per parameter, the axis TP splits, or -1 where every TP rank holds it whole."""
+    return _map_axes(lambda axes: -1 if _tp_dim(axes) is None else _tp_dim(axes), model)
+
+
 def vmap_out_axes(model: ModelConfig) -> dict:
     """vmap out_axes for per-rank parameter-shaped outputs (gradients): see `unshard_params`."""
     return _map_axes(lambda axes: 0 if _tp_dim(axes) is None else _tp_dim(axes), model)

@@ -260,11 +260,6 @@ class TrainConfig:
             )
         if self.optimizer.sharded:
             _check(p.pp == 1, f"optimizer.sharded with parallel.pp={p.pp}: not supported yet")
-            _check(
-                p.mode == "vmap" or p.tp == 1,
-                f"optimizer.sharded with parallel.tp={p.tp} under shard_map: not supported yet "
-                "(TP emulated with parallel.mode='vmap' is)",
-            )
         try:  # before any data is prepared: the model must split parallel.tp ways
             check_config(m, p)
         except ValueError as error:

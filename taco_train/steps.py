@@ -207,6 +207,74 @@ def _guarded(finite, new, old):
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
+@dataclasses.dataclass(frozen=True)
+class _ShardLayout:
+    """How the sharded optimizer lays out a rank's share of the state.
+
+    tp_dims: per parameter the axis split over TP (`models.parallel.tp_split_dims`) where TP
+    runs under shard_map with tp > 1 (each rank's TP slice is what ZeRO shards), else None.
+    tp_axis: the mesh's TP axis name.
+    param_specs: the TP model's parameter specs (`models.parallel.param_specs`) with tp_dims.
+    """
+
+    tp_dims: Any
+    tp_axis: str
+    param_specs: Any = None
+
+    @classmethod
+    def of(cls, model: ModelConfig, parallel: ParallelConfig, tp_axis: str) -> _ShardLayout:
+        if parallel.mode != "shard_map" or parallel.tp == 1:
+            return cls(None, tp_axis)
+        return cls(layout.tp_split_dims(model), tp_axis, layout.param_specs(model, tp_axis))
+
+    @property
+    def lead(self) -> int:
+        """Leading rank axes of every state leaf: [dp, S], or [dp, tp, S] for TP slices."""
+        return 1 if self.tp_dims is None else 2
+
+    @property
+    def state_spec(self) -> P:
+        return P(layout.DP_AXIS) if self.tp_dims is None else P(layout.DP_AXIS, self.tp_axis)
+
+    def replica_specs(self, params_abstract) -> Any:
+        """The replica's specs: whole on every rank, or sliced as the TP model's parameters."""
+        if self.tp_dims is None:
+            return jax.tree.map(lambda _: P(), params_abstract)
+        return self.param_specs
+
+    @property
+    def split(self) -> Any:
+        """`zero.update`'s split: True for the leaves sliced over TP."""
+        if self.tp_dims is None:
+            return None
+        return jax.tree.map(lambda dim: dim != zero.REPLICATED, self.tp_dims)
+
+
+def _sharded_update(optimizer, sharded: zero.ZeroConfig, shards: _ShardLayout, params_abstract,
+                    mesh):  # fmt: skip
+    """`zero.update` over the mesh: (local grads [dp, ...], state, replica, key) -> (state,
+    replica, global gradient norm), each rank on its block of the state."""
+    lead = shards.lead
+    replica_specs = shards.replica_specs(params_abstract)
+    grad_specs = jax.tree.map(lambda spec: P(layout.DP_AXIS, *spec), replica_specs)
+
+    def per_rank(grads, shard_state, replica, key):
+        drop = lambda tree, k: jax.tree.map(lambda x: x.reshape(x.shape[k:]), tree)  # noqa: E731
+        new, replica, norm = zero.update(
+            optimizer, sharded, drop(grads, 1), drop(shard_state, lead), replica, key,
+            split=shards.split, split_axis=shards.tp_axis,
+        )  # fmt: skip
+        return jax.tree.map(lambda x: x.reshape((1,) * lead + x.shape), new), replica, norm
+
+    return jax.shard_map(
+        per_rank,
+        mesh=mesh,
+        in_specs=(grad_specs, shards.state_spec, replica_specs, P()),
+        out_specs=(shards.state_spec, replica_specs, P()),
+        check_vma=False,
+    )
+
+
 def make_sharded_steps(
     model: ModelConfig,
     parallel: ParallelConfig,
@@ -219,58 +287,48 @@ def make_sharded_steps(
 
     The state: params, the replica every rank computes with (in `parallel.compute_dtype`,
     replicated); opt_state, a `zero.ShardState` of the fp32 master shards and the optimizer's
-    state, every leaf [dp, ...] split over "dp". A step computes each dp rank's gradients of its
-    share of the batch (fp32, taken at the replica's values), then `zero.update` (reduce-scatter,
-    clip, optimizer, all-gather; compressed as `sharded` says, its noise keyed by `seed` and the
-    step). Layouts: pp = 1, and tp = 1 under shard_map (TP emulated under vmap works).
+    state, every leaf [dp, ...] split over "dp" (with TP over a (dp, tp) mesh: [dp, tp, ...],
+    the shards of each rank's TP slice, `zero.shard_leaves`). A step computes each dp rank's
+    gradients of its share of the batch (fp32, taken at the replica's values), then
+    `zero.update` (reduce-scatter, clip, optimizer, all-gather; compressed as `sharded` says,
+    its noise keyed by `seed` and the step). Layouts: pp = 1.
     """
     layout.check_config(model, parallel)
-    if parallel.pp > 1 or (parallel.mode == "shard_map" and parallel.tp > 1):
-        raise ValueError(
-            f"the sharded optimizer takes pp = 1 and, under shard_map, tp = 1 (got pp="
-            f"{parallel.pp}, tp={parallel.tp}, mode={parallel.mode!r})"
-        )
+    if parallel.pp > 1:
+        raise ValueError(f"the sharded optimizer takes pp = 1 (got pp={parallel.pp})")
     mesh = layout.make_mesh(parallel, comm.axis_name)
     replicated = NamedSharding(mesh, P())
-    split = NamedSharding(mesh, P(layout.DP_AXIS))  # also the batch's
-    dp = parallel.dp
+    shards = _ShardLayout.of(model, parallel, comm.axis_name)
     params_abstract = layout.abstract_params(model)
     replica_dtype = jnp.dtype(parallel.compute_dtype)
-    shards_abstract = jax.eval_shape(lambda p: zero.shard_leaves(p, dp), params_abstract)
-    init_shards = jax.vmap(functools.partial(zero.init, optimizer))
+    to_shards = functools.partial(
+        zero.shard_leaves, ranks=parallel.dp, tp_dims=shards.tp_dims, tp=parallel.tp
+    )
+    init_shards = functools.partial(zero.init, optimizer)
+    for _ in range(shards.lead):  # one vmap per leading rank axis
+        init_shards = jax.vmap(init_shards)
+    shards_abstract = jax.eval_shape(to_shards, params_abstract)
     opt_abstract = jax.eval_shape(init_shards, shards_abstract).opt_state
+    placed = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     state_sharding = TrainState(
         step=replicated,
-        params=jax.tree.map(lambda _: replicated, params_abstract),
-        opt_state=jax.tree.map(lambda _: split, zero.ShardState(shards_abstract, opt_abstract)),
+        params=jax.tree.map(placed, shards.replica_specs(params_abstract)),
+        opt_state=jax.tree.map(
+            lambda _: placed(shards.state_spec), zero.ShardState(shards_abstract, opt_abstract)
+        ),
         skipped=replicated,
     )
-    batch_sharding = split
+    batch_sharding = NamedSharding(mesh, P(layout.DP_AXIS))
     local_grads = layout.make_loss_and_local_grads(model, parallel, comm, mesh)
     loss_only = layout.make_loss(model, parallel, comm, mesh)
     # The compressors' noise: a stream apart from the parameters' init (key(seed) itself).
     step_key = jax.random.split(jax.random.key(seed), 3)[2]
-
-    def per_rank(grads, shard_state, replica, key):
-        first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
-        new, replica, norm = zero.update(
-            optimizer, sharded, first(grads), first(shard_state), replica, key
-        )
-        return jax.tree.map(lambda x: x[None], new), replica, norm
-
-    dp_spec = P(layout.DP_AXIS)
-    update = jax.shard_map(
-        per_rank,
-        mesh=mesh,
-        in_specs=(dp_spec, dp_spec, P(), P()),
-        out_specs=(dp_spec, P(), P()),
-        check_vma=False,
-    )
+    update = _sharded_update(optimizer, sharded, shards, params_abstract, mesh)
 
     @functools.partial(jax.jit, out_shardings=state_sharding)
     def init(key: jax.Array) -> TrainState:
         params = layout.init_params(model, key)
-        state = init_shards(zero.shard_leaves(params, dp))
+        state = init_shards(to_shards(params))
         replica = jax.tree.map(lambda p: p.astype(replica_dtype), params)
         zero_count = jnp.zeros((), jnp.int32)
         return TrainState(zero_count, replica, state, zero_count)

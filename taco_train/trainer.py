@@ -149,15 +149,22 @@ def check_resumable(cfg: TrainConfig, out: Path) -> None:
         for key in sorted(old.keys() | new.keys())
         if key.startswith(RESUME_KEYS) and key not in RESUME_EXEMPT and old.get(key) != new.get(key)
     ]
-    if cfg.optimizer.sharded and old.get("parallel.dp") != new.get("parallel.dp"):
-        # The state holds one master shard per dp rank.
-        differing.append(f"parallel.dp: {old.get('parallel.dp')!r} -> {new.get('parallel.dp')!r}"
-                         " (optimizer.sharded splits the state over dp)")  # fmt: skip
+    if cfg.optimizer.sharded and _shard_layout(old) != _shard_layout(new):
+        differing.append(f"(dp, tp slices) {_shard_layout(old)} -> {_shard_layout(new)} "
+                         "(optimizer.sharded splits the state over them)")  # fmt: skip
     if differing:
         raise ConfigError(
             f"{out} holds a run with another configuration ({'; '.join(differing)}); use another "
             "run.out_dir, or set run.resume=false to start over in this one"
         )
+
+
+def _shard_layout(flat_config: dict[str, Any]) -> tuple:
+    """How a sharded optimizer's state is split: one master shard per dp rank, and per TP slice
+    where TP runs under shard_map (`steps.make_sharded_steps`)."""
+    tp = flat_config.get("parallel.tp", 1)
+    sliced = flat_config.get("parallel.mode", "shard_map") == "shard_map" and tp > 1
+    return (flat_config.get("parallel.dp", 1), tp if sliced else 1)
 
 
 def _write_config(cfg: TrainConfig, out: Path) -> None:

@@ -11,6 +11,7 @@ from tolerances import exact_tolerance
 
 import taco_jax
 from models import ModelConfig, ParallelConfig
+from models import parallel as layout
 from models.parallel import check_config
 from taco_train import zero
 from taco_train.steps import make_steps
@@ -144,16 +145,25 @@ def test_a_nonfinite_step_is_skipped_on_the_device(parallel, sharded):
     assert not bool(steps.is_finite(after))
 
 
-def test_sharded_optimizer_is_the_replicated_one():
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        ParallelConfig(dp=2, compute_dtype="float32"),
+        ParallelConfig(dp=2, tp=2, sequence_parallel=True, compute_dtype="float32"),
+    ],
+    ids=["dp2", "dp2-tp2-sp"],
+)
+def test_sharded_optimizer_is_the_replicated_one(parallel):
     """ZeRO-1 (`optimizer.sharded`), uncompressed, fp32: three steps land where the replicated
-    optimizer lands. Bound per value (tests/taco_train/test_zero.py derives it): the same mean
+    optimizer lands, and both report the same gradient norm (with TP each rank keeps the shards
+    of its TP slice, and the norm must count TP-replicated leaves once). Bound per value
+    (tests/taco_train/test_zero.py derives it): the same mean
     gradient at dp = 2; the global norm summed in another order scales every clipped gradient
     by a common 1 + d, |d| <= n 2^-24 for n parameters, which Adam's step ignores but for eps;
     and ~8 roundings of each update that XLA may compile differently:
     |dp| <= steps 2^-24 (lr (n + 4) + 17 lr + 3 |p|). (Under vmap, the same update is
     tests/taco_train/test_zero.py's, and the trainer's vmap path trains in the non-finite
     test above.)"""
-    parallel = ParallelConfig(dp=2, compute_dtype="float32")
     if jax.device_count() < parallel.num_devices:
         pytest.skip(f"needs {parallel.num_devices} devices")
     lr, steps_run = 3e-3, 3
@@ -163,14 +173,18 @@ def test_sharded_optimizer_is_the_replicated_one():
     sharded = make_steps(CFG, parallel, comm, adamw, sharded=zero.ZeroConfig(grad_clip=1.0))
     a, b = plain.init(jax.random.key(0)), sharded.init(jax.random.key(0))
     tokens = _batch(4)
-    for _ in range(steps_run):
-        a, _ = plain.train_step(a, jax.device_put(tokens, plain.batch_sharding))
-        b, _ = sharded.train_step(b, jax.device_put(tokens, sharded.batch_sharding))
     n = sum(x.size for x in jax.tree.leaves(a.params))
+    for _ in range(steps_run):
+        a, want_metrics = plain.train_step(a, jax.device_put(tokens, plain.batch_sharding))
+        b, got_metrics = sharded.train_step(b, jax.device_put(tokens, sharded.batch_sharding))
+        # The same squares summed in another order: relative error <= n 2^-24.
+        np.testing.assert_allclose(got_metrics["grad_norm"], want_metrics["grad_norm"],
+                                   rtol=n * 2.0**-24)  # fmt: skip
     for want, got in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
         want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
         bound = steps_run * 2.0**-24 * (lr * (n + 4) + 17 * lr + 3 * np.abs(want))
         assert np.all(np.abs(got - want) <= bound)
-    masters = zero.unshard_leaves(b.opt_state.master, a.params)
+    tp_dims = layout.tp_split_dims(CFG) if parallel.tp > 1 else None
+    masters = zero.unshard_leaves(b.opt_state.master, a.params, tp_dims)
     for got, replica in zip(jax.tree.leaves(masters), jax.tree.leaves(b.params), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(replica))  # fp32 replica

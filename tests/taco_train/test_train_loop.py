@@ -171,7 +171,7 @@ def _assert_resume_is_exact(full, resumed, cache, overrides):
 SHARDED = (
     "parallel.mode='shard_map'",
     "parallel.dp=2",
-    "parallel.tp=1",
+    "parallel.tp=2",
     "optimizer.sharded=true",
     "compression.dp_grad='tlq_hs'",
     "compression.dp_param='qwd'",
@@ -179,17 +179,18 @@ SHARDED = (
 
 
 def test_sharded_sdp4bit_run_trains_and_resumes_exactly(cache, tmp_path, capsys):
-    """ZeRO-1 over dp = 2 fake devices with both SDP4Bit compressors: the loss falls, and a run
+    """ZeRO-1 over dp = 2 x tp = 2 fake devices (each rank keeps the shards of its TP slice)
+    with both SDP4Bit compressors and TACO on the TP traffic: the loss falls, and a run
     interrupted at its step-3 checkpoint resumes into the uninterrupted run's metrics and state,
     bit for bit (the compressors' noise comes from the run's seed and the step)."""
-    if jax.device_count() < 2:
-        pytest.skip("needs 2 devices")
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices")
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     _cli(full, cache, *SHARDED)
     records = metrics.read_jsonl(full / "metrics.jsonl")
     train = [r for r in records if "loss" in r and r["kind"] == "train"]
     assert train[-1]["loss"] < train[0]["loss"]
     _assert_resume_is_exact(full, resumed, cache, SHARDED)
-    with pytest.raises(SystemExit):  # the state holds one master shard per dp rank
-        _cli(resumed, cache, *SHARDED[:1], "parallel.dp=1", *SHARDED[2:])
-    assert "parallel.dp: 2 -> 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the state holds one master shard per dp rank, TP slice
+        _cli(resumed, cache, *SHARDED[:2], "parallel.tp=1", *SHARDED[3:])
+    assert "(dp, tp slices) (2, 2) -> (2, 1)" in capsys.readouterr().err
