@@ -192,7 +192,9 @@ def _stage_loss(model, parallel, codecs, ctx, params, tokens, key):
     return total / m
 
 
-def _stage_loss_and_grads(model, parallel, codecs, ctx, params, tokens, key):
+def _stage_loss_and_grads(model, parallel, codecs, ctx, params, tokens, key, local=False):
+    """The mean loss and the staged gradients: averaged over dp, or (local) this dp rank's own
+    with a leading axis of 1 (for a sharded optimizer that averages them itself)."""
     loss, grads = jax.value_and_grad(
         lambda p: _stage_loss(model, parallel, codecs, ctx, p, tokens, key)
     )(params)
@@ -204,6 +206,8 @@ def _stage_loss_and_grads(model, parallel, codecs, ctx, params, tokens, key):
     grads = jax.tree.map(
         lambda g, r: lax.psum(g, PP_AXIS) if r else g, grads, pp_replicated_mask(model)
     )
+    if local:
+        return _reduced_loss(loss), jax.tree.map(lambda g: g[None], grads)
     return _reduced_loss(loss), jax.tree.map(lambda g: lax.pmean(g, DP_AXIS), grads)
 
 
@@ -269,6 +273,37 @@ def make_pipeline_loss_and_grads(
         return loss, from_stages(grads, model)
 
     return loss_and_grads
+
+
+def make_pipeline_loss_and_local_grads(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    comm: taco_jax.TPComm,
+    codecs: StageCodecs = UNCOMPRESSED,
+    mesh=None,
+) -> Callable[[dict, jax.Array, jax.Array | None], tuple[jax.Array, dict]]:
+    """As `make_pipeline_loss_and_grads`, but each dp rank's own full-layout gradients of its
+    share of the batch, stacked on a leading dp axis (`models.parallel`'s
+    `make_loss_and_local_grads` for pipelines). Not jitted."""
+
+    def per_device(ctx, params, tokens, key):
+        return _stage_loss_and_grads(model, parallel, codecs, ctx, params, tokens, key, True)
+
+    fn = _pipelined(model, parallel, comm, mesh, per_device,
+                    lambda s: (P(), jax.tree.map(lambda spec: P(DP_AXIS, *spec), s)))  # fmt: skip
+
+    def loss_and_grads(params, tokens, key=None):
+        loss, grads = fn(params, tokens, key)
+        return loss, jax.vmap(lambda g: from_stages(g, model))(grads)
+
+    return loss_and_grads
+
+
+def stage_split_dims(model: ModelConfig) -> dict:
+    """Per parameter, the axis split over pipeline stages in the full layout (0: the blocks'
+    layers, contiguous slices as `full_layout_specs` places them), or -1 where every stage
+    holds it whole."""
+    return _map_axes(lambda axes: 0 if axes[0] == "layers" else -1, model)
 
 
 def make_pipeline_loss(

@@ -258,8 +258,6 @@ class TrainConfig:
                 f"compression.{name}={getattr(c, name)!r} compresses the sharded optimizer's "
                 "traffic: needs optimizer.sharded=true",
             )
-        if self.optimizer.sharded:
-            _check(p.pp == 1, f"optimizer.sharded with parallel.pp={p.pp}: not supported yet")
         try:  # before any data is prepared: the model must split parallel.tp ways
             check_config(m, p)
         except ValueError as error:

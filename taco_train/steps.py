@@ -79,15 +79,19 @@ def _opt_state_sharding(opt_abstract, params_abstract, param_sharding, replicate
     return jax.tree_util.tree_map_with_path(pick, opt_abstract)
 
 
-def _losses(model, parallel, comm, stage_codecs, mesh, seed):
+def _losses(model, parallel, comm, stage_codecs, mesh, seed, local=False):
     """(loss_and_grads(params, tokens, step), loss(params, tokens, step)) of the layout: the TP
     runners, or the pipeline's (whose stochastic stage codecs draw from `seed` and the step:
-    every step new noise, a resumed run the same)."""
+    every step new noise, a resumed run the same). local: each dp rank's own gradients,
+    stacked on a leading dp axis, instead of their mean (for the sharded optimizer)."""
     if parallel.pp == 1:
-        both = layout.make_loss_and_grads(model, parallel, comm, mesh)
+        make = layout.make_loss_and_local_grads if local else layout.make_loss_and_grads
+        both = make(model, parallel, comm, mesh)
         only = layout.make_loss(model, parallel, comm, mesh)
         return (lambda p, t, step: both(p, t)), (lambda p, t, step: only(p, t))
-    both = pipeline.make_pipeline_loss_and_grads(model, parallel, comm, stage_codecs, mesh)
+    make = (pipeline.make_pipeline_loss_and_local_grads if local
+            else pipeline.make_pipeline_loss_and_grads)  # fmt: skip
+    both = make(model, parallel, comm, stage_codecs, mesh)
     only = pipeline.make_pipeline_loss(model, parallel, comm, stage_codecs, mesh)
     train_key, eval_key = jax.random.split(jax.random.key(seed))
     return (
@@ -114,7 +118,7 @@ def make_steps(
     `state`; eval_step(state, tokens) -> {"loss"} does not (it returns no state to hand back).
     """
     if sharded is not None:
-        return make_sharded_steps(model, parallel, comm, optimizer, sharded, seed)
+        return make_sharded_steps(model, parallel, comm, optimizer, sharded, stage_codecs, seed)
     layout.check_config(model, parallel)
     mesh = layout.make_mesh(parallel, comm.axis_name)
     replicated = NamedSharding(mesh, P())
@@ -211,43 +215,59 @@ def _guarded(finite, new, old):
 class _ShardLayout:
     """How the sharded optimizer lays out a rank's share of the state.
 
-    tp_dims: per parameter the axis split over TP (`models.parallel.tp_split_dims`) where TP
-    runs under shard_map with tp > 1 (each rank's TP slice is what ZeRO shards), else None.
-    tp_axis: the mesh's TP axis name.
-    param_specs: the TP model's parameter specs (`models.parallel.param_specs`) with tp_dims.
+    axes: the model-parallel mesh axes the state is sliced over: (), (tp,) with TP under
+      shard_map, ("pp", tp) with pipeline stages; each rank's slice is what ZeRO shards.
+    dims: per parameter one entry per axis, the axis of the full leaf split over it or
+      `zero.REPLICATED` (None without axes).
+    sizes: the mesh sizes of `axes`.
+    param_specs: the replica's specs (the TP or pipeline model's full-layout parameter specs;
+      None: replicated).
     """
 
-    tp_dims: Any
-    tp_axis: str
+    axes: tuple[str, ...] = ()
+    dims: Any = None
+    sizes: tuple[int, ...] = ()
     param_specs: Any = None
 
     @classmethod
     def of(cls, model: ModelConfig, parallel: ParallelConfig, tp_axis: str) -> _ShardLayout:
-        if parallel.mode != "shard_map" or parallel.tp == 1:
-            return cls(None, tp_axis)
-        return cls(layout.tp_split_dims(model), tp_axis, layout.param_specs(model, tp_axis))
+        if parallel.mode != "shard_map" or parallel.num_devices == parallel.dp:
+            return cls()
+        tp_dims = layout.tp_split_dims(model)
+        if parallel.pp == 1:
+            return cls((tp_axis,), jax.tree.map(lambda d: (d,), tp_dims), (parallel.tp,),
+                       layout.param_specs(model, tp_axis))  # fmt: skip
+        dims = jax.tree.map(lambda p, t: (p, t), pipeline.stage_split_dims(model), tp_dims)
+        return cls((layout.PP_AXIS, tp_axis), dims, (parallel.pp, parallel.tp),
+                   pipeline.full_layout_specs(model, tp_axis))  # fmt: skip
 
     @property
     def lead(self) -> int:
-        """Leading rank axes of every state leaf: [dp, S], or [dp, tp, S] for TP slices."""
-        return 1 if self.tp_dims is None else 2
+        """Leading rank axes of every state leaf: [dp, S], or [dp, *model axes, S]."""
+        return 1 + len(self.axes)
 
     @property
     def state_spec(self) -> P:
-        return P(layout.DP_AXIS) if self.tp_dims is None else P(layout.DP_AXIS, self.tp_axis)
+        return P(layout.DP_AXIS, *self.axes)
 
     def replica_specs(self, params_abstract) -> Any:
-        """The replica's specs: whole on every rank, or sliced as the TP model's parameters."""
-        if self.tp_dims is None:
+        """The replica's specs: whole on every rank, or as the model-parallel parameters."""
+        if self.param_specs is None:
             return jax.tree.map(lambda _: P(), params_abstract)
         return self.param_specs
 
     @property
     def split(self) -> Any:
-        """`zero.update`'s split: True for the leaves sliced over TP."""
-        if self.tp_dims is None:
+        """`zero.update`'s split: per leaf the mesh axes its slices differ over."""
+        if self.dims is None:
             return None
-        return jax.tree.map(lambda dim: dim != zero.REPLICATED, self.tp_dims)
+        return jax.tree.map(
+            lambda dims: tuple(
+                a for a, d in zip(self.axes, dims, strict=True) if d != zero.REPLICATED
+            ),  # fmt: skip
+            self.dims,
+            is_leaf=lambda d: isinstance(d, tuple),
+        )
 
 
 def _sharded_update(optimizer, sharded: zero.ZeroConfig, shards: _ShardLayout, params_abstract,
@@ -262,7 +282,7 @@ def _sharded_update(optimizer, sharded: zero.ZeroConfig, shards: _ShardLayout, p
         drop = lambda tree, k: jax.tree.map(lambda x: x.reshape(x.shape[k:]), tree)  # noqa: E731
         new, replica, norm = zero.update(
             optimizer, sharded, drop(grads, 1), drop(shard_state, lead), replica, key,
-            split=shards.split, split_axis=shards.tp_axis,
+            split=shards.split,
         )  # fmt: skip
         return jax.tree.map(lambda x: x.reshape((1,) * lead + x.shape), new), replica, norm
 
@@ -281,28 +301,28 @@ def make_sharded_steps(
     comm: taco_jax.TPComm,
     optimizer: optax.GradientTransformation,
     sharded: zero.ZeroConfig,
+    stage_codecs: pipeline.StageCodecs = pipeline.UNCOMPRESSED,
     seed: int = 0,
 ) -> Steps:
-    """`make_steps` with ZeRO-1 over the dp ranks (`taco_train.zero`).
+    """`make_steps` with ZeRO-1 over the dp ranks (`taco_train.zero`), for every layout.
 
     The state: params, the replica every rank computes with (in `parallel.compute_dtype`,
-    replicated); opt_state, a `zero.ShardState` of the fp32 master shards and the optimizer's
-    state, every leaf [dp, ...] split over "dp" (with TP over a (dp, tp) mesh: [dp, tp, ...],
-    the shards of each rank's TP slice, `zero.shard_leaves`). A step computes each dp rank's
+    placed as the model's parameters); opt_state, a `zero.ShardState` of the fp32 master shards
+    and the optimizer's state, every leaf [dp, ...] split over "dp", or with model parallelism
+    under shard_map [dp, tp, ...] / [dp, pp, tp, ...]: each rank's TP / stage slice of the
+    full-layout leaf is what ZeRO shards (`zero.shard_leaves`). A step computes each dp rank's
     gradients of its share of the batch (fp32, taken at the replica's values), then
     `zero.update` (reduce-scatter, clip, optimizer, all-gather; compressed as `sharded` says,
-    its noise keyed by `seed` and the step). Layouts: pp = 1.
+    its noise keyed by `seed` and the step).
     """
     layout.check_config(model, parallel)
-    if parallel.pp > 1:
-        raise ValueError(f"the sharded optimizer takes pp = 1 (got pp={parallel.pp})")
     mesh = layout.make_mesh(parallel, comm.axis_name)
     replicated = NamedSharding(mesh, P())
     shards = _ShardLayout.of(model, parallel, comm.axis_name)
     params_abstract = layout.abstract_params(model)
     replica_dtype = jnp.dtype(parallel.compute_dtype)
     to_shards = functools.partial(
-        zero.shard_leaves, ranks=parallel.dp, tp_dims=shards.tp_dims, tp=parallel.tp
+        zero.shard_leaves, ranks=parallel.dp, dims=shards.dims, sizes=shards.sizes
     )
     init_shards = functools.partial(zero.init, optimizer)
     for _ in range(shards.lead):  # one vmap per leading rank axis
@@ -319,8 +339,7 @@ def make_sharded_steps(
         skipped=replicated,
     )
     batch_sharding = NamedSharding(mesh, P(layout.DP_AXIS))
-    local_grads = layout.make_loss_and_local_grads(model, parallel, comm, mesh)
-    loss_only = layout.make_loss(model, parallel, comm, mesh)
+    local_grads, loss_only = _losses(model, parallel, comm, stage_codecs, mesh, seed, local=True)
     # The compressors' noise: a stream apart from the parameters' init (key(seed) itself).
     step_key = jax.random.split(jax.random.key(seed), 3)[2]
     update = _sharded_update(optimizer, sharded, shards, params_abstract, mesh)
@@ -337,7 +356,7 @@ def make_sharded_steps(
     def train_step(state: TrainState, tokens: jax.Array):
         layout.check_tokens(model, parallel, tokens)
         at_replica = jax.tree.map(lambda p: p.astype(jnp.float32), state.params)
-        loss, grads = local_grads(at_replica, tokens)
+        loss, grads = local_grads(at_replica, tokens, state.step)
         key = jax.random.fold_in(step_key, state.step)
         shard_state, replica, grad_norm = update(grads, state.opt_state, state.params, key)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -348,7 +367,6 @@ def make_sharded_steps(
         new_state = TrainState(state.step + 1, replica, shard_state, skipped)
         return new_state, {"loss": loss, "grad_norm": grad_norm, "skipped_steps": skipped}
 
-    eval_step = _eval_step(model, parallel, lambda p, t, step: loss_only(p, t), state_sharding,
-                           batch_sharding)  # fmt: skip
+    eval_step = _eval_step(model, parallel, loss_only, state_sharding, batch_sharding)
     is_finite = _is_finite(state_sharding, replicated)
     return Steps(init, train_step, eval_step, is_finite, state_sharding, batch_sharding, mesh)

@@ -150,7 +150,7 @@ def check_resumable(cfg: TrainConfig, out: Path) -> None:
         if key.startswith(RESUME_KEYS) and key not in RESUME_EXEMPT and old.get(key) != new.get(key)
     ]
     if cfg.optimizer.sharded and _shard_layout(old) != _shard_layout(new):
-        differing.append(f"(dp, tp slices) {_shard_layout(old)} -> {_shard_layout(new)} "
+        differing.append(f"(dp, pp, tp) slices {_shard_layout(old)} -> {_shard_layout(new)} "
                          "(optimizer.sharded splits the state over them)")  # fmt: skip
     if differing:
         raise ConfigError(
@@ -160,11 +160,12 @@ def check_resumable(cfg: TrainConfig, out: Path) -> None:
 
 
 def _shard_layout(flat_config: dict[str, Any]) -> tuple:
-    """How a sharded optimizer's state is split: one master shard per dp rank, and per TP slice
-    where TP runs under shard_map (`steps.make_sharded_steps`)."""
-    tp = flat_config.get("parallel.tp", 1)
-    sliced = flat_config.get("parallel.mode", "shard_map") == "shard_map" and tp > 1
-    return (flat_config.get("parallel.dp", 1), tp if sliced else 1)
+    """How a sharded optimizer's state is split, (dp, pp, tp): one master shard per dp rank, per
+    stage and TP slice where they run under shard_map (`steps.make_sharded_steps`)."""
+    dp, pp, tp = (flat_config.get(f"parallel.{k}", 1) for k in ("dp", "pp", "tp"))
+    if flat_config.get("parallel.mode", "shard_map") != "shard_map" or pp * tp == 1:
+        return (dp, 1, 1)
+    return (dp, pp, tp)
 
 
 def _write_config(cfg: TrainConfig, out: Path) -> None:

@@ -25,6 +25,7 @@ Uncompressed, its master weights equal the replicated-DP AdamW update of the mea
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import flax.struct
@@ -81,12 +82,13 @@ def _padded_flat(x: jax.Array, ranks: int, dtype=jnp.float32) -> jax.Array:
     return jnp.pad(flat, (0, shard_size(flat.shape[0], ranks) * ranks - flat.shape[0]))
 
 
-REPLICATED = -1  # a `tp_dims` entry: the leaf is whole on every TP rank
+REPLICATED = -1  # a `dims` entry: the leaf is whole on every rank of that mesh axis
 
 
 def tp_slices(x: jax.Array, dim: int, tp: int) -> jax.Array:
-    """The TP slices of a full leaf, [tp, *slice shape]: rank r's part of axis `dim` (contiguous
-    blocks, as `NamedSharding` places it), or tp copies of x for dim = REPLICATED."""
+    """The slices of a full leaf over one mesh axis of `tp` ranks, [tp, *slice shape]: rank r's
+    contiguous block of axis `dim` (as `NamedSharding` places it), or tp copies of x for
+    dim = REPLICATED."""
     if dim == REPLICATED:
         return jnp.broadcast_to(x, (tp, *x.shape))
     blocks = x.reshape(*x.shape[:dim], tp, x.shape[dim] // tp, *x.shape[dim + 1 :])
@@ -101,36 +103,53 @@ def merge_tp_slices(slices: jax.Array, dim: int) -> jax.Array:
     return blocks.reshape(*blocks.shape[:dim], -1, *blocks.shape[dim + 2 :])
 
 
-def shard_leaves(params: Any, ranks: int, tp_dims: Any = None, tp: int = 1) -> Any:
-    """Full parameters -> the master shards of every rank, fp32 per leaf: [ranks, S] or, with
-    `tp_dims` (per leaf the axis split over tp, or REPLICATED), [ranks, tp, S] holding the
-    shards of each TP slice. Outside any mapping: place them with the dp (and tp) axes on the
-    leading dimensions."""
-    if tp_dims is None:
+def model_slices(x: jax.Array, dims: tuple[int, ...], sizes: tuple[int, ...]) -> jax.Array:
+    """`tp_slices` over several mesh axes (e.g. pp, then tp): [*sizes, *slice shape]."""
+    if not dims:
+        return x
+    first = tp_slices(x, dims[0], sizes[0])
+    return jax.vmap(lambda v: model_slices(v, dims[1:], sizes[1:]))(first)
+
+
+def merge_model_slices(slices: jax.Array, dims: tuple[int, ...]) -> jax.Array:
+    """Inverse of `model_slices`."""
+    if not dims:
+        return slices
+    inner = jax.vmap(lambda v: merge_model_slices(v, dims[1:]))(slices)
+    return merge_tp_slices(inner, dims[0])
+
+
+def shard_leaves(params: Any, ranks: int, dims: Any = None, sizes: tuple[int, ...] = ()) -> Any:
+    """Full parameters -> the master shards of every rank, fp32 per leaf: [ranks, S], or with
+    model-parallel slices (`dims`: per leaf one axis per mesh axis of `sizes`, the axis it is
+    split along or REPLICATED) [ranks, *sizes, S], the shards of each slice. Outside any
+    mapping: place them with the dp (and model) axes on the leading dimensions."""
+    if dims is None:
         return jax.tree.map(lambda x: _padded_flat(x, ranks).reshape(ranks, -1), params)
 
-    def shard(x, dim):
-        slices = tp_slices(x, dim, tp)
-        per_slice = jax.vmap(lambda v: _padded_flat(v, ranks).reshape(ranks, -1))(slices)
-        return jnp.swapaxes(per_slice, 0, 1)
+    def shard(x, leaf_dims):
+        slices = model_slices(x, leaf_dims, sizes)
+        flat = slices.reshape(-1, *slices.shape[len(sizes) :])
+        per_slice = jax.vmap(lambda v: _padded_flat(v, ranks).reshape(ranks, -1))(flat)
+        return jnp.moveaxis(per_slice.reshape(*sizes, ranks, -1), -2, 0)
 
-    return jax.tree.map(shard, params, tp_dims)
+    return jax.tree.map(shard, params, dims, is_leaf=lambda d: isinstance(d, tuple))
 
 
-def unshard_leaves(shards: Any, like: Any, tp_dims: Any = None) -> Any:
+def unshard_leaves(shards: Any, like: Any, dims: Any = None) -> Any:
     """Inverse of `shard_leaves`: shards -> leaves shaped like `like`."""
+    if dims is None:
+        return jax.tree.map(
+            lambda s, x: s.reshape(-1)[: x.size].reshape(x.shape).astype(x.dtype), shards, like
+        )
 
-    def merge(s, x, dim=None):
-        if dim is None:
-            return s.reshape(-1)[: x.size].reshape(x.shape).astype(x.dtype)
-        flat = jnp.swapaxes(s, 0, 1).reshape(s.shape[1], -1)  # [tp, ranks * S]
-        size = x.size if dim == REPLICATED else x.size // s.shape[1]
-        slices = flat[:, :size].reshape(s.shape[1], *tp_slices(x, dim, s.shape[1]).shape[1:])
-        return merge_tp_slices(slices, dim).astype(x.dtype)
+    def merge(s, x, leaf_dims):
+        sizes = s.shape[1:-1]
+        local = jax.eval_shape(lambda v: model_slices(v, leaf_dims, sizes), x).shape[len(sizes) :]
+        flat = jnp.moveaxis(s, 0, -2).reshape(*sizes, -1)[..., : math.prod(local)]
+        return merge_model_slices(flat.reshape(*sizes, *local), leaf_dims).astype(x.dtype)
 
-    if tp_dims is None:
-        return jax.tree.map(merge, shards, like)
-    return jax.tree.map(merge, shards, like, tp_dims)
+    return jax.tree.map(merge, shards, like, dims, is_leaf=lambda d: isinstance(d, tuple))
 
 
 def init(optimizer: optax.GradientTransformation, master: Any) -> ShardState:
@@ -169,17 +188,19 @@ def _leaf_keys(key: jax.Array, tree: Any) -> Any:
     return jax.tree.unflatten(treedef, list(jax.random.split(key, len(leaves))))
 
 
-def _global_norm(shards: Any, cfg: ZeroConfig, split: Any, split_axis: str | None):
-    """sqrt of the sum of squares of every rank's shards: over the dp axes, and over
-    `split_axis` too for the leaves `split` marks (their slices differ between its ranks; the
-    others are the same on each, so counted once)."""
+def _global_norm(shards: Any, cfg: ZeroConfig, split: Any):
+    """sqrt of the sum of squares of every rank's shards: over the dp axes, and for each leaf
+    over the mesh axes `split` names for it (its slices differ between their ranks; over the
+    other axes it is the same on every rank, so counted once)."""
     squares = jax.tree.map(lambda s: jnp.sum(jnp.square(s)), shards)
     if split is None:
         return jnp.sqrt(lax.psum(sum(jax.tree.leaves(squares)), cfg.axes))
-    pairs = list(zip(jax.tree.leaves(squares), jax.tree.leaves(split), strict=True))
-    whole = sum((q for q, is_split in pairs if not is_split), jnp.zeros((), jnp.float32))
-    sliced = sum((q for q, is_split in pairs if is_split), jnp.zeros((), jnp.float32))
-    return jnp.sqrt(lax.psum(whole, cfg.axes) + lax.psum(sliced, (*cfg.axes, split_axis)))
+    groups: dict[tuple, jax.Array] = {}
+    is_axes = lambda a: isinstance(a, tuple)  # noqa: E731
+    for square, axes in zip(jax.tree.leaves(squares), jax.tree.leaves(split, is_leaf=is_axes),
+                            strict=True):  # fmt: skip
+        groups[axes] = groups.get(axes, 0.0) + square
+    return jnp.sqrt(sum(lax.psum(q, (*cfg.axes, *axes)) for axes, q in sorted(groups.items())))
 
 
 def update(
@@ -190,16 +211,15 @@ def update(
     replica: Any,
     key: jax.Array,
     split: Any = None,
-    split_axis: str | None = None,
 ) -> tuple[ShardState, Any, jax.Array]:
     """One sharded step on this rank: (new state, new replica, global gradient norm).
 
-    grads: this rank's gradients of its own batch (full leaves, or this rank's TP slices of
-    them; not averaged over dp); the step uses their mean over the dp ranks. replica: the
+    grads: this rank's gradients of its own batch (full leaves, or this rank's model-parallel
+    slices of them; not averaged over dp); the step uses their mean over the dp ranks. replica: the
     parameters (or slices) every dp rank holds (any float dtype). key: PRNG key of the
     compressed collectives' stochastic rounding (unused without compression); thread it through
-    the training loop. split: with TP, a pytree of bools, True for the leaves sliced over the
-    mesh axis `split_axis` (the norm sums their slices), False for those TP replicates.
+    the training loop. split: with model parallelism (TP, PP), per leaf the tuple of mesh axes
+    its slices differ over (the norm sums them; () for a leaf every model rank holds whole).
     Plain JAX it equals, without compression: `optax.clip_by_global_norm` then `optimizer` on
     the full fp32 parameters with the dp-mean gradient, the replica being the new parameters
     cast to its dtype.
@@ -211,7 +231,7 @@ def update(
         grads,
         _leaf_keys(grad_key, grads),
     )
-    norm = _global_norm(shards, cfg, split, split_axis)
+    norm = _global_norm(shards, cfg, split)
     if cfg.grad_clip is not None:  # optax.clip_by_global_norm's rule, on the global norm
         clip = cfg.grad_clip
         shards = jax.tree.map(lambda s: jnp.where(norm < clip, s, (s / norm) * clip), shards)

@@ -32,6 +32,15 @@ def test_h200_preset_is_sized_to_the_corpus():
     assert 256 <= cfg.model.seq_len <= 512 and cfg.parallel.tp == 4
 
 
+def test_paper_3d_preset_compresses_every_dimension():
+    """The paper's layout, TP 4 x PP 2 x DP 2, with TACO, TAH-Quant and SDP4Bit."""
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "paper_3d.toml")
+    p, c = cfg.parallel, cfg.compression
+    assert (p.tp, p.pp, p.dp, p.num_devices) == (4, 2, 2, 16)
+    assert (c.fwd, c.pp, c.dp_grad, c.dp_param) == ("taco", "tahquant", "tlq_hs", "qwd")
+    assert cfg.optimizer.sharded
+
+
 def test_overrides_change_only_what_they_name():
     base = load_config(None)
     cfg = load_config(None, ["optimizer.lr=3e-4", "parallel.tp=4", "model.d_model=128"])
@@ -98,6 +107,7 @@ def test_apply_override_builds_sections():
     assert tree == {"run": {"steps": 5, "out_dir": "/tmp/x"}}
 
 
-def test_sharded_optimizer_layouts_not_yet_supported_say_so():
-    with pytest.raises(ValueError, match="parallel.pp=2: not supported yet"):
-        load_config(None, ["optimizer.sharded=true", "parallel.pp=2", "parallel.microbatches=2"])
+def test_sharded_optimizer_takes_every_layout():
+    cfg = load_config(None, ["optimizer.sharded=true", "parallel.dp=2", "parallel.pp=2",
+                             "parallel.tp=2", "parallel.microbatches=2"])  # fmt: skip
+    assert cfg.optimizer.sharded and cfg.parallel.pp == 2

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 from tolerances import exact_tolerance
 
 import taco_jax
-from models import ModelConfig, ParallelConfig
+from models import ModelConfig, ParallelConfig, pipeline
 from models import parallel as layout
 from models.parallel import check_config
 from taco_train import zero
@@ -145,18 +145,27 @@ def test_a_nonfinite_step_is_skipped_on_the_device(parallel, sharded):
     assert not bool(steps.is_finite(after))
 
 
+def _slice_dims(parallel: ParallelConfig):
+    """The sharded state's per-leaf slice axes (`zero.shard_leaves`): (tp,) or (pp, tp)."""
+    tp = layout.tp_split_dims(CFG)
+    if parallel.pp > 1:
+        return jax.tree.map(lambda p, t: (p, t), pipeline.stage_split_dims(CFG), tp)
+    return jax.tree.map(lambda t: (t,), tp) if parallel.tp > 1 else None
+
+
 @pytest.mark.parametrize(
     "parallel",
     [
         ParallelConfig(dp=2, compute_dtype="float32"),
-        ParallelConfig(dp=2, tp=2, sequence_parallel=True, compute_dtype="float32"),
+        ParallelConfig(dp=2, pp=2, tp=2, microbatches=2, compute_dtype="float32"),
     ],
-    ids=["dp2", "dp2-tp2-sp"],
+    ids=["dp2", "dp2-pp2-tp2"],
 )
 def test_sharded_optimizer_is_the_replicated_one(parallel):
     """ZeRO-1 (`optimizer.sharded`), uncompressed, fp32: three steps land where the replicated
-    optimizer lands, and both report the same gradient norm (with TP each rank keeps the shards
-    of its TP slice, and the norm must count TP-replicated leaves once). Bound per value
+    optimizer lands, and both report the same gradient norm (with pp and tp each rank keeps the
+    shards of its stage and TP slice, and the norm must count the leaves that stages or TP
+    replicate once). Bound per value
     (tests/taco_train/test_zero.py derives it): the same mean
     gradient at dp = 2; the global norm summed in another order scales every clipped gradient
     by a common 1 + d, |d| <= n 2^-24 for n parameters, which Adam's step ignores but for eps;
@@ -184,7 +193,6 @@ def test_sharded_optimizer_is_the_replicated_one(parallel):
         want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
         bound = steps_run * 2.0**-24 * (lr * (n + 4) + 17 * lr + 3 * np.abs(want))
         assert np.all(np.abs(got - want) <= bound)
-    tp_dims = layout.tp_split_dims(CFG) if parallel.tp > 1 else None
-    masters = zero.unshard_leaves(b.opt_state.master, a.params, tp_dims)
+    masters = zero.unshard_leaves(b.opt_state.master, a.params, _slice_dims(parallel))
     for got, replica in zip(jax.tree.leaves(masters), jax.tree.leaves(b.params), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(replica))  # fp32 replica

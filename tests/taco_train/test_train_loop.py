@@ -168,29 +168,32 @@ def _assert_resume_is_exact(full, resumed, cache, overrides):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-SHARDED = (
+THREE_D = (
     "parallel.mode='shard_map'",
     "parallel.dp=2",
-    "parallel.tp=2",
+    "parallel.pp=2",
+    "parallel.microbatches=2",
+    "compression.pp='tahquant'",
     "optimizer.sharded=true",
     "compression.dp_grad='tlq_hs'",
     "compression.dp_param='qwd'",
 )
 
 
-def test_sharded_sdp4bit_run_trains_and_resumes_exactly(cache, tmp_path, capsys):
-    """ZeRO-1 over dp = 2 x tp = 2 fake devices (each rank keeps the shards of its TP slice)
-    with both SDP4Bit compressors and TACO on the TP traffic: the loss falls, and a run
-    interrupted at its step-3 checkpoint resumes into the uninterrupted run's metrics and state,
-    bit for bit (the compressors' noise comes from the run's seed and the step)."""
-    if jax.device_count() < 4:
-        pytest.skip("needs 4 devices")
+def test_3d_compressed_run_trains_and_resumes_exactly(cache, tmp_path, capsys):
+    """dp = 2 x pp = 2 x tp = 2 on 8 fake devices, every dimension compressed: TACO on the TP
+    traffic, TAH-Quant on the stage sends, ZeRO-1 with both SDP4Bit compressors over dp (each
+    rank keeps the dp shards of its stage and TP slice). The loss falls, and a run interrupted
+    at its step-3 checkpoint resumes into the uninterrupted run's metrics and state, bit for bit
+    (every compressor's noise comes from the run's seed and the step)."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    _cli(full, cache, *SHARDED)
+    _cli(full, cache, *THREE_D, "parallel.tp=2")
     records = metrics.read_jsonl(full / "metrics.jsonl")
     train = [r for r in records if "loss" in r and r["kind"] == "train"]
     assert train[-1]["loss"] < train[0]["loss"]
-    _assert_resume_is_exact(full, resumed, cache, SHARDED)
-    with pytest.raises(SystemExit):  # the state holds one master shard per dp rank, TP slice
-        _cli(resumed, cache, *SHARDED[:2], "parallel.tp=1", *SHARDED[3:])
-    assert "(dp, tp slices) (2, 2) -> (2, 1)" in capsys.readouterr().err
+    _assert_resume_is_exact(full, resumed, cache, (*THREE_D, "parallel.tp=2"))
+    with pytest.raises(SystemExit):  # the state holds one master shard per dp rank and slice
+        _cli(resumed, cache, *THREE_D, "parallel.tp=1")
+    assert "(dp, pp, tp) slices (2, 2, 2) -> (2, 2, 1)" in capsys.readouterr().err

@@ -180,20 +180,24 @@ def test_errors_name_the_offending_value():
     assert zero.shard_size(5000, 4) == 2048 and zero.shard_size(8192, 4) == 2048
 
 
-def test_tp_slices_round_trip_through_the_shards():
-    """With TP each leaf is cut into tp contiguous blocks along its split axis (rank r holds
-    block r, as `NamedSharding` places it) or copied whole (REPLICATED); sharding the slices
-    over dp and merging them back returns the leaves exactly."""
+def test_model_slices_round_trip_through_the_shards():
+    """With model parallelism each leaf is cut, per mesh axis, into contiguous blocks along the
+    axis it is split over (rank r holds block r, as `NamedSharding` places it) or copied whole
+    (REPLICATED); sharding the slices over dp and merging them back returns the leaves
+    exactly. Two mesh axes of 2 (as pp and tp): "emb" split over both, "long" over the first."""
     params = _params()
-    dims = {"w": zero.REPLICATED, "b": zero.REPLICATED, "emb": 1, "long": 0}
-    tp, ranks = 2, 4
-    emb = zero.tp_slices(params["emb"], 1, tp)
-    for rank in range(tp):
-        np.testing.assert_array_equal(emb[rank], params["emb"][:, 4 * rank : 4 * rank + 4])
-    np.testing.assert_array_equal(zero.tp_slices(params["b"], zero.REPLICATED, tp)[1], params["b"])
-    shards = zero.shard_leaves(params, ranks, dims, tp)
-    assert shards["emb"].shape == (ranks, tp, zero.shard_size(300 * 4, ranks))
-    assert shards["w"].shape == (ranks, tp, zero.shard_size(37 * 19, ranks))
+    R = zero.REPLICATED
+    dims = {"w": (R, R), "b": (R, R), "emb": (0, 1), "long": (0, R)}
+    sizes, ranks = (2, 2), 4
+    emb = zero.model_slices(params["emb"], (0, 1), sizes)
+    for p in range(2):
+        for t in range(2):
+            want = params["emb"][150 * p : 150 * (p + 1), 4 * t : 4 * (t + 1)]
+            np.testing.assert_array_equal(emb[p, t], want)
+    np.testing.assert_array_equal(zero.model_slices(params["b"], (R, R), sizes)[1, 0], params["b"])
+    shards = zero.shard_leaves(params, ranks, dims, sizes)
+    assert shards["emb"].shape == (ranks, *sizes, zero.shard_size(150 * 4, ranks))
+    assert shards["w"].shape == (ranks, *sizes, zero.shard_size(37 * 19, ranks))
     back = zero.unshard_leaves(shards, params, dims)
     for name in SHAPES:
         np.testing.assert_array_equal(back[name], params[name])
