@@ -2,10 +2,11 @@
 enough).
 
 Runs the collective under `shard_map` on 8 fake CPU devices and reports, per TP size, codec and
-data set,
-the relative L2 error ||out - psum|| / ||psum|| and the fraction of non-zero sums that decode to
-exactly zero ("zero collapse"). Writes `codec_error-<date>.json` to `--out` (default
-benchmarks/results/) and prints the markdown table of the README.
+data set, the relative L2 error ||out - psum|| / ||psum|| and the fraction of non-zero sums that
+decode to exactly zero ("zero collapse"); and the rounding error of three 6-bit grids (INT6,
+E2M3, E3M2) on Hadamard-rotated groups, which is why `int6_hadamard` is an integer grid.
+Writes `codec_error-<date>.json` to `--out` (default benchmarks/results/) and prints the
+markdown tables of the README and BENCHMARKS.md.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/codec_error.py
 """
@@ -19,11 +20,14 @@ import pathlib  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
 from _common import activation_like, write_record  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import taco_jax as tj  # noqa: E402
+from taco_jax.codecs import hadamard_matrix  # noqa: E402
 from taco_jax.telemetry import relative_error  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -32,6 +36,25 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 def datasets(tp: int, size: int, seed: int) -> dict[str, jax.Array]:
     """Per-rank partial sums [tp, size]: Gaussian, Student-t (2 dof), outlier channels."""
     return activation_like(tp, size, seed, dof=2.0)
+
+
+# 6-bit grids compared after the Hadamard (why `int6_hadamard` is an integer grid): each group
+# rotated, scaled by its absmax to the format's largest value, rounded to nearest, scaled back.
+SIX_BIT_GRIDS = {"int6": None, "e2m3": ml_dtypes.float6_e2m3fn, "e3m2": ml_dtypes.float6_e3m2fn}
+
+
+def six_bit_grid_errors(x: jax.Array, group_size: int = 128) -> dict[str, float]:
+    """Relative L2 rounding error of each 6-bit grid on the Hadamard-rotated groups of x."""
+    groups = np.asarray(x, np.float64).reshape(-1, group_size)
+    y = groups @ hadamard_matrix(group_size).astype(np.float64)
+    amax = np.abs(y).max(axis=-1, keepdims=True)
+    out = {}
+    for name, dtype in SIX_BIT_GRIDS.items():
+        top = 31.0 if dtype is None else float(ml_dtypes.finfo(dtype).max)
+        scaled = y / amax * top
+        rounded = np.round(scaled) if dtype is None else scaled.astype(dtype).astype(np.float64)
+        out[name] = float(np.linalg.norm(rounded * amax / top - y) / np.linalg.norm(y))
+    return out
 
 
 def measure(codec: str, x: jax.Array, mesh) -> dict[str, float]:
@@ -66,6 +89,8 @@ def main() -> None:
         data = datasets(tp, args.size, args.seed)
         results[tp] = {c: {name: measure(c, x, mesh) for name, x in data.items()} for c in codecs}
         print(f"TP = {tp} measured", flush=True)
+    one_rank = datasets(1, args.size, args.seed)
+    grids = {name: six_bit_grid_errors(x[0]) for name, x in one_rank.items()}
     bits = {c: tj.get_codec(c).bits_per_element for c in codecs}
     write_record(
         "codec_error",
@@ -75,6 +100,7 @@ def main() -> None:
         seed=args.seed,
         bits_per_element=bits,
         results={str(tp): r for tp, r in results.items()},
+        six_bit_grids_after_hadamard=grids,
     )
     names = list(data)
     print("| codec | bits/elem | TP | " + " | ".join(f"{n} rel. L2 (zero collapse)" for n in names)
@@ -84,6 +110,10 @@ def main() -> None:
         for tp, r in results.items():
             cells = [f"{r[c][n]['rel_l2']:.4f} ({r[c][n]['zero_collapse']:.1%})" for n in names]
             print(f"| `{c}` | {bits[c]:g} | {tp} | " + " | ".join(cells) + " |")
+    print("\n6-bit grids after the Hadamard, one rank's data, relative rounding error:")
+    print("| data | " + " | ".join(SIX_BIT_GRIDS) + " |")
+    for name, errors in grids.items():
+        print(f"| {name} | " + " | ".join(f"{errors[g]:.4f}" for g in SIX_BIT_GRIDS) + " |")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,8 @@ CANDIDATES = [
 
 def run(args) -> dict:
     codec = codecs.get_codec(args.codec)
+    if codec.bits != 8:  # the copy below reads one byte per element
+        sys.exit(f"--codec {args.codec}: this study times codecs of one byte per element")
     rows = []
     for size_mib in args.sizes_mib:
         n = int(size_mib * MiB) // 2  # bf16 output elements

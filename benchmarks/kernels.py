@@ -2,11 +2,12 @@
 
     PYTHONPATH=. python benchmarks/kernels.py --out $OUT       # every check, 1 MiB .. 1 GiB
 
-Codec `taco`, G = 128, messages of 8 rows (an 8-way TP group); needs a CUDA GPU (the kernels
-run compiled, not interpreted). One run, one record `kernels-<date>.json`:
+Codec `taco` (or `--codec NAME`: record `kernels-NAME-<date>.json`), G = 128, messages of 8 rows
+(an 8-way TP group); needs a CUDA GPU (the kernels run compiled, not interpreted). One run, one
+record `kernels-<date>.json`:
 1. Checks, on fresh random data each run: every fused codec (and `taco` with G = 32 .. 512),
    bf16 and fp32 input, rows that do not fill a tile, two poisons of the outputs to catch
-   unwritten bytes; codes compared in FP8 steps, scales relatively, against the references.
+   unwritten bytes; codes compared in code steps, scales relatively, against the references.
    Then the Mosaic GPU encode (Hopper only): 6, 64 and 512 tiles per row, two fresh inputs
    each. `--check-mosaic-only` runs only the latter, `--skip-check` neither.
 2. Timings per bf16 message size (`--latency-kib`, `--sizes-mib`): a copy of the same bytes
@@ -274,9 +275,9 @@ def torch_copy_tbps(size: int) -> float | None:
     return 2 * size / statistics.median(times) / 1e12
 
 
-def latency_in_program(key, sizes_kib) -> list[dict]:
+def latency_in_program(key, sizes_kib, codec_name="taco") -> list[dict]:
     """Per-op in-program latency at small sizes, and the same for a one-element negate (floor)."""
-    codec = codecs.get_codec("taco", 128)
+    codec = codecs.get_codec(codec_name, 128)
     calls = 200
     tiny = [(jnp.ones((1,), jnp.float32),)]
     rows = [dict(bytes=4, floor_s=in_program_seconds(lambda x: -x, tiny, calls))]
@@ -333,7 +334,8 @@ def main():
     floor = launch_floor()
     print("LAUNCH_FLOOR_S", floor, flush=True)
     results = bench(key, sizes, lat, args.codec)
-    in_program = latency_in_program(key, [int(s) for s in args.in_program_kib.split(",") if s])
+    in_program_kib = [int(s) for s in args.in_program_kib.split(",") if s]
+    in_program = latency_in_program(key, in_program_kib, args.codec)
     write_record(
         "kernels" if args.codec == "taco" else f"kernels-{args.codec}",
         args.out,

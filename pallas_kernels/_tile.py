@@ -158,8 +158,8 @@ def store_1d(ref, row, start, value, limit: int, *, offset: int = 0, masked: boo
 
 def _plane_span(codec: Codec, plane: codecs.CodePlane, tile, t: int, n: int):
     """(start, size, limit) of one tile's bytes within `plane` of a row of `n` codes."""
-    size = t * codec.group_size * plane.width // 8
-    return tile * size, size, n * plane.width // 8
+    size = plane.size(t * codec.group_size)
+    return tile * size, size, plane.size(n)
 
 
 def store_groups(codec: Codec, ref, row, tile, n: int, cfg: BlockConfig, codes, scale, prescale):

@@ -124,6 +124,10 @@ class CodePlane:
     width: int
     offset: int
 
+    def size(self, n: int) -> int:
+        """Bytes of this plane in a row of `n` codes."""
+        return n * self.width // 8
+
 
 @dataclasses.dataclass(frozen=True)
 class Codec:
@@ -506,9 +510,18 @@ def side_from_bytes(data: jax.Array, width: int) -> jax.Array:
 # last axis). The 4-bit codes of the stage and DP codecs use the same packing.
 
 
+PACK_WIDTHS = (1, 2, 4, 8)
+
+
+def _check_pack_width(width: int) -> None:
+    if width not in PACK_WIDTHS:
+        raise ValueError(f"{width=}: bit packing takes widths {PACK_WIDTHS}")
+
+
 def pack_bits(values: jax.Array, width: int) -> jax.Array:
     """uint8 values [..., m], each below 2^width (width 1, 2, 4 or 8) -> bytes
     [..., m * width / 8]; consecutive values fill a byte from its low bits up."""
+    _check_pack_width(width)
     while width < 8:
         low, high = lax.unstack(values.reshape(*values.shape[:-1], -1, 2), axis=-1)
         values, width = low | (high << width), 2 * width
@@ -517,6 +530,7 @@ def pack_bits(values: jax.Array, width: int) -> jax.Array:
 
 def unpack_bits(data: jax.Array, width: int) -> jax.Array:
     """Inverse of `pack_bits`: bytes [..., k] -> uint8 values [..., 8 k / width]."""
+    _check_pack_width(width)
     per_value = 8
     while per_value > width:
         per_value //= 2
@@ -537,6 +551,7 @@ def codes_from_planes(planes: list[tuple[CodePlane, jax.Array]]) -> jax.Array:
     codes = None
     for plane, data in planes:
         part = unpack_bits(data, plane.width)
+        # An 8-bit code is one plane at shift 0: no shift op, so its kernels stay as they were.
         part = part << plane.shift if plane.shift else part
         codes = part if codes is None else codes | part
     return codes
@@ -561,7 +576,7 @@ def unpack(codec: Codec, wire: jax.Array, n: int) -> Payload:
         s.field: side_from_bytes(wire[..., s.offset : s.offset + s.width * groups], s.width)
         for s in wire_sections(codec, n)
     }
-    planes = [(p, wire[..., p.offset : p.offset + n * p.width // 8]) for p in code_planes(codec, n)]
+    planes = [(p, wire[..., p.offset : p.offset + p.size(n)]) for p in code_planes(codec, n)]
     return Payload(codes_from_planes(planes), sides.get("scales"), sides.get("prescales"))
 
 
