@@ -102,7 +102,9 @@ class CompressionConfig:
         return StageCodecs(self.pp, self.pp_bwd, self.telemetry)
 
     def zero_config(self, grad_clip: float) -> zero.ZeroConfig:
-        return zero.ZeroConfig(DP_AXIS, self.dp_grad, self.dp_param, grad_clip, self.impl)
+        return zero.ZeroConfig(
+            DP_AXIS, self.dp_grad, self.dp_param, grad_clip, self.impl, self.telemetry
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +113,8 @@ class OptimizerConfig:
 
     sharded: ZeRO-1 over the dp ranks (`taco_train.zero`): fp32 master weights and Adam moments
     split over dp, a replica of the parameters in the compute dtype on every rank; compressible
-    with compression.dp_grad / dp_param. Needs parallel.pp = 1 and, under shard_map, tp = 1
-    (TP emulated under vmap works)."""
+    with compression.dp_grad / dp_param. With TP and PP under shard_map each rank's stage and
+    TP slice is what is split over dp."""
 
     lr: float = 3e-4
     min_lr_ratio: float = 0.1

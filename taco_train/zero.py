@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from taco_jax import sdp4bit
+from taco_jax import sdp4bit, telemetry
 from taco_jax.collectives import axis_size
 
 GRAD_CODECS = ("none", "tlq_hs")
@@ -52,14 +52,17 @@ class ShardState(flax.struct.PyTreeNode):
 @dataclasses.dataclass(frozen=True)
 class ZeroConfig:
     """The dp axes (one axis, or (outer, inner) for TLq-HS's two levels), the codec of each
-    collective, the global-norm clipping threshold (None: no clipping), and the codec kernels
-    (`impl`, as `taco_jax.CommConfig.impl`)."""
+    collective, the global-norm clipping threshold (None: no clipping), the codec kernels
+    (`impl`, as `taco_jax.CommConfig.impl`), and `telemetry`: also run each compressed
+    collective exactly and record the relative error (`taco_jax.telemetry`, tags
+    "dp_grad:<codec>" and "dp_param:<codec>"; a debugging and study tool)."""
 
     dp_axes: str | tuple[str, ...] = "dp"
     grad_codec: str = "none"
     param_codec: str = "none"
     grad_clip: float | None = None
     impl: str = "auto"
+    telemetry: bool = False
 
     def __post_init__(self):
         if self.grad_codec not in GRAD_CODECS:
@@ -226,11 +229,16 @@ def update(
     """
     ranks = axis_size(cfg.axes)
     grad_key, param_key = jax.random.split(key)
+    mean_shard = lambda g, rs: _valid(rs(_padded_flat(g, ranks)) / ranks, g.size, cfg)  # noqa: E731
     shards = jax.tree.map(
-        lambda g, k: _valid(_reduce_scatter(_padded_flat(g, ranks), cfg, k) / ranks, g.size, cfg),
+        lambda g, k: mean_shard(g, lambda flat: _reduce_scatter(flat, cfg, k)),
         grads,
         _leaf_keys(grad_key, grads),
     )
+    if cfg.telemetry and cfg.grad_codec != "none":
+        exact = jax.tree.map(lambda g: mean_shard(g, lambda f: sdp4bit.scatter_over(f, cfg.axes)),
+                             grads)  # fmt: skip
+        _record(f"dp_grad:{cfg.grad_codec}", shards, exact)
     norm = _global_norm(shards, cfg, split)
     if cfg.grad_clip is not None:  # optax.clip_by_global_norm's rule, on the global norm
         clip = cfg.grad_clip
@@ -243,4 +251,14 @@ def update(
         replica,
         _leaf_keys(param_key, master),
     )
+    if cfg.telemetry and cfg.param_codec != "none":
+        plain = dataclasses.replace(cfg, param_codec="none")
+        exact = jax.tree.map(lambda s, r: _all_gather(s, r, plain, key), master, replica)
+        _record(f"dp_param:{cfg.param_codec}", new_replica, exact)
     return ShardState(master, opt_state), new_replica, norm
+
+
+def _record(tag: str, approx: Any, exact: Any) -> None:
+    """Telemetry of a whole pytree: the relative error of all its leaves as one vector."""
+    flat = lambda tree: jnp.concatenate([x.reshape(-1) for x in jax.tree.leaves(tree)])  # noqa: E731
+    telemetry.record(tag, flat(approx), flat(exact))

@@ -177,15 +177,36 @@ THREE_D = (
     "optimizer.sharded=true",
     "compression.dp_grad='tlq_hs'",
     "compression.dp_param='qwd'",
+    "compression.telemetry=true",
 )
+
+
+# Telemetry per dimension: the relative error of each compressed collective must be logged,
+# non-zero (something was compressed) and below its bound.
+TELEMETRY_BOUNDS = {
+    # two-shot E4M3: u (1 + u) + u per summed norm, u = 2^-4 (test_collectives.py): ~0.13
+    "tp_reduce_fwd:taco": 0.13,
+    "tp_copy_bwd:taco": 0.13,
+    # INT8 stage sends: ~0.01 relative (test_ppermute.py); 0.05 bounds them
+    "pp:tahquant": 0.05,
+    "pp_bwd:tahquant_sym": 0.05,
+    # TLq-HS: a 4-bit absmax level (per group <= sqrt(128) / (2 * 7) = 0.81 of its norm) after an
+    # 8-bit one (0.045): < 0.9
+    "dp_grad:tlq_hs": 0.9,
+    # qWD: the replica is the master to within a bf16 rounding (2^-8) plus one step of the
+    # 4-bit weight difference, an AdamW update (<= lr x 3.2 per value, Adam's largest normalized
+    # step) over 7, against weights of RMS ~0.02: 3e-3 x 3.2 / 7 / 0.02 + 2^-8 < 0.08
+    "dp_param:qwd": 0.08,
+}
 
 
 def test_3d_compressed_run_trains_and_resumes_exactly(cache, tmp_path, capsys):
     """dp = 2 x pp = 2 x tp = 2 on 8 fake devices, every dimension compressed: TACO on the TP
     traffic, TAH-Quant on the stage sends, ZeRO-1 with both SDP4Bit compressors over dp (each
-    rank keeps the dp shards of its stage and TP slice). The loss falls, and a run interrupted
-    at its step-3 checkpoint resumes into the uninterrupted run's metrics and state, bit for bit
-    (every compressor's noise comes from the run's seed and the step)."""
+    rank keeps the dp shards of its stage and TP slice). The loss falls, each dimension's
+    compression error is logged, and a run interrupted at its step-3 checkpoint resumes into the
+    uninterrupted run's metrics and state, bit for bit (every compressor's noise comes from the
+    run's seed and the step)."""
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices")
     full, resumed = tmp_path / "full", tmp_path / "resumed"
@@ -193,6 +214,9 @@ def test_3d_compressed_run_trains_and_resumes_exactly(cache, tmp_path, capsys):
     records = metrics.read_jsonl(full / "metrics.jsonl")
     train = [r for r in records if "loss" in r and r["kind"] == "train"]
     assert train[-1]["loss"] < train[0]["loss"]
+    logged = {k.removeprefix("telemetry/train/"): v for k, v in train[-1].items()}
+    for tag, bound in TELEMETRY_BOUNDS.items():
+        assert 0 < logged[tag] < bound, (tag, logged[tag])
     _assert_resume_is_exact(full, resumed, cache, (*THREE_D, "parallel.tp=2"))
     with pytest.raises(SystemExit):  # the state holds one master shard per dp rank and slice
         _cli(resumed, cache, *THREE_D, "parallel.tp=1")
