@@ -25,7 +25,8 @@ backwards in reverse), the activation gradients sent back by the ppermute's tran
 Gradient convention as `models.parallel`: `value_and_grad` runs inside the per-device function
 on this stage's part of the loss (the last stage's microbatch losses, zero elsewhere; the chain
 rule crosses stages through the sends), then gradients of pp-replicated parameters are summed
-over "pp" and everything is averaged over "dp".
+over "pp" and everything is averaged over "dp" (or, for a sharded optimizer, each dp rank's own
+gradients are returned: `make_pipeline_loss_and_local_grads`).
 """
 
 from __future__ import annotations
@@ -262,17 +263,7 @@ def make_pipeline_loss_and_grads(
     (None otherwise); fold in the training step so that every step draws new noise and a resumed
     run the same. Not jitted.
     """
-
-    def per_device(ctx, params, tokens, key):
-        return _stage_loss_and_grads(model, parallel, codecs, ctx, params, tokens, key)
-
-    fn = _pipelined(model, parallel, comm, mesh, per_device, lambda s: (P(), s))
-
-    def loss_and_grads(params, tokens, key=None):
-        loss, grads = fn(params, tokens, key)
-        return loss, from_stages(grads, model)
-
-    return loss_and_grads
+    return _loss_and_grads_runner(model, parallel, comm, codecs, mesh, local=False)
 
 
 def make_pipeline_loss_and_local_grads(
@@ -285,16 +276,25 @@ def make_pipeline_loss_and_local_grads(
     """As `make_pipeline_loss_and_grads`, but each dp rank's own full-layout gradients of its
     share of the batch, stacked on a leading dp axis (`models.parallel`'s
     `make_loss_and_local_grads` for pipelines). Not jitted."""
+    return _loss_and_grads_runner(model, parallel, comm, codecs, mesh, local=True)
+
+
+def _loss_and_grads_runner(model, parallel, comm, codecs, mesh, *, local: bool):
+    """(full params, tokens, key) -> (mean loss, full-layout gradients): dp-averaged, or each dp
+    rank's own on a leading dp axis (`local`)."""
 
     def per_device(ctx, params, tokens, key):
-        return _stage_loss_and_grads(model, parallel, codecs, ctx, params, tokens, key, True)
+        return _stage_loss_and_grads(model, parallel, codecs, ctx, params, tokens, key, local=local)
 
-    fn = _pipelined(model, parallel, comm, mesh, per_device,
-                    lambda s: (P(), jax.tree.map(lambda spec: P(DP_AXIS, *spec), s)))  # fmt: skip
+    def out_specs(staged):
+        return (P(), jax.tree.map(lambda spec: P(DP_AXIS, *spec), staged) if local else staged)
+
+    fn = _pipelined(model, parallel, comm, mesh, per_device, out_specs)
+    unstage = lambda g: from_stages(g, model)  # noqa: E731
 
     def loss_and_grads(params, tokens, key=None):
         loss, grads = fn(params, tokens, key)
-        return loss, jax.vmap(lambda g: from_stages(g, model))(grads)
+        return loss, jax.vmap(unstage)(grads) if local else unstage(grads)
 
     return loss_and_grads
 

@@ -4,7 +4,8 @@
 this module adds the optimizer state, its shardings, and the three jitted functions the trainer
 calls. Parameters and optimizer state live in their full shapes, placed by `NamedSharding`, so
 the optimizer (and global-norm clipping) sees whole gradients and checkpoints are portable
-across TP sizes.
+across TP sizes; the sharded optimizer (`make_sharded_steps`) keeps padded shards instead, tied
+to the dp (and model-parallel) split that wrote them.
 """
 
 from __future__ import annotations
@@ -211,6 +212,15 @@ def _guarded(finite, new, old):
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
+def state_split(parallel: ParallelConfig) -> tuple[int, int, int]:
+    """How the sharded optimizer splits its state, (dp, pp, tp): one shard per dp rank, and per
+    stage and TP slice where model parallelism runs under shard_map. A checkpoint resumes only
+    into the same split."""
+    if parallel.mode != "shard_map" or parallel.num_devices == parallel.dp:
+        return (parallel.dp, 1, 1)
+    return (parallel.dp, parallel.pp, parallel.tp)
+
+
 @dataclasses.dataclass(frozen=True)
 class _ShardLayout:
     """How the sharded optimizer lays out a rank's share of the state.
@@ -231,7 +241,7 @@ class _ShardLayout:
 
     @classmethod
     def of(cls, model: ModelConfig, parallel: ParallelConfig, tp_axis: str) -> _ShardLayout:
-        if parallel.mode != "shard_map" or parallel.num_devices == parallel.dp:
+        if state_split(parallel)[1:] == (1, 1):
             return cls()
         tp_dims = layout.tp_split_dims(model)
         if parallel.pp == 1:

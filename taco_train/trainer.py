@@ -19,12 +19,12 @@ import jax
 import numpy as np
 
 import taco_jax
-from models.parallel import check_devices, weight_decay_mask
+from models.parallel import ParallelConfig, check_devices, weight_decay_mask
 from taco_jax import telemetry
 from taco_train import data, metrics, optim
 from taco_train.checkpointing import Checkpointer, abstract_state
 from taco_train.config import ConfigError, TrainConfig
-from taco_train.steps import make_steps
+from taco_train.steps import make_steps, state_split
 
 
 def maybe_initialize_distributed(mode: str) -> None:
@@ -128,7 +128,8 @@ def _config_json(cfg: TrainConfig) -> dict[str, Any]:
 # What a resumed run must share with the run that wrote the checkpoints (prefixes of
 # "section.key"): the model, the data and its order, the optimizer and its schedule. Layout,
 # compression, logging, the length of the run and where the data cache lives may change between
-# invocations (checkpoints are portable across TP sizes).
+# invocations (checkpoints are portable across TP sizes; the sharded optimizer's are not, see
+# `check_resumable`).
 RESUME_KEYS = ("model.", "data.", "optimizer.", "run.seed")
 RESUME_EXEMPT = ("data.cache_dir",)
 
@@ -159,13 +160,11 @@ def check_resumable(cfg: TrainConfig, out: Path) -> None:
         )
 
 
-def _shard_layout(flat_config: dict[str, Any]) -> tuple:
-    """How a sharded optimizer's state is split, (dp, pp, tp): one master shard per dp rank, per
-    stage and TP slice where they run under shard_map (`steps.make_sharded_steps`)."""
-    dp, pp, tp = (flat_config.get(f"parallel.{k}", 1) for k in ("dp", "pp", "tp"))
-    if flat_config.get("parallel.mode", "shard_map") != "shard_map" or pp * tp == 1:
-        return (dp, 1, 1)
-    return (dp, pp, tp)
+def _shard_layout(flat_config: dict[str, Any]) -> tuple[int, int, int]:
+    """`steps.state_split` of a flattened config's parallel section."""
+    fields = {k.removeprefix("parallel."): v for k, v in flat_config.items()
+              if k.startswith("parallel.")}  # fmt: skip
+    return state_split(ParallelConfig(**fields))
 
 
 def _write_config(cfg: TrainConfig, out: Path) -> None:

@@ -14,10 +14,10 @@ dp x 2048 (`sdp4bit.padded_size`), and split into dp equal shards, so the optimi
 pytree of shards with the parameters' structure (per-leaf options such as AdamW's decay mask
 apply unchanged). `update` runs per rank, inside `shard_map` or `vmap` over the dp axes.
 
-With tensor parallelism every rank of a (dp, tp) mesh holds its TP slice of each leaf (the
-whole leaf where TP replicates it): ZeRO shards that slice over dp, so a rank keeps 1 / (dp tp)
-of a split leaf's state (`shard_leaves(..., tp_dims=...)`), and the global norm counts a split
-leaf's slices once each and a replicated leaf once (`update(..., split=...)`).
+With model parallelism every rank of a (dp, tp) or (dp, pp, tp) mesh holds its slice of each
+leaf (a contiguous block along the axis each model axis splits, the whole leaf where it
+replicates it): ZeRO shards that slice over dp (`shard_leaves(..., dims, sizes)`), and the
+global norm counts every slice once and a replicated leaf once (`update(..., split=...)`).
 Uncompressed, its master weights equal the replicated-DP AdamW update of the mean gradient
 (tests/taco_train/test_zero.py).
 """
@@ -88,18 +88,18 @@ def _padded_flat(x: jax.Array, ranks: int, dtype=jnp.float32) -> jax.Array:
 REPLICATED = -1  # a `dims` entry: the leaf is whole on every rank of that mesh axis
 
 
-def tp_slices(x: jax.Array, dim: int, tp: int) -> jax.Array:
-    """The slices of a full leaf over one mesh axis of `tp` ranks, [tp, *slice shape]: rank r's
-    contiguous block of axis `dim` (as `NamedSharding` places it), or tp copies of x for
+def axis_slices(x: jax.Array, dim: int, size: int) -> jax.Array:
+    """The slices of a full leaf over one mesh axis of `size` ranks, [size, *slice shape]: rank
+    r's contiguous block of axis `dim` (as `NamedSharding` places it), or `size` copies of x for
     dim = REPLICATED."""
     if dim == REPLICATED:
-        return jnp.broadcast_to(x, (tp, *x.shape))
-    blocks = x.reshape(*x.shape[:dim], tp, x.shape[dim] // tp, *x.shape[dim + 1 :])
+        return jnp.broadcast_to(x, (size, *x.shape))
+    blocks = x.reshape(*x.shape[:dim], size, x.shape[dim] // size, *x.shape[dim + 1 :])
     return jnp.moveaxis(blocks, dim, 0)
 
 
-def merge_tp_slices(slices: jax.Array, dim: int) -> jax.Array:
-    """Inverse of `tp_slices` (a replicated leaf: the first copy)."""
+def merge_axis_slices(slices: jax.Array, dim: int) -> jax.Array:
+    """Inverse of `axis_slices` (a replicated leaf: the first copy)."""
     if dim == REPLICATED:
         return slices[0]
     blocks = jnp.moveaxis(slices, 0, dim)
@@ -107,10 +107,10 @@ def merge_tp_slices(slices: jax.Array, dim: int) -> jax.Array:
 
 
 def model_slices(x: jax.Array, dims: tuple[int, ...], sizes: tuple[int, ...]) -> jax.Array:
-    """`tp_slices` over several mesh axes (e.g. pp, then tp): [*sizes, *slice shape]."""
+    """`axis_slices` over several mesh axes (e.g. pp, then tp): [*sizes, *slice shape]."""
     if not dims:
         return x
-    first = tp_slices(x, dims[0], sizes[0])
+    first = axis_slices(x, dims[0], sizes[0])
     return jax.vmap(lambda v: model_slices(v, dims[1:], sizes[1:]))(first)
 
 
@@ -119,7 +119,7 @@ def merge_model_slices(slices: jax.Array, dims: tuple[int, ...]) -> jax.Array:
     if not dims:
         return slices
     inner = jax.vmap(lambda v: merge_model_slices(v, dims[1:]))(slices)
-    return merge_tp_slices(inner, dims[0])
+    return merge_axis_slices(inner, dims[0])
 
 
 def shard_leaves(params: Any, ranks: int, dims: Any = None, sizes: tuple[int, ...] = ()) -> Any:

@@ -145,6 +145,16 @@ def test_a_nonfinite_step_is_skipped_on_the_device(parallel, sharded):
     assert not bool(steps.is_finite(after))
 
 
+def _assert_copies_identical(state) -> None:
+    """Every device holding the same block of a leaf holds the same bytes: the copies that the
+    mesh axes replicating a leaf keep (and that the global norm counts once) never drift."""
+    for leaf in jax.tree.leaves((state.params, state.opt_state)):
+        blocks = {}
+        for shard in leaf.addressable_shards:
+            data = np.asarray(shard.data).tobytes()
+            assert blocks.setdefault(str(shard.index), data) == data, shard.index
+
+
 def _slice_dims(parallel: ParallelConfig):
     """The sharded state's per-leaf slice axes (`zero.shard_leaves`): (tp,) or (pp, tp)."""
     tp = layout.tp_split_dims(CFG)
@@ -157,19 +167,21 @@ def _slice_dims(parallel: ParallelConfig):
     "parallel",
     [
         ParallelConfig(dp=2, compute_dtype="float32"),
+        ParallelConfig(dp=2, tp=2, sequence_parallel=True, compute_dtype="float32"),
         ParallelConfig(dp=2, pp=2, tp=2, microbatches=2, compute_dtype="float32"),
     ],
-    ids=["dp2", "dp2-pp2-tp2"],
+    ids=["dp2", "dp2-tp2-sp", "dp2-pp2-tp2"],
 )
 def test_sharded_optimizer_is_the_replicated_one(parallel):
     """ZeRO-1 (`optimizer.sharded`), uncompressed, fp32: three steps land where the replicated
-    optimizer lands, and both report the same gradient norm (with pp and tp each rank keeps the
+    optimizer lands, both report the same gradient norm (with pp and tp each rank keeps the
     shards of its stage and TP slice, and the norm must count the leaves that stages or TP
-    replicate once). Bound per value
-    (tests/taco_train/test_zero.py derives it): the same mean
-    gradient at dp = 2; the global norm summed in another order scales every clipped gradient
-    by a common 1 + d, |d| <= n 2^-24 for n parameters, which Adam's step ignores but for eps;
-    and ~8 roundings of each update that XLA may compile differently:
+    replicate once), and the replicated copies stay identical.
+
+    Bound per value (tests/taco_train/test_zero.py derives it): the same mean gradient at
+    dp = 2; the global norm summed in another order scales every clipped gradient by a common
+    1 + d, |d| <= n 2^-24 for n parameters, which Adam's step ignores but for eps; and ~8
+    roundings of each update that XLA may compile differently:
     |dp| <= steps 2^-24 (lr (n + 4) + 17 lr + 3 |p|). (Under vmap, the same update is
     tests/taco_train/test_zero.py's, and the trainer's vmap path trains in the non-finite
     test above.)"""
@@ -193,6 +205,7 @@ def test_sharded_optimizer_is_the_replicated_one(parallel):
         want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
         bound = steps_run * 2.0**-24 * (lr * (n + 4) + 17 * lr + 3 * np.abs(want))
         assert np.all(np.abs(got - want) <= bound)
+    _assert_copies_identical(b)
     masters = zero.unshard_leaves(b.opt_state.master, a.params, _slice_dims(parallel))
     for got, replica in zip(jax.tree.leaves(masters), jax.tree.leaves(b.params), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(replica))  # fp32 replica
