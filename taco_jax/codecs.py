@@ -275,7 +275,7 @@ def code_planes(codec: Codec, n: int) -> tuple[CodePlane, ...]:
     planes, shift, offset = [], 0, 0
     for width in PLANE_WIDTHS[codec.bits]:
         planes.append(CodePlane(shift, width, offset))
-        shift, offset = shift + width, offset + n * width // 8
+        shift, offset = shift + width, offset + planes[-1].size(n)
     return tuple(planes)
 
 
