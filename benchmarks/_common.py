@@ -14,6 +14,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import statistics
 import sys
 import time
@@ -140,3 +141,37 @@ def activation_like(leading: int, size: int, seed: int, dof: float) -> dict[str,
         f"student_t{dof:g}": student,
         "outlier_channels": gaussian * jnp.where(channels, 30.0, 1.0),
     }
+
+
+_START = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*?\b([\w-]+-start)\(")
+_DONE = re.compile(r"\b[\w-]+-done\(.*?%([\w.-]+)")
+_COMPUTE = re.compile(r"\b(fusion|custom-call|convolution|dot)\(")
+
+
+def collective_windows(compiled_text: str) -> dict:
+    """How many asynchronous collectives of a compiled HLO module have compute inside their
+    window (kernels scheduled between `*-start` and its `*-done`), over every computation (scan
+    bodies too): the schedule evidence of overlap. Counts are per compiled instruction, not per
+    execution."""
+    open_windows: dict[str, int] = {}
+    kinds: dict[str, dict[str, int]] = {}
+    for line in compiled_text.splitlines():
+        if line.startswith("}"):  # a computation ends: a window cannot span two
+            open_windows.clear()
+        start, done = _START.search(line), _DONE.search(line)
+        if start:
+            open_windows[start.group(1)] = 0
+            kind = kinds.setdefault(start.group(2), {"async": 0, "overlapped": 0, "sync": 0})
+            kind["sync" if '"is_sync":true' in line else "async"] += 1
+        elif done and done.group(1) in open_windows:
+            if open_windows.pop(done.group(1)):
+                kinds[_kind_of(compiled_text, done.group(1))]["overlapped"] += 1
+        elif _COMPUTE.search(line):
+            for name in open_windows:
+                open_windows[name] += 1
+    return kinds
+
+
+def _kind_of(compiled_text: str, name: str) -> str:
+    match = re.search(rf"%{re.escape(name)} = .*?\b([\w-]+-start)\(", compiled_text)
+    return match.group(1)

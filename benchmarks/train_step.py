@@ -52,7 +52,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _common import sample_seconds, write_record  # noqa: E402
+from _common import collective_windows, sample_seconds, write_record  # noqa: E402
 
 import taco_jax  # noqa: E402
 from models import ModelConfig, ParallelConfig, layers  # noqa: E402
@@ -262,6 +262,7 @@ def run_case(case: Case, steps: int, warmup: int) -> dict:
         "num_params": cfg.num_params(),
         "flops_per_token": cfg.flops_per_token(),
         "compile_s": compile_s,
+        "collective_windows": collective_windows(compiled.as_text()),
         "step_times_s": times,
         "median_step_s": median,
         "tokens_per_s": tokens_per_step / median,
@@ -299,6 +300,24 @@ def table(rows: list[dict]) -> str:
             f"{r['model_tflops_per_s']:.1f} | {mfu} | {r['compile_s']:.1f} |"
         )
     return "\n".join(lines)
+
+
+def overlap_variants(cases: list[Case], args) -> list[Case]:
+    """Each real-TP case once per (latency_hiding, overlap_chunks) asked for, labelled with them
+    ("lhs", "chunks=K") where they differ from the defaults."""
+    hiding = {"off": (False,), "on": (True,), "both": (False, True)}[args.latency_hiding]
+    out = []
+    for case in cases:
+        p = case.parallel
+        if p.mode != "shard_map" or p.tp == 1 or p.pp > 1:
+            out.append(case)
+            continue
+        for lhs in hiding:
+            for chunks in args.overlap_chunks:
+                tags = (" lhs" if lhs else "") + (f" chunks={chunks}" if chunks > 1 else "")
+                parallel = dataclasses.replace(p, latency_hiding=lhs, overlap_chunks=chunks)
+                out.append(dataclasses.replace(case, label=case.label + tags, parallel=parallel))
+    return out
 
 
 def overheads(rows: list[dict]) -> dict[str, float]:
@@ -341,6 +360,10 @@ def main() -> None:
     parser.add_argument("--impl", default="auto", help="codec kernels for taco: auto|xla|pallas")
     parser.add_argument("--remat", action="store_true")
     parser.add_argument("--unroll", action="store_true", help="unrolled layers instead of scan")
+    parser.add_argument("--latency-hiding", choices=("off", "on", "both"), default="off",
+                        help="real-TP cases with XLA's latency-hiding scheduler")  # fmt: skip
+    parser.add_argument("--overlap-chunks", type=int, nargs="+", default=[1],
+                        help="real-TP cases with these ParallelConfig.overlap_chunks")  # fmt: skip
     parser.add_argument("--only", nargs="+", default=None,
                         help="run only configs whose label contains one of these")  # fmt: skip
     parser.add_argument("--out", default=os.environ.get("OUT") or str(RESULTS))
@@ -352,7 +375,7 @@ def main() -> None:
 
     attention, attention_note = attention_check()
     rows = []
-    for case in default_cases(args):
+    for case in overlap_variants(default_cases(args), args):
         if args.only and not any(text in case.label for text in args.only):
             continue
         if attention == "xla":  # cuDNN unavailable: every case runs XLA attention
@@ -362,6 +385,7 @@ def main() -> None:
         print(f"running {case.label} ...", flush=True)
         try:
             rows.append(run_case(case, steps, warmup))
+            print(f"  {1e3 * rows[-1]['median_step_s']:.1f} ms per step", flush=True)
         except Exception as err:  # noqa: BLE001 - record (e.g. OOM) and go on
             traceback.print_exc()
             rows.append({"label": case.label, "error": f"{type(err).__name__}: {err}"})

@@ -29,12 +29,14 @@ class TPContext:
     comm: the TP axis and its codecs; None is the unsharded model (every operator is identity).
     sequence_parallel: activations outside the column/row-parallel pairs are split along T.
     dtype: compute dtype of matmuls and activations (parameters stay fp32).
+    overlap_chunks: independent batch chunks through the blocks (`ParallelConfig.overlap_chunks`).
     """
 
     comm: TPComm | None = None
     sequence_parallel: bool = False
     dtype: jnp.dtype = jnp.bfloat16
     attention: str = "auto"  # "auto" | "xla" | "cudnn", see `attention`
+    overlap_chunks: int = 1
 
     @property
     def sharded(self) -> bool:

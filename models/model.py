@@ -182,14 +182,31 @@ class Transformer(nnx.Module):
         of the "layers" axis). [B, T(_sp), D] -> same."""
         graphdef, stacked = nnx.split(self.blocks)
 
-        def block(x, layer_state):
-            return nnx.merge(graphdef, layer_state)(x, ctx), None
+        def block(chunks, layer_state):
+            layer = nnx.merge(graphdef, layer_state)
+            return tuple(layer(chunk, ctx) for chunk in chunks), None
 
         if remat:
             policy = jax.checkpoint_policies.save_only_these_names(*REMAT_SAVED_NAMES)
             block = jax.checkpoint(block, policy=policy)
+        chunks = split_batch(x, ctx.overlap_chunks)
         if scan_layers:
-            return lax.scan(block, x, stacked)[0]
-        for i in range(jax.tree.leaves(stacked)[0].shape[0]):
-            x = block(x, jax.tree.map(lambda a, i=i: a[i], stacked))[0]
-        return x
+            chunks = lax.scan(block, chunks, stacked)[0]
+        else:
+            for i in range(jax.tree.leaves(stacked)[0].shape[0]):
+                chunks = block(chunks, jax.tree.map(lambda a, i=i: a[i], stacked))[0]
+        return chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks, axis=0)
+
+
+def split_batch(x: jax.Array, chunks: int) -> tuple[jax.Array, ...]:
+    """[B, ...] -> `chunks` arrays [B / chunks, ...] that the blocks run independently.
+
+    Rows of a transformer never mix, so the chunks compute what the whole batch would; being
+    independent, one chunk's TP collectives can run while XLA computes another chunk's matmuls
+    (with the latency-hiding scheduler, `ParallelConfig.latency_hiding`).
+    """
+    if chunks < 1 or x.shape[0] % chunks:
+        raise ValueError(
+            f"overlap_chunks={chunks} must be >= 1 and divide the per-device batch {x.shape[0]}"
+        )
+    return tuple(jnp.split(x, chunks, axis=0)) if chunks > 1 else (x,)

@@ -60,6 +60,12 @@ class ParallelConfig:
     pp, microbatches, schedule, repeats: pipeline stages along a "pp" mesh axis
     (`models.pipeline`; shard_map only), microbatches per dp rank and step, "gpipe" or
     "circular" with `repeats` chunks per stage.
+    overlap_chunks, latency_hiding: compute / communication overlap in TP. The blocks run each
+    device's batch (each microbatch with pp) as `overlap_chunks` independent chunks, so that one
+    chunk's TP collectives have another chunk's matmuls to hide behind; `latency_hiding` compiles
+    the steps with XLA's latency-hiding scheduler on GPUs (`compiler_options`), which is what
+    moves the collectives under that compute (docs/method.md, "Overlapping TP collectives with
+    compute").
     """
 
     dp: int = 1
@@ -74,10 +80,14 @@ class ParallelConfig:
     microbatches: int = 1
     schedule: Literal["gpipe", "circular"] = "gpipe"
     repeats: int = 1
+    overlap_chunks: int = 1
+    latency_hiding: bool = False
 
     def __post_init__(self):
         if self.dp < 1 or self.tp < 1 or self.pp < 1:
             raise ValueError(f"dp={self.dp}, tp={self.tp} and pp={self.pp} must be >= 1")
+        if self.overlap_chunks < 1:
+            raise ValueError(f"overlap_chunks={self.overlap_chunks} must be >= 1")
         if self.mode not in ("shard_map", "vmap"):
             raise ValueError(f"mode={self.mode!r} must be 'shard_map' or 'vmap'")
         if self.compute_dtype not in COMPUTE_DTYPES:
@@ -106,6 +116,13 @@ class ParallelConfig:
             raise ValueError(
                 f"pipelining (pp={self.pp}) runs under shard_map, not mode={self.mode!r}"
             )
+
+    def compiler_options(self) -> dict:
+        """XLA options for the jitted steps: the latency-hiding scheduler where asked and the
+        backend is a GPU (the option is XLA:GPU's; other backends compile as before)."""
+        if self.latency_hiding and jax.default_backend() == "gpu":
+            return {"xla_gpu_enable_latency_hiding_scheduler": True}
+        return {}
 
     @property
     def num_devices(self) -> int:
@@ -273,7 +290,13 @@ def _context(parallel: ParallelConfig, comm: taco_jax.TPComm | None) -> TPContex
     attention = parallel.attention
     if attention == "auto" and parallel.mode == "vmap" and parallel.tp > 1:
         attention = "xla"  # cuDNN attention's backward does not batch over the vmapped TP axis
-    return TPContext(comm, parallel.sequence_parallel, jnp.dtype(parallel.compute_dtype), attention)
+    return TPContext(
+        comm,
+        parallel.sequence_parallel,
+        jnp.dtype(parallel.compute_dtype),
+        attention,
+        parallel.overlap_chunks,
+    )
 
 
 def _logits(model, parallel, ctx, params, inputs):  # inputs [B, T] -> [B, T, V_local]

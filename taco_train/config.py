@@ -242,6 +242,12 @@ class TrainConfig:
             f"{p.dp * p.microbatches}",
         )
         _check(
+            d.batch_size % (p.dp * p.microbatches * p.overlap_chunks) == 0,
+            f"parallel.overlap_chunks={p.overlap_chunks} does not divide the batch each device "
+            f"runs at once (data.batch_size={d.batch_size} / (dp x microbatches="
+            f"{p.dp * p.microbatches}))",
+        )
+        _check(
             d.tokenizer != "byte" or m.vocab_size >= 256,
             f"model.vocab_size={m.vocab_size} < 256 cannot hold the byte tokenizer",
         )

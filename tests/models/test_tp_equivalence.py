@@ -113,11 +113,23 @@ EXACT_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("mode", "tp", "sp", "cfg"), EXACT_CASES)
-def test_uncompressed_tp_equals_unsharded(reference_cache, mode, tp, sp, cfg):
+# The batch split into independent chunks through the blocks (compute / communication overlap):
+# the same function, so the same tolerance; with and without scanned layers.
+CHUNKED_CASES = [
+    ("shard_map", 2, True, GPT, dict(overlap_chunks=2)),
+    ("vmap", 4, False, QWEN, dict(overlap_chunks=2, scan_layers=False)),
+]
+
+
+@pytest.mark.parametrize(
+    ("mode", "tp", "sp", "cfg", "layout"), [(*case, {}) for case in EXACT_CASES] + CHUNKED_CASES
+)
+def test_uncompressed_tp_equals_unsharded(reference_cache, mode, tp, sp, cfg, layout):
     _needs_devices(tp if mode == "shard_map" else 1)
     params, tokens, (ref_logits, ref_loss, ref_grads) = _reference(reference_cache, cfg)
-    parallel = ParallelConfig(tp=tp, mode=mode, sequence_parallel=sp, compute_dtype="float32")
+    parallel = ParallelConfig(
+        tp=tp, mode=mode, sequence_parallel=sp, compute_dtype="float32", **layout
+    )
     comm = taco_jax.TPComm.create("tp", fwd="none")
     logits, loss, grads = _run_tp(cfg, parallel, comm, params, tokens)
     tol = exact_tolerance(cfg)
@@ -136,11 +148,16 @@ def test_reference_loss_is_cross_entropy_over_unpadded_vocab(reference_cache):
     assert abs(float(loss) - float(expected)) <= exact_tolerance(GPT_VOCAB_200) * float(expected)
 
 
-@pytest.mark.parametrize(("mode", "sp", "cfg"), [("shard_map", False, GPT), ("vmap", True, QWEN)])
-def test_taco_tp_close_to_unsharded(reference_cache, mode, sp, cfg):
+@pytest.mark.parametrize(
+    ("mode", "sp", "cfg", "chunks"),
+    [("shard_map", False, GPT, 1), ("vmap", True, QWEN, 1), ("shard_map", False, GPT, 2)],
+)
+def test_taco_tp_close_to_unsharded(reference_cache, mode, sp, cfg, chunks):
     _needs_devices(4 if mode == "shard_map" else 1)
     params, tokens, (ref_logits, ref_loss, ref_grads) = _reference(reference_cache, cfg)
-    parallel = ParallelConfig(tp=4, mode=mode, sequence_parallel=sp, compute_dtype="float32")
+    parallel = ParallelConfig(
+        tp=4, mode=mode, sequence_parallel=sp, compute_dtype="float32", overlap_chunks=chunks
+    )
     comm = taco_jax.TPComm.create("tp", fwd="taco", impl="xla")
     logits, loss, grads = _run_tp(cfg, parallel, comm, params, tokens)
     tol_logits, tol_grads = _taco_tolerances(cfg)
@@ -179,3 +196,22 @@ def test_vmap_rank_view_matches_named_sharding_shards():
             rank = mesh.devices.tolist()[0].index(shard.device)
             expected = v if axis is None else jnp.take(v, rank, axis=axis)
             np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(expected))
+
+
+def test_overlap_chunks_must_divide_the_batch():
+    params = init_params(GPT, jax.random.key(0))
+    parallel = ParallelConfig(tp=2, mode="vmap", overlap_chunks=3)
+    comm = taco_jax.TPComm.create("tp", fwd="none")
+    with pytest.raises(ValueError, match=r"overlap_chunks=3 .* per-device batch 4"):
+        make_loss_and_grads(GPT, parallel, comm)(params, _tokens(GPT)[:4])
+    with pytest.raises(ValueError, match="overlap_chunks=0"):
+        ParallelConfig(overlap_chunks=0)
+
+
+def test_latency_hiding_is_a_gpu_compiler_option(monkeypatch):
+    on = ParallelConfig(tp=2, latency_hiding=True)
+    assert ParallelConfig(tp=2).compiler_options() == {}
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert on.compiler_options() == {"xla_gpu_enable_latency_hiding_scheduler": True}
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert on.compiler_options() == {}
