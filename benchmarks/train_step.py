@@ -77,6 +77,7 @@ class Case:
     min_compress_bytes: int | None = None  # None: taco_jax.policy decides
     stage_codec: str = "none"  # of pipeline stage traffic (parallel.pp > 1)
     sharded: ZeroConfig | None = None  # ZeRO-1 over dp and its codecs (case 5)
+    latency_hiding: bool = False  # compile with XLA's latency-hiding scheduler option
 
     def model(self) -> ModelConfig:
         return ModelConfig.preset(self.preset, **dict(self.overrides))
@@ -231,7 +232,8 @@ def run_case(case: Case, steps: int, warmup: int) -> dict:
     tokens = jax.device_put(tokens, built.batch_sharding)
 
     start = time.perf_counter()
-    compiled = built.train_step.lower(state, tokens).compile()
+    options = {"xla_gpu_enable_latency_hiding_scheduler": True} if case.latency_hiding else {}
+    compiled = built.train_step.lower(state, tokens).compile(compiler_options=options)
     compile_s = time.perf_counter() - start
     carry = {"state": state}
 
@@ -257,6 +259,7 @@ def run_case(case: Case, steps: int, warmup: int) -> dict:
         "sharded": dataclasses.asdict(case.sharded) if case.sharded else None,
         "algorithm": case.algorithm,
         "impl": case.impl,
+        "compiler_options": options,
         "batch": case.batch,
         "tokens_per_step": tokens_per_step,
         "num_params": cfg.num_params(),
@@ -303,8 +306,8 @@ def table(rows: list[dict]) -> str:
 
 
 def overlap_variants(cases: list[Case], args) -> list[Case]:
-    """Each real-TP case once per (latency_hiding, overlap_chunks) asked for, labelled with them
-    ("lhs", "chunks=K") where they differ from the defaults."""
+    """Each real-TP case once per (latency-hiding option, overlap_chunks) asked for, labelled
+    with them ("lhs", "chunks=K") where they differ from the defaults."""
     hiding = {"off": (False,), "on": (True,), "both": (False, True)}[args.latency_hiding]
     out = []
     for case in cases:
@@ -315,8 +318,12 @@ def overlap_variants(cases: list[Case], args) -> list[Case]:
         for lhs in hiding:
             for chunks in args.overlap_chunks:
                 tags = (" lhs" if lhs else "") + (f" chunks={chunks}" if chunks > 1 else "")
-                parallel = dataclasses.replace(p, latency_hiding=lhs, overlap_chunks=chunks)
-                out.append(dataclasses.replace(case, label=case.label + tags, parallel=parallel))
+                parallel = dataclasses.replace(p, overlap_chunks=chunks)
+                out.append(
+                    dataclasses.replace(
+                        case, label=case.label + tags, parallel=parallel, latency_hiding=lhs
+                    )
+                )
     return out
 
 
@@ -333,6 +340,7 @@ def overheads(rows: list[dict]) -> dict[str, float]:
                 for b in by_label.values()
                 if b["codec"] == "none"
                 and b["parallel"] == r["parallel"]
+                and b.get("compiler_options") == r.get("compiler_options")
                 and b["model"] == r["model"]
             ),
             None,

@@ -202,8 +202,7 @@ def split_batch(x: jax.Array, chunks: int) -> tuple[jax.Array, ...]:
     """[B, ...] -> `chunks` arrays [B / chunks, ...] that the blocks run independently.
 
     Rows of a transformer never mix, so the chunks compute what the whole batch would; being
-    independent, one chunk's TP collectives can run while XLA computes another chunk's matmuls
-    (with the latency-hiding scheduler, `ParallelConfig.latency_hiding`).
+    independent, one chunk's TP collectives can run while XLA computes another chunk's matmuls.
     """
     if chunks < 1 or x.shape[0] % chunks:
         raise ValueError(

@@ -60,12 +60,10 @@ class ParallelConfig:
     pp, microbatches, schedule, repeats: pipeline stages along a "pp" mesh axis
     (`models.pipeline`; shard_map only), microbatches per dp rank and step, "gpipe" or
     "circular" with `repeats` chunks per stage.
-    overlap_chunks, latency_hiding: compute / communication overlap in TP. The blocks run each
-    device's batch (each microbatch with pp) as `overlap_chunks` independent chunks, so that one
-    chunk's TP collectives have another chunk's matmuls to hide behind; `latency_hiding` compiles
-    the steps with XLA's latency-hiding scheduler on GPUs (`compiler_options`), which is what
-    moves the collectives under that compute (docs/method.md, "Overlapping TP collectives with
-    compute").
+    overlap_chunks: the blocks run each device's batch (each microbatch with pp) as this many
+    independent chunks, so that XLA can run one chunk's TP collectives while it computes another
+    chunk's matmuls (docs/method.md, "Overlapping TP collectives with compute": it paid for the
+    uncompressed collectives over slow links, not for the compressed ones).
     """
 
     dp: int = 1
@@ -81,7 +79,6 @@ class ParallelConfig:
     schedule: Literal["gpipe", "circular"] = "gpipe"
     repeats: int = 1
     overlap_chunks: int = 1
-    latency_hiding: bool = False
 
     def __post_init__(self):
         if self.dp < 1 or self.tp < 1 or self.pp < 1:
@@ -116,13 +113,6 @@ class ParallelConfig:
             raise ValueError(
                 f"pipelining (pp={self.pp}) runs under shard_map, not mode={self.mode!r}"
             )
-
-    def compiler_options(self) -> dict:
-        """XLA options for the jitted steps: the latency-hiding scheduler where asked and the
-        backend is a GPU (the option is XLA:GPU's; other backends compile as before)."""
-        if self.latency_hiding and jax.default_backend() == "gpu":
-            return {"xla_gpu_enable_latency_hiding_scheduler": True}
-        return {}
 
     @property
     def num_devices(self) -> int:

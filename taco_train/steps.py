@@ -149,7 +149,7 @@ def make_steps(
         zero = jnp.zeros((), jnp.int32)
         return TrainState(zero, params, optimizer.init(params), zero)
 
-    @_jitted_train_step(parallel, state_sharding, batch_sharding)
+    @_jitted_train_step(state_sharding, batch_sharding)
     def train_step(state: TrainState, tokens: jax.Array):
         layout.check_tokens(model, parallel, tokens)
         loss, grads = loss_and_grads(state.params, tokens, state.step)
@@ -176,7 +176,6 @@ def _eval_step(model, parallel, loss_only, state_sharding, batch_sharding):
         jax.jit,
         in_shardings=(state_sharding, batch_sharding),
         out_shardings=NamedSharding(batch_sharding.mesh, P()),
-        compiler_options=parallel.compiler_options(),
     )
     def eval_step(state: TrainState, tokens: jax.Array):
         layout.check_tokens(model, parallel, tokens)
@@ -196,16 +195,15 @@ def _is_finite(state_sharding, replicated):
     return is_finite
 
 
-def _jitted_train_step(parallel, state_sharding, batch_sharding):
+def _jitted_train_step(state_sharding, batch_sharding):
     """jit of train_step(state, tokens) -> (state, metrics): placed state and batch, replicated
-    metrics, the state donated, `parallel`'s XLA options."""
+    metrics, the state donated."""
     replicated = NamedSharding(batch_sharding.mesh, P())
     return functools.partial(
         jax.jit,
         in_shardings=(state_sharding, batch_sharding),
         out_shardings=(state_sharding, replicated),
         donate_argnums=0,
-        compiler_options=parallel.compiler_options(),
     )
 
 
@@ -364,7 +362,7 @@ def make_sharded_steps(
         zero_count = jnp.zeros((), jnp.int32)
         return TrainState(zero_count, replica, state, zero_count)
 
-    @_jitted_train_step(parallel, state_sharding, batch_sharding)
+    @_jitted_train_step(state_sharding, batch_sharding)
     def train_step(state: TrainState, tokens: jax.Array):
         layout.check_tokens(model, parallel, tokens)
         at_replica = jax.tree.map(lambda p: p.astype(jnp.float32), state.params)

@@ -207,11 +207,3 @@ def test_overlap_chunks_must_divide_the_batch():
     with pytest.raises(ValueError, match="overlap_chunks=0"):
         ParallelConfig(overlap_chunks=0)
 
-
-def test_latency_hiding_is_a_gpu_compiler_option(monkeypatch):
-    on = ParallelConfig(tp=2, latency_hiding=True)
-    assert ParallelConfig(tp=2).compiler_options() == {}
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert on.compiler_options() == {"xla_gpu_enable_latency_hiding_scheduler": True}
-    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert on.compiler_options() == {}
