@@ -130,32 +130,42 @@ def get_stage_codec(name: str | TahQuant) -> TahQuant:
 # (`pallas_kernels.tahquant_kernel`) call these same functions on their tiles.
 
 
+_COUNT_UNIT = 1 << 14  # > the sum of all positions of a group of 128 (8128)
+
+
 def pivot_rule(groups: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(flag [M] bool, index [M] int32): whether each group has a dominant outlier (m1 > 2 m2),
-    and where its largest |x| is (the first such position; unspecified in a group holding a
-    NaN, which decodes to NaN whatever its pivot byte says)."""
+    """(flag [M] bool, index [M] int32): whether each group has a dominant outlier, and where it
+    is (0 in groups without one; unspecified in a group holding a NaN, which decodes to NaN
+    whatever its pivot byte says).
+
+    With m1 >= m2 the two largest |x|, "m1 > 2 m2" holds exactly when the largest element is the
+    only one with 2 |x| >= m1 (2 |x| is exact; m1 = 0 flags nothing). One sum counts those
+    elements and adds their positions, packed as count * 2^14 + positions: a flagged group's sum
+    is its outlier's position plus 2^14. Two reductions (max, sum), where naming the largest
+    element and the runner-up separately took three.
+    """
     magnitude = jnp.abs(groups)
     positions = lax.broadcasted_iota(jnp.int32, groups.shape, 1)
     m1 = jnp.max(magnitude, axis=-1)
-    last = groups.shape[-1] - 1
-    index = jnp.min(jnp.where(magnitude == m1[:, None], positions, last), axis=-1)
-    m2 = jnp.max(jnp.where(positions == index[:, None], 0.0, magnitude), axis=-1)
-    return m1 > 2.0 * m2, index
+    above = 2.0 * magnitude >= m1[:, None]
+    packed = jnp.sum(jnp.where(above, positions + _COUNT_UNIT, 0), axis=-1)
+    flag = packed >> 14 == 1
+    return flag, jnp.where(flag, packed & (_COUNT_UNIT - 1), 0)
 
 
-def _element_at(groups: jax.Array, positions: jax.Array, index) -> jax.Array:
-    """groups[m, index[m]] as a masked sum (one non-zero term: exact), [M]."""
-    return jnp.sum(jnp.where(positions == index, groups, 0.0), axis=-1)
+def _element_at(groups: jax.Array, at: jax.Array) -> jax.Array:
+    """groups[m, j] where at[m, j] (one True per row) as a masked sum (one non-zero term:
+    exact), [M]."""
+    return jnp.sum(jnp.where(at, groups, 0.0), axis=-1)
 
 
-def swap_to_front(groups: jax.Array, index: jax.Array, flag: jax.Array) -> jax.Array:
-    """Exchanges elements 0 and `index` of each flagged group (its own inverse)."""
+def swap_to_front(groups: jax.Array, index: jax.Array) -> jax.Array:
+    """Exchanges elements 0 and `index` of each group (its own inverse; index 0 leaves the group
+    as it is, which is what `pivot_rule` gives groups without an outlier)."""
     positions = lax.broadcasted_iota(jnp.int32, groups.shape, 1)
-    at_index = _element_at(groups, positions, index[:, None])
-    first = _element_at(groups, positions, 0)
-    swapped = jnp.where(positions == 0, at_index[:, None], groups)
-    swapped = jnp.where(positions == index[:, None], first[:, None], swapped)
-    return jnp.where(flag[:, None], swapped, groups)
+    is_index, is_first = positions == index[:, None], positions == 0
+    at_index, first = _element_at(groups, is_index), _element_at(groups, is_first)
+    return jnp.where(is_first, at_index[:, None], jnp.where(is_index, first[:, None], groups))
 
 
 def _signed_hadamard_low_bits(x: jax.Array, bits: int) -> jax.Array:
@@ -283,7 +293,7 @@ def encode_groups(codec: TahQuant, groups: jax.Array, noise: jax.Array | None, *
     """groups [M, G] fp32 -> (codes [M, G] int32, {side field: [M]}): the whole encode but the
     packing (the reference and the fused kernels both run it)."""
     flag, index = pivot_rule(groups) if codec.pivot else (None, None)
-    y = hadamard_front(swap_to_front(groups, index, flag), flag) if codec.pivot else groups
+    y = hadamard_front(swap_to_front(groups, index), flag) if codec.pivot else groups
     codes, scale, lo = quantize_groups(codec, y, noise, magic_round=magic_round)
     sides = {"scales": scale, "mins": lo}
     if codec.pivot:
@@ -296,9 +306,15 @@ def decode_groups(codec: TahQuant, codes: jax.Array, sides: dict[str, jax.Array]
     y = dequantize_groups(codec, codes, sides["scales"], sides.get("mins"))
     if not codec.pivot:
         return y
-    pivots = sides["pivots"].astype(jnp.int32)
-    flag, index = (pivots & PIVOT_FLAG) != 0, pivots & (PIVOT_FLAG - 1)
-    return swap_to_front(hadamard_front(y, flag), index, flag)
+    flag, index = pivot_fields(sides["pivots"], PIVOT_FLAG - 1)
+    return swap_to_front(hadamard_front(y, flag), index)
+
+
+def pivot_fields(pivots: jax.Array, index_mask: int) -> tuple[jax.Array, jax.Array]:
+    """(flag, index) of pivot bytes [M]: the index where the flag is set, else 0 (no swap)."""
+    pivots = pivots.astype(jnp.int32)
+    flag = (pivots & PIVOT_FLAG) != 0
+    return flag, jnp.where(flag, pivots & index_mask, 0)
 
 
 # --------------------------------------------------------------------------------------------

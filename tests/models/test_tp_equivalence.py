@@ -206,4 +206,3 @@ def test_overlap_chunks_must_divide_the_batch():
         make_loss_and_grads(GPT, parallel, comm)(params, _tokens(GPT)[:4])
     with pytest.raises(ValueError, match="overlap_chunks=0"):
         ParallelConfig(overlap_chunks=0)
-

@@ -126,6 +126,21 @@ def test_pivot_rule_flags_exactly_the_dominant_outliers():
     assert expected[: 3 * 8].all() and expected.sum() < len(expected)
     flagged = pivots >= tahquant.PIVOT_FLAG
     np.testing.assert_array_equal((pivots & 0x7F)[flagged], np.argmax(groups, axis=-1)[flagged])
+    np.testing.assert_array_equal(pivots[~flagged], 0)  # no outlier: no swap, byte 0
+
+
+def test_pivot_rule_at_its_edges():
+    """m1 > 2 m2 exactly: a runner-up at exactly m1 / 2 does not flag, just below does; an
+    all-zero group and a tie for the largest do not; the sign does not matter."""
+    rows = np.zeros((6, 32), np.float32)
+    rows[0, [3, 9]] = [2.0, 1.0]  # m1 = 2 m2
+    rows[1, [3, 9]] = [2.0, np.nextafter(np.float32(1.0), np.float32(0.0))]
+    rows[2, [4, 20]] = [-5.0, 5.0]  # tie
+    rows[4, 31] = -1e-30  # a lone tiny value is an outlier too
+    rows[5, [0, 7]] = [0.1, 3e38]  # near fp32's largest: 2 |x| overflows to inf, still exact
+    flag, index = tahquant.pivot_rule(jnp.asarray(rows))
+    np.testing.assert_array_equal(np.asarray(flag), [False, True, False, False, True, True])
+    np.testing.assert_array_equal(np.asarray(index), [0, 3, 0, 0, 31, 7])
 
 
 @pytest.mark.parametrize("name", NAMES)
