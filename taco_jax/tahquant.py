@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -132,37 +131,26 @@ def get_stage_codec(name: str | TahQuant) -> TahQuant:
 
 
 _COUNT_UNIT = 1 << 14  # > the sum of all positions of a group of 128 (8128)
-_SIGN_UNIT = 1 << 22  # > 128 x (127 + 2^14): the count's bits stay apart; 128 x 2^22 < 2^31
 
 
-class Pivot(NamedTuple):
-    """A group's dominant outlier: flag [M] bool, index [M] int32 (0 without an outlier, so that
-    the swap leaves the group as it is) and value [M] (the outlier itself where flagged)."""
-
-    flag: jax.Array
-    index: jax.Array
-    value: jax.Array
-
-
-def pivot_rule(groups: jax.Array) -> Pivot:
-    """Whether each group [M, G] has a dominant outlier, where it is, and its value (unspecified
-    in a group holding a NaN, which decodes to NaN whatever its pivot byte says).
+def pivot_rule(groups: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(flag [M] bool, index [M] int32): whether each group has a dominant outlier, and where it
+    is (0 in groups without one; unspecified in a group holding a NaN, which decodes to NaN
+    whatever its pivot byte says).
 
     With m1 >= m2 the two largest |x|, "m1 > 2 m2" holds exactly when the largest element is the
-    only one with 2 |x| >= m1 (2 |x| is exact; m1 = 0 flags nothing). One integer sum over those
-    elements packs their count (x 2^14), their positions and their negative signs (x 2^22): a
-    flagged group's sum names its outlier's position and sign, and the outlier is +-m1. Two
-    reductions (max, sum), where naming the largest element and the runner-up took three.
+    only one with 2 |x| >= m1 (2 |x| is exact; m1 = 0 flags nothing). One sum counts those
+    elements and adds their positions, packed as count * 2^14 + positions: a flagged group's sum
+    is its outlier's position plus 2^14. Two reductions (max, sum), where naming the largest
+    element and the runner-up separately took three.
     """
     magnitude = jnp.abs(groups)
     positions = lax.broadcasted_iota(jnp.int32, groups.shape, 1)
     m1 = jnp.max(magnitude, axis=-1)
     above = 2.0 * magnitude >= m1[:, None]
-    terms = positions + _COUNT_UNIT + jnp.where(groups < 0, _SIGN_UNIT, 0)
-    packed = jnp.sum(jnp.where(above, terms, 0), axis=-1)
-    flag = (packed >> 14) & 0xFF == 1
-    index = jnp.where(flag, packed & (_COUNT_UNIT - 1), 0)
-    return Pivot(flag, index, jnp.where(packed >= _SIGN_UNIT, -m1, m1))
+    packed = jnp.sum(jnp.where(above, positions + _COUNT_UNIT, 0), axis=-1)
+    flag = packed >> 14 == 1
+    return flag, jnp.where(flag, packed & (_COUNT_UNIT - 1), 0)
 
 
 def _element_at(groups: jax.Array, at: jax.Array) -> jax.Array:
@@ -212,28 +200,6 @@ def hadamard_front(groups: jax.Array, flag: jax.Array) -> jax.Array:
     transformed = _signed_hadamard_low_bits(front, _PIVOT_BITS) * PIVOT_UNIT
     keep = first_block & flag[:, None, None]
     return jnp.where(keep, transformed[:, None, :], blocks).reshape(m, g)
-
-
-def pivot_front(groups: jax.Array, pivot: Pivot) -> jax.Array:
-    """`hadamard_front(swap_to_front(groups, pivot.index), pivot.flag)`, the encoder's way: it
-    knows the outlier's value, so only element 0 is taken out by a reduction, and that over the
-    first block alone; the swap into the first block happens on those 32 values."""
-    m, g = groups.shape
-    blocks = groups.reshape(m, g // PIVOT_BLOCK, PIVOT_BLOCK)
-    block = lax.broadcasted_iota(jnp.int32, blocks.shape, 1)
-    lane = lax.broadcasted_iota(jnp.int32, blocks.shape, 2)
-    front = jnp.sum(jnp.where(block == 0, blocks, 0.0), axis=1)  # [M, 32]
-    front_lane = lax.broadcasted_iota(jnp.int32, front.shape, 1)
-    first = jnp.sum(jnp.where(front_lane == 0, front, 0.0), axis=-1)  # element 0, [M]
-    index = pivot.index[:, None]
-    front = jnp.where(front_lane == index, first[:, None], front)
-    front = jnp.where(front_lane == 0, pivot.value[:, None], front)
-    transformed = _signed_hadamard_low_bits(front, _PIVOT_BITS) * PIVOT_UNIT
-    # Beyond the first block only the outlier's place changes (to element 0). Without an outlier
-    # index is 0 and element 0 is written back to itself.
-    rest = jnp.where(block * PIVOT_BLOCK + lane == index[:, :, None], first[:, None, None], blocks)
-    keep = (block == 0) & pivot.flag[:, None, None]
-    return jnp.where(keep, transformed[:, None, :], rest).reshape(m, g)
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,12 +292,12 @@ def encode_groups(codec: TahQuant, groups: jax.Array, noise: jax.Array | None, *
                   magic_round: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:  # fmt: skip
     """groups [M, G] fp32 -> (codes [M, G] int32, {side field: [M]}): the whole encode but the
     packing (the reference and the fused kernels both run it)."""
-    pivot = pivot_rule(groups) if codec.pivot else None
-    y = pivot_front(groups, pivot) if codec.pivot else groups
+    flag, index = pivot_rule(groups) if codec.pivot else (None, None)
+    y = hadamard_front(swap_to_front(groups, index), flag) if codec.pivot else groups
     codes, scale, lo = quantize_groups(codec, y, noise, magic_round=magic_round)
     sides = {"scales": scale, "mins": lo}
     if codec.pivot:
-        sides["pivots"] = (pivot.index | jnp.where(pivot.flag, PIVOT_FLAG, 0)).astype(jnp.uint8)
+        sides["pivots"] = (index | jnp.where(flag, PIVOT_FLAG, 0)).astype(jnp.uint8)
     return codes, {field: sides[field] for field, _ in codec.side_fields}
 
 

@@ -159,8 +159,8 @@ def encode_wire(codec: AdaptiveTahQuant, x: jax.Array, key: jax.Array | None = N
         raise ValueError(f"codec {codec.name!r} rounds stochastically: pass a PRNG key")
     rows, n = x.shape
     groups = x.astype(jnp.float32).reshape(-1, GROUP_SIZE)
-    pivot = tahquant.pivot_rule(groups)
-    y = tahquant.pivot_front(groups, pivot)
+    flag, index = tahquant.pivot_rule(groups)
+    y = tahquant.hadamard_front(tahquant.swap_to_front(groups, index), flag)
     wide = _wide_mask(codec, y, rows)
     noise = None
     if codec.stochastic:  # the fixed-bit codec's noise (`tahquant.uniform_noise`)
@@ -179,8 +179,7 @@ def encode_wire(codec: AdaptiveTahQuant, x: jax.Array, key: jax.Array | None = N
     order = jnp.argsort(~valid.reshape(rows, -1), axis=-1, stable=True)[:, :per_row]
     code_bytes = jnp.take_along_axis(chunks.reshape(rows, -1), order, axis=-1)
     scale = jnp.where(wide, broad_scale, narrow_scale)
-    flags = jnp.where(pivot.flag, tahquant.PIVOT_FLAG, 0) | jnp.where(wide, WIDE_FLAG, 0)
-    pivots = pivot.index | flags
+    pivots = index | jnp.where(flag, tahquant.PIVOT_FLAG, 0) | jnp.where(wide, WIDE_FLAG, 0)
     sides = [codecs.side_to_bytes(scale.reshape(rows, -1), 4),
              pivots.astype(jnp.uint8).reshape(rows, -1)]  # fmt: skip
     return lax.optimization_barrier(jnp.concatenate([code_bytes, *sides], axis=-1))
