@@ -40,6 +40,7 @@ from models.model import Transformer
 
 TP_LOGICAL_AXES = ("vocab", "kv_heads", "heads", "mlp")  # split across the TP axis
 DP_AXIS = "dp"
+DP_LEVELS = ("dp_inter", "dp_intra")  # dp in two levels: across groups (outer), within (inner)
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
 
 
@@ -60,6 +61,10 @@ class ParallelConfig:
     pp, microbatches, schedule, repeats: pipeline stages along a "pp" mesh axis
     (`models.pipeline`; shard_map only), microbatches per dp rank and step, "gpipe" or
     "circular" with `repeats` chunks per stage.
+    dp_intra: ranks of one inner data-parallel group (e.g. one node's GPUs). Above 1 the mesh
+    splits "dp" into ("dp_inter", "dp_intra") (`dp_axis`), and SDP4Bit's gradient reduce-scatter
+    (`compression.dp_grad="tlq_hs"`) runs in two levels: 8-bit codes within a group, 4-bit
+    across (docs/method.md, "Data-parallel codecs").
     overlap_chunks: the blocks run each device's batch (each microbatch with pp) as this many
     independent chunks, so that XLA can run one chunk's TP collectives while it computes another
     chunk's matmuls (docs/method.md, "Overlapping TP collectives with compute": it paid for the
@@ -79,10 +84,13 @@ class ParallelConfig:
     schedule: Literal["gpipe", "circular"] = "gpipe"
     repeats: int = 1
     overlap_chunks: int = 1
+    dp_intra: int = 1
 
     def __post_init__(self):
         if self.dp < 1 or self.tp < 1 or self.pp < 1:
             raise ValueError(f"dp={self.dp}, tp={self.tp} and pp={self.pp} must be >= 1")
+        if self.dp_intra < 1 or self.dp % self.dp_intra:
+            raise ValueError(f"dp_intra={self.dp_intra} must be >= 1 and divide dp={self.dp}")
         if self.overlap_chunks < 1:
             raise ValueError(f"overlap_chunks={self.overlap_chunks} must be >= 1")
         if self.mode not in ("shard_map", "vmap"):
@@ -113,6 +121,17 @@ class ParallelConfig:
             raise ValueError(
                 f"pipelining (pp={self.pp}) runs under shard_map, not mode={self.mode!r}"
             )
+
+    @property
+    def dp_axis(self) -> str | tuple[str, str]:
+        """The data-parallel mesh axis, or its two levels (outer, inner) with dp_intra > 1: what
+        the dp collectives, the batch's and the sharded state's specs name."""
+        return DP_LEVELS if self.dp_intra > 1 else DP_AXIS
+
+    @property
+    def dp_shape(self) -> tuple[int, ...]:
+        """Sizes of the mesh axes of `dp_axis`."""
+        return (self.dp // self.dp_intra, self.dp_intra) if self.dp_intra > 1 else (self.dp,)
 
     @property
     def num_devices(self) -> int:
@@ -337,15 +356,16 @@ def check_devices(parallel: ParallelConfig) -> None:
 
 def make_mesh(parallel: ParallelConfig, tp_axis: str = "tp") -> jax.sharding.Mesh:
     """("dp", tp_axis) over dp x tp devices (shard_map), ("dp", "pp", tp_axis) with pipeline
-    stages, or ("dp",) over dp devices (vmap)."""
+    stages, or ("dp",) over dp devices (vmap); "dp" is ("dp_inter", "dp_intra") where
+    `parallel.dp_intra` > 1 (consecutive devices share an inner group)."""
     check_devices(parallel)
     devices = jax.devices()[: parallel.num_devices]
-    if parallel.mode == "vmap":
-        shape, names = (parallel.dp,), (DP_AXIS,)
-    elif parallel.pp > 1:
-        shape, names = (parallel.dp, parallel.pp, parallel.tp), (DP_AXIS, PP_AXIS, tp_axis)
-    else:
-        shape, names = (parallel.dp, parallel.tp), (DP_AXIS, tp_axis)
+    dp_names = DP_LEVELS if parallel.dp_intra > 1 else (DP_AXIS,)
+    shape, names = parallel.dp_shape, dp_names
+    if parallel.mode == "shard_map" and parallel.pp > 1:
+        shape, names = (*shape, parallel.pp, parallel.tp), (*names, PP_AXIS, tp_axis)
+    elif parallel.mode == "shard_map":
+        shape, names = (*shape, parallel.tp), (*names, tp_axis)
     auto = (jax.sharding.AxisType.Auto,) * len(shape)
     return jax.make_mesh(shape, names, auto, devices=devices)
 
@@ -359,6 +379,7 @@ def _mapped(model, parallel, comm, fn, out_kind: str, mesh):
     B over dp). Returns a function of (full params, tokens) usable under jit.
     """
     ctx = _context(parallel, comm)
+    dp = parallel.dp_axis
     tp_axis = comm.axis_name
     specs = param_specs(model, tp_axis)
 
@@ -367,20 +388,20 @@ def _mapped(model, parallel, comm, fn, out_kind: str, mesh):
             return out
         if out_kind == "loss_local_grads":
             loss, grads = out
-            return lax.pmean(loss, DP_AXIS), jax.tree.map(lambda g: g[None], grads)
-        return jax.tree.map(lambda x: lax.pmean(x, DP_AXIS), out)
+            return lax.pmean(loss, dp), jax.tree.map(lambda g: g[None], grads)
+        return jax.tree.map(lambda x: lax.pmean(x, dp), out)
 
     if parallel.mode == "shard_map":
         out_specs = {
             "loss": P(),
             "loss_grads": (P(), specs),
-            "loss_local_grads": (P(), jax.tree.map(lambda spec: P(DP_AXIS, *spec), specs)),
-            "logits": P(DP_AXIS, None, tp_axis),
+            "loss_local_grads": (P(), jax.tree.map(lambda spec: P(dp, *spec), specs)),
+            "logits": P(dp, None, tp_axis),
         }[out_kind]
         return jax.shard_map(
             lambda params, tokens: dp_reduce(fn(ctx, params, tokens)),
             mesh=mesh,
-            in_specs=(specs, P(DP_AXIS)),
+            in_specs=(specs, P(dp)),
             out_specs=out_specs,
             check_vma=False,
         )
@@ -406,9 +427,9 @@ def _mapped(model, parallel, comm, fn, out_kind: str, mesh):
             out = out.reshape(out.shape[:2] + (-1,))
         return dp_reduce(out)
 
-    out_specs = {"logits": P(DP_AXIS), "loss_local_grads": (P(), P(DP_AXIS))}.get(out_kind, P())
+    out_specs = {"logits": P(dp), "loss_local_grads": (P(), P(dp))}.get(out_kind, P())
     return jax.shard_map(
-        per_dp, mesh=mesh, in_specs=(P(), P(DP_AXIS)), out_specs=out_specs, check_vma=False
+        per_dp, mesh=mesh, in_specs=(P(), P(dp)), out_specs=out_specs, check_vma=False
     )
 
 

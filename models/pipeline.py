@@ -44,7 +44,6 @@ import taco_jax
 from models import layers
 from models.config import ModelConfig
 from models.parallel import (
-    DP_AXIS,
     PP_AXIS,
     ParallelConfig,
     _context,
@@ -151,7 +150,7 @@ def _stage_loss(model, parallel, codecs, ctx, params, tokens, key):
     stages, m, v = parallel.pp, parallel.microbatches, parallel.repeats
     stage = lax.axis_index(PP_AXIS)
     if key is not None:  # dp ranks draw their own noise; tp ranks the same (replicated values)
-        key = jax.random.fold_in(key, lax.axis_index(DP_AXIS))
+        key = jax.random.fold_in(key, lax.axis_index(parallel.dp_axis))
     micro = tokens.reshape(m, tokens.shape[0] // m, tokens.shape[1])  # [M, b, T + 1]
     t = micro.shape[-1] - 1
     t_local = t // ctx.size() if (ctx.sharded and ctx.sequence_parallel) else t
@@ -207,14 +206,15 @@ def _stage_loss_and_grads(model, parallel, codecs, ctx, params, tokens, key, loc
     grads = jax.tree.map(
         lambda g, r: lax.psum(g, PP_AXIS) if r else g, grads, pp_replicated_mask(model)
     )
+    dp = parallel.dp_axis
     if local:
-        return _reduced_loss(loss), jax.tree.map(lambda g: g[None], grads)
-    return _reduced_loss(loss), jax.tree.map(lambda g: lax.pmean(g, DP_AXIS), grads)
+        return _reduced_loss(loss, dp), jax.tree.map(lambda g: g[None], grads)
+    return _reduced_loss(loss, dp), jax.tree.map(lambda g: lax.pmean(g, dp), grads)
 
 
-def _reduced_loss(loss):
+def _reduced_loss(loss, dp_axis):
     """The mean loss: only the last stage's is non-zero; averaged over dp."""
-    return lax.pmean(lax.psum(loss, PP_AXIS), DP_AXIS)
+    return lax.pmean(lax.psum(loss, PP_AXIS), dp_axis)
 
 
 def _check_batch(tokens, parallel: ParallelConfig):
@@ -240,7 +240,7 @@ def _pipelined(model, parallel, comm, mesh, per_device, out_specs):
     mapped = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(specs, P(DP_AXIS), P()),
+        in_specs=(specs, P(parallel.dp_axis), P()),
         out_specs=out_specs(specs),
         check_vma=False,
     )
@@ -287,7 +287,8 @@ def _loss_and_grads_runner(model, parallel, comm, codecs, mesh, *, local: bool):
         return _stage_loss_and_grads(model, parallel, codecs, ctx, params, tokens, key, local=local)
 
     def out_specs(staged):
-        return (P(), jax.tree.map(lambda spec: P(DP_AXIS, *spec), staged) if local else staged)
+        dp = parallel.dp_axis
+        return (P(), jax.tree.map(lambda spec: P(dp, *spec), staged) if local else staged)
 
     fn = _pipelined(model, parallel, comm, mesh, per_device, out_specs)
     unstage = lambda g: from_stages(g, model)  # noqa: E731
@@ -316,6 +317,7 @@ def make_pipeline_loss(
     """(full params, tokens, key) -> the mean loss of the pipelined model (no gradients)."""
 
     def per_device(ctx, params, tokens, key):
-        return _reduced_loss(_stage_loss(model, parallel, codecs, ctx, params, tokens, key))
+        loss = _stage_loss(model, parallel, codecs, ctx, params, tokens, key)
+        return _reduced_loss(loss, parallel.dp_axis)
 
     return _pipelined(model, parallel, comm, mesh, per_device, lambda s: P())

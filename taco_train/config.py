@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import taco_jax
 from models.config import ModelConfig
-from models.parallel import DP_AXIS, ParallelConfig, check_config
+from models.parallel import ParallelConfig, check_config
 from models.pipeline import StageCodecs
 from taco_jax import codecs
 from taco_train import zero
@@ -101,9 +101,9 @@ class CompressionConfig:
     def stage_codecs(self) -> StageCodecs:
         return StageCodecs(self.pp, self.pp_bwd, self.telemetry)
 
-    def zero_config(self, grad_clip: float) -> zero.ZeroConfig:
+    def zero_config(self, grad_clip: float, dp_axis: str | tuple[str, ...]) -> zero.ZeroConfig:
         return zero.ZeroConfig(
-            DP_AXIS, self.dp_grad, self.dp_param, grad_clip, self.impl, self.telemetry
+            dp_axis, self.dp_grad, self.dp_param, grad_clip, self.impl, self.telemetry
         )
 
 

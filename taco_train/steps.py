@@ -140,7 +140,7 @@ def make_steps(
         opt_state=_opt_state_sharding(opt_abstract, params_abstract, param_sharding, replicated),
         skipped=replicated,
     )
-    batch_sharding = NamedSharding(mesh, P(layout.DP_AXIS))
+    batch_sharding = NamedSharding(mesh, P(parallel.dp_axis))
     loss_and_grads, loss_only = _losses(model, parallel, comm, stage_codecs, mesh, seed)
 
     @functools.partial(jax.jit, out_shardings=state_sharding)
@@ -238,18 +238,20 @@ class _ShardLayout:
     dims: Any = None
     sizes: tuple[int, ...] = ()
     param_specs: Any = None
+    dp_axis: str | tuple[str, ...] = layout.DP_AXIS
 
     @classmethod
     def of(cls, model: ModelConfig, parallel: ParallelConfig, tp_axis: str) -> _ShardLayout:
+        dp = parallel.dp_axis
         if state_split(parallel)[1:] == (1, 1):
-            return cls()
+            return cls(dp_axis=dp)
         tp_dims = layout.tp_split_dims(model)
         if parallel.pp == 1:
             return cls((tp_axis,), jax.tree.map(lambda d: (d,), tp_dims), (parallel.tp,),
-                       layout.param_specs(model, tp_axis))  # fmt: skip
+                       layout.param_specs(model, tp_axis), dp)  # fmt: skip
         dims = jax.tree.map(lambda p, t: (p, t), pipeline.stage_split_dims(model), tp_dims)
         return cls((layout.PP_AXIS, tp_axis), dims, (parallel.pp, parallel.tp),
-                   pipeline.full_layout_specs(model, tp_axis))  # fmt: skip
+                   pipeline.full_layout_specs(model, tp_axis), dp)  # fmt: skip
 
     @property
     def lead(self) -> int:
@@ -258,7 +260,7 @@ class _ShardLayout:
 
     @property
     def state_spec(self) -> P:
-        return P(layout.DP_AXIS, *self.axes)
+        return P(self.dp_axis, *self.axes)
 
     def replica_specs(self, params_abstract) -> Any:
         """The replica's specs: whole on every rank, or as the model-parallel parameters."""
@@ -286,7 +288,7 @@ def _sharded_update(optimizer, sharded: zero.ZeroConfig, shards: _ShardLayout, p
     replica, global gradient norm), each rank on its block of the state."""
     lead = shards.lead
     replica_specs = shards.replica_specs(params_abstract)
-    grad_specs = jax.tree.map(lambda spec: P(layout.DP_AXIS, *spec), replica_specs)
+    grad_specs = jax.tree.map(lambda spec: P(shards.dp_axis, *spec), replica_specs)
 
     def per_rank(grads, shard_state, replica, key):
         drop = lambda tree, k: jax.tree.map(lambda x: x.reshape(x.shape[k:]), tree)  # noqa: E731
@@ -326,6 +328,10 @@ def make_sharded_steps(
     its noise keyed by `seed` and the step).
     """
     layout.check_config(model, parallel)
+    dp_axes = zero.ZeroConfig(parallel.dp_axis).axes
+    if sharded.axes != dp_axes:
+        raise ValueError(f"sharded.dp_axes={sharded.dp_axes!r} must name the mesh's dp axes "
+                         f"{dp_axes} (parallel.dp_axis)")  # fmt: skip
     mesh = layout.make_mesh(parallel, comm.axis_name)
     replicated = NamedSharding(mesh, P())
     shards = _ShardLayout.of(model, parallel, comm.axis_name)
@@ -348,7 +354,7 @@ def make_sharded_steps(
         ),
         skipped=replicated,
     )
-    batch_sharding = NamedSharding(mesh, P(layout.DP_AXIS))
+    batch_sharding = NamedSharding(mesh, P(parallel.dp_axis))
     local_grads, loss_only = _losses(model, parallel, comm, stage_codecs, mesh, seed, local=True)
     # The compressors' noise: a stream apart from the parameters' init (key(seed) itself).
     step_key = jax.random.split(jax.random.key(seed), 3)[2]
