@@ -145,14 +145,17 @@ def activation_like(leading: int, size: int, seed: int, dof: float) -> dict[str,
 
 _START = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*?\b([\w-]+-start)\(")
 _DONE = re.compile(r"\b[\w-]+-done\(.*?%([\w.-]+)")
-_COMPUTE = re.compile(r"\b(fusion|custom-call|convolution|dot)\(")
+_COMPUTE = re.compile(r"\b(fusion|custom-call|convolution|dot|while|call|conditional)\(")
 
 
 def collective_windows(compiled_text: str) -> dict:
-    """How many asynchronous collectives of a compiled HLO module have compute inside their
-    window (kernels scheduled between `*-start` and its `*-done`), over every computation (scan
-    bodies too): the schedule evidence of overlap. Counts are per compiled instruction, not per
-    execution."""
+    """Per kind of asynchronous op (`*-start` / `*-done` pairs: collectives, and also async
+    fusions and copies), how many are synchronous, asynchronous, and asynchronous with compute
+    inside their window (a kernel, loop, call or conditional scheduled between start and done),
+    over every computation (scan bodies too): the schedule evidence of overlap. Counts are per
+    compiled instruction, not per execution. Not seen: a pair whose start and done sit in
+    different computations (e.g. across loop iterations after XLA's collective pipeliner), and
+    work inside a called computation is one op."""
     open_windows: dict[str, int] = {}
     kinds: dict[str, dict[str, int]] = {}
     for line in compiled_text.splitlines():

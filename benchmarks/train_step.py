@@ -77,7 +77,7 @@ class Case:
     min_compress_bytes: int | None = None  # None: taco_jax.policy decides
     stage_codec: str = "none"  # of pipeline stage traffic (parallel.pp > 1)
     sharded: ZeroConfig | None = None  # ZeRO-1 over dp and its codecs (case 5)
-    latency_hiding: bool = False  # compile with XLA's latency-hiding scheduler option
+    latency_hiding: bool = False  # compile with the latency-hiding option (else XLA's default)
 
     def model(self) -> ModelConfig:
         return ModelConfig.preset(self.preset, **dict(self.overrides))
@@ -369,7 +369,8 @@ def main() -> None:
     parser.add_argument("--remat", action="store_true")
     parser.add_argument("--unroll", action="store_true", help="unrolled layers instead of scan")
     parser.add_argument("--latency-hiding", choices=("off", "on", "both"), default="off",
-                        help="real-TP cases with XLA's latency-hiding scheduler")  # fmt: skip
+                        help="real-TP cases compiled with the latency-hiding scheduler "
+                        "option set (off: no option passed, XLA's default)")  # fmt: skip
     parser.add_argument("--overlap-chunks", type=int, nargs="+", default=[1],
                         help="real-TP cases with these ParallelConfig.overlap_chunks")  # fmt: skip
     parser.add_argument("--only", nargs="+", default=None,

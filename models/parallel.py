@@ -61,7 +61,9 @@ class ParallelConfig:
     pp, microbatches, schedule, repeats: pipeline stages along a "pp" mesh axis
     (`models.pipeline`; shard_map only), microbatches per dp rank and step, "gpipe" or
     "circular" with `repeats` chunks per stage.
-    dp_intra: ranks of one inner data-parallel group (e.g. one node's GPUs). Above 1 the mesh
+    dp_intra: dp ranks of one inner data-parallel group; with pp and tp under shard_map the
+    group spans dp_intra x pp x tp consecutive devices (for one node: its GPUs / (pp tp)). Above
+    1 the mesh
     splits "dp" into ("dp_inter", "dp_intra") (`dp_axis`), and SDP4Bit's gradient reduce-scatter
     (`compression.dp_grad="tlq_hs"`) runs in two levels: 8-bit codes within a group, 4-bit
     across (docs/method.md, "Data-parallel codecs").
@@ -357,7 +359,8 @@ def check_devices(parallel: ParallelConfig) -> None:
 def make_mesh(parallel: ParallelConfig, tp_axis: str = "tp") -> jax.sharding.Mesh:
     """("dp", tp_axis) over dp x tp devices (shard_map), ("dp", "pp", tp_axis) with pipeline
     stages, or ("dp",) over dp devices (vmap); "dp" is ("dp_inter", "dp_intra") where
-    `parallel.dp_intra` > 1 (consecutive devices share an inner group)."""
+    `parallel.dp_intra` > 1 (an inner group: dp_intra dp ranks, whose dp_intra x pp x tp
+    devices are consecutive)."""
     check_devices(parallel)
     devices = jax.devices()[: parallel.num_devices]
     dp_names = DP_LEVELS if parallel.dp_intra > 1 else (DP_AXIS,)

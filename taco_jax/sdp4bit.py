@@ -104,7 +104,8 @@ def tlq_hs_psum_scatter(
     Args:
       x: this rank's gradient, fp32 [n], n a multiple of (dp ranks x 128) (`padded_size`).
       axis_names: one dp axis (one level: 4-bit codes), or (outer, inner) (two levels: 8-bit
-        codes over the inner axis, 4-bit over the outer). The shards are ordered as
+        codes over the inner axis, 4-bit over the outer; a level over one rank is skipped, so
+        one inner group alone is reduced with 8-bit codes only). The shards are ordered as
         `lax.psum_scatter` orders them over that tuple (outer major).
       key: PRNG key of the stochastic rounding; each rank folds in its indices, the outer level
         folds in 1 more.
@@ -121,11 +122,13 @@ def tlq_hs_psum_scatter(
     key = _rank_key(key, axes)
     y = smoothed(x)
     if len(axes) == 1:
-        rows = y.reshape(ranks, -1)  # row j: shard j
-        wire = exchange_rows(_encode(TLQ_OUTER, rows, key, impl), axes[0])
-        return smoothed(_decode_sum(TLQ_OUTER, wire, rows.shape[1], impl))
+        return _one_level(TLQ_OUTER, y, axes[0], key, impl)
     outer, inner = axes
     n_outer, n_inner = sizes
+    if n_outer == 1:  # one group: the 8-bit level alone (a 4-bit pass would add error only)
+        return _one_level(TLQ_INNER, y, inner, key, impl)
+    if n_inner == 1:
+        return _one_level(TLQ_OUTER, y, outer, key, impl)
     shard = x.shape[0] // ranks
     # Row i of the inner level holds, for every outer index o, shard (o, i): what inner peer i
     # sums before the outer level.
@@ -134,6 +137,13 @@ def tlq_hs_psum_scatter(
     partial = _decode_sum(TLQ_INNER, wire, rows.shape[1], impl).reshape(n_outer, shard)
     wire = exchange_rows(_encode(TLQ_OUTER, partial, jax.random.fold_in(key, 1), impl), outer)
     return smoothed(_decode_sum(TLQ_OUTER, wire, shard, impl))
+
+
+def _one_level(codec: TahQuant, y: jax.Array, axis: AxisName, key, impl: str) -> jax.Array:
+    """The smoothed gradient y [n] reduce-scattered over one axis with `codec`'s codes."""
+    rows = y.reshape(axis_size(axis), -1)  # row j: shard j
+    wire = exchange_rows(_encode(codec, rows, key, impl), axis)
+    return smoothed(_decode_sum(codec, wire, rows.shape[1], impl))
 
 
 def qwd_all_gather(

@@ -320,10 +320,10 @@ def make_sharded_steps(
 
     The state: params, the replica every rank computes with (in `parallel.compute_dtype`,
     placed as the model's parameters); opt_state, a `zero.ShardState` of the fp32 master shards
-    and the optimizer's state, every leaf [dp, ...] split over "dp", or with model parallelism
-    under shard_map [dp, tp, ...] / [dp, pp, tp, ...]: each rank's TP / stage slice of the
-    full-layout leaf is what ZeRO shards (`zero.shard_leaves`). A step computes each dp rank's
-    gradients of its share of the batch (fp32, taken at the replica's values), then
+    and the optimizer's state, every leaf [dp, ...] split over `parallel.dp_axis`, or with model
+    parallelism under shard_map [dp, tp, ...] / [dp, pp, tp, ...]: each rank's TP / stage slice
+    of the full-layout leaf is what ZeRO shards (`zero.shard_leaves`). A step computes each dp
+    rank's gradients of its share of the batch (fp32, taken at the replica's values), then
     `zero.update` (reduce-scatter, clip, optimizer, all-gather; compressed as `sharded` says,
     its noise keyed by `seed` and the step).
     """

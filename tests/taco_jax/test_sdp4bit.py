@@ -87,6 +87,19 @@ def test_two_levels_are_the_reduce_scatter_within_their_bound(mode):
     _assert_block_bound(np.asarray(out, np.float64).reshape(-1), exact, bound)
 
 
+def test_two_levels_over_one_group_take_the_8_bit_level_alone():
+    """(outer, inner) = (1, 8): one group, so the 4-bit outer level would only add its error;
+    the result keeps the 8-bit level's bound alone (a 4-bit pass has 18x its steps)."""
+    inner, n = 8, 8 * 1024
+    x = _gradients(inner, n, seed=2)
+    fn = lambda v: sdp4bit.tlq_hs_psum_scatter(v, ("outer", "inner"), key=KEY)  # noqa: E731
+    out = run_on_mesh(fn, jnp.asarray(x.reshape(1, inner, n)), (1, inner), ("outer", "inner"),
+                      "vmap")  # fmt: skip
+    exact = x.astype(np.float64).sum(axis=0)
+    bound = _steps(_smoothed64(x.astype(np.float64)), 128, sdp4bit.TLQ_INNER.qmax).sum(axis=0)
+    _assert_block_bound(np.asarray(out, np.float64).reshape(-1), exact, bound)
+
+
 def test_ranks_round_independently():
     """Every rank sends the same gradient. Stochastic rounding errs by e_j per value with
     E e_j = 0; with independent noise the sum's error has variance N var(e), with the same

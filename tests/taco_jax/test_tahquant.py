@@ -141,6 +141,15 @@ def test_pivot_rule_at_its_edges():
     flag, index = tahquant.pivot_rule(jnp.asarray(rows))
     np.testing.assert_array_equal(np.asarray(flag), [False, True, False, False, True, True])
     np.testing.assert_array_equal(np.asarray(index), [0, 3, 0, 0, 31, 7])
+    # Groups of 128: the last position; a lone Inf; a runner-up whose double overflows (m1 = 3e38
+    # is not > 2 m2 = 4e38), so no flag.
+    wide = np.zeros((3, 128), np.float32)
+    wide[0, [127, 3]] = [-9.0, 1.0]
+    wide[1, [64, 65]] = [np.inf, 1e38]
+    wide[2, [10, 90]] = [3e38, 2e38]
+    flag, index = tahquant.pivot_rule(jnp.asarray(wide))
+    np.testing.assert_array_equal(np.asarray(flag), [True, True, False])
+    np.testing.assert_array_equal(np.asarray(index), [127, 64, 0])
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -13,6 +13,7 @@ import taco_jax
 from models import ModelConfig, ParallelConfig, pipeline
 from models import parallel as layout
 from models.parallel import check_config
+from taco_jax import sdp4bit
 from taco_train import zero
 from taco_train.steps import make_steps
 
@@ -215,7 +216,7 @@ def test_sharded_optimizer_is_the_replicated_one(parallel):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(replica))  # fp32 replica
 
 
-def test_two_level_dp_compresses_in_two_levels():
+def test_two_level_dp_compresses_in_two_levels(monkeypatch):
     """dp = 4 as 2 groups of 2 (`dp_intra=2`): the mesh names both levels, the batch and every
     sharded-state leaf are split over them, and ZeRO-1 with TLq-HS (8-bit codes within a group,
     4-bit across) and qWD trains: the loss falls over a few steps, the replicas stay identical,
@@ -233,6 +234,14 @@ def test_two_level_dp_compresses_in_two_levels():
     assert steps.batch_sharding.spec == P(("dp_inter", "dp_intra"))
     for sharding in jax.tree.leaves(steps.state_sharding.opt_state):
         assert sharding.spec[0] == ("dp_inter", "dp_intra")
+    seen = []
+    tlq_hs = sdp4bit.tlq_hs_psum_scatter
+
+    def spy(g, axis_names, **kwargs):  # the levels the reduce-scatter runs over, while tracing
+        seen.append(tuple((name, jax.lax.axis_size(name)) for name in axis_names))
+        return tlq_hs(g, axis_names, **kwargs)
+
+    monkeypatch.setattr(sdp4bit, "tlq_hs_psum_scatter", spy)
     state = steps.init(jax.random.key(0))
     tokens = jax.device_put(_batch(8), steps.batch_sharding)
     taco_jax.telemetry.drain()
@@ -241,6 +250,7 @@ def test_two_level_dp_compresses_in_two_levels():
         state, metrics = steps.train_step(state, tokens)
         losses.append(float(metrics["loss"]))
     errors = taco_jax.telemetry.drain()
+    assert seen and set(seen) == {(("dp_inter", 2), ("dp_intra", 2))}, seen  # both levels run
     assert losses[-1] < losses[0], losses
     assert 0 < errors["dp_grad:tlq_hs"] < 0.9, errors
     _assert_copies_identical(state)
