@@ -186,9 +186,21 @@ def _valid(shard: jax.Array, size: int, cfg: ZeroConfig) -> jax.Array:
     return jnp.where(index < size, shard, 0.0)
 
 
-def _leaf_keys(key: jax.Array, tree: Any) -> Any:
+def _leaf_keys(key: jax.Array, tree: Any, split: Any) -> Any:
+    """A key per leaf, folded with this rank's index along each mesh axis the leaf's slices
+    differ over (`split`): the slices of one leaf round independently, while its copies (over
+    the other axes) draw alike and so stay identical."""
     leaves, treedef = jax.tree.flatten(tree)
-    return jax.tree.unflatten(treedef, list(jax.random.split(key, len(leaves))))
+    keys = jax.tree.unflatten(treedef, list(jax.random.split(key, len(leaves))))
+    if split is None:
+        return keys
+    return jax.tree.map(_fold_axis_indices, keys, split)
+
+
+def _fold_axis_indices(key: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    for axis in axes:
+        key = jax.random.fold_in(key, lax.axis_index(axis))
+    return key
 
 
 def _global_norm(shards: Any, cfg: ZeroConfig, split: Any):
@@ -233,7 +245,7 @@ def update(
     shards = jax.tree.map(
         lambda g, k: mean_shard(g, lambda flat: _reduce_scatter(flat, cfg, k)),
         grads,
-        _leaf_keys(grad_key, grads),
+        _leaf_keys(grad_key, grads, split),
     )
     if cfg.telemetry and cfg.grad_codec != "none":
         exact = jax.tree.map(lambda g: mean_shard(g, lambda f: sdp4bit.scatter_over(f, cfg.axes)),
@@ -249,7 +261,7 @@ def update(
         lambda s, r, k: _all_gather(s, r, cfg, k),
         master,
         replica,
-        _leaf_keys(param_key, master),
+        _leaf_keys(param_key, master, split),
     )
     if cfg.telemetry and cfg.param_codec != "none":
         plain = dataclasses.replace(cfg, param_codec="none")

@@ -201,3 +201,28 @@ def test_model_slices_round_trip_through_the_shards():
     back = zero.unshard_leaves(shards, params, dims)
     for name in SHAPES:
         np.testing.assert_array_equal(back[name], params[name])
+
+
+def test_slices_of_a_leaf_round_independently_and_its_copies_alike():
+    """dp = 2 x a model axis "tp" = 2, SDP4Bit on both collectives, every tp rank handed the same
+    gradients and replica. "emb" is split over tp (`split`: its slices differ), "w" is copied on
+    both tp ranks: the copies of "w" must come out identical (they are one parameter), the two
+    "emb" slices must not (each slice draws its own rounding noise; with one noise stream for
+    both, equal inputs would round equally)."""
+    params = {"w": _params()["w"], "emb": _params()["emb"]}
+    cfg = zero.ZeroConfig(("dp",), "tlq_hs", "qwd", grad_clip=None)
+    opt, ranks = optax.adamw(1e-3), 2
+    split = {"w": (), "emb": ("tp",)}
+    state = jax.vmap(lambda m: zero.init(opt, m))(zero.shard_leaves(params, ranks))
+    grads = {n: 1e-2 * jax.random.normal(jax.random.key(i), (ranks, *p.shape))
+             for i, (n, p) in enumerate(params.items())}  # fmt: skip
+    replica = jax.tree.map(lambda p: jnp.broadcast_to(p, (ranks, *p.shape)), params)
+
+    def step(grads, state, replica):
+        return zero.update(opt, cfg, grads, state, replica, jax.random.key(5), split=split)[1]
+
+    per_dp = jax.vmap(step, axis_name="dp")
+    both_tp = jax.vmap(per_dp, in_axes=None, axis_name="tp", axis_size=2)  # same inputs
+    new = both_tp(grads, state, replica)  # [tp, dp, ...]
+    np.testing.assert_array_equal(np.asarray(new["w"][0]), np.asarray(new["w"][1]))
+    assert not np.array_equal(np.asarray(new["emb"][0]), np.asarray(new["emb"][1]))
