@@ -170,10 +170,8 @@ def _slice_dims(parallel: ParallelConfig):
         ParallelConfig(dp=2, compute_dtype="float32"),
         ParallelConfig(dp=2, tp=2, sequence_parallel=True, compute_dtype="float32"),
         ParallelConfig(dp=2, pp=2, tp=2, microbatches=2, compute_dtype="float32"),
-        # dp over the two-level mesh axes ("dp_inter" of size 1, "dp_intra"): the same sums.
-        ParallelConfig(dp=2, dp_intra=2, tp=2, compute_dtype="float32"),
     ],
-    ids=["dp2", "dp2-tp2-sp", "dp2-pp2-tp2", "dp1x2-tp2"],
+    ids=["dp2", "dp2-tp2-sp", "dp2-pp2-tp2"],
 )
 def test_sharded_optimizer_is_the_replicated_one(parallel):
     """ZeRO-1 (`optimizer.sharded`), uncompressed, fp32: three steps land where the replicated
