@@ -156,25 +156,20 @@ def collective_windows(compiled_text: str) -> dict:
     compiled instruction, not per execution. Not seen: a pair whose start and done sit in
     different computations (e.g. across loop iterations after XLA's collective pipeliner), and
     work inside a called computation is one op."""
-    open_windows: dict[str, int] = {}
+    open_windows: dict[str, list] = {}  # start name -> [its counts, kernels seen inside]
     kinds: dict[str, dict[str, int]] = {}
     for line in compiled_text.splitlines():
         if line.startswith("}"):  # a computation ends: a window cannot span two
             open_windows.clear()
         start, done = _START.search(line), _DONE.search(line)
         if start:
-            open_windows[start.group(1)] = 0
             kind = kinds.setdefault(start.group(2), {"async": 0, "overlapped": 0, "sync": 0})
             kind["sync" if '"is_sync":true' in line else "async"] += 1
+            open_windows[start.group(1)] = [kind, 0]
         elif done and done.group(1) in open_windows:
-            if open_windows.pop(done.group(1)):
-                kinds[_kind_of(compiled_text, done.group(1))]["overlapped"] += 1
+            kind, inside = open_windows.pop(done.group(1))
+            kind["overlapped"] += inside > 0
         elif _COMPUTE.search(line):
-            for name in open_windows:
-                open_windows[name] += 1
+            for window in open_windows.values():
+                window[1] += 1
     return kinds
-
-
-def _kind_of(compiled_text: str, name: str) -> str:
-    match = re.search(rf"%{re.escape(name)} = .*?\b([\w-]+-start)\(", compiled_text)
-    return match.group(1)

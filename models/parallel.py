@@ -63,10 +63,9 @@ class ParallelConfig:
     "circular" with `repeats` chunks per stage.
     dp_intra: dp ranks of one inner data-parallel group; with pp and tp under shard_map the
     group spans dp_intra x pp x tp consecutive devices (for one node: its GPUs / (pp tp)). Above
-    1 the mesh
-    splits "dp" into ("dp_inter", "dp_intra") (`dp_axis`), and SDP4Bit's gradient reduce-scatter
-    (`compression.dp_grad="tlq_hs"`) runs in two levels: 8-bit codes within a group, 4-bit
-    across (docs/method.md, "Data-parallel codecs").
+    1 the mesh splits "dp" into ("dp_inter", "dp_intra") (`dp_axes`), and SDP4Bit's gradient
+    reduce-scatter (`compression.dp_grad="tlq_hs"`) runs in two levels: 8-bit codes within a
+    group, 4-bit across (docs/method.md, "Data-parallel codecs").
     overlap_chunks: the blocks run each device's batch (each microbatch with pp) as this many
     independent chunks, so that XLA can run one chunk's TP collectives while it computes another
     chunk's matmuls (docs/method.md, "Overlapping TP collectives with compute": it paid for the
@@ -125,10 +124,15 @@ class ParallelConfig:
             )
 
     @property
-    def dp_axis(self) -> str | tuple[str, str]:
-        """The data-parallel mesh axis, or its two levels (outer, inner) with dp_intra > 1: what
-        the dp collectives, the batch's and the sharded state's specs name."""
-        return DP_LEVELS if self.dp_intra > 1 else DP_AXIS
+    def dp_axes(self) -> tuple[str, ...]:
+        """The data-parallel mesh axes: ("dp",), or the two levels (outer, inner) with
+        dp_intra > 1."""
+        return DP_LEVELS if self.dp_intra > 1 else (DP_AXIS,)
+
+    @property
+    def dp_axis(self) -> str | tuple[str, ...]:
+        """`dp_axes` as the dp collectives, the batch's and the sharded state's specs name it."""
+        return self.dp_axes if self.dp_intra > 1 else DP_AXIS
 
     @property
     def dp_shape(self) -> tuple[int, ...]:
@@ -363,8 +367,7 @@ def make_mesh(parallel: ParallelConfig, tp_axis: str = "tp") -> jax.sharding.Mes
     devices are consecutive)."""
     check_devices(parallel)
     devices = jax.devices()[: parallel.num_devices]
-    dp_names = DP_LEVELS if parallel.dp_intra > 1 else (DP_AXIS,)
-    shape, names = parallel.dp_shape, dp_names
+    shape, names = parallel.dp_shape, parallel.dp_axes
     if parallel.mode == "shard_map" and parallel.pp > 1:
         shape, names = (*shape, parallel.pp, parallel.tp), (*names, PP_AXIS, tp_axis)
     elif parallel.mode == "shard_map":

@@ -328,10 +328,9 @@ def make_sharded_steps(
     its noise keyed by `seed` and the step).
     """
     layout.check_config(model, parallel)
-    dp_axes = zero.ZeroConfig(parallel.dp_axis).axes
-    if sharded.axes != dp_axes:
+    if sharded.axes != parallel.dp_axes:
         raise ValueError(f"sharded.dp_axes={sharded.dp_axes!r} must name the mesh's dp axes "
-                         f"{dp_axes} (parallel.dp_axis)")  # fmt: skip
+                         f"{parallel.dp_axes} (parallel.dp_axis)")  # fmt: skip
     mesh = layout.make_mesh(parallel, comm.axis_name)
     replicated = NamedSharding(mesh, P())
     shards = _ShardLayout.of(model, parallel, comm.axis_name)
