@@ -33,6 +33,15 @@ class Launch:
 
 # 64 groups of 128 per tile, one M = 64 block per warpgroup; 16-column dots + butterflies.
 ENCODE_DECODE = Launch(elements_per_tile=8192, num_warps=4, dot_columns=16, tiles_per_program=2)
+# Encode of the sub-byte codes and decode of codes split over several bit planes: one tile per
+# program, not ENCODE_DECODE's loop of two (benchmarks/launch_sweep.py, 2 rows of 64 MiB and
+# 1 GiB, BENCHMARKS.md "The 6-bit codec's kernels"): int6_hadamard encode 69 -> 76% and
+# 75 -> 80% of the copy, decode 78 -> 84% and 79 -> 91%; int5 alike; int4's encode 66 -> 68%
+# and 69 -> 74%, while its one-plane decode kept the loop (104% against 97% at 1 GiB). 8 warps
+# and smaller tiles were slower.
+PLANES_ENCODE_DECODE = Launch(
+    elements_per_tile=8192, num_warps=4, dot_columns=16, tiles_per_program=1
+)
 # decode-sum: the N peer tiles live in registers at once.
 PEERS_DOT = Launch(elements_per_tile=2048, num_warps=4, dot_columns=64, tiles_per_program=4)
 # decode-sum of two peers (one-shot at N = 2, a full-size output): decode's tile fits, and one
@@ -120,13 +129,16 @@ def _next_pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
 
-def block_config(group_size: int, num_groups: int, *, rows=1, peers=1, dot=True,
+def block_config(group_size: int, num_groups: int, *, rows=1, peers=1, dot=True, planes=False,
                  launch: Launch | None = None) -> BlockConfig:  # fmt: skip
     """The launch for `rows` rows (or `peers` rows summed into one) of `num_groups` groups.
 
     dot: the kernel applies the Hadamard dot (then it loops over tiles, see module docstring).
-    launch: a row of the table to use instead of the one `peers` and `dot` pick.
+    planes: the codes are split into bit planes (sub-byte codecs; `codecs.code_planes`).
+    launch: a row of the table to use instead of the one `peers`, `dot` and `planes` pick.
     """
+    if launch is None and planes and peers == 1 and dot:
+        launch = PLANES_ENCODE_DECODE
     launch = launch or _LAUNCHES[(min(peers, 3), dot)]
     groups = max(MIN_GROUPS_PER_TILE, launch.elements_per_tile // group_size)
     groups = max(MIN_GROUPS_PER_TILE, min(groups, _next_pow2(num_groups)))

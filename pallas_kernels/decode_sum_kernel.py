@@ -77,12 +77,18 @@ def _decode_sum_reencode_kernel(
     _tile.for_each_tile(cfg, _pallas.program_id(0), load, reencode_tile)
 
 
+def default_config(codec: Codec, peers: int, n: int, *, reencode: bool = False) -> BlockConfig:
+    """The launch of `decode_sum` (`reencode`: of `decode_sum_reencode`, which never applies the
+    Hadamard: H H = I) summing `peers` rows of n unless given one."""
+    dot = codec.hadamard and not reencode
+    return block_config(codec.group_size, n // codec.group_size, peers=peers, dot=dot)
+
+
 def _launch(kernel, codec, wire, n, out, name, interpret, out_init, config, *, signs: bool):
     """Launches one program per tile group; `signs`: the kernel takes the Hadamard block."""
     check_wire(codec, wire, n)
     groups = n // codec.group_size
-    dot = signs and codec.hadamard  # decode-sum-reencode never applies the Hadamard
-    cfg = config or block_config(codec.group_size, groups, peers=wire.shape[0], dot=dot)
+    cfg = config or default_config(codec, wire.shape[0], n, reencode=not signs)
     inputs = [wire]
     if signs:
         inputs.append(jnp.asarray(_tile.hadamard_block(codec.group_size, cfg), jnp.bfloat16))

@@ -49,6 +49,15 @@ def _encode_kernel(
 BACKENDS = ("auto", "triton", "mosaic")
 
 
+def default_config(codec: Codec, rows: int, n: int) -> BlockConfig:
+    """The launch the Triton `encode` takes for rows [R, n] unless given one (sub-byte codes:
+    `config.PLANES_ENCODE_DECODE`)."""
+    groups = n // codec.group_size
+    return block_config(
+        codec.group_size, groups, rows=rows, dot=codec.hadamard, planes=codec.bits < 8
+    )
+
+
 def encode(
     codec: Codec,
     x: jax.Array,
@@ -62,7 +71,7 @@ def encode(
 
     Equals `codecs.encode_wire(codec, x)` up to rounding ties.
     out_init: optional buffer of the output's shape, aliased to it (checks poison it).
-    config: the Triton launch (default: `block_config`).
+    config: the Triton launch (default: `default_config`).
     backend: "triton" (Pallas, Triton lowering: every codec and shape, interpret mode), "mosaic"
       (`encode_mosaic`: Hopper, taco, bf16, G = 128, n a multiple of 16384; the faster one from
       64 MiB, BENCHMARKS.md), or "auto": Mosaic where `encode_mosaic.preferred` and no Triton
@@ -82,7 +91,7 @@ def encode(
         return encode_mosaic.encode(codec, x)
     rows, n = x.shape
     groups = n // codec.group_size
-    cfg = config or block_config(codec.group_size, groups, rows=rows, dot=codec.hadamard)
+    cfg = config or default_config(codec, rows, n)
     kernel = _pallas.partial(
         _encode_kernel,
         codec=codec,

@@ -21,7 +21,7 @@ import pytest
 from codec_testing import DECADES, groups64, mixed_magnitudes
 
 import pallas_kernels as pk
-from pallas_kernels import _tile
+from pallas_kernels import _tile, decode_kernel, encode_kernel
 from taco_jax import codecs
 
 FP32_EPS = 2.0**-24
@@ -347,6 +347,20 @@ def test_block_config_covers_every_group(groups, rows, dot):
     covered = cfg.grid_size(groups) * cfg.tiles_per_program * cfg.groups_per_tile
     assert groups <= covered < groups + cfg.tiles_per_program * cfg.groups_per_tile
     assert cfg.masked(groups) == (covered != groups)
+
+
+@pytest.mark.parametrize(
+    "name,encode_loop,decode_loop",
+    [("taco", 2, 2), ("int6_hadamard", 1, 1), ("int5_hadamard", 1, 1), ("int4_hadamard", 1, 2)],
+)
+def test_default_launches_follow_the_measured_table(name, encode_loop, decode_loop):
+    """Large launches loop over two tiles per program, except where a sweep measured one faster
+    (config.PLANES_ENCODE_DECODE): the sub-byte encodes, and the decodes of codes split over
+    several bit planes."""
+    codec = codecs.get_codec(name)
+    n = 1 << 26  # 2^19 groups of 128: enough tiles for the loop
+    assert encode_kernel.default_config(codec, 2, n).tiles_per_program == encode_loop
+    assert decode_kernel.default_config(codec, 2, n).tiles_per_program == decode_loop
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,154 @@
+"""Launch shapes of one codec kernel: the default launch against a grid of `BlockConfig`s.
+
+Times one op of `pallas_kernels` (`--op`: encode, decode, decode_sum, decode_sum_reencode) for
+`--codec` on rows of `--peers` x n values (decode-sum and decode-sum-reencode sum the peers into
+one row), with the default launch (`pallas_kernels.block_config`) and with every candidate of
+the grid `--groups x --warps x --tiles x --dots` (groups per tile, Triton warps, tiles per
+program, Hadamard dot columns), each inside one jitted program (`_common.in_program_seconds`, so
+JAX's per-call dispatch is not counted), beside an XLA pass over the same bytes (a negate of a
+buffer of (bytes read + bytes written) / 2: it reads and writes that many, once each). Every
+candidate's output is compared with the default's first, byte for byte.
+
+    python benchmarks/launch_sweep.py --op decode_sum --codec taco --peers 2 --sizes-mib 64 1024
+    python benchmarks/launch_sweep.py --op encode --codec int6_hadamard --groups 16 32 64 \
+        --warps 4 8 --tiles 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _common import in_program_seconds, write_record
+
+import pallas_kernels as pk
+from pallas_kernels import decode_kernel, decode_sum_kernel, encode_kernel
+from taco_jax import codecs
+
+MiB = 1 << 20
+OPS = ("encode", "decode", "decode_sum", "decode_sum_reencode")
+
+
+def _op(op: str, codec, n: int, config, interpret: bool):
+    """The op on its input (x[P, n] bf16 for encode, else wire[P, B]) with launch `config`."""
+    kw = dict(config=config, interpret=interpret)
+    if op == "encode":
+        return lambda x: pk.encode(codec, x, backend="triton", **kw)
+    if op == "decode":
+        return lambda w: pk.decode(codec, w, n, jnp.bfloat16, **kw)
+    if op == "decode_sum":
+        return lambda w: pk.decode_sum(codec, w, n, jnp.bfloat16, **kw)
+    return lambda w: pk.decode_sum_reencode(codec, w, n, **kw)
+
+
+def _io_bytes(op: str, codec, peers: int, n: int) -> int:
+    """Bytes the op reads and writes, once each."""
+    wire = peers * codec.wire_bytes(n)
+    return {
+        "encode": 2 * peers * n + wire,
+        "decode": wire + 2 * peers * n,
+        "decode_sum": wire + 2 * n,
+        "decode_sum_reencode": wire + codec.wire_bytes(n),
+    }[op]
+
+
+def _default(op: str, codec, peers: int, n: int) -> pk.BlockConfig:
+    """The launch the op takes when given none."""
+    if op == "encode":
+        return encode_kernel.default_config(codec, peers, n)
+    if op == "decode":
+        return decode_kernel.default_config(codec, peers, n)
+    return decode_sum_kernel.default_config(codec, peers, n, reencode=op != "decode_sum")
+
+
+def candidates(args) -> list[pk.BlockConfig]:
+    """The grid of launches, minus the ones `BlockConfig` refuses."""
+    out = []
+    for groups, warps, tiles, dot in itertools.product(args.groups, args.warps, args.tiles,
+                                                       args.dots):  # fmt: skip
+        try:
+            out.append(pk.BlockConfig(groups, num_warps=warps, num_stages=1,
+                                      tiles_per_program=tiles, hadamard_dot=dot))  # fmt: skip
+        except ValueError as error:
+            print(f"skipped: {error}")
+    return out
+
+
+def _label(config: pk.BlockConfig) -> str:
+    return (f"groups={config.groups_per_tile} warps={config.num_warps} "
+            f"tiles={config.tiles_per_program} dot={config.hadamard_dot}")  # fmt: skip
+
+
+def run(args) -> dict:
+    codec = codecs.get_codec(args.codec)
+    rows = []
+    for size_mib in args.sizes_mib:
+        n = int(size_mib * MiB) // 2 // args.peers  # bf16 values per row
+        n -= n % codec.group_size
+        xs = [jax.random.normal(jax.random.key(i), (args.peers, n), jnp.bfloat16) for i in (0, 1)]
+        # Two input sets, taken in turn, so that L2 serves neither.
+        inputs = (
+            xs
+            if args.op == "encode"
+            else [pk.encode(codec, x, interpret=args.interpret) for x in xs]
+        )
+        io_bytes = _io_bytes(args.op, codec, args.peers, n)
+        copy_inputs = [jnp.full((io_bytes // 4,), i, jnp.bfloat16) for i in (1, 2)]
+        copy_s = in_program_seconds(jax.jit(jnp.negative), [(c,) for c in copy_inputs], args.calls)
+        default_fn = jax.jit(_op(args.op, codec, n, None, args.interpret))
+        default = np.asarray(default_fn(inputs[0])).view(np.uint8)
+        configs = [("default", None)] + [(_label(c), c) for c in candidates(args)]
+        for label, config in configs:
+            fn = jax.jit(_op(args.op, codec, n, config, args.interpret))
+            try:
+                out = np.asarray(fn(inputs[0])).view(np.uint8)
+            except Exception as error:  # a launch the compiler refuses (e.g. shared memory)
+                print(f"{size_mib:7.0f} MiB {label:36s} failed: {error!r}"[:300], flush=True)
+                continue
+            same = bool(np.array_equal(out, default))
+            seconds = in_program_seconds(fn, [(i,) for i in inputs], args.calls)
+            config_of = config or _default(args.op, codec, args.peers, n)
+            label = label if config else f"default ({_label(config_of)})"
+            rows.append(dict(bytes=int(size_mib * MiB), peers=args.peers, label=label,
+                             config=dataclasses.asdict(config_of), seconds=seconds,
+                             copy_seconds=copy_s, tbps=io_bytes / seconds / 1e12,
+                             of_copy=copy_s / seconds, equal_to_default=same))  # fmt: skip
+            print(f"{size_mib:7.0f} MiB {label:36s} {seconds * 1e3:7.3f} ms "
+                  f"{rows[-1]['tbps']:5.2f} TB/s {rows[-1]['of_copy']:4.0%} of copy "
+                  f"same={same}", flush=True)  # fmt: skip
+    return {"op": args.op, "codec": args.codec, "rows": rows, "calls_per_program": args.calls}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--op", choices=OPS, default="decode_sum")
+    parser.add_argument("--codec", default="taco")
+    parser.add_argument("--peers", type=int, default=2, help="rows (summed by the summing ops)")
+    parser.add_argument(
+        "--sizes-mib",
+        type=float,
+        nargs="+",
+        default=[64, 1024],
+        help="bf16 bytes of the [peers, n] input (encode) or of what was encoded",
+    )
+    parser.add_argument("--groups", type=int, nargs="+", default=[32, 64], help="groups per tile")
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--tiles", type=int, nargs="+", default=[1, 2], help="tiles per program")
+    parser.add_argument("--dots", type=int, nargs="+", default=[16], help="Hadamard dot columns")
+    parser.add_argument("--calls", type=int, default=8)
+    parser.add_argument(
+        "--interpret", action="store_true", help="Pallas' CPU interpreter (a check)"
+    )
+    parser.add_argument("--suffix", default="", help="appended to the record's file name")
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = parser.parse_args()
+    write_record("launch_sweep", args.out, suffix=args.suffix, **run(args))
+
+
+if __name__ == "__main__":
+    main()
