@@ -68,8 +68,8 @@ class ParallelConfig:
     group, 4-bit across (docs/method.md, "Data-parallel codecs").
     overlap_chunks: the blocks run each device's batch (each microbatch with pp) as this many
     independent chunks, so that XLA can run one chunk's TP collectives while it computes another
-    chunk's matmuls (docs/method.md, "Overlapping TP collectives with compute": it paid for the
-    uncompressed collectives over slow links, not for the compressed ones).
+    chunk's matmuls (docs/method.md, "Overlapping TP collectives with compute": two chunks paid
+    over host shared memory, compressed or not, and cost a few percent on NVLink).
     """
 
     dp: int = 1

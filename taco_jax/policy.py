@@ -39,6 +39,14 @@ LINKS = ("auto", "nvlink", "shm", "socket")
 # (BENCHMARKS.md); the rule between sizes (both neighbours must agree) keeps one lucky
 # measurement from spreading to unmeasured sizes.
 MIN_SPEEDUP = 1.05
+# Algorithms measured within this share of the fastest are not told apart by the table (the
+# spread between runs of one size is a few percent, BENCHMARKS.md); among them the one that
+# quantizes once wins: the fused kernel and one-shot before two-shot, which quantizes twice
+# (more error) and runs two collectives. Over shared memory the 16 MiB row had two-shot 0.5%
+# ahead, yet in the GPT-1.3B TP = 2 step with 32 MiB all-reduces one-shot measured faster
+# (BENCHMARKS.md, "Overlapping the TP collectives with compute").
+TIE = 0.03
+PREFERENCE = ("fused", "one_shot", "two_shot", "-")
 # Which measured row a collective reads: an all-reduce its own, reduce-scatter and all-gather
 # the row of the pair (each is about half of it).
 TABLE_OPS = {
@@ -79,8 +87,17 @@ def _table(op: str, link: str, n_ranks: int, fused: bool = True) -> dict[str, di
     return {a: per_size for a, per_size in rows.items() if fused or a != "fused"}
 
 
-def _best_at(rows, size: int) -> tuple[str, float]:
-    return max(((a, per_size[size]) for a, per_size in rows.items()), key=lambda r: r[1])
+def _fastest(rows, size: int) -> float:
+    return max(per_size[size] for per_size in rows.values())
+
+
+def _preferred(rows, size: int) -> str:
+    """The fastest algorithm at a measured size, or among those within `TIE` of it the first of
+    `PREFERENCE`."""
+    close = [
+        a for a, per_size in rows.items() if per_size[size] >= _fastest(rows, size) / (1 + TIE)
+    ]
+    return min(close, key=PREFERENCE.index)
 
 
 def measured_choice(op: str, link: str, n_ranks: int, nbytes: int, fused: bool = True) -> Choice:
@@ -90,25 +107,25 @@ def measured_choice(op: str, link: str, n_ranks: int, nbytes: int, fused: bool =
     Compress at a measured size when its best speedup reached MIN_SPEEDUP; between two measured
     sizes only when both did; above the largest as the largest; below the smallest never. The
     algorithm is the best measured at the nearest size at or below (the smallest size's below
-    it), whether or not the table says to compress, so that a forced compression runs the
-    faster one. `fused`: whether the "fused" algorithm's kernel can run (else its row is left
-    out).
+    it; within `TIE` of the fastest, the first of `PREFERENCE`), whether or not the table says
+    to compress, so that a forced compression runs the faster one. `fused`: whether the "fused"
+    algorithm's kernel can run (else its row is left out).
     """
     rows = _table(op, link, n_ranks, fused)
     sizes = sorted({size for per_size in rows.values() for size in per_size})
     below = [size for size in sizes if size <= nbytes]
     above = [size for size in sizes if size > nbytes]
     near = below[-1] if below else sizes[0]
-    best, speedup = _best_at(rows, near)
+    best = _preferred(rows, near)
     algorithm = best if op == "all_reduce" else "-"
     where = f"{link} at {near >> 20} MiB"
     if not below:
         return Choice(False, algorithm, f"{nbytes} B is below the smallest measured size")
     neighbours = [near] + ([above[0]] if nbytes != near and above else [])
-    worst = min(_best_at(rows, size)[1] for size in neighbours)
+    worst = min(_fastest(rows, size) for size in neighbours)
     if worst < MIN_SPEEDUP:
         return Choice(False, algorithm, f"{where}: measured {worst:.2f}x < {MIN_SPEEDUP}x")
-    return Choice(True, algorithm, f"{where}: measured {speedup:.2f}x")
+    return Choice(True, algorithm, f"{where}: measured {rows[best][near]:.2f}x")
 
 
 def on_real_link(axis_name) -> bool:
