@@ -159,10 +159,16 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class MosaicLaunch:
-    """The Mosaic GPU encode's launch: tiles each program pipelines, TMA steps in flight."""
+    """The Mosaic GPU encode's launch: tiles each program pipelines, TMA load steps in flight,
+    and the shared-memory slots its encoded tiles rotate through while TMA stores read them."""
 
     tiles_per_program: int
     steps_in_flight: int
+    store_slots: int = 2
+
+    def __post_init__(self):
+        if self.tiles_per_program < 1 or self.steps_in_flight < 1 or self.store_slots < 2:
+            raise ValueError(f"{self} needs >= 1 tile and step in flight and >= 2 store slots")
 
 
 # Mosaic GPU encode (`encode_mosaic`): a program pipelines up to MOSAIC_TILES_PER_PROGRAM tiles of

@@ -98,7 +98,7 @@ def encode(
         x.reshape(rows, groups, GROUP_SIZE),
         signs_operand(),
         out_shape=out_shape,
-        scratch=encode_scratch(),
+        scratch=encode_scratch(launch.store_slots),
         grid=(rows, (groups // _TILE) // tiles_per_program),
         grid_names=("row", "program"),
         name=f"taco_encode_mosaic_{codec.name}_g{GROUP_SIZE}",
@@ -112,14 +112,14 @@ def signs_operand() -> jax.Array:
     return jnp.asarray(codecs.signs_matrix(GROUP_SIZE), jnp.bfloat16)
 
 
-def encode_scratch() -> list:
-    """Shared memory of `encode_tiles`: the signs (and their load barrier), two tiles' codes,
-    two tiles' fp32 sides seen also as uint8 rows (`RefUnion`) for the TMA stores."""
+def encode_scratch(slots: int = 2) -> list:
+    """Shared memory of `encode_tiles`: the signs (and their load barrier), `slots` tiles'
+    codes, `slots` tiles' fp32 sides seen also as uint8 rows (`RefUnion`) for the TMA stores."""
     return [
         _pallas.smem((GROUP_SIZE, GROUP_SIZE), jnp.bfloat16, swizzled=True),
         _pallas.barrier(),
-        _pallas.smem((2, _TILE, GROUP_SIZE), jnp.uint8),
-        _pallas.smem_union(((2, 2, _TILE), jnp.float32), ((2, 4, ROW_BYTES), jnp.uint8)),
+        _pallas.smem((slots, _TILE, GROUP_SIZE), jnp.uint8),
+        _pallas.smem_union(((slots, 2, _TILE), jnp.float32), ((slots, 4, ROW_BYTES), jnp.uint8)),
     ]
 
 
@@ -161,8 +161,8 @@ def encode_tiles(x_row, wire_rows, *, codec, signs_smem, out, tiles_per_program,
     The pipeline only loads; each step stores its own tile (`_store_tile`), unpredicated, so the
     kernel also runs in Mosaic GPU's interpreter (which has no predicated stores). Stores may
     still be in flight on return; a program may call this again (one row after another)."""
-    # The shared-memory slots alternate by tile parity from this call's first tile: the stores
-    # of an earlier call must be done reading them (a no-op in the first call).
+    # The shared-memory slots rotate by tile index from this call's first tile: the stores of an
+    # earlier call must be done reading them (a no-op in the first call).
     _pallas.wait_stores(0)
     first = lax.axis_index("program") * tiles_per_program
     step = _pallas.partial(
@@ -196,12 +196,14 @@ def _encode_step(index, x_smem, *, codec, signs_smem, out, wire_rows, first, sec
 def _store_tile(out, wire_rows, tile, sections, codes, sides):
     """TMA-stores one tile's codes and its side values (fp32, by `Payload` field) into each row.
 
-    Two slots alternate between tiles. Each tile issues 3 bulk stores per row, so waiting until
-    at most that many are pending frees the slot of two tiles ago.
+    The tiles rotate through the S slots of `out` (`encode_scratch`). Each tile issues
+    1 + len(sections) bulk stores per row, so waiting until at most S - 1 tiles' worth are
+    pending frees the slot of S tiles ago.
     """
     codes_smem, (sides_f32, sides_u8) = out
-    slot = lax.rem(tile, 2)
-    _pallas.wait_stores((1 + len(sections)) * len(wire_rows))
+    slots = codes_smem.shape[0]
+    slot = lax.rem(tile, slots)
+    _pallas.wait_stores((slots - 1) * (1 + len(sections)) * len(wire_rows))
     codes_smem[slot] = codes
     for k, section in enumerate(sections):
         sides_f32[slot, k] = sides[section.field]

@@ -70,16 +70,25 @@ def unsupported(codec: Codec, x: jax.Array, *, need_hopper: bool = True) -> str 
 
 
 def encode_all_gather(
-    codec: Codec, x: jax.Array, axis_name: str, n_ranks: int, *, replicated: bool = True
+    codec: Codec,
+    x: jax.Array,
+    axis_name: str,
+    n_ranks: int,
+    *,
+    replicated: bool = True,
+    plan: MosaicLaunch | None = None,
 ) -> jax.Array:
     """x[R, n] on each of the `n_ranks` ranks of mesh axis `axis_name` -> wire[N, R, W] on every
     rank, W = codec.wire_bytes(n); raises ValueError where `unsupported`.
 
     `replicated`: type the result as replicated along `axis_name` (under `check_vma=True`), as
     `lax.all_gather(..., to="invarying")` would; else varying, as by default.
+    `plan`: the launch (default `launch`); its programs must all be resident at once.
     """
     rows = x.shape[0]
-    gathered = _exchange(codec, x, axis_name, n_ranks, scatter=False, replicated=replicated)
+    gathered = _exchange(
+        codec, x, axis_name, n_ranks, scatter=False, replicated=replicated, plan=plan
+    )
     return gathered.reshape(n_ranks, rows, -1)
 
 
@@ -93,7 +102,7 @@ def encode_all_to_all(codec: Codec, x: jax.Array, axis_name: str, n_ranks: int) 
     return _exchange(codec, x, axis_name, n_ranks, scatter=True, replicated=False)
 
 
-def _exchange(codec, x, axis_name, n_ranks, *, scatter: bool, replicated: bool):
+def _exchange(codec, x, axis_name, n_ranks, *, scatter: bool, replicated: bool, plan=None):
     reason = unsupported(codec, x)
     if reason is not None:
         raise ValueError(f"the fused Mosaic GPU exchange cannot take {reason}")
@@ -101,7 +110,9 @@ def _exchange(codec, x, axis_name, n_ranks, *, scatter: bool, replicated: bool):
     groups = n // GROUP_SIZE
     # A gather's program takes its tiles of one row; a scatter's, its tiles of every row.
     grid_rows = 1 if scatter else rows
-    plan = launch(grid_rows, groups // _TILE)
+    plan = plan or launch(grid_rows, groups // _TILE)
+    if (groups // _TILE) % plan.tiles_per_program:
+        raise ValueError(f"{plan} must divide the {groups // _TILE} tiles of a row")
     body = _pallas.partial(
         _exchange_body,
         axis_name=axis_name,
@@ -119,7 +130,7 @@ def _exchange(codec, x, axis_name, n_ranks, *, scatter: bool, replicated: bool):
         _pallas.mosaic_kernel,
         body,
         out_shape=jax.ShapeDtypeStruct((n_ranks, *out_rows, wire_rows, ROW_BYTES), jnp.uint8),
-        scratch=[*encode_mosaic.encode_scratch(), _pallas.semaphore()],
+        scratch=[*encode_mosaic.encode_scratch(plan.store_slots), _pallas.semaphore()],
         grid=(grid_rows, (groups // _TILE) // plan.tiles_per_program),
         grid_names=("row", "program"),
         name=f"taco_encode_{kind}_{codec.name}_n{n_ranks}",

@@ -98,7 +98,13 @@ def test_mosaic_launch_divides_rows_and_fills_the_gpu(rows, tiles_per_row):
 
 
 @pytest.mark.parametrize(
-    "rows,tiles,launch", [(1, 2, None), (2, 8, MosaicLaunch(4, 3)), (3, 4, MosaicLaunch(2, 2))]
+    "rows,tiles,launch",
+    [
+        (1, 2, None),
+        (2, 8, MosaicLaunch(4, 3)),
+        (3, 4, MosaicLaunch(2, 2)),
+        (1, 8, MosaicLaunch(8, 3, store_slots=3)),  # slots that do not divide the tiles
+    ],
 )
 def test_codes_in_the_cpu_interpreter(rows, tiles, launch):
     """The kernel's indexing (rows, programs, pipeline steps, store slots) on the CPU. Only the
@@ -122,6 +128,11 @@ def test_codes_at_every_magnitude_in_the_cpu_interpreter():
     want = codecs.unpack(codec, pk.encode_reference(codec, x), n)
     ideal = _ideal_scaled(codec, np.asarray(x, np.float64), want)
     assert_codes_match(codec, np.asarray(wire)[:, :n], want.codes, ideal)
+
+
+def test_launch_fields_are_checked():
+    with pytest.raises(ValueError, match="store slots"):
+        MosaicLaunch(4, 2, store_slots=1)
 
 
 def test_launch_must_divide_the_row():
