@@ -1,20 +1,27 @@
-"""Convergence study: the same GPT, data order and schedule under every TP compression codec.
+"""Convergence study: the same GPT, data order and schedule under every compression codec.
 
 Each run is `taco_train.trainer.train_and_evaluate` on one config (default
-`configs/h200_convergence.toml`) with `compression.fwd/bwd`, `parallel.tp` and the seeds
-overridden; TP is emulated with `vmap(axis_name="tp")` so one GPU runs every TP size, and
-telemetry logs each collective's relative error. The baseline (`none`) runs with several seeds:
-the spread of its final validation loss is the noise floor a codec's difference must exceed,
-and each codec is compared with the baseline of its own seed.
+`configs/h200_convergence.toml`) with the compressed traffic, the layout and the seeds
+overridden (`layout_overrides`):
+- `--tp N`: the codec on every TP collective (`compression.fwd/bwd`), TP emulated with
+  `vmap(axis_name="tp")` so one GPU runs every TP size;
+- `--dp N`: data parallelism over N devices with the sharded optimizer (ZeRO-1); codec "none",
+  or "sdp4bit" (TLq-HS gradients, qWD weights);
+- `--pp N`: a pipeline over N devices (GPipe, 4 microbatches); the codec on the stage sends
+  (`compression.pp`, e.g. "tahquant").
+Telemetry logs each compressed collective's relative error. The baseline (`none`) runs with
+several seeds: the spread of its final validation loss is the noise floor a codec's difference
+must exceed, and each codec is compared with the baseline of its own seed and layout.
 
 Writes `<out>/convergence-<date>.json` (per run: final train/val loss, tokens, steps, wall
-time, mean relative error per TP collective, the validation curve; the paired comparison) and
-`convergence-<date>.png` (validation loss curves). `--merge FILE ...` keeps the runs of earlier
-records (runs already there are not repeated), so a study can be split over machines and
-sessions; `--report-only` trains nothing and only merges, compares and plots.
+time, mean relative error per compressed collective, the validation curve; the paired
+comparison) and `convergence-<date>.png` (validation loss curves). `--merge FILE ...` keeps the
+runs of earlier records (runs already there are not repeated), so a study can be split over
+machines and sessions; `--report-only` trains nothing and only merges, compares and plots.
 
     python benchmarks/convergence.py --tp 4 --codecs none taco fp8 taco_no_ds int8 \
         --baseline-seeds 0 1 --set run.steps=600
+    python benchmarks/convergence.py --dp 2 --codecs none sdp4bit --baseline-seeds 0
     python benchmarks/convergence.py --report-only --merge part1.json part2.json
 """
 
@@ -39,17 +46,46 @@ DEFAULT_CODECS = ["none", "taco", "fp8", "taco_no_ds", "int8", "int8_hadamard", 
 PAPER = {"taco": 0.25, "tah_quant_path": 2.9}
 
 
-def run_key(codec: str, tp: int, seed: int) -> str:
-    return f"{codec}/tp{tp}/seed{seed}"
+# Which traffic a study compresses, by the mesh dimension it names: "tp" (TP emulated with
+# vmap, the codec on every TP collective), "dp" (dp GPUs under shard_map, ZeRO-1; codec "sdp4bit"
+# is TLq-HS on the gradients and qWD on the weights) or "pp" (pp GPUs under shard_map; the
+# codec on the stage sends).
+DIMS = ("tp", "dp", "pp")
+DP_CODECS = {"none": ("none", "none"), "sdp4bit": ("tlq_hs", "qwd")}
+PP_MICROBATCHES = 4
 
 
-def one_run(args, codec: str, tp: int, seed: int, out_root: pathlib.Path) -> dict:
-    out_dir = out_root / run_key(codec, tp, seed).replace("/", "_")
+def run_key(codec: str, layout: str, seed: int) -> str:
+    return f"{codec}/{layout}/seed{seed}"
+
+
+def layout_of(run: dict) -> str:
+    """The run's layout, e.g. "tp4", "dp2", "pp2" (records written before the dp and pp
+    layouts hold only "tp")."""
+    return run.get("layout") or f"tp{run['tp']}"
+
+
+def layout_overrides(dim: str, size: int, codec: str) -> list[str]:
+    """The config overrides that run `codec` on the traffic of `dim` over `size` ranks."""
+    if dim == "tp":
+        return [f"compression.fwd={codec}", f"compression.bwd={codec}", f"parallel.tp={size}"]
+    real = ["parallel.mode='shard_map'", "parallel.tp=1", "compression.fwd=none"]
+    if dim == "dp":
+        if codec not in DP_CODECS:
+            raise SystemExit(f"--dp runs codecs {sorted(DP_CODECS)}, not {codec!r}")
+        grad, param = DP_CODECS[codec]
+        return [*real, f"parallel.dp={size}", "optimizer.sharded=true",
+                f"compression.dp_grad={grad}", f"compression.dp_param={param}"]  # fmt: skip
+    return [*real, f"parallel.pp={size}", f"parallel.microbatches={PP_MICROBATCHES}",
+            "parallel.scan_layers=false", f"compression.pp={codec}"]  # fmt: skip
+
+
+def one_run(args, codec: str, dim: str, size: int, seed: int, out_root: pathlib.Path) -> dict:
+    layout = f"{dim}{size}"
+    out_dir = out_root / run_key(codec, layout, seed).replace("/", "_")
     overrides = [
-        f"compression.fwd={codec}",
-        f"compression.bwd={codec}",
+        *layout_overrides(dim, size, codec),
         "compression.telemetry=true",
-        f"parallel.tp={tp}",
         f"run.seed={seed}",
         f"data.seed={seed}",
         f"run.out_dir={out_dir}",
@@ -66,10 +102,10 @@ def one_run(args, codec: str, tp: int, seed: int, out_root: pathlib.Path) -> dic
         diverged = str(error)
     wall = time.perf_counter() - start
     records = metrics.read_jsonl(out_dir / "metrics.jsonl")
-    return summarize(records, codec, tp, seed, wall, cfg) | {"diverged": diverged}
+    return summarize(records, codec, layout, seed, wall, cfg) | {"diverged": diverged}
 
 
-def summarize(records: list[dict], codec: str, tp: int, seed: int, wall: float, cfg) -> dict:
+def summarize(records: list[dict], codec: str, layout: str, seed: int, wall: float, cfg) -> dict:
     train = [r for r in records if r.get("kind") == "train"]
     val = [r for r in records if r.get("kind") == "eval"]
     telemetry = {}
@@ -80,7 +116,8 @@ def summarize(records: list[dict], codec: str, tp: int, seed: int, wall: float, 
     tail = train[-5:] if train else []
     return {
         "codec": codec,
-        "tp": tp,
+        "layout": layout,
+        "tp": cfg.parallel.tp,
         "seed": seed,
         "steps": cfg.run.steps,
         "tokens": cfg.run.steps * cfg.data.batch_size * cfg.model.seq_len,
@@ -93,25 +130,25 @@ def summarize(records: list[dict], codec: str, tp: int, seed: int, wall: float, 
 
 
 def compare(runs: list[dict]) -> list[dict]:
-    """Final validation loss per codec and TP size against the baseline of the same seed.
+    """Final validation loss per codec and layout against the baseline of the same seed.
 
     The seed sets both the initialization and the data order, and moves the final loss far more
     than any working codec does, so each run is compared with the uncompressed run of its own
-    seed (a paired difference); the baseline's seed-to-seed spread is reported beside it.
+    seed and layout (a paired difference); the baseline's seed-to-seed spread is reported beside
+    it.
     """
     rows = []
-    for tp in sorted({r["tp"] for r in runs}):
-        base = {
-            r["seed"]: r["final_val_loss"] for r in runs if r["tp"] == tp and r["codec"] == "none"
-        }
+    for layout in sorted({layout_of(r) for r in runs}):
+        group = [r for r in runs if layout_of(r) == layout]
+        base = {r["seed"]: r["final_val_loss"] for r in group if r["codec"] == "none"}
         if not base:
             continue
         values = list(base.values())
         spread = (max(values) - min(values)) / statistics.mean(values) * 100
-        for codec in sorted({r["codec"] for r in runs if r["tp"] == tp}):
-            mine = [r for r in runs if r["tp"] == tp and r["codec"] == codec]
-            if r_diverged(runs, tp, codec):
-                rows.append({"tp": tp, "codec": codec, "val_loss": None, "diverged": True})
+        for codec in sorted({r["codec"] for r in group}):
+            mine = [r for r in group if r["codec"] == codec]
+            if any(r.get("diverged") for r in mine):
+                rows.append({"layout": layout, "codec": codec, "val_loss": None, "diverged": True})
                 continue
             paired = [
                 (r["final_val_loss"] - base[r["seed"]]) / base[r["seed"]] * 100
@@ -120,7 +157,7 @@ def compare(runs: list[dict]) -> list[dict]:
             ]
             rows.append(
                 {
-                    "tp": tp,
+                    "layout": layout,
                     "codec": codec,
                     "val_loss": statistics.mean(r["final_val_loss"] for r in mine),
                     "seeds": sorted(r["seed"] for r in mine),
@@ -132,8 +169,9 @@ def compare(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def r_diverged(runs: list[dict], tp: int, codec: str) -> bool:
-    return any(r.get("diverged") for r in runs if r["tp"] == tp and r["codec"] == codec)
+def _title(layout: str) -> str:
+    dim, size = layout[:2], layout[2:]
+    return f"TP = {size} (emulated)" if dim == "tp" else f"{dim.upper()} = {size}"
 
 
 def plot(runs: list[dict], png: pathlib.Path) -> None:
@@ -142,10 +180,11 @@ def plot(runs: list[dict], png: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tps = sorted({r["tp"] for r in runs})
-    fig, axes = plt.subplots(1, len(tps), figsize=(6 * len(tps), 4.5), squeeze=False)
-    for ax, tp in zip(axes[0], tps, strict=True):
-        for r in sorted((r for r in runs if r["tp"] == tp), key=lambda r: r["codec"]):
+    layouts = sorted({layout_of(r) for r in runs})
+    fig, axes = plt.subplots(1, len(layouts), figsize=(6 * len(layouts), 4.5), squeeze=False)
+    for ax, layout in zip(axes[0], layouts, strict=True):
+        group = [r for r in runs if layout_of(r) == layout]
+        for r in sorted(group, key=lambda r: r["codec"]):
             steps, losses = zip(*r["val_curve"], strict=True) if r["val_curve"] else ((), ())
             ax.plot(
                 steps,
@@ -153,11 +192,11 @@ def plot(runs: list[dict], png: pathlib.Path) -> None:
                 label=f"{r['codec']} (seed {r['seed']})",
                 linestyle="-" if r["codec"] != "none" else "--",
             )
-        ax.set_title(f"TP = {tp} (emulated)")
+        ax.set_title(_title(layout))
         ax.set_xlabel("step")
         ax.set_ylabel("validation loss")
         ax.legend(fontsize=7)
-        finals = [r["final_val_loss"] for r in runs if r["tp"] == tp and r["final_val_loss"]]
+        finals = [r["final_val_loss"] for r in group if r["final_val_loss"]]
         if finals:  # zoom on the end of training, where the codecs separate
             ax.set_ylim(min(finals) - 0.1, min(finals) + 0.6)
     fig.tight_layout()
@@ -185,7 +224,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/h200_convergence.toml")
     parser.add_argument("--codecs", nargs="+", default=DEFAULT_CODECS)
-    parser.add_argument("--tp", type=int, nargs="+", default=[4])
+    parser.add_argument("--tp", type=int, nargs="+", default=[], help="TP sizes (default 4)")
+    parser.add_argument("--dp", type=int, nargs="+", default=[], help="dp sizes (GPUs)")
+    parser.add_argument("--pp", type=int, nargs="+", default=[], help="pipeline sizes (GPUs)")
     parser.add_argument("--seed", type=int, default=0, help="seed of every compressed run")
     parser.add_argument("--baseline-seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -208,19 +249,23 @@ def main() -> None:
         | ({"sources": record["sources"]} if record.get("sources") else {})
         for path, record in merged.items()
     ]
-    done = {run_key(r["codec"], r["tp"], r["seed"]) for r in runs}
+    done = {run_key(r["codec"], layout_of(r), r["seed"]) for r in runs}
+    sizes = {"tp": args.tp, "dp": args.dp, "pp": args.pp}
+    if not any(sizes.values()):
+        sizes["tp"] = [4]
     plan = [
-        (c, tp, s)
-        for tp in args.tp
+        (c, dim, size, s)
+        for dim in DIMS
+        for size in sizes[dim]
         for c in args.codecs
         for s in (args.baseline_seeds if c == "none" else [args.seed])
-        if not args.report_only and run_key(c, tp, s) not in done
+        if not args.report_only and run_key(c, f"{dim}{size}", s) not in done
     ]
-    for codec, tp, seed in plan:
-        result = one_run(args, codec, tp, seed, pathlib.Path(args.runs_dir))
+    for codec, dim, size, seed in plan:
+        result = one_run(args, codec, dim, size, seed, pathlib.Path(args.runs_dir))
         runs.append(result)
         print(
-            f"{run_key(codec, tp, seed):28s} val {result['final_val_loss']} "
+            f"{run_key(codec, result['layout'], seed):28s} val {result['final_val_loss']} "
             f"train {result['final_train_loss']} {result['wall_s']:.0f} s "
             f"diverged {result['diverged']} err {result['comm_rel_err']}",
             flush=True,
@@ -230,11 +275,11 @@ def main() -> None:
     plot(runs, out / f"convergence-{today()}.png")
     for row in compare(runs):
         if row.get("diverged"):
-            print(f"tp={row['tp']} {row['codec']:14s} diverged")
+            print(f"{row['layout']} {row['codec']:14s} diverged")
             continue
         spread = row["baseline_seed_spread_pct"]
         print(
-            f"tp={row['tp']} {row['codec']:14s} val {row['val_loss']:.4f} paired "
+            f"{row['layout']} {row['codec']:14s} val {row['val_loss']:.4f} paired "
             f"{row['paired_pct_vs_bf16']:+.2f}% over seeds {row['seeds']} (baseline seed "
             f"spread {'n/a' if spread is None else f'{spread:.2f}%'})"
         )
