@@ -10,8 +10,10 @@ when their options are left at "auto" (`CommConfig.algorithm="auto"`,
   it from `benchmarks/collectives.py` records). A message is compressed when the best measured
   algorithm at the largest measured size not above it was at least `MIN_SPEEDUP` faster than
   the plain collective (and, between two measured sizes, at both); below the smallest measured
-  size, never. The "fused" rows (the kernels that store into the peers' memory) are read only
-  where those kernels run (`peer_writes`, and the caller's codec and dtype). For N > 2 two-shot
+  size, never. It runs the fastest algorithm measured there, or among those within `TIE` of it
+  the one that quantizes least often. The "fused" rows (the kernels that store into the peers'
+  memory) are read only where those kernels run (`peer_writes`, and the caller's codec and
+  dtype). For N > 2 two-shot
   runs (fewer bytes than one-shot there) and its own N = 2 row decides: a model, not a
   measurement.
 - Anywhere else (the CPU, or a TP group emulated with `jax.vmap(axis_name=...)`, where no bytes
