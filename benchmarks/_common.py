@@ -103,6 +103,34 @@ def in_program_seconds(fn, inputs: Sequence[tuple], calls: int, *, reps: int = 7
     return batched_seconds(jax.jit(program), [tuple(args)], reps=reps)[0] / calls
 
 
+def tp_message(size_mib: float, ranks: int = 2):
+    """(mesh, x): a 1-D mesh "tp" over the first `ranks` devices, and a bf16 N(0, 1) message of
+    `size_mib` MiB on each rank (global [ranks n], split over "tp")."""
+    mesh = jax.make_mesh((ranks,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:ranks])  # fmt: skip
+    n = int(size_mib * (1 << 20)) // 2
+    x = jax.random.normal(jax.random.key(n), (ranks * n,), jnp.bfloat16)
+    return mesh, jax.device_put(
+        x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("tp"))
+    )
+
+
+def looped_on_tp(mesh, op, inner: int):
+    """Jitted `shard_map` over "tp" of `inner` dependent applications of `op` to each rank's
+    block (one `fori_loop`: nothing is elided, and one dispatch covers them all)."""
+    spec = jax.sharding.PartitionSpec("tp")
+
+    def body(x):
+        return lax.fori_loop(0, inner, lambda _, v: op(v), x)
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+
+
+def seconds_per_op(mesh, op, x, *, inner: int, reps: int) -> float:
+    """Median seconds of one `op` over "tp", from `looped_on_tp` calls of `inner` ops."""
+    return median_seconds(looped_on_tp(mesh, op, inner), x, reps=reps) / inner
+
+
 def write_record(
     name: str, out_dir: str | os.PathLike, *, suffix: str = "", **fields
 ) -> pathlib.Path:

@@ -18,12 +18,9 @@ import argparse
 import itertools
 import os
 
-import jax
 import jax.numpy as jnp
-from _common import median_seconds, write_record
+from _common import looped_on_tp, seconds_per_op, tp_message, write_record
 from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import exchange_mosaic
 from pallas_kernels.config import MOSAIC_GROUPS_PER_TILE, MosaicLaunch
@@ -42,15 +39,6 @@ def fused_all_reduce(x, plan: MosaicLaunch | None):
     return ops.decode_sum(codec, wire[:, 0], row.shape[-1], x.dtype).reshape(x.shape)
 
 
-def _program(mesh, op, inner: int):
-    def body(x):
-        return lax.fori_loop(0, inner, lambda _, v: op(v), x)
-
-    return jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False)
-    )
-
-
 def candidates(args, tiles: int) -> list[MosaicLaunch]:
     out = []
     for programs, steps, slots in itertools.product(args.programs, args.steps, args.slots):
@@ -61,21 +49,19 @@ def candidates(args, tiles: int) -> list[MosaicLaunch]:
 
 
 def run(args) -> dict:
-    mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
     rows = []
     for size_mib in args.sizes_mib:
-        n = int(size_mib * MiB) // 2
-        x = jax.device_put(jax.random.normal(jax.random.key(n), (2 * n,), jnp.bfloat16),
-                           NamedSharding(mesh, P("tp")))  # fmt: skip
-        lax_s = median_seconds(_program(mesh, lambda v: lax.psum(v, "tp"), INNER), x,
-                               reps=args.reps) / INNER  # fmt: skip
+        mesh, x = tp_message(size_mib)
+        n = x.shape[0] // 2
+        timing = dict(inner=INNER, reps=args.reps)
+        lax_s = seconds_per_op(mesh, lambda v: lax.psum(v, "tp"), x, **timing)
         tiles = n // TILE_ELEMENTS
         default = exchange_mosaic.launch(1, tiles)
-        want = _program(mesh, lambda v: fused_all_reduce(v, None), 1)(x)
+        want = looped_on_tp(mesh, lambda v: fused_all_reduce(v, None), 1)(x)
         for plan in [None, *candidates(args, tiles)]:
             op = lambda v, p=plan: fused_all_reduce(v, p)  # noqa: E731
-            same = bool(jnp.all(_program(mesh, op, 1)(x) == want))
-            seconds = median_seconds(_program(mesh, op, INNER), x, reps=args.reps) / INNER
+            same = bool(jnp.all(looped_on_tp(mesh, op, 1)(x) == want))
+            seconds = seconds_per_op(mesh, op, x, **timing)
             used = plan or default
             rows.append(dict(bytes=int(size_mib * MiB), default=plan is None,
                              programs=tiles // used.tiles_per_program,

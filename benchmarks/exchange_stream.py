@@ -28,12 +28,10 @@ import os
 
 import jax
 import jax.numpy as jnp
-from _common import collective_windows, median_seconds, write_record
+from _common import collective_windows, looped_on_tp, seconds_per_op, tp_message, write_record
 from jax import lax
 from jax.experimental.compute_on import compute_on
 from jax.experimental.xla_metadata import set_xla_metadata
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
 from taco_jax import _backends, codecs
@@ -69,15 +67,6 @@ def sliced_fused_all_reduce(x, slices: int, stream: int, grouped: bool):
     return jnp.concatenate(outs).reshape(x.shape)
 
 
-def _program(mesh, op, inner: int):
-    def body(x):
-        return lax.fori_loop(0, inner, lambda _, v: op(v), x)
-
-    return jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False)
-    )
-
-
 def _library(slices: int):
     return lambda v: tj.compressed_psum(
         v, "tp", codec="taco", algorithm="fused", slices=slices, min_compress_bytes=0
@@ -85,27 +74,23 @@ def _library(slices: int):
 
 
 def run(args) -> dict:
-    mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
     rows = []
     for size_mib in args.sizes_mib:
-        n = int(size_mib * MiB) // 2
-        x = jax.device_put(jax.random.normal(jax.random.key(n), (2 * n,), jnp.bfloat16),
-                           NamedSharding(mesh, P("tp")))  # fmt: skip
-        lax_s = median_seconds(_program(mesh, lambda v: lax.psum(v, "tp"), INNER), x,
-                               reps=args.reps) / INNER  # fmt: skip
+        mesh, x = tp_message(size_mib)
+        timing = dict(inner=INNER, reps=args.reps)
+        lax_s = seconds_per_op(mesh, lambda v: lax.psum(v, "tp"), x, **timing)
         for slices in args.slices:
-            want = _program(mesh, _library(slices), 1)(x)
-            library_s = median_seconds(_program(mesh, _library(slices), INNER), x,
-                                       reps=args.reps) / INNER  # fmt: skip
+            want = looped_on_tp(mesh, _library(slices), 1)(x)
+            library_s = seconds_per_op(mesh, _library(slices), x, **timing)
             for stream in (0, 1):
                 for grouped in (False, True) if slices > 1 else (False,):
                     op = functools.partial(
                         sliced_fused_all_reduce, slices=slices, stream=stream, grouped=grouped
                     )
-                    fn = _program(mesh, op, INNER)
+                    fn = looped_on_tp(mesh, op, INNER)
                     text = fn.lower(x).compile().as_text()
-                    same = bool(jnp.all(_program(mesh, op, 1)(x) == want))
-                    seconds = median_seconds(fn, x, reps=args.reps) / INNER
+                    same = bool(jnp.all(looped_on_tp(mesh, op, 1)(x) == want))
+                    seconds = seconds_per_op(mesh, op, x, **timing)
                     rows.append(dict(bytes=int(size_mib * MiB), slices=slices, stream=stream,
                                      grouped=grouped, seconds=seconds, library_seconds=library_s,
                                      lax_seconds=lax_s, speedup=lax_s / seconds,
