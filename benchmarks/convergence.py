@@ -37,7 +37,7 @@ import time
 from _common import today, write_record
 
 from taco_train import metrics
-from taco_train.config import load_config
+from taco_train.config import ConfigError, load_config
 from taco_train.trainer import train_and_evaluate
 
 DEFAULT_CODECS = ["none", "taco", "fp8", "taco_no_ds", "int8", "int8_hadamard", "taco_e8m0"]
@@ -80,9 +80,9 @@ def layout_overrides(dim: str, size: int, codec: str) -> list[str]:
             "parallel.scan_layers=false", f"compression.pp={codec}"]  # fmt: skip
 
 
-def one_run(args, codec: str, dim: str, size: int, seed: int, out_root: pathlib.Path) -> dict:
-    layout = f"{dim}{size}"
-    out_dir = out_root / run_key(codec, layout, seed).replace("/", "_")
+def run_config(args, codec: str, dim: str, size: int, seed: int, out_root: pathlib.Path):
+    """The config of one run (`load_config` raises on a codec or layout it cannot take)."""
+    out_dir = out_root / run_key(codec, f"{dim}{size}", seed).replace("/", "_")
     overrides = [
         *layout_overrides(dim, size, codec),
         "compression.telemetry=true",
@@ -93,7 +93,13 @@ def one_run(args, codec: str, dim: str, size: int, seed: int, out_root: pathlib.
         "run.progress=false",
         *args.set,
     ]
-    cfg = load_config(args.config, overrides)
+    return load_config(args.config, overrides)
+
+
+def one_run(args, codec: str, dim: str, size: int, seed: int, out_root: pathlib.Path) -> dict:
+    layout = f"{dim}{size}"
+    cfg = run_config(args, codec, dim, size, seed, out_root)
+    out_dir = pathlib.Path(cfg.run.out_dir)
     start = time.perf_counter()
     diverged = None
     try:
@@ -261,6 +267,11 @@ def main() -> None:
         for s in (args.baseline_seeds if c == "none" else [args.seed])
         if not args.report_only and run_key(c, f"{dim}{size}", s) not in done
     ]
+    for codec, dim, size, seed in plan:  # every run's config is checked before the first trains
+        try:
+            run_config(args, codec, dim, size, seed, pathlib.Path(args.runs_dir))
+        except ConfigError as error:
+            raise SystemExit(f"{run_key(codec, f'{dim}{size}', seed)}: {error}") from None
     for codec, dim, size, seed in plan:
         result = one_run(args, codec, dim, size, seed, pathlib.Path(args.runs_dir))
         runs.append(result)

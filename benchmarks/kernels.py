@@ -39,7 +39,7 @@ import numpy as np
 from _common import batched_seconds, in_program_seconds, write_record
 
 import pallas_kernels as pk
-from pallas_kernels import _pallas
+from pallas_kernels import _pallas, decode_kernel, decode_sum_kernel, encode_kernel
 from taco_jax import codecs
 
 PEERS = 8  # rows of the benchmark: an 8-way TP group
@@ -293,12 +293,13 @@ def latency_in_program(key, sizes_kib, codec_name="taco") -> list[dict]:
     return rows
 
 
-def _default_configs(n: int) -> dict:
-    g = 128
+def _default_configs(codec, n: int) -> dict:
+    """The launch each Triton kernel takes for PEERS rows of n values of `codec`."""
     launches = {
-        "encode / decode": pk.block_config(g, n // g, rows=PEERS),
-        "decode_sum": pk.block_config(g, n // g, peers=PEERS),
-        "decode_sum_reencode": pk.block_config(g, n // g, peers=PEERS, dot=False),
+        "encode": encode_kernel.default_config(codec, PEERS, n),
+        "decode": decode_kernel.default_config(codec, PEERS, n),
+        "decode_sum": decode_sum_kernel.default_config(codec, PEERS, n),
+        "decode_sum_reencode": decode_sum_kernel.default_config(codec, PEERS, n, reencode=True),
     }
     return {op: dataclasses.asdict(cfg) for op, cfg in launches.items()}
 
@@ -344,8 +345,12 @@ def main():
         peers=PEERS,
         launch_floor_s=floor,
         in_program_latency=in_program,
-        # The launches `block_config` picks at the largest size, per op.
-        block_configs=_default_configs(max(sizes) * MiB // 2 // PEERS) if sizes else {},
+        # The launches the kernels take at the largest size, per op.
+        block_configs=(
+            _default_configs(codecs.get_codec(args.codec, 128), max(sizes) * MiB // 2 // PEERS)
+            if sizes
+            else {}
+        ),
         check_seconds=t_check,
         checks=checks,
         bench=results,

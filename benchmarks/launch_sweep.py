@@ -2,7 +2,7 @@
 
 Times one op of `pallas_kernels` (`--op`: encode, decode, decode_sum, decode_sum_reencode) for
 `--codec` on rows of `--peers` x n values (decode-sum and decode-sum-reencode sum the peers into
-one row), with the default launch (`pallas_kernels.block_config`) and with every candidate of
+one row), with the default launch (the kernel module's `default_config`) and with every candidate of
 the grid `--groups x --warps x --tiles x --dots` (groups per tile, Triton warps, tiles per
 program, Hadamard dot columns), each inside one jitted program (`_common.in_program_seconds`, so
 JAX's per-call dispatch is not counted), beside an XLA pass over the same bytes (a negate of a

@@ -1,10 +1,12 @@
 """The one launch heuristic of the package: how each kernel splits its rows into programs.
 
-Kept in one function (`block_config`, and `mosaic_launch` for the Mosaic GPU encode) rather than
-pasted into each kernel. The values were chosen by measurement on the H200; the sweeps behind
-them are summarised in docs/development_history.md ("Kernels"). What they encode:
+Kept in one table and one function (`block_config`, and `mosaic_launch` for the Mosaic GPU
+encode) rather than pasted into each kernel; each kernel module's `default_config` says which
+row it asks for. The values were chosen by measurement on the H200; the sweeps behind them are
+summarised in docs/development_history.md ("Kernels") and BENCHMARKS.md. What they encode:
 - kernels that apply the Hadamard dot stage its +-1 block in shared memory once per program, so
-  a program walks a few tiles with 4 warps;
+  a program walks a few tiles with 4 warps (the 8-bit codes; the sub-byte encodes and the
+  decodes of codes over several bit planes measured faster with one tile per program);
 - encode and decode take 8192-element tiles and 16-column dots, the rest of the Hadamard as fp32
   butterflies;
 - kernels that hold N peer rows in registers (decode-sum, decode-sum-reencode) take small tiles.
@@ -45,8 +47,8 @@ PLANES_ENCODE_DECODE = Launch(
 # decode-sum: the N peer tiles live in registers at once.
 PEERS_DOT = Launch(elements_per_tile=2048, num_warps=4, dot_columns=64, tiles_per_program=4)
 # decode-sum of two peers (one-shot at N = 2, a full-size output): decode's tile fits, and one
-# tile per program measured fastest (benchmarks/decode_sum_launch.py: 73% of the copy at 1 GiB
-# against 51% with PEERS_DOT, BENCHMARKS.md "Kernels").
+# tile per program measured fastest (benchmarks/launch_sweep.py --op decode_sum: 73% of the
+# copy at 1 GiB against 51% with PEERS_DOT, BENCHMARKS.md "Kernels").
 TWO_PEERS_DOT = Launch(elements_per_tile=8192, num_warps=4, dot_columns=16, tiles_per_program=1)
 # decode-sum-reencode (it needs no Hadamard: H H = I), and decode-sum without a Hadamard.
 PEERS_NO_DOT = Launch(elements_per_tile=2048, num_warps=4, dot_columns=None, tiles_per_program=1)
@@ -134,7 +136,8 @@ def block_config(group_size: int, num_groups: int, *, rows=1, peers=1, dot=True,
     """The launch for `rows` rows (or `peers` rows summed into one) of `num_groups` groups.
 
     dot: the kernel applies the Hadamard dot (then it loops over tiles, see module docstring).
-    planes: the codes are split into bit planes (sub-byte codecs; `codecs.code_planes`).
+    planes: take `PLANES_ENCODE_DECODE` (one tile per program) for an encode or decode with the
+      Hadamard dot; the kernels ask for it where a sweep measured it faster (`default_config`).
     launch: a row of the table to use instead of the one `peers`, `dot` and `planes` pick.
     """
     if launch is None and planes and peers == 1 and dot:

@@ -111,8 +111,15 @@ def _exchange(codec, x, axis_name, n_ranks, *, scatter: bool, replicated: bool, 
     # A gather's program takes its tiles of one row; a scatter's, its tiles of every row.
     grid_rows = 1 if scatter else rows
     plan = plan or launch(grid_rows, groups // _TILE)
-    if (groups // _TILE) % plan.tiles_per_program:
-        raise ValueError(f"{plan} must divide the {groups // _TILE} tiles of a row")
+    tiles = groups // _TILE
+    if tiles % plan.tiles_per_program:
+        raise ValueError(f"{plan} must divide the {tiles} tiles of a row")
+    if grid_rows * tiles // plan.tiles_per_program > max_programs():
+        # Programs wait for their peers' counterparts: one that waits for a free SM deadlocks.
+        raise ValueError(
+            f"{plan} launches {grid_rows * tiles // plan.tiles_per_program} programs, more than "
+            f"the {max_programs()} that can be resident at once"
+        )
     body = _pallas.partial(
         _exchange_body,
         axis_name=axis_name,

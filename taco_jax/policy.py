@@ -13,9 +13,8 @@ when their options are left at "auto" (`CommConfig.algorithm="auto"`,
   size, never. It runs the fastest algorithm measured there, or among those within `TIE` of it
   the one that quantizes least often. The "fused" rows (the kernels that store into the peers'
   memory) are read only where those kernels run (`peer_writes`, and the caller's codec and
-  dtype). For N > 2 two-shot
-  runs (fewer bytes than one-shot there) and its own N = 2 row decides: a model, not a
-  measurement.
+  dtype). For N > 2 two-shot runs (fewer bytes than one-shot there) and its own N = 2 row
+  decides: a model, not a measurement.
 - Anywhere else (the CPU, or a TP group emulated with `jax.vmap(axis_name=...)`, where no bytes
   move) every message is compressed with two-shot, TACO's algorithm: what a numerics study wants.
 
@@ -43,12 +42,12 @@ LINKS = ("auto", "nvlink", "shm", "socket")
 MIN_SPEEDUP = 1.05
 # Algorithms measured within this share of the fastest are not told apart by the table (the
 # spread between runs of one size is a few percent, BENCHMARKS.md); among them the one that
-# quantizes once wins: the fused kernel and one-shot before two-shot, which quantizes twice
-# (more error) and runs two collectives. Over shared memory the 16 MiB row had two-shot 0.5%
-# ahead, yet in the GPT-1.3B TP = 2 step with 32 MiB all-reduces one-shot measured faster
-# (BENCHMARKS.md, "Overlapping the TP collectives with compute").
+# quantizes fewer times wins (less error, and one collective instead of two), the fastest of
+# those. Over shared memory the 16 MiB row had two-shot 0.5% ahead of one-shot, yet in the
+# GPT-1.3B TP = 2 step with 32 MiB all-reduces one-shot measured faster (BENCHMARKS.md,
+# "Overlapping the TP collectives with compute").
 TIE = 0.03
-PREFERENCE = ("fused", "one_shot", "two_shot", "-")
+QUANTIZATIONS = {"fused": 1, "one_shot": 1, "two_shot": 2, "-": 1}
 # Which measured row a collective reads: an all-reduce its own, reduce-scatter and all-gather
 # the row of the pair (each is about half of it).
 TABLE_OPS = {
@@ -89,29 +88,25 @@ def _table(op: str, link: str, n_ranks: int, fused: bool = True) -> dict[str, di
     return {a: per_size for a, per_size in rows.items() if fused or a != "fused"}
 
 
-def _fastest(rows, size: int) -> float:
-    return max(per_size[size] for per_size in rows.values())
-
-
 def _preferred(rows, size: int) -> str:
-    """The fastest algorithm at a measured size, or among those within `TIE` of it the first of
-    `PREFERENCE`."""
-    close = [
-        a for a, per_size in rows.items() if per_size[size] >= _fastest(rows, size) / (1 + TIE)
-    ]
-    return min(close, key=PREFERENCE.index)
+    """Among the algorithms measured within `TIE` of the fastest at a measured size, the fastest
+    of those that quantize the fewest times."""
+    fastest = max(per_size[size] for per_size in rows.values())
+    close = [a for a, per_size in rows.items() if per_size[size] >= fastest / (1 + TIE)]
+    return min(close, key=lambda a: (QUANTIZATIONS[a], -rows[a][size]))
 
 
 def measured_choice(op: str, link: str, n_ranks: int, nbytes: int, fused: bool = True) -> Choice:
     """What the table says for `op` on `link` with a message of `nbytes` per rank (the all-reduce's
     and reduce-scatter's input, the all-gather's output).
 
-    Compress at a measured size when its best speedup reached MIN_SPEEDUP; between two measured
-    sizes only when both did; above the largest as the largest; below the smallest never. The
-    algorithm is the best measured at the nearest size at or below (the smallest size's below
-    it; within `TIE` of the fastest, the first of `PREFERENCE`), whether or not the table says
-    to compress, so that a forced compression runs the faster one. `fused`: whether the "fused"
-    algorithm's kernel can run (else its row is left out).
+    The algorithm is the one measured best at the nearest size at or below (the smallest size's
+    below it): the fastest, or within `TIE` of it the fastest of those that quantize the fewest
+    times (`_preferred`), whether or not the table says to compress, so that a forced
+    compression runs it too. Compress at a measured size when that algorithm's speedup reached
+    MIN_SPEEDUP; between two measured sizes only when it did at both; above the largest as the
+    largest; below the smallest never. `fused`: whether the "fused" algorithm's kernel can run
+    (else its row is left out).
     """
     rows = _table(op, link, n_ranks, fused)
     sizes = sorted({size for per_size in rows.values() for size in per_size})
@@ -124,7 +119,7 @@ def measured_choice(op: str, link: str, n_ranks: int, nbytes: int, fused: bool =
     if not below:
         return Choice(False, algorithm, f"{nbytes} B is below the smallest measured size")
     neighbours = [near] + ([above[0]] if nbytes != near and above else [])
-    worst = min(_fastest(rows, size) for size in neighbours)
+    worst = min(rows[_preferred(rows, size)][size] for size in neighbours)
     if worst < MIN_SPEEDUP:
         return Choice(False, algorithm, f"{where}: measured {worst:.2f}x < {MIN_SPEEDUP}x")
     return Choice(True, algorithm, f"{where}: measured {rows[best][near]:.2f}x")

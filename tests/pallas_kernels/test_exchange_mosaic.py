@@ -15,7 +15,7 @@ from jax import lax
 
 import taco_jax as tj
 from pallas_kernels import _pallas, encode_mosaic, exchange_mosaic
-from pallas_kernels.config import MOSAIC_MIN_TILES
+from pallas_kernels.config import MOSAIC_MIN_TILES, MosaicLaunch
 from taco_jax import _backends, codecs, collectives, policy
 
 TILE = 64 * 128  # elements of one 64-group tile of G = 128
@@ -74,6 +74,17 @@ def test_unsupported_names_too_many_rows():
     x = jnp.zeros((200, 2 * TILE), jnp.bfloat16)
     reason = exchange_mosaic.unsupported(codecs.get_codec("taco"), x, need_hopper=False)
     assert "200 rows" in reason
+
+
+def test_a_plan_must_keep_every_program_resident(monkeypatch):
+    """A caller's plan with more programs than can be resident would deadlock in the handshake:
+    refused, naming the count, before anything is traced on the axis."""
+    monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
+    x = jnp.zeros((1, 256 * TILE), jnp.bfloat16)  # 256 tiles: 256 one-tile programs
+    with pytest.raises(ValueError, match="launches 256 programs"):
+        exchange_mosaic.encode_all_gather(
+            codecs.get_codec("taco"), x, "tp", 2, plan=MosaicLaunch(1, 1)
+        )
 
 
 def _pretend_nvlink(monkeypatch):

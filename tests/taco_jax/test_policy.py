@@ -61,13 +61,24 @@ def test_rule_on_a_known_table(fake_table, op, n_ranks, nbytes, compress, algori
 @pytest.mark.parametrize("two_shot,algorithm", [(1.21, "one_shot"), (1.3, "two_shot")])
 def test_algorithms_within_the_spread_prefer_one_quantization(monkeypatch, two_shot, algorithm):
     """Two-shot 0.8% ahead (within `TIE`) loses to one-shot, which quantizes once; 8% ahead it
-    wins; the fused kernel, where it runs, wins ties too."""
+    wins. Between two that quantize once, the faster wins."""
     table = {"all_reduce": {"one_shot": {MiB: 1.2}, "two_shot": {MiB: two_shot}}}
     monkeypatch.setattr(_policy_table, "SPEEDUPS", {"nvlink": table})
-    assert policy.measured_choice("all_reduce", "nvlink", 2, MiB).algorithm == algorithm
-    table["all_reduce"]["fused"] = {MiB: 1.2}
-    expect = "fused" if algorithm == "one_shot" else "two_shot"
-    assert policy.measured_choice("all_reduce", "nvlink", 2, MiB).algorithm == expect
+    choose = lambda: policy.measured_choice("all_reduce", "nvlink", 2, MiB)  # noqa: E731
+    assert choose().algorithm == algorithm
+    table["all_reduce"]["fused"] = {MiB: 1.19}
+    assert choose().algorithm == algorithm
+    table["all_reduce"]["fused"] = {MiB: 1.22}
+    assert choose().algorithm == ("fused" if algorithm == "one_shot" else "two_shot")
+
+
+def test_compression_follows_the_algorithm_that_runs(monkeypatch):
+    """Two-shot at 1.06x and one-shot at 1.04x are a tie that one-shot wins; one-shot is below
+    MIN_SPEEDUP, so nothing is compressed."""
+    table = {"all_reduce": {"one_shot": {MiB: 1.04}, "two_shot": {MiB: 1.06}}}
+    monkeypatch.setattr(_policy_table, "SPEEDUPS", {"nvlink": table})
+    choice = policy.measured_choice("all_reduce", "nvlink", 2, MiB)
+    assert (choice.compress, choice.algorithm) == (False, "one_shot"), choice.reason
 
 
 def test_forced_compression_runs_the_faster_measured_algorithm(fake_table, monkeypatch):
@@ -91,8 +102,8 @@ def test_shipped_table_is_the_records():
 
 def test_measured_table_sizes_follow_the_rule():
     """At every measured size of the shipped table (N = 2), whose both neighbours are itself:
-    compress exactly where the best speedup reached MIN_SPEEDUP, with the fastest algorithm or
-    one measured within `TIE` of it that quantizes no more often."""
+    compress exactly where the chosen algorithm's speedup reached MIN_SPEEDUP; the chosen one is
+    the fastest or one measured within `TIE` of it that quantizes no more often."""
     for link, ops in _policy_table.SPEEDUPS.items():
         assert link in policy.LINKS and set(ops) == set(policy.TABLE_OPS.values())
         for op, table_op in policy.TABLE_OPS.items():
@@ -100,13 +111,13 @@ def test_measured_table_sizes_follow_the_rule():
             for size in rows[next(iter(rows))]:
                 best = max(rows, key=lambda a: rows[a][size])  # noqa: B023
                 choice = policy.measured_choice(op, link, 2, size)
-                assert choice.compress == (rows[best][size] >= policy.MIN_SPEEDUP)
+                chosen = choice.algorithm if op == "all_reduce" else best
+                assert choice.compress == (rows[chosen][size] >= policy.MIN_SPEEDUP)
                 if op != "all_reduce":
                     assert choice.algorithm == "-"
                     continue
-                chosen = choice.algorithm
                 assert rows[chosen][size] * (1 + policy.TIE) >= rows[best][size]
-                assert policy.PREFERENCE.index(chosen) <= policy.PREFERENCE.index(best)
+                assert policy.QUANTIZATIONS[chosen] <= policy.QUANTIZATIONS[best]
 
 
 @pytest.mark.parametrize(

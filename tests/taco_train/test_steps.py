@@ -168,11 +168,13 @@ def _slice_dims(parallel: ParallelConfig):
     "parallel",
     [
         ParallelConfig(dp=2, compute_dtype="float32"),
-        # TP slices with and without stages are one code path (`zero.shard_leaves` over the
-        # leaf's split axes); the stage-and-TP case covers both.
-        ParallelConfig(dp=2, pp=2, tp=2, microbatches=2, compute_dtype="float32"),
+        # Stages, TP slices and sequence parallelism (whose replicated-leaf gradients are summed
+        # over tp) in one case.
+        ParallelConfig(
+            dp=2, pp=2, tp=2, microbatches=2, sequence_parallel=True, compute_dtype="float32"
+        ),  # fmt: skip
     ],
-    ids=["dp2", "dp2-pp2-tp2"],
+    ids=["dp2", "dp2-pp2-tp2-sp"],
 )
 def test_sharded_optimizer_is_the_replicated_one(parallel):
     """ZeRO-1 (`optimizer.sharded`), uncompressed, fp32: three steps land where the replicated
