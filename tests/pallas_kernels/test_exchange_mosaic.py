@@ -214,18 +214,25 @@ def test_kernels_lower_for_cuda_inside_shard_map(monkeypatch, check_vma, kind, d
 @pytest.mark.gpu
 @two_hopper_gpus
 @pytest.mark.parametrize(
-    "kind,rows,tiles",
-    [("all_gather", 1, 2), ("all_gather", 1, 1030), ("all_gather", 2, 512),
-     ("all_to_all", None, 2), ("all_to_all", None, 1030)],
+    "kind,rows,tiles,plan",
+    [("all_gather", 1, 2, None), ("all_gather", 1, 1030, None), ("all_gather", 2, 512, None),
+     # three store slots: 8 tiles per program rotate through them (slot = tile mod 3)
+     ("all_gather", 1, 1024, MosaicLaunch(8, 3, store_slots=3)),
+     ("all_to_all", None, 2, None), ("all_to_all", None, 1030, None)],
+    ids=lambda v: f"slots{v.store_slots}" if isinstance(v, MosaicLaunch) else None,
 )  # fmt: skip
-def test_fused_exchange_equals_encode_then_the_lax_collective(kind, rows, tiles):
+def test_fused_exchange_equals_encode_then_the_lax_collective(kind, rows, tiles, plan):
     """Byte for byte: `encode_all_gather` as the Mosaic encode then `lax.all_gather` (every rank
     alike), `encode_all_to_all` (one row per rank) as the encode then `lax.all_to_all`."""
     n = jax.device_count()
     mesh = _mesh(n)
     codec = codecs.get_codec("taco")
     rows = rows or n
-    fused = lambda v: getattr(exchange_mosaic, f"encode_{kind}")(codec, v, "tp", n)  # noqa: E731
+    launch = {"plan": plan} if plan else {}
+
+    def fused(v):
+        return getattr(exchange_mosaic, f"encode_{kind}")(codec, v, "tp", n, **launch)
+
     lax_collective = {
         "all_gather": lambda w: lax.all_gather(w, "tp", axis=0),
         "all_to_all": lambda w: lax.all_to_all(w, "tp", 0, 0, tiled=True),
