@@ -23,7 +23,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from _common import median_seconds, write_record
+from _common import seconds_per_op, write_record
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -38,18 +38,6 @@ def _mesh(tp: int):
     return jax.make_mesh(
         (tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:tp]
     )
-
-
-def _looped(op, inner: int):
-    """`inner` dependent applications of `op` on one device's block.
-
-    Nothing else runs in the loop (an all-reduce of bf16 N(0, 1) data grows by N per step, far
-    from overflow for the default `inner`), so the time is the collective's alone."""
-
-    def body(x):
-        return lax.fori_loop(0, inner, lambda _, v: op(v), x)
-
-    return body
 
 
 def _forced(algorithm: str) -> dict:
@@ -166,16 +154,9 @@ def run(args) -> dict:
                         and not _times_pair(algorithm, args.algorithms)
                     ):
                         continue  # one- and two-shot are the all-reduce's: time the pair once
-                    fn = jax.jit(
-                        jax.shard_map(
-                            _looped(op, args.inner),
-                            mesh=mesh,
-                            in_specs=P("tp"),
-                            out_specs=P("tp"),
-                            check_vma=False,
-                        )
-                    )
-                    seconds = median_seconds(fn, x, reps=args.reps) / args.inner
+                    # `inner` dependent collectives and nothing else: an all-reduce of bf16
+                    # N(0, 1) data grows by N per step, far from overflow for the default.
+                    seconds = seconds_per_op(mesh, op, x, inner=args.inner, reps=args.reps)
                     # Both ops move every byte twice: (N-1)/N in each of two phases.
                     bus_factor = 2 * (tp - 1) / tp
                     rows.append(

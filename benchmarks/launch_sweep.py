@@ -100,16 +100,18 @@ def run(args) -> dict:
         io_bytes = _io_bytes(args.op, codec, args.peers, n)
         copy_inputs = [jnp.full((io_bytes // 4,), i, jnp.bfloat16) for i in (1, 2)]
         copy_s = in_program_seconds(jax.jit(jnp.negative), [(c,) for c in copy_inputs], args.calls)
-        default_fn = jax.jit(_op(args.op, codec, n, None, args.interpret))
-        default = np.asarray(default_fn(inputs[0])).view(np.uint8)
+        default = None  # the default launch's output bytes, from the first row
         configs = [("default", None)] + [(_label(c), c) for c in candidates(args)]
         for label, config in configs:
             fn = jax.jit(_op(args.op, codec, n, config, args.interpret))
             try:
                 out = np.asarray(fn(inputs[0])).view(np.uint8)
             except Exception as error:  # a launch the compiler refuses (e.g. shared memory)
+                if config is None:
+                    raise  # the default launch is the reference every row is compared with
                 print(f"{size_mib:7.0f} MiB {label:36s} failed: {error!r}"[:300], flush=True)
                 continue
+            default = out if default is None else default
             same = bool(np.array_equal(out, default))
             seconds = in_program_seconds(fn, [(i,) for i in inputs], args.calls)
             config_of = config or _default(args.op, codec, args.peers, n)
