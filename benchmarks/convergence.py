@@ -8,7 +8,8 @@ overridden (`layout_overrides`):
 - `--dp N`: data parallelism over N devices with the sharded optimizer (ZeRO-1); codec "none",
   or "sdp4bit" (TLq-HS gradients, qWD weights);
 - `--pp N`: a pipeline over N devices (GPipe, 4 microbatches); the codec on the stage sends
-  (`compression.pp`, e.g. "tahquant").
+  (`compression.pp`, e.g. "tahquant"), and after "+grads=" the codec of the stages' sum of the
+  shared parameters' gradients (`compression.pp_grads`, e.g. "tahquant+grads=taco").
 Telemetry logs each compressed collective's relative error. The baseline (`none`) runs with
 several seeds: the spread of its final validation loss is the noise floor a codec's difference
 must exceed, and each codec is compared with the baseline of its own seed and layout.
@@ -53,10 +54,23 @@ PAPER = {"taco": 0.25, "tah_quant_path": 2.9}
 DIMS = ("tp", "dp", "pp")
 DP_CODECS = {"none": ("none", "none"), "sdp4bit": ("tlq_hs", "qwd")}
 PP_MICROBATCHES = 4
+PP_GRADS = "+grads="  # "<stage codec>+grads=<TP codec>": the shared-gradient sum compressed too
 
 
 def run_key(codec: str, layout: str, seed: int) -> str:
     return f"{codec}/{layout}/seed{seed}"
+
+
+def unique_runs(runs: list[dict]) -> list[dict]:
+    """`runs` with each run once (records that merged the same earlier record hold its runs
+    each); raises if two copies of one run differ."""
+    kept = {}
+    for r in runs:
+        key = run_key(r["codec"], layout_of(r), r["seed"])
+        if key in kept and kept[key] != r:
+            raise SystemExit(f"two different results for {key} in the merged records")
+        kept.setdefault(key, r)
+    return list(kept.values())
 
 
 def layout_of(run: dict) -> str:
@@ -76,8 +90,10 @@ def layout_overrides(dim: str, size: int, codec: str) -> list[str]:
         grad, param = DP_CODECS[codec]
         return [*real, f"parallel.dp={size}", "optimizer.sharded=true",
                 f"compression.dp_grad={grad}", f"compression.dp_param={param}"]  # fmt: skip
+    sends, _, grads = codec.partition(PP_GRADS)
     return [*real, f"parallel.pp={size}", f"parallel.microbatches={PP_MICROBATCHES}",
-            "parallel.scan_layers=false", f"compression.pp={codec}"]  # fmt: skip
+            "parallel.scan_layers=false", f"compression.pp={sends}",
+            f"compression.pp_grads={grads or 'none'}"]  # fmt: skip
 
 
 def run_config(args, codec: str, dim: str, size: int, seed: int, out_root: pathlib.Path):
@@ -247,7 +263,7 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     merged = {path: json.loads(pathlib.Path(path).read_text()) for path in args.merge}
-    runs = [r for record in merged.values() for r in record["runs"]]
+    runs = unique_runs([r for record in merged.values() for r in record["runs"]])
     # Where each merged file's runs came from, so that the merged record stands alone.
     sources = [
         {k: record.get(k) for k in ("date", "device", "versions", "command")}

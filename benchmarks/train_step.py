@@ -15,7 +15,9 @@ Cases (`--only TEXT [TEXT ...]` keeps those whose label contains one of them):
   4. With >= 2 devices, GPT-1.3B pipelined over all of them (pp = devices, `--pp-batch` sequences
      in `--microbatches` microbatches): the GPipe and circular (2 chunks per stage) schedules,
      each with stage traffic uncompressed ("none"), "tahquant" and "taco"
-     (`taco_jax.compressed_ppermute`); beside them the same batch unpipelined on one device
+     (`taco_jax.compressed_ppermute`), and with `--pp-grads CODEC` the stages' sum of the
+     pp-replicated gradients compressed too ("grads=CODEC", `StageCodecs.shared_grads`, with
+     bf16 and "tahquant" sends); beside them the same batch unpipelined on one device
      ("pp-ref"). Printed and recorded per pipelined row: its overhead over an even split,
      1 - t_ref / (P t_pp) (the share of the step beyond the one-device step divided over P
      stages: idle steps, smaller microbatches, stage sends, the circular schedule's regroup),
@@ -76,6 +78,7 @@ class Case:
     algorithm: str = "auto"  # of the all-reduces (taco_jax.CommConfig.algorithm)
     min_compress_bytes: int | None = None  # None: taco_jax.policy decides
     stage_codec: str = "none"  # of pipeline stage traffic (parallel.pp > 1)
+    shared_grads: str = "none"  # of the pipeline's sum of pp-replicated gradients (StageCodecs)
     sharded: ZeroConfig | None = None  # ZeRO-1 over dp and its codecs (case 5)
     latency_hiding: bool = False  # compile with the latency-hiding option (else XLA's default)
 
@@ -197,6 +200,13 @@ def pipeline_cases(args, n_devices: int, preset: str = "gpt_1p3b", overrides=())
         label = f"{preset} pp={n_devices} {schedule} M={args.microbatches}"
         cases += [Case(f"{label} {codec}", parallel=parallel, stage_codec=codec, **run)
                   for codec in PIPELINE_CODECS]  # fmt: skip
+        # The stages' shared-gradient sum compressed too (0.4 GB of fp32 for GPT-1.3B's tied
+        # embedding), without and with compressed sends.
+        cases += [
+            Case(f"{label} {codec} grads={grads}", parallel=parallel, stage_codec=codec,
+                 shared_grads=grads, **run)
+            for grads in args.pp_grads for codec in ("none", "tahquant")
+        ]  # fmt: skip
     return cases
 
 
@@ -227,7 +237,7 @@ def run_case(case: Case, steps: int, warmup: int) -> dict:
         algorithm=case.algorithm,
         min_compress_bytes=case.min_compress_bytes,
     )
-    stages = StageCodecs(forward=case.stage_codec)
+    stages = StageCodecs(forward=case.stage_codec, shared_grads=case.shared_grads)
     optimizer = optax.adamw(1e-4, weight_decay=0.1)
     built = make_steps(cfg, case.parallel, comm, optimizer, stages, sharded=case.sharded)
     state = built.init(jax.random.key(0))
@@ -260,6 +270,7 @@ def run_case(case: Case, steps: int, warmup: int) -> dict:
         "parallel": dataclasses.asdict(case.parallel),
         "codec": case.codec,
         "stage_codec": case.stage_codec,
+        "shared_grads": case.shared_grads,
         "sharded": dataclasses.asdict(case.sharded) if case.sharded else None,
         "algorithm": case.algorithm,
         "impl": case.impl,
@@ -364,6 +375,9 @@ def main() -> None:
     parser.add_argument("--batch-tp", type=int, default=8, help="batch of the emulated-TP runs")
     parser.add_argument("--pp-batch", type=int, default=8, help="batch of the pipelined runs")
     parser.add_argument("--microbatches", type=int, default=8, help="of the pipelined runs")
+    parser.add_argument("--pp-grads", nargs="*", default=[],
+                        help="pipelined cases with the shared-gradient sum compressed by these "
+                        "TP codecs (compression.pp_grads)")  # fmt: skip
     parser.add_argument("--dp-preset", default="gpt_350m", help="model of the data-parallel runs")
     parser.add_argument("--dp-batch", type=int, default=8, help="batch of the data-parallel runs")
     parser.add_argument("--suffix", default="", help="appended to the record's file name")

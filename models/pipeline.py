@@ -6,8 +6,8 @@ V > 1 (circular) gives each stage V chunks spread over the depth. The cut is a f
 the full [L, ...] arrays to [V, P, L / (P V), ...] with the P axis split over "pp". Every other
 parameter is replicated over "pp": the first stage embeds, the last applies the head, and tied
 embeddings need nothing special (the embedding's gradient is the psum over stages of what each
-stage's use contributed: the first stage's lookup, the last stage's projection). Checkpoints
-keep the full layout, as for TP (`models.parallel`).
+stage's use contributed: the first stage's lookup, the last stage's projection; compressed with
+`StageCodecs.shared_grads`). Checkpoints keep the full layout, as for TP (`models.parallel`).
 
 Schedules, over the M microbatches of each dp rank's batch, as one `lax.scan` over steps in
 which every stage runs one chunk on one microbatch and sends the result on with
@@ -65,13 +65,24 @@ def check_pipeline(model: ModelConfig, parallel: ParallelConfig) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class StageCodecs:
-    """The codecs of the activations sent forward and of their gradients sent back
-    (`taco_jax.compressed_ppermute`; backward None: the codec's default backward); telemetry:
-    record each send's relative error (`taco_jax.telemetry`, tag "pp:<codec>")."""
+    """The codecs of the pipeline's traffic over "pp".
+
+    forward / backward: of the activations sent forward and of their gradients sent back
+      (`taco_jax.compressed_ppermute`; backward None: the codec's default backward).
+    shared_grads: of the sum over stages of the gradients of the parameters every stage holds
+      (`pp_replicated_mask`: the embedding, tied to the head of the last stage, positions, the
+      final norm) through `taco_jax.compressed_psum`: a TP codec name (`taco_jax.CODEC_NAMES`,
+      the collective's "auto" options) or a `taco_jax.CommConfig`; "none" is `lax.psum`. For
+      GPT-1.3B that sum is 0.4 GB of fp32, more bytes than all of a step's stage sends
+      (BENCHMARKS.md, "Pipelined training step").
+    telemetry: record each compressed collective's relative error (`taco_jax.telemetry`, tags
+      "pp:<codec>" and "pp_grads:<codec>").
+    """
 
     forward: str = "none"
     backward: str | None = None
     telemetry: bool = False
+    shared_grads: str | taco_jax.CommConfig = "none"
 
 
 UNCOMPRESSED = StageCodecs()
@@ -204,12 +215,21 @@ def _stage_loss_and_grads(model, parallel, codecs, ctx, params, tokens, key, loc
             lambda g, r: lax.psum(g, tp) if r else g, grads, replicated_mask(model)
         )
     grads = jax.tree.map(
-        lambda g, r: lax.psum(g, PP_AXIS) if r else g, grads, pp_replicated_mask(model)
+        lambda g, r: _sum_over_stages(g, codecs) if r else g, grads, pp_replicated_mask(model)
     )
     dp = parallel.dp_axis
     if local:
         return _reduced_loss(loss, dp), jax.tree.map(lambda g: g[None], grads)
     return _reduced_loss(loss, dp), jax.tree.map(lambda g: lax.pmean(g, dp), grads)
+
+
+def _sum_over_stages(grad, codecs: StageCodecs):
+    """The sum over "pp" of a pp-replicated parameter's gradient parts (`StageCodecs`)."""
+    if codecs.shared_grads == "none":
+        return lax.psum(grad, PP_AXIS)
+    return taco_jax.compressed_psum(
+        grad, PP_AXIS, codec=codecs.shared_grads, telemetry=codecs.telemetry, name="pp_grads"
+    )
 
 
 def _reduced_loss(loss, dp_axis):

@@ -57,6 +57,9 @@ class CompressionConfig:
       (`taco_jax.telemetry`) and log it to the metrics file.
     pp / pp_bwd: codecs of the pipeline's stage-to-stage traffic (activations / their gradients;
       `taco_jax.ppermute.CODEC_NAMES`; pp_bwd None: the codec's backward).
+    pp_grads: codec of the pipeline's sum over stages of the gradients of the parameters every
+      stage holds (the tied embedding above all; `taco_jax.CODEC_NAMES`, "none": exact), a
+      `compressed_psum` with the options above (impl, algorithm, min_compress_bytes, link).
     dp_grad / dp_param: SDP4Bit's codecs of the sharded optimizer's traffic (optimizer.sharded):
       "tlq_hs" for the gradient reduce-scatter, "qwd" for the parameter all-gather, or "none".
     """
@@ -72,11 +75,12 @@ class CompressionConfig:
     telemetry: bool = _COMM.telemetry
     pp: str = "none"
     pp_bwd: str | None = None
+    pp_grads: str = "none"
     dp_grad: str = "none"
     dp_param: str = "none"
 
     def __post_init__(self):
-        for name in ("fwd", "bwd"):
+        for name in ("fwd", "bwd", "pp_grads"):
             codec = getattr(self, name)
             if codec is not None and codec not in taco_jax.CODEC_NAMES:
                 raise ConfigError(
@@ -94,12 +98,16 @@ class CompressionConfig:
         self.make_comm()  # Validates group_size, impl, slices and min_compress_bytes in the core.
 
     def make_comm(self) -> taco_jax.TPComm:
-        stage_fields = ("fwd", "bwd", "pp", "pp_bwd", "dp_grad", "dp_param")
+        stage_fields = ("fwd", "bwd", "pp", "pp_bwd", "pp_grads", "dp_grad", "dp_param")
         options = {k: v for k, v in dataclasses.asdict(self).items() if k not in stage_fields}
         return taco_jax.TPComm.create("tp", fwd=self.fwd, bwd=self.bwd, **options)
 
     def stage_codecs(self) -> StageCodecs:
-        return StageCodecs(self.pp, self.pp_bwd, self.telemetry)
+        shared = self.pp_grads
+        if shared != "none":  # a compressed_psum with the TP collectives' options
+            options = ("impl", "algorithm", "min_compress_bytes", "link", "telemetry")
+            shared = taco_jax.comm_config(shared, **{k: getattr(self, k) for k in options})
+        return StageCodecs(self.pp, self.pp_bwd, self.telemetry, shared)
 
     def zero_config(self, grad_clip: float, dp_axis: str | tuple[str, ...]) -> zero.ZeroConfig:
         return zero.ZeroConfig(
@@ -256,10 +264,12 @@ class TrainConfig:
             f"model.vocab_size={m.vocab_size} must be in [257, 65535] for the bpe tokenizer "
             "(256 byte symbols + end-of-text; token ids are stored as uint16)",
         )
-        _check(
-            c.pp == "none" or p.pp > 1,
-            f"compression.pp={c.pp!r} compresses pipeline sends: needs parallel.pp > 1",
-        )
+        for name in ("pp", "pp_grads"):
+            _check(
+                getattr(c, name) == "none" or p.pp > 1,
+                f"compression.{name}={getattr(c, name)!r} compresses pipeline traffic: needs "
+                "parallel.pp > 1",
+            )
         for name in ("dp_grad", "dp_param"):
             _check(
                 getattr(c, name) == "none" or self.optimizer.sharded,

@@ -81,6 +81,8 @@ def test_int_widens_to_float_and_strings_parse():
         ),
         ("run.steps=ten", "run.steps='ten'"),
         ("compression.pp=int3", "compression.pp='int3'"),
+        ("compression.pp_grads=tahquant", "compression.pp_grads='tahquant'"),
+        ("compression.pp_grads=taco", "compression.pp_grads='taco' compresses pipeline traffic"),
         ("parallel.pp=3", "pp x repeats=3"),
         ("run.stop_at=5000", "run.stop_at=5000"),
         ("model.preset='gpt_huge'", "gpt_huge"),
@@ -111,3 +113,11 @@ def test_sharded_optimizer_takes_every_layout():
     cfg = load_config(None, ["optimizer.sharded=true", "parallel.dp=2", "parallel.pp=2",
                              "parallel.tp=2", "parallel.microbatches=2"])  # fmt: skip
     assert cfg.optimizer.sharded and cfg.parallel.pp == 2
+
+
+def test_pp_grads_runs_with_the_collective_options():
+    overrides = ["parallel.mode='shard_map'", "parallel.pp=2", "parallel.microbatches=2",
+                 "compression.pp_grads=taco", "compression.min_compress_bytes=0"]  # fmt: skip
+    shared = load_config(None, overrides).compression.stage_codecs().shared_grads
+    assert shared.codec.name == "taco" and shared.min_compress_bytes == 0
+    assert load_config(None, []).compression.stage_codecs().shared_grads == "none"

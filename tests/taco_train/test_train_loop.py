@@ -174,6 +174,7 @@ THREE_D = (
     "parallel.pp=2",
     "parallel.microbatches=2",
     "compression.pp='tahquant'",
+    "compression.pp_grads='taco'",
     "optimizer.sharded=true",
     "compression.dp_grad='tlq_hs'",
     "compression.dp_param='qwd'",
@@ -190,6 +191,8 @@ TELEMETRY_BOUNDS = {
     # INT8 stage sends: ~0.01 relative (test_ppermute.py); 0.05 bounds them
     "pp:tahquant": 0.05,
     "pp_bwd:tahquant_sym": 0.05,
+    # the stages' sum of the shared parameters' gradients: one two-shot all-reduce, as TP's
+    "pp_grads:taco": 0.13,
     # TLq-HS: a 4-bit absmax level (per group <= sqrt(128) / (2 * 7) = 0.81 of its norm) after an
     # 8-bit one (0.045): < 0.9
     "dp_grad:tlq_hs": 0.9,
@@ -202,7 +205,8 @@ TELEMETRY_BOUNDS = {
 
 def test_3d_compressed_run_trains_and_resumes_exactly(cache, tmp_path, capsys):
     """dp = 2 x pp = 2 x tp = 2 on 8 fake devices, every dimension compressed: TACO on the TP
-    traffic, TAH-Quant on the stage sends, ZeRO-1 with both SDP4Bit compressors over dp (each
+    traffic, TAH-Quant on the stage sends, TACO on the stages' sum of the shared parameters'
+    gradients, ZeRO-1 with both SDP4Bit compressors over dp (each
     rank keeps the dp shards of its stage and TP slice). The loss falls, each dimension's
     compression error is logged, and a run interrupted at its step-3 checkpoint resumes into the
     uninterrupted run's metrics and state, bit for bit (every compressor's noise comes from the
