@@ -2,8 +2,9 @@
 
 The fused all-reduce is the exchange kernel (`pallas_kernels.exchange_mosaic.encode_all_gather`:
 encode, TMA-store the codes into the local and the peer's output) then the decode-sum. Its
-exchange moved ~270 GB/s at 1 GiB, below NCCL's ppermute of the same bytes (~340 GB/s,
-BENCHMARKS.md "Where the time goes"). This times the composed all-reduce with the default
+exchange moved ~270 GB/s at 1 GiB, below the ~340 GB/s once measured for NCCL's ppermute
+(the link's own rate is ~270 GB/s: BENCHMARKS.md, "How fast the link takes stores into the
+peer's memory"). This times the composed all-reduce with the default
 launch and with each candidate `MosaicLaunch` (`--programs`, `--steps`, `--slots`: programs per
 row, TMA load steps in flight, shared-memory slots the encoded tiles rotate through while their
 stores read them), 5 all-reduces per jitted loop, median of `--reps` calls, beside `lax.psum`

@@ -172,6 +172,14 @@ def wait_stores(pending: int):
 commit_smem = plgpu.commit_smem
 
 
+def load_vectors(smem_ref, vector_elements: int):
+    """A shared-memory ref into registers, each thread holding runs of `vector_elements`
+    contiguous elements: what the threads then store with vector stores (`ref[...] = value`,
+    also into a peer's memory) instead of a TMA store."""
+    layout = plgpu.Layout.WG_STRIDED(tuple(smem_ref.shape), vector_elements)
+    return plgpu.load(smem_ref, layout=layout)
+
+
 def wait_writes():
     """Waits until every TMA store of this thread has written its bytes (also a peer's)."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
