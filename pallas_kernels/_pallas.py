@@ -40,6 +40,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.config import MAX_BUFFER_BYTES
+
 load = pltriton.load
 store = pltriton.store
 program_id = pl.program_id
@@ -64,6 +66,7 @@ def call(
     aliased to the output, so elements the kernel does not write keep its values: the checks
     pass a poisoned buffer to catch unwritten elements.
     """
+    check_addressable(name, *args, out_shape)
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     out_shape = _typed_like(out_shape, args[0])
     if out_init is None:
@@ -88,6 +91,19 @@ def call(
         compiler_params=params,
         input_output_aliases={len(args): 0},
     )(*args, out_init)
+
+
+def check_addressable(name: str, *arrays) -> None:
+    """Raises ValueError, naming the array, if an operand or result of kernel `name` holds more
+    than `MAX_BUFFER_BYTES` (the kernels' offsets are 32-bit; `config.MAX_BUFFER_BYTES`)."""
+    for a in arrays:
+        nbytes = a.size * jnp.dtype(a.dtype).itemsize
+        if nbytes > MAX_BUFFER_BYTES:
+            raise ValueError(
+                f"kernel {name}: an array of shape={a.shape} dtype={a.dtype} holds {nbytes} "
+                f"bytes, more than the {MAX_BUFFER_BYTES} a kernel addresses with 32-bit "
+                "offsets; split it (the taco_jax collectives do, by slices)"
+            )
 
 
 def _typed_like(out_shape, like):
@@ -252,6 +268,7 @@ def mosaic_kernel(
     kernel that leaves the same bytes on every rank of them). interpret: Mosaic GPU's CPU
     interpreter.
     """
+    check_addressable(name, *args, out_shape)
     out = plgpu.kernel(
         body,
         out_type=out_shape,

@@ -16,6 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 
+# Every operand and result of a kernel must hold fewer bytes than this: the kernels address
+# their buffers with 32-bit offsets. Measured on 2 x H200 (BENCHMARKS.md, "Messages of 2 GiB and
+# more"): past it the fused all-reduce returned non-finite values and the all-gather's decode
+# garbage, where it did not fault. `_pallas` refuses such calls; the collectives split their
+# messages to stay below it (`taco_jax.collectives`, slices).
+MAX_BUFFER_BYTES = (1 << 31) - 1
+
 
 @dataclasses.dataclass(frozen=True)
 class Launch:

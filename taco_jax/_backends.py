@@ -147,6 +147,15 @@ def fused_exchange(kind: str, impl: str, codec: Codec, x: jax.Array, axis_name: 
     )
 
 
+def max_buffer_bytes(impl: str) -> int | None:
+    """The most bytes an operand or result of one kernel call may hold where `impl` runs the
+    kernels (their offsets are 32-bit: `pallas_kernels.config.MAX_BUFFER_BYTES`); None for the
+    jnp reference, which has no such limit."""
+    if get_ops(impl) is XLA_OPS:
+        return None
+    return _kernels().config.MAX_BUFFER_BYTES
+
+
 def get_ops(impl: str) -> CodecOps:
     """The ops for `impl`: "xla", "pallas", "pallas_interpret" (the kernels in Pallas' CPU
     interpreter) or "auto".

@@ -52,7 +52,9 @@ class CommConfig:
       whose exchange runs in the fused kernel where it can under "auto" and "fused", and
       through NCCL under the other two.
     slices: split the message into this many independent pieces (1..16) so that the encode of
-      piece i+1 can overlap the transfer of piece i.
+      piece i+1 can overlap the transfer of piece i; where the kernels run, at least as many as
+      keep each kernel buffer under 2^31 bytes (their offsets are 32-bit). Slices do not change
+      a result.
     min_compress_bytes: messages smaller than this use the plain lax collective (0: compress
       every message); None: `taco_jax.policy` decides from measurements on GPU links (and
       compresses every message where no bytes move: the CPU, `vmap` emulation).
@@ -260,6 +262,31 @@ def _rows_for(
     return padded.reshape(rows, -1), size
 
 
+def _addressable(
+    cfg: CommConfig, x: jax.Array, n_ranks: int, *, gathers: bool = False
+) -> CommConfig:
+    """`cfg` with at least as many slices as keep every buffer of one slice's kernel calls
+    within the kernels' 32-bit offsets (`_backends.max_buffer_bytes`). With k of x's elements
+    in a slice, the largest buffers are the slice itself and N wire rows of k (an all-reduce
+    or reduce-scatter), or N decoded rows of k (an all-gather: `gathers`). Slices do not change
+    a result (each is encoded by whole groups). Raises ValueError, naming the size, where
+    MAX_SLICES are not enough."""
+    limit = _backends.max_buffer_bytes(cfg.impl)
+    if limit is None:
+        return cfg
+    padding = math.lcm(cfg.codec.group_size, _backends.FUSED_ROW_MULTIPLE)
+    itemsize = jnp.dtype(x.dtype).itemsize
+    for slices in range(cfg.slices, MAX_SLICES + 1):
+        k = math.ceil(x.size / slices / padding) * padding  # a slice's elements, padded
+        values = (n_ranks if gathers else 1) * k * itemsize
+        if max(values, n_ranks * cfg.codec.wire_bytes(k)) <= limit:
+            return cfg if slices == cfg.slices else dataclasses.replace(cfg, slices=slices)
+    raise ValueError(
+        f"a message of {x.size} elements per rank over {n_ranks} ranks does not fit the "
+        f"kernels' {limit}-byte buffers in {MAX_SLICES} slices; split it into smaller calls"
+    )
+
+
 def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) -> jax.Array:
     n_ranks = axis_size(axis_name)
     may_fuse = _exchange_fused(x, axis_name, cfg, n_ranks)
@@ -267,6 +294,7 @@ def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) ->
     if n_ranks == 1 or not choice.compress:
         return lax.psum(x, axis_name)  # N = 1 moves nothing, so nothing is compressed
     invariant = varies_along(x, axis_name)
+    cfg = _addressable(cfg, x, n_ranks)
     ops = _backends.get_ops(cfg.impl)
 
     def two_shot(piece):  # piece: [N, m / slices], row j for rank j
@@ -317,6 +345,7 @@ def _reduce_scatter(
     fused = _exchange_fused(x, axis_name, cfg, n_ranks)
     if not cfg.choice("reduce_scatter", x, axis_name, n_ranks, fused=fused).compress:
         return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
+    cfg = _addressable(cfg, x, n_ranks)
     moved = jnp.moveaxis(x, dim, 0)
     block_shape = (moved.shape[0] // n_ranks,) + moved.shape[1:]
     rows, size = codecs.pad_to_multiple(moved.reshape(n_ranks, -1), _row_multiple(cfg, fused))
@@ -351,6 +380,7 @@ def _all_gather(
     if n_ranks == 1 or not choice.compress:
         # N = 1 moves nothing; the lax op then only adds or keeps the gathered axis.
         return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+    cfg = _addressable(cfg, x, n_ranks, gathers=True)
     ops = _backends.get_ops(cfg.impl)
     row, size = codecs.pad_to_multiple(x.reshape(1, -1), _row_multiple(cfg, fused))
 

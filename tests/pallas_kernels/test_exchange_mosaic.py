@@ -315,3 +315,32 @@ def test_fused_psum_of_a_padded_message():
     bound = u * float(jnp.sum(norms)) + 2.0**-9 * float(jnp.linalg.norm(exact[0]))
     assert float(jnp.linalg.norm(out[0] - exact[0])) <= bound
     np.testing.assert_array_equal(np.asarray(out), np.asarray(out[:1]).repeat(n, axis=0))
+
+
+@pytest.mark.gpu
+@two_hopper_gpus
+@pytest.mark.parametrize("op", ["psum", "all_gather"])
+def test_messages_whose_buffers_pass_32_bit_offsets(op):
+    """2 GiB of bf16 per rank: the fused all-reduce's gathered wire and the all-gather's output
+    pass 2^31 bytes, past the kernels' 32-bit offsets (before the collectives sliced such
+    messages, both returned non-finite values here). Every value finite, and within one
+    quantization's bound: |error| <= U sum of the ranks' norms, U = 2^-4 (E4M3)."""
+    n = jax.device_count()
+    mesh = _mesh(n)
+    x = _sharded(mesh, (n << 30,), seed=11)  # 2^30 bf16 per rank
+
+    def errors(v):
+        if op == "psum":
+            got = tj.compressed_psum(v, "tp", algorithm="fused", min_compress_bytes=0)
+            exact = lax.psum(v.astype(jnp.float32), "tp")
+            scale = lax.psum(jnp.linalg.norm(v.astype(jnp.float32)), "tp")
+        else:
+            got = tj.compressed_all_gather(v, "tp", tiled=True, min_compress_bytes=0)
+            exact = lax.all_gather(v, "tp", tiled=True).astype(jnp.float32)
+            scale = jnp.linalg.norm(exact)
+        bad = jnp.sum(~jnp.isfinite(got))
+        return jnp.stack([bad.astype(jnp.float32), jnp.linalg.norm(got - exact) / scale])[None]
+
+    result = np.asarray(_on_mesh(errors, mesh, x))
+    assert np.all(result[:, 0] == 0), result
+    assert np.all(result[:, 1] <= 2.0**-4), result

@@ -379,3 +379,15 @@ def test_signed_hadamard_factorization(group_size, dot_columns):
     signs = np.round(codecs.hadamard_matrix(group_size).astype(np.float64) * np.sqrt(group_size))
     bound = (group_size - 1) * FP32_EPS * np.abs(x64).sum(axis=-1, keepdims=True)
     assert np.all(np.abs(np.asarray(got, np.float64) - x64 @ signs) <= bound)
+
+
+def test_kernels_refuse_buffers_past_32_bit_offsets():
+    """A kernel whose operand or result passes `config.MAX_BUFFER_BYTES` is refused with the
+    array named (measured on the GPU: past it the kernels return wrong values). Traced only:
+    nothing of that size is allocated."""
+    rows = jax.ShapeDtypeStruct((2, 1 << 30), jnp.bfloat16)  # 4 GiB
+    codec = codecs.get_codec("taco")
+    with pytest.raises(
+        ValueError, match=r"shape=\(2, 1073741824\) dtype=bfloat16 holds 4294967296"
+    ):
+        jax.eval_shape(lambda x: pk.encode(codec, x, interpret=True), rows)

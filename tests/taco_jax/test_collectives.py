@@ -633,3 +633,57 @@ def test_tuple_axis_names_reduce_over_the_product():
     bound = U * (1 + U) * _rank_norms(x) + U * float(jnp.linalg.norm(exact[0]))
     assert float(jnp.linalg.norm(out[0] - exact[0])) <= 1.01 * bound
     _assert_rank_identical(out)
+
+
+# ----------------------------------------------------------- kernels' 32-bit buffer offsets
+
+
+KERNEL_OPS = {
+    "psum": lambda v, **kw: tj.compressed_psum(v, "tp", **kw),
+    "psum one-shot": lambda v, **kw: tj.compressed_psum(v, "tp", algorithm="one_shot", **kw),
+    "psum_scatter": lambda v, **kw: tj.compressed_psum_scatter(v, "tp", tiled=True, **kw),
+    "all_gather": lambda v, **kw: tj.compressed_all_gather(v, "tp", tiled=True, **kw),
+}
+
+
+@pytest.mark.parametrize("op", sorted(KERNEL_OPS))
+def test_messages_past_the_kernel_buffer_limit_are_sliced_not_changed(monkeypatch, op):
+    """A message whose kernel buffers would pass the kernels' 32-bit offsets is cut into slices
+    (`collectives._addressable`), which changes no value: with the limit lowered to a few KiB
+    (two fused-row multiples of bf16), the outputs equal those of the unlimited call bit for bit,
+    and slices were added."""
+    tp, row = 2, tj._backends.FUSED_ROW_MULTIPLE
+    x = _ranks(tp, (3 * row,), seed=51).astype(jnp.bfloat16)
+    fn = KERNEL_OPS[op]
+    want = run_tp(lambda v: fn(v, impl="pallas_interpret"), x, tp=tp, mode="shard_map")
+    # An all-gather's N decoded rows of bf16, or N wire rows (~1.06 bytes per element): one
+    # slice holds three padded rows of elements (too many), two slices two.
+    limit = tp * 2 * row * 2 if op == "all_gather" else tp * 2 * row * 1.1
+    monkeypatch.setattr(tj._backends, "max_buffer_bytes", lambda impl: limit)
+    cfg = tj.comm_config("taco", impl="pallas_interpret")
+    gathers = op == "all_gather"
+    assert tj.collectives._addressable(cfg, x[0], tp, gathers=gathers).slices == 2
+    sliced, counts = tj.collectives._sliced, []
+
+    def counting(fn, rows, slices):
+        counts.append(slices)
+        return sliced(fn, rows, slices)
+
+    monkeypatch.setattr(tj.collectives, "_sliced", counting)
+    got = run_tp(lambda v: fn(v, impl="pallas_interpret"), x, tp=tp, mode="shard_map")
+    assert counts == [2]  # the op ran in two slices
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_message_too_large_for_every_slice_count_is_refused(monkeypatch):
+    monkeypatch.setattr(tj._backends, "max_buffer_bytes", lambda impl: 1024)
+    cfg = tj.comm_config("taco", impl="pallas_interpret")
+    x = jnp.zeros((1 << 20,), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"1048576 elements per rank over 2 ranks .* 16 slices"):
+        tj.collectives._addressable(cfg, x, 2)
+
+
+def test_the_reference_codec_has_no_buffer_limit():
+    cfg = tj.comm_config("taco", impl="xla")
+    assert tj.collectives._addressable(cfg, jnp.zeros((8,)), 2) is cfg
+    assert tj._backends.max_buffer_bytes("xla") is None
