@@ -9,6 +9,7 @@ time without JAX's per-call dispatch). Record: `write_record` writes one JSON fi
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -115,6 +116,14 @@ def tp_message(size_mib: float, ranks: int = 2):
     )
 
 
+def message_and_psum(size_mib: float, *, inner: int, reps: int):
+    """(mesh, x, timing, psum seconds): `tp_message(size_mib)` on 2 ranks, the timing options of
+    `seconds_per_op`, and `lax.psum`'s time per op on x, the baseline of a study's run."""
+    mesh, x = tp_message(size_mib)
+    timing = dict(inner=inner, reps=reps)
+    return mesh, x, timing, seconds_per_op(mesh, lambda v: lax.psum(v, "tp"), x, **timing)
+
+
 def looped_on_tp(mesh, op, inner: int):
     """Jitted `shard_map` over "tp" of `inner` dependent applications of `op` to each rank's
     block (one `fori_loop`: nothing is elided, and one dispatch covers them all)."""
@@ -201,3 +210,17 @@ def collective_windows(compiled_text: str) -> dict:
             for window in open_windows.values():
                 window[1] += 1
     return kinds
+
+
+def run_study(name: str, doc: str, run, options, *, sizes_mib=(64, 1024)) -> None:
+    """The command line of a one-question study: `--sizes-mib`, the study's own `options(parser)`,
+    `--reps` (median of that many timed calls), `--suffix` and `--out`; writes `run(args)` as the
+    record `<name>-<date><suffix>.json`."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--sizes-mib", type=float, nargs="+", default=list(sizes_mib))
+    options(parser)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--suffix", default="")
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = parser.parse_args()
+    write_record(name, args.out, suffix=args.suffix, **run(args))

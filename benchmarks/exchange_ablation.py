@@ -34,13 +34,11 @@ library is not changed.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import os
 
 import jax
 import jax.numpy as jnp
-from _common import looped_on_tp, seconds_per_op, tp_message, write_record
+from _common import looped_on_tp, message_and_psum, run_study, seconds_per_op
 from exchange_launch import TILE_ELEMENTS, fused_all_reduce
 from jax import lax
 
@@ -140,9 +138,7 @@ def plan_for(tiles: int, programs: int) -> MosaicLaunch:
 def run(args) -> dict:
     rows = []
     for size_mib in args.sizes_mib:
-        mesh, x = tp_message(size_mib)
-        timing = dict(inner=INNER, reps=args.reps)
-        lax_s = seconds_per_op(mesh, lambda v: lax.psum(v, "tp"), x, **timing)
+        mesh, x, timing, lax_s = message_and_psum(size_mib, inner=INNER, reps=args.reps)
         wire_bytes = codecs.get_codec("taco").wire_bytes(x.shape[0] // 2)
         tiles = x.shape[0] // 2 // TILE_ELEMENTS
         want = looped_on_tp(mesh, lambda v: fused_all_reduce(v, None), 1)(x)
@@ -172,16 +168,13 @@ def run(args) -> dict:
     return {"rows": rows, "inner": INNER, "note": "timing only: ablated outputs are incomplete"}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[64, 1024])
+def options(parser) -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--programs", type=int, nargs="+", default=[128])
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--suffix", default="")
-    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    args = parser.parse_args()
-    write_record("exchange_ablation", args.out, suffix=args.suffix, **run(args))
+
+
+def main() -> None:
+    run_study("exchange_ablation", __doc__, run, options)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,10 @@ in the same run; each candidate's output is compared with the default's byte for
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import os
 
 import jax.numpy as jnp
-from _common import looped_on_tp, seconds_per_op, tp_message, write_record
-from jax import lax
+from _common import looped_on_tp, message_and_psum, run_study, seconds_per_op
 
 from pallas_kernels import exchange_mosaic
 from pallas_kernels.config import MOSAIC_GROUPS_PER_TILE, MosaicLaunch
@@ -52,10 +49,8 @@ def candidates(args, tiles: int) -> list[MosaicLaunch]:
 def run(args) -> dict:
     rows = []
     for size_mib in args.sizes_mib:
-        mesh, x = tp_message(size_mib)
+        mesh, x, timing, lax_s = message_and_psum(size_mib, inner=INNER, reps=args.reps)
         n = x.shape[0] // 2
-        timing = dict(inner=INNER, reps=args.reps)
-        lax_s = seconds_per_op(mesh, lambda v: lax.psum(v, "tp"), x, **timing)
         tiles = n // TILE_ELEMENTS
         default = exchange_mosaic.launch(1, tiles)
         want = looped_on_tp(mesh, lambda v: fused_all_reduce(v, None), 1)(x)
@@ -78,17 +73,14 @@ def run(args) -> dict:
     return {"rows": rows, "inner": INNER}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[64, 1024])
+def options(parser) -> None:
     parser.add_argument("--programs", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--steps", type=int, nargs="+", default=[3])
     parser.add_argument("--slots", type=int, nargs="+", default=[2, 4, 6])
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--suffix", default="")
-    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    args = parser.parse_args()
-    write_record("exchange_launch", args.out, suffix=args.suffix, **run(args))
+
+
+def main() -> None:
+    run_study("exchange_launch", __doc__, run, options)
 
 
 if __name__ == "__main__":

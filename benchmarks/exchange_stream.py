@@ -21,15 +21,12 @@ Needs two Hopper GPUs on NVLink (the fused kernel's conditions, `pallas_kernels.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
-from _common import collective_windows, looped_on_tp, seconds_per_op, tp_message, write_record
-from jax import lax
+from _common import collective_windows, looped_on_tp, message_and_psum, run_study, seconds_per_op
 from jax.experimental.compute_on import compute_on
 from jax.experimental.xla_metadata import set_xla_metadata
 
@@ -76,9 +73,7 @@ def _library(slices: int):
 def run(args) -> dict:
     rows = []
     for size_mib in args.sizes_mib:
-        mesh, x = tp_message(size_mib)
-        timing = dict(inner=INNER, reps=args.reps)
-        lax_s = seconds_per_op(mesh, lambda v: lax.psum(v, "tp"), x, **timing)
+        mesh, x, timing, lax_s = message_and_psum(size_mib, inner=INNER, reps=args.reps)
         for slices in args.slices:
             want = looped_on_tp(mesh, _library(slices), 1)(x)
             library_s = seconds_per_op(mesh, _library(slices), x, **timing)
@@ -103,15 +98,12 @@ def run(args) -> dict:
     return {"rows": rows, "inner": INNER}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[64, 1024])
+def options(parser) -> None:
     parser.add_argument("--slices", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--suffix", default="")
-    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    args = parser.parse_args()
-    write_record("exchange_stream", args.out, suffix=args.suffix, **run(args))
+
+
+def main() -> None:
+    run_study("exchange_stream", __doc__, run, options)
 
 
 if __name__ == "__main__":

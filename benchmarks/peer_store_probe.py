@@ -20,12 +20,9 @@ output is checked against the ppermute's. Times: 5 copies per jitted loop, media
 
 from __future__ import annotations
 
-import argparse
-import os
-
 import jax
 import jax.numpy as jnp
-from _common import seconds_per_op, write_record
+from _common import run_study, seconds_per_op
 from jax import lax
 
 from pallas_kernels import _pallas
@@ -118,16 +115,13 @@ def run(args) -> dict:
     return {"rows": rows, "inner": INNER, "tile_bytes": TILE_BYTES}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[64, 512])
+def options(parser) -> None:
     parser.add_argument("--ways", nargs="+", default=["tma", "threads"])
     parser.add_argument("--programs", type=int, default=128)
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--suffix", default="")
-    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    args = parser.parse_args()
-    write_record("peer_store_probe", args.out, suffix=args.suffix, **run(args))
+
+
+def main() -> None:
+    run_study("peer_store_probe", __doc__, run, options, sizes_mib=(64, 512))
 
 
 if __name__ == "__main__":
