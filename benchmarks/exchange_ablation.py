@@ -7,7 +7,8 @@ change its time at 1 GiB (BENCHMARKS.md, "The fused exchange's launch"). This ti
 exchange alone (5 per jitted loop, median of `--reps` calls) with some of those stores left
 out, to see which cost:
 
-    full           codes and sides, here and on the peer (the library's kernel)
+    full           codes and sides, here and on the peer (the library's stores, in another
+                   order: the codes to both places, then the sides)
     no_peer_sides  the peer gets the codes only (256-byte remote stores left out)
     no_sides       codes only, here and on the peer
     no_local       the peer's stores only

@@ -12,8 +12,12 @@ in the kernel, two ways, against NCCL's `lax.ppermute` of the same bytes in the 
              with ordinary stores from many threads)
 
 Each kernel ends with the exchange's handshake (its stores landed, the peer's program
-signalled and waited for), runs `--programs` programs (<= one per SM, all resident), and its
-output is checked against the ppermute's. Times: 5 copies per jitted loop, median of `--reps`.
+signalled and waited for), runs `--programs` programs (all resident: 128 is one per SM of an
+H200, 256 two), and its output is checked against the ppermute's. For the thread stores that
+handshake is not proven: `wait_writes` waits for TMA stores only, and what orders the threads'
+stores before the signal is the warpgroup barrier after them and the signal's system-scope
+release, by one thread; the check after the kernel cannot see a race. A library kernel would
+need a fence there. Times: 5 copies per jitted loop, median of `--reps`.
 
     NCCL_NVLS_ENABLE=0 python benchmarks/peer_store_probe.py --sizes-mib 64 512
 """

@@ -377,7 +377,8 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8, help="of the pipelined runs")
     parser.add_argument("--pp-grads", nargs="*", default=[],
                         help="pipelined cases with the shared-gradient sum compressed by these "
-                        "TP codecs (compression.pp_grads)")  # fmt: skip
+                        "TP codecs (compression.pp_grads), with the collective's defaults "
+                        "(the policy, on the link NCCL's switches name)")  # fmt: skip
     parser.add_argument("--dp-preset", default="gpt_350m", help="model of the data-parallel runs")
     parser.add_argument("--dp-batch", type=int, default=8, help="batch of the data-parallel runs")
     parser.add_argument("--suffix", default="", help="appended to the record's file name")

@@ -225,11 +225,13 @@ def _stage_loss_and_grads(model, parallel, codecs, ctx, params, tokens, key, loc
 
 def _sum_over_stages(grad, codecs: StageCodecs):
     """The sum over "pp" of a pp-replicated parameter's gradient parts (`StageCodecs`)."""
-    if codecs.shared_grads == "none":
+    shared = codecs.shared_grads
+    if shared == "none":
         return lax.psum(grad, PP_AXIS)
-    return taco_jax.compressed_psum(
-        grad, PP_AXIS, codec=codecs.shared_grads, telemetry=codecs.telemetry, name="pp_grads"
-    )
+    # A codec name takes the collective's defaults and this StageCodecs' telemetry; a
+    # CommConfig keeps its own options.
+    options = {"telemetry": codecs.telemetry} if isinstance(shared, str) else {}
+    return taco_jax.compressed_psum(grad, PP_AXIS, codec=shared, name="pp_grads", **options)
 
 
 def _reduced_loss(loss, dp_axis):

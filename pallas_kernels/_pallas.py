@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.config import MAX_BUFFER_BYTES
+from pallas_kernels import config
 
 load = pltriton.load
 store = pltriton.store
@@ -95,14 +95,16 @@ def call(
 
 def check_addressable(name: str, *arrays) -> None:
     """Raises ValueError, naming the array, if an operand or result of kernel `name` holds more
-    than `MAX_BUFFER_BYTES` (the kernels' offsets are 32-bit; `config.MAX_BUFFER_BYTES`)."""
+    than `config.MAX_BUFFER_BYTES` (the kernels' offsets are 32-bit). Under `jax.vmap` this
+    sees one batch element's arrays, not the batched buffer the kernel then runs on."""
+    limit = config.MAX_BUFFER_BYTES  # read per call, so that tests may lower it
     for a in arrays:
         nbytes = a.size * jnp.dtype(a.dtype).itemsize
-        if nbytes > MAX_BUFFER_BYTES:
+        if nbytes > limit:
             raise ValueError(
                 f"kernel {name}: an array of shape={a.shape} dtype={a.dtype} holds {nbytes} "
-                f"bytes, more than the {MAX_BUFFER_BYTES} a kernel addresses with 32-bit "
-                "offsets; split it (the taco_jax collectives do, by slices)"
+                f"bytes, more than the {limit} a kernel addresses with 32-bit offsets; split "
+                "it (the taco_jax collectives do, by slices)"
             )
 
 

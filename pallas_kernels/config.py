@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-# Every operand and result of a kernel must hold fewer bytes than this: the kernels address
+# Every operand and result of a kernel may hold at most this many bytes: the kernels address
 # their buffers with 32-bit offsets. Measured on 2 x H200 (BENCHMARKS.md, "Messages of 2 GiB and
 # more"): past it the fused all-reduce returned non-finite values and the all-gather's decode
 # garbage, where it did not fault. `_pallas` refuses such calls; the collectives split their

@@ -263,23 +263,28 @@ def _rows_for(
 
 
 def _addressable(
-    cfg: CommConfig, x: jax.Array, n_ranks: int, *, gathers: bool = False
+    cfg: CommConfig, x: jax.Array, n_ranks: int, *, rows: int, gathers: bool = False
 ) -> CommConfig:
     """`cfg` with at least as many slices as keep every buffer of one slice's kernel calls
-    within the kernels' 32-bit offsets (`_backends.max_buffer_bytes`). With k of x's elements
-    in a slice, the largest buffers are the slice itself and N wire rows of k (an all-reduce
-    or reduce-scatter), or N decoded rows of k (an all-gather: `gathers`). Slices do not change
-    a result (each is encoded by whole groups). Raises ValueError, naming the size, where
-    MAX_SLICES are not enough."""
+    within the kernels' 32-bit offsets (`_backends.max_buffer_bytes`).
+
+    The message, x's elements, is laid out as `rows` rows (1: one-shot, fused and all-gather;
+    N: two-shot and reduce-scatter, a row per rank), each padded per slice. A slice's largest
+    buffers are then its rows of values (N times that for an all-gather's output: `gathers`)
+    and N wire rows of one row's elements (gathered, or one from each rank). The padding is
+    taken at its largest (the fused kernels'), so this over-approximates a little. Slices do not
+    change a value (each encodes whole groups), except where a slice falls below the Mosaic
+    encode's threshold (`MOSAIC_MIN_TILES`, 64 MiB), whose Triton encode may round ties apart.
+    Raises ValueError, naming the size, where MAX_SLICES are not enough."""
     limit = _backends.max_buffer_bytes(cfg.impl)
     if limit is None:
         return cfg
     padding = math.lcm(cfg.codec.group_size, _backends.FUSED_ROW_MULTIPLE)
     itemsize = jnp.dtype(x.dtype).itemsize
     for slices in range(cfg.slices, MAX_SLICES + 1):
-        k = math.ceil(x.size / slices / padding) * padding  # a slice's elements, padded
-        values = (n_ranks if gathers else 1) * k * itemsize
-        if max(values, n_ranks * cfg.codec.wire_bytes(k)) <= limit:
+        row = math.ceil(x.size / rows / slices / padding) * padding  # a slice's row, padded
+        values = (n_ranks if gathers else 1) * rows * row * itemsize
+        if max(values, n_ranks * cfg.codec.wire_bytes(row)) <= limit:
             return cfg if slices == cfg.slices else dataclasses.replace(cfg, slices=slices)
     raise ValueError(
         f"a message of {x.size} elements per rank over {n_ranks} ranks does not fit the "
@@ -294,7 +299,10 @@ def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) ->
     if n_ranks == 1 or not choice.compress:
         return lax.psum(x, axis_name)  # N = 1 moves nothing, so nothing is compressed
     invariant = varies_along(x, axis_name)
-    cfg = _addressable(cfg, x, n_ranks)
+    fused = choice.algorithm == "fused"
+    one_row = choice.algorithm in ("one_shot", "fused")  # else two-shot: a row per rank
+    rows_of = 1 if one_row else n_ranks
+    cfg = _addressable(cfg, x, n_ranks, rows=rows_of)
     ops = _backends.get_ops(cfg.impl)
 
     def two_shot(piece):  # piece: [N, m / slices], row j for rank j
@@ -312,13 +320,9 @@ def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) ->
         # Every rank sums the same N rows in rank order: bit-identical outputs.
         return ops.decode_sum(cfg.codec, gathered, piece.shape[-1], x.dtype)[None]
 
-    fused = choice.algorithm == "fused"
-    if choice.algorithm in ("one_shot", "fused"):
-        fn, rows_of = one_shot, 1
-    else:
-        fn, rows_of = two_shot, n_ranks
     rows, size = _rows_for(x.reshape(-1), rows_of, cfg, fused=fused)
-    out = _sliced(fn, rows, cfg.slices).reshape(-1)[:size].reshape(x.shape)
+    out = _sliced(one_shot if one_row else two_shot, rows, cfg.slices)
+    out = out.reshape(-1)[:size].reshape(x.shape)
     if cfg.telemetry:
         telemetry.record(f"{tag}:{cfg.codec.name}", out, lax.psum(x, axis_name))
     return out
@@ -345,7 +349,7 @@ def _reduce_scatter(
     fused = _exchange_fused(x, axis_name, cfg, n_ranks)
     if not cfg.choice("reduce_scatter", x, axis_name, n_ranks, fused=fused).compress:
         return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
-    cfg = _addressable(cfg, x, n_ranks)
+    cfg = _addressable(cfg, x, n_ranks, rows=n_ranks)
     moved = jnp.moveaxis(x, dim, 0)
     block_shape = (moved.shape[0] // n_ranks,) + moved.shape[1:]
     rows, size = codecs.pad_to_multiple(moved.reshape(n_ranks, -1), _row_multiple(cfg, fused))
@@ -380,7 +384,7 @@ def _all_gather(
     if n_ranks == 1 or not choice.compress:
         # N = 1 moves nothing; the lax op then only adds or keeps the gathered axis.
         return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
-    cfg = _addressable(cfg, x, n_ranks, gathers=True)
+    cfg = _addressable(cfg, x, n_ranks, rows=1, gathers=True)
     ops = _backends.get_ops(cfg.impl)
     row, size = codecs.pad_to_multiple(x.reshape(1, -1), _row_multiple(cfg, fused))
 

@@ -59,7 +59,11 @@ class CompressionConfig:
       `taco_jax.ppermute.CODEC_NAMES`; pp_bwd None: the codec's backward).
     pp_grads: codec of the pipeline's sum over stages of the gradients of the parameters every
       stage holds (the tied embedding above all; `taco_jax.CODEC_NAMES`, "none": exact), a
-      `compressed_psum` with the options above (impl, algorithm, min_compress_bytes, link).
+      `compressed_psum` with the options above (group_size, impl, algorithm,
+      min_compress_bytes) but its own link:
+    pp_link: the link between the stages that the policy assumes for that sum ("auto": NCCL's
+      switches, as for `link`); e.g. "socket" where TP runs on NVLink within a node and the
+      stages are on different nodes.
     dp_grad / dp_param: SDP4Bit's codecs of the sharded optimizer's traffic (optimizer.sharded):
       "tlq_hs" for the gradient reduce-scatter, "qwd" for the parameter all-gather, or "none".
     """
@@ -76,6 +80,7 @@ class CompressionConfig:
     pp: str = "none"
     pp_bwd: str | None = None
     pp_grads: str = "none"
+    pp_link: str = "auto"
     dp_grad: str = "none"
     dp_param: str = "none"
 
@@ -95,19 +100,28 @@ class CompressionConfig:
             if getattr(self, name) not in valid:
                 raise ConfigError(f"compression.{name}={getattr(self, name)!r} is not one of "
                                   f"{valid}")  # fmt: skip
+        if self.pp_link not in taco_jax.policy.LINKS:
+            raise ConfigError(
+                f"compression.pp_link={self.pp_link!r} is not one of {taco_jax.policy.LINKS}"
+            )
         self.make_comm()  # Validates group_size, impl, slices and min_compress_bytes in the core.
 
     def make_comm(self) -> taco_jax.TPComm:
-        stage_fields = ("fwd", "bwd", "pp", "pp_bwd", "pp_grads", "dp_grad", "dp_param")
+        stage_fields = ("fwd", "bwd", "pp", "pp_bwd", "pp_grads", "pp_link", "dp_grad",
+                        "dp_param")  # fmt: skip
         options = {k: v for k, v in dataclasses.asdict(self).items() if k not in stage_fields}
         return taco_jax.TPComm.create("tp", fwd=self.fwd, bwd=self.bwd, **options)
 
     def stage_codecs(self) -> StageCodecs:
         shared = self.pp_grads
-        if shared != "none":  # a compressed_psum with the TP collectives' options
-            options = ("impl", "algorithm", "min_compress_bytes", "link", "telemetry")
-            shared = taco_jax.comm_config(shared, **{k: getattr(self, k) for k in options})
-        return StageCodecs(self.pp, self.pp_bwd, self.telemetry, shared)
+        if shared != "none":  # a compressed_psum with the TP collectives' options, its own link
+            options = ("group_size", "impl", "algorithm", "min_compress_bytes", "telemetry")
+            shared = taco_jax.comm_config(
+                shared, link=self.pp_link, **{k: getattr(self, k) for k in options}
+            )
+        return StageCodecs(
+            forward=self.pp, backward=self.pp_bwd, telemetry=self.telemetry, shared_grads=shared
+        )
 
     def zero_config(self, grad_clip: float, dp_axis: str | tuple[str, ...]) -> zero.ZeroConfig:
         return zero.ZeroConfig(

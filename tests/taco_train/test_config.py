@@ -83,6 +83,7 @@ def test_int_widens_to_float_and_strings_parse():
         ("compression.pp=int3", "compression.pp='int3'"),
         ("compression.pp_grads=tahquant", "compression.pp_grads='tahquant'"),
         ("compression.pp_grads=taco", "compression.pp_grads='taco' compresses pipeline traffic"),
+        ("compression.pp_link=infiniband", "compression.pp_link='infiniband'"),
         ("parallel.pp=3", "pp x repeats=3"),
         ("run.stop_at=5000", "run.stop_at=5000"),
         ("model.preset='gpt_huge'", "gpt_huge"),
@@ -117,7 +118,9 @@ def test_sharded_optimizer_takes_every_layout():
 
 def test_pp_grads_runs_with_the_collective_options():
     overrides = ["parallel.mode='shard_map'", "parallel.pp=2", "parallel.microbatches=2",
-                 "compression.pp_grads=taco", "compression.min_compress_bytes=0"]  # fmt: skip
+                 "compression.pp_grads=taco", "compression.min_compress_bytes=0",
+                 "compression.link=nvlink", "compression.pp_link=socket"]  # fmt: skip
     shared = load_config(None, overrides).compression.stage_codecs().shared_grads
     assert shared.codec.name == "taco" and shared.min_compress_bytes == 0
+    assert shared.link == "socket"  # the stages' link, not TP's
     assert load_config(None, []).compression.stage_codecs().shared_grads == "none"
