@@ -18,8 +18,9 @@ out, to see which cost:
                    stores byte by byte), not by TMA; its output is compared with the
                    library's byte for byte
 
-With `--programs P ...` each variant runs with P programs (the library launches at most one per
-SM, 128 on an H200); `--programs 256` puts two on each SM, as the standalone Mosaic encode runs,
+With `--programs P ...` each variant runs with the library's launch rule
+(`exchange_mosaic.launch`) under a cap of P programs instead of its own (at most one per SM, 128
+on an H200; P programs where P divides the tiles); `--programs 256` puts two on each SM, as the standalone Mosaic encode runs,
 by raising the kernel's residency cap for this study (`exchange_mosaic.max_programs`: both fit
 in an SM's shared memory, ~97 KiB each). For each P the whole fused all-reduce (exchange, then
 decode-sum) is timed too, and its output compared with the library's byte for byte.
@@ -44,7 +45,6 @@ from exchange_launch import TILE_ELEMENTS, fused_all_reduce
 from jax import lax
 
 from pallas_kernels import _pallas, encode_mosaic, exchange_mosaic
-from pallas_kernels.config import MOSAIC_STEPS_IN_FLIGHT, MosaicLaunch
 from taco_jax import codecs
 
 INNER = 5
@@ -131,11 +131,6 @@ def gathered(mesh, x, plan):
     return jax.jit(fn)(x)
 
 
-def plan_for(tiles: int, programs: int) -> MosaicLaunch:
-    per_program = tiles // programs
-    return MosaicLaunch(per_program, min(MOSAIC_STEPS_IN_FLIGHT, per_program))
-
-
 def run(args) -> dict:
     rows = []
     for size_mib in args.sizes_mib:
@@ -143,9 +138,10 @@ def run(args) -> dict:
         wire_bytes = codecs.get_codec("taco").wire_bytes(x.shape[0] // 2)
         tiles = x.shape[0] // 2 // TILE_ELEMENTS
         want = looped_on_tp(mesh, lambda v: fused_all_reduce(v, None), 1)(x)
-        for programs in args.programs:
-            plan = plan_for(tiles, programs)
-            with patched(exchange_mosaic, "max_programs", lambda p=programs: p):
+        for cap in args.programs:
+            with patched(exchange_mosaic, "max_programs", lambda c=cap: c):
+                plan = exchange_mosaic.launch(1, tiles)  # the library's rule, under this cap
+                programs = tiles // plan.tiles_per_program
                 reduce = lambda v, p=plan: fused_all_reduce(v, p)  # noqa: E731
                 same = bool(jnp.all(looped_on_tp(mesh, reduce, 1)(x) == want))
                 reduce_s = seconds_per_op(mesh, reduce, x, **timing)
