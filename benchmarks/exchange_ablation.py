@@ -20,10 +20,11 @@ out, to see which cost:
 
 With `--programs P ...` each variant runs with the library's launch rule
 (`exchange_mosaic.launch`) under a cap of P programs instead of its own (at most one per SM, 128
-on an H200; P programs where P divides the tiles); `--programs 256` puts two on each SM, as the standalone Mosaic encode runs,
-by raising the kernel's residency cap for this study (`exchange_mosaic.max_programs`: both fit
-in an SM's shared memory, ~97 KiB each). For each P the whole fused all-reduce (exchange, then
-decode-sum) is timed too, and its output compared with the library's byte for byte.
+on an H200; P programs where P divides the tiles); `--programs 256` puts two on each SM, as
+the standalone Mosaic encode runs, by raising the kernel's residency cap for this study
+(`exchange_mosaic.max_programs`: both fit in an SM's shared memory, ~97 KiB each). For each P
+the whole fused all-reduce (exchange, then decode-sum) is timed too, and its output compared
+with the library's byte for byte.
 
 Each exchange-only time also holds the loop's own work (the same in every variant): read the
 differences between variants. TIMING ONLY: the ablated kernels leave parts of the outputs
