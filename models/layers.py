@@ -48,6 +48,14 @@ class TPContext:
         none = comm_config("none")
         return dataclasses.replace(self.comm, fwd=none, bwd=none)
 
+    def untracked(self) -> TPContext:
+        """The same context with the collectives' telemetry off."""
+        if not self.sharded:
+            return self
+        off = lambda cfg: dataclasses.replace(cfg, telemetry=False)  # noqa: E731
+        comm = dataclasses.replace(self.comm, fwd=off(self.comm.fwd), bwd=off(self.comm.bwd))
+        return dataclasses.replace(self, comm=comm)
+
     def rank(self) -> jax.Array | int:
         return lax.axis_index(self.comm.axis_name) if self.sharded else 0
 

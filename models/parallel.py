@@ -33,7 +33,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import taco_jax
-from models import layers
+from models import layers, spmd
 from models.config import ModelConfig
 from models.layers import TPContext
 from models.model import Transformer
@@ -46,6 +46,7 @@ COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
 
 PP_AXIS = "pp"
 SCHEDULES = ("gpipe", "circular")
+MODES = ("shard_map", "vmap", "emulate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,13 +54,15 @@ class ParallelConfig:
     """How the model is laid out over devices.
 
     dp / tp: sizes of the mesh axes "dp" and "tp". mode "shard_map": dp x pp x tp devices; mode
-    "vmap": TP emulated on each device with `jax.vmap(axis_name="tp")`, dp devices. remat:
+    "vmap": TP emulated on each device with `jax.vmap(axis_name="tp")`, dp devices; mode
+    "emulate": the whole (dp, pp, tp) mesh emulated on one device (`models.spmd`: one vmap per
+    mesh axis), for studying layouts with more ranks than devices. remat:
     recompute each block in the backward pass, keeping the TP collective outputs. scan_layers:
     one compiled block under `lax.scan` (fast compiles) or an unrolled loop. attention: "auto"
     (cuDNN flash attention for bf16 on GPU, XLA elsewhere and under vmap emulation, where cuDNN's
     backward cannot batch), "xla" or "cudnn".
     pp, microbatches, schedule, repeats: pipeline stages along a "pp" mesh axis
-    (`models.pipeline`; shard_map only), microbatches per dp rank and step, "gpipe" or
+    (`models.pipeline`; shard_map or emulate), microbatches per dp rank and step, "gpipe" or
     "circular" with `repeats` chunks per stage.
     dp_intra: dp ranks of one inner data-parallel group; with pp and tp under shard_map the
     group spans dp_intra x pp x tp consecutive devices (for one node: its GPUs / (pp tp)). Above
@@ -74,7 +77,7 @@ class ParallelConfig:
 
     dp: int = 1
     tp: int = 1
-    mode: Literal["shard_map", "vmap"] = "shard_map"
+    mode: Literal["shard_map", "vmap", "emulate"] = "shard_map"
     sequence_parallel: bool = False
     remat: bool = False
     compute_dtype: str = "bfloat16"
@@ -94,8 +97,8 @@ class ParallelConfig:
             raise ValueError(f"dp_intra={self.dp_intra} must be >= 1 and divide dp={self.dp}")
         if self.overlap_chunks < 1:
             raise ValueError(f"overlap_chunks={self.overlap_chunks} must be >= 1")
-        if self.mode not in ("shard_map", "vmap"):
-            raise ValueError(f"mode={self.mode!r} must be 'shard_map' or 'vmap'")
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} is not one of {MODES}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype={self.compute_dtype!r} is not one of {COMPUTE_DTYPES}")
         if self.attention not in ("auto", "xla", "cudnn"):
@@ -118,9 +121,10 @@ class ParallelConfig:
                 f"schedule='circular' needs repeats >= 2 (got {self.repeats}) and microbatches "
                 f">= pp (got microbatches={self.microbatches}, pp={self.pp})"
             )
-        if self.pp > 1 and self.mode != "shard_map":
+        if self.pp > 1 and self.mode == "vmap":
             raise ValueError(
-                f"pipelining (pp={self.pp}) runs under shard_map, not mode={self.mode!r}"
+                f"pipelining (pp={self.pp}) runs with mode 'shard_map' or 'emulate', not "
+                f"mode={self.mode!r}"
             )
 
     @property
@@ -141,7 +145,7 @@ class ParallelConfig:
 
     @property
     def num_devices(self) -> int:
-        return self.dp * self.pp * self.tp if self.mode == "shard_map" else self.dp
+        return {"shard_map": self.dp * self.pp * self.tp, "vmap": self.dp, "emulate": 1}[self.mode]
 
     @property
     def pipeline_steps(self) -> int:
@@ -303,8 +307,8 @@ def vmap_out_axes(model: ModelConfig) -> dict:
 
 def _context(parallel: ParallelConfig, comm: taco_jax.TPComm | None) -> TPContext:
     attention = parallel.attention
-    if attention == "auto" and parallel.mode == "vmap" and parallel.tp > 1:
-        attention = "xla"  # cuDNN attention's backward does not batch over the vmapped TP axis
+    if attention == "auto" and parallel.mode != "shard_map":
+        attention = "xla"  # cuDNN attention's backward does not batch over vmapped ranks
     return TPContext(
         comm,
         parallel.sequence_parallel,
@@ -355,25 +359,44 @@ def check_devices(parallel: ParallelConfig) -> None:
             f"parallel.dp={parallel.dp} x pp={parallel.pp} x tp={parallel.tp} "
             f"(mode={parallel.mode}) needs {n} "
             f"devices, {visible} visible; on a CPU, set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting, or emulate TP "
-            "on one device with parallel.mode=vmap"
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting, or emulate "
+            "the ranks on one device with parallel.mode=emulate (TP alone: parallel.mode=vmap)"
         )
 
 
-def make_mesh(parallel: ParallelConfig, tp_axis: str = "tp") -> jax.sharding.Mesh:
-    """("dp", tp_axis) over dp x tp devices (shard_map), ("dp", "pp", tp_axis) with pipeline
-    stages, or ("dp",) over dp devices (vmap); "dp" is ("dp_inter", "dp_intra") where
+def mesh_axes(parallel: ParallelConfig, tp_axis: str = "tp") -> dict[str, int]:
+    """The mesh's axes, name -> size: ("dp", tp_axis), ("dp", "pp", tp_axis) with pipeline
+    stages, or ("dp",) with TP under vmap; "dp" is ("dp_inter", "dp_intra") where
     `parallel.dp_intra` > 1 (an inner group: dp_intra dp ranks, whose dp_intra x pp x tp
     devices are consecutive)."""
+    axes = dict(zip(parallel.dp_axes, parallel.dp_shape, strict=True))
+    if parallel.mode != "vmap" and parallel.pp > 1:
+        axes[PP_AXIS] = parallel.pp
+    if parallel.mode != "vmap":
+        axes[tp_axis] = parallel.tp
+    return axes
+
+
+def make_mesh(parallel: ParallelConfig, tp_axis: str = "tp") -> jax.sharding.Mesh:
+    """The mesh of `mesh_axes` over its devices; under mode "emulate" over one device, every
+    axis of size 1 (`spmd_map` emulates the sizes)."""
     check_devices(parallel)
     devices = jax.devices()[: parallel.num_devices]
-    shape, names = parallel.dp_shape, parallel.dp_axes
-    if parallel.mode == "shard_map" and parallel.pp > 1:
-        shape, names = (*shape, parallel.pp, parallel.tp), (*names, PP_AXIS, tp_axis)
-    elif parallel.mode == "shard_map":
-        shape, names = (*shape, parallel.tp), (*names, tp_axis)
+    axes = mesh_axes(parallel, tp_axis)
+    names = tuple(axes)
+    shape = (1,) * len(axes) if parallel.mode == "emulate" else tuple(axes.values())
     auto = (jax.sharding.AxisType.Auto,) * len(shape)
     return jax.make_mesh(shape, names, auto, devices=devices)
+
+
+def spmd_map(parallel: ParallelConfig, f, *, mesh: jax.sharding.Mesh, in_specs, out_specs):
+    """`jax.shard_map(f, mesh=mesh, ..., check_vma=False)`, or under mode "emulate" its
+    emulation on one device with the sizes the layout gives `mesh`'s axes (`models.spmd`)."""
+    emulate = None
+    if parallel.mode == "emulate":  # the dp axes and "pp" by name; the other is TP's
+        sizes = dict(zip(parallel.dp_axes, parallel.dp_shape, strict=True)) | {PP_AXIS: parallel.pp}
+        emulate = {name: sizes.get(name, parallel.tp) for name in mesh.axis_names}
+    return spmd.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, emulate=emulate)
 
 
 def _mapped(model, parallel, comm, fn, out_kind: str, mesh):
@@ -397,19 +420,19 @@ def _mapped(model, parallel, comm, fn, out_kind: str, mesh):
             return lax.pmean(loss, dp), jax.tree.map(lambda g: g[None], grads)
         return jax.tree.map(lambda x: lax.pmean(x, dp), out)
 
-    if parallel.mode == "shard_map":
+    if parallel.mode != "vmap":
         out_specs = {
             "loss": P(),
             "loss_grads": (P(), specs),
             "loss_local_grads": (P(), jax.tree.map(lambda spec: P(dp, *spec), specs)),
             "logits": P(dp, None, tp_axis),
         }[out_kind]
-        return jax.shard_map(
+        return spmd_map(
+            parallel,
             lambda params, tokens: dp_reduce(fn(ctx, params, tokens)),
             mesh=mesh,
             in_specs=(specs, P(dp)),
             out_specs=out_specs,
-            check_vma=False,
         )
 
     tp = parallel.tp

@@ -1,4 +1,5 @@
-"""Pipeline parallelism over a "pp" mesh axis, composed with TP and DP in one `shard_map`.
+"""Pipeline parallelism over a "pp" mesh axis, composed with TP and DP in one `shard_map` (or
+its one-device emulation, `ParallelConfig.mode="emulate"`).
 
 Layout: the stacked blocks' "layers" axis is cut into P x V chunks of L / (P V) layers and
 chunk c goes to stage c mod P: V = 1 (GPipe) gives contiguous stages [s L / P, (s + 1) L / P),
@@ -53,14 +54,15 @@ from models.parallel import (
     make_mesh,
     param_specs,
     replicated_mask,
+    spmd_map,
 )
 
 
 def check_pipeline(model: ModelConfig, parallel: ParallelConfig) -> None:
     """Raises ValueError naming the value when the model cannot be staged / split as asked."""
     check_config(model, parallel)
-    if parallel.mode != "shard_map":
-        raise ValueError(f"pipelining runs under shard_map, got parallel.mode={parallel.mode!r}")
+    if parallel.mode == "vmap":
+        raise ValueError("pipelining runs with parallel.mode 'shard_map' or 'emulate', not 'vmap'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +162,10 @@ def _stage_loss(model, parallel, codecs, ctx, params, tokens, key):
     parameters (blocks [V, 1, L / (P V), ...])."""
     stages, m, v = parallel.pp, parallel.microbatches, parallel.repeats
     stage = lax.axis_index(PP_AXIS)
+    # Under emulation a `lax.cond` on the stage runs both branches (vmap makes it a select):
+    # the embedding's and the head's collectives then also run where shard_map skips them, on
+    # values no stage uses, so they record no telemetry.
+    branch_ctx = ctx.untracked() if parallel.mode == "emulate" else ctx
     if key is not None:  # dp ranks draw their own noise; tp ranks the same (replicated values)
         key = jax.random.fold_in(key, lax.axis_index(parallel.dp_axis))
     micro = tokens.reshape(m, tokens.shape[0] // m, tokens.shape[1])  # [M, b, T + 1]
@@ -181,7 +187,7 @@ def _stage_loss(model, parallel, codecs, ctx, params, tokens, key):
         net = nnx.merge(graphdef(model), _chunk(params, model, repeat))
 
         def first_pass():
-            return net.embed(micro[micro_index, :, :-1], ctx).astype(ctx.dtype)
+            return net.embed(micro[micro_index, :, :-1], branch_ctx).astype(ctx.dtype)
 
         x = lax.cond(stage == 0, first_pass, lambda: received)
         if v > 1:
@@ -189,9 +195,10 @@ def _stage_loss(model, parallel, codecs, ctx, params, tokens, key):
         y = net.run_blocks(x, ctx, remat=parallel.remat, scan_layers=parallel.scan_layers)
 
         def loss():
-            logits = net.head(y, ctx)
+            logits = net.head(y, branch_ctx)
             targets = micro[micro_index, :, 1:]
-            return layers.vocab_parallel_cross_entropy(logits, targets, ctx, model.vocab_size)
+            return layers.vocab_parallel_cross_entropy(logits, targets, branch_ctx,
+                                                       model.vocab_size)  # fmt: skip
 
         # The head runs only where a microbatch finishes (the same on every TP rank of a stage).
         last = (stage == stages - 1) & (work >= (v - 1) * m) & (work < v * m)
@@ -259,12 +266,12 @@ def _pipelined(model, parallel, comm, mesh, per_device, out_specs):
         _check_batch(tokens, parallel)
         return per_device(ctx, params, tokens, key)
 
-    mapped = jax.shard_map(
+    mapped = spmd_map(
+        parallel,
         body,
         mesh=mesh,
         in_specs=(specs, P(parallel.dp_axis), P()),
         out_specs=out_specs(specs),
-        check_vma=False,
     )
     return lambda params, tokens, key=None: mapped(to_stages(params, model, parallel), tokens, key)
 

@@ -135,8 +135,8 @@ class OptimizerConfig:
 
     sharded: ZeRO-1 over the dp ranks (`taco_train.zero`): fp32 master weights and Adam moments
     split over dp, a replica of the parameters in the compute dtype on every rank; compressible
-    with compression.dp_grad / dp_param. With TP and PP under shard_map each rank's stage and
-    TP slice is what is split over dp."""
+    with compression.dp_grad / dp_param. With TP and PP under shard_map (or emulated) each
+    rank's stage and TP slice is what is split over dp."""
 
     lr: float = 3e-4
     min_lr_ratio: float = 0.1

@@ -123,7 +123,7 @@ def make_steps(
     layout.check_config(model, parallel)
     mesh = layout.make_mesh(parallel, comm.axis_name)
     replicated = NamedSharding(mesh, P())
-    if parallel.mode == "shard_map":
+    if parallel.mode != "vmap":
         specs = (
             pipeline.full_layout_specs(model, comm.axis_name)
             if parallel.pp > 1
@@ -214,9 +214,9 @@ def _guarded(finite, new, old):
 
 def state_split(parallel: ParallelConfig) -> tuple[int, int, int]:
     """How the sharded optimizer splits its state, (dp, pp, tp): one shard per dp rank, and per
-    stage and TP slice where model parallelism runs under shard_map. A checkpoint resumes only
-    into the same split."""
-    if parallel.mode != "shard_map" or parallel.num_devices == parallel.dp:
+    stage and TP slice where model parallelism runs under shard_map (or its emulation). A
+    checkpoint resumes only into the same split."""
+    if parallel.mode == "vmap" or parallel.pp * parallel.tp == 1:
         return (parallel.dp, 1, 1)
     return (parallel.dp, parallel.pp, parallel.tp)
 
@@ -283,7 +283,7 @@ class _ShardLayout:
 
 
 def _sharded_update(optimizer, sharded: zero.ZeroConfig, shards: _ShardLayout, params_abstract,
-                    mesh):  # fmt: skip
+                    parallel: ParallelConfig, mesh):  # fmt: skip
     """`zero.update` over the mesh: (local grads [dp, ...], state, replica, key) -> (state,
     replica, global gradient norm), each rank on its block of the state."""
     lead = shards.lead
@@ -298,12 +298,12 @@ def _sharded_update(optimizer, sharded: zero.ZeroConfig, shards: _ShardLayout, p
         )  # fmt: skip
         return jax.tree.map(lambda x: x.reshape((1,) * lead + x.shape), new), replica, norm
 
-    return jax.shard_map(
+    return layout.spmd_map(
+        parallel,
         per_rank,
         mesh=mesh,
         in_specs=(grad_specs, shards.state_spec, replica_specs, P()),
         out_specs=(shards.state_spec, replica_specs, P()),
-        check_vma=False,
     )
 
 
@@ -357,7 +357,7 @@ def make_sharded_steps(
     local_grads, loss_only = _losses(model, parallel, comm, stage_codecs, mesh, seed, local=True)
     # The compressors' noise: a stream apart from the parameters' init (key(seed) itself).
     step_key = jax.random.split(jax.random.key(seed), 3)[2]
-    update = _sharded_update(optimizer, sharded, shards, params_abstract, mesh)
+    update = _sharded_update(optimizer, sharded, shards, params_abstract, parallel, mesh)
 
     @functools.partial(jax.jit, out_shardings=state_sharding)
     def init(key: jax.Array) -> TrainState:

@@ -1,6 +1,7 @@
 """The pipelined model (GPipe and circular schedules over "pp", with TP and DP in one
-shard_map) equals the unsharded model: loss and every parameter gradient, uncompressed in fp32;
-within derived bounds with each stage codec. 8 fake CPU devices.
+shard_map, or that mesh emulated on one device) equals the unsharded model: loss and every
+parameter gradient, uncompressed in fp32; within derived bounds with each stage codec. 8 fake
+CPU devices.
 """
 
 from __future__ import annotations
@@ -48,25 +49,25 @@ def _needs_devices(n):
         pytest.skip(f"needs {n} devices; set XLA_FLAGS=--xla_force_host_platform_device_count=8")
 
 
-def _parallel(dp, pp, tp, microbatches, sp=False, repeats=1):
+def _parallel(dp, pp, tp, microbatches, sp=False, repeats=1, mode="shard_map"):
     schedule = "circular" if repeats > 1 else "gpipe"
     return ParallelConfig(
         dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, repeats=repeats,
-        sequence_parallel=sp, compute_dtype="float32",
+        sequence_parallel=sp, compute_dtype="float32", mode=mode,
     )  # fmt: skip
 
 
 def _run(cfg, dp, pp, tp, microbatches, codec="none", sp=False, key=None, repeats=1,
-         shared_grads="none"):  # fmt: skip
-    _needs_devices(dp * pp * tp)
-    fn = _compiled(cfg, dp, pp, tp, microbatches, codec, sp, repeats, shared_grads)
+         shared_grads="none", mode="shard_map"):  # fmt: skip
+    _needs_devices(_parallel(dp, pp, tp, microbatches, sp, repeats, mode).num_devices)
+    fn = _compiled(cfg, dp, pp, tp, microbatches, codec, sp, repeats, shared_grads, mode)
     return fn(init_params(cfg, jax.random.key(0)), _tokens(cfg), key)
 
 
 @functools.cache
-def _compiled(cfg, dp, pp, tp, microbatches, codec, sp, repeats, shared_grads):
+def _compiled(cfg, dp, pp, tp, microbatches, codec, sp, repeats, shared_grads, mode):
     """The jitted loss and gradients of one layout (tests that vary only the key share it)."""
-    parallel = _parallel(dp, pp, tp, microbatches, sp, repeats)
+    parallel = _parallel(dp, pp, tp, microbatches, sp, repeats, mode)
     comm = taco_jax.TPComm.create("tp", fwd="none")
     codecs = StageCodecs(codec, shared_grads=shared_grads)
     return jax.jit(make_pipeline_loss_and_grads(cfg, parallel, comm, codecs))
@@ -91,27 +92,30 @@ def _flat(tree) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "cfg,dp,pp,tp,microbatches,sp,repeats",
+    "cfg,dp,pp,tp,microbatches,sp,repeats,mode",
     [
-        (GPT, 1, 2, 1, 1, False, 1),
-        (GPT, 2, 2, 2, 2, False, 1),
-        (GPT, 1, 4, 2, 4, False, 1),
-        (GPT, 1, 4, 2, 1, True, 1),
-        (QWEN, 2, 2, 2, 1, False, 1),
-        (QWEN, 1, 2, 4, 4, True, 1),
-        (GPT8, 1, 2, 2, 2, False, 2),  # circular
-        (GPT8, 1, 4, 2, 4, True, 2),
-        (GPT8, 1, 2, 2, 4, False, 2),  # M > P: microbatches wait in the store
-        (GPT8, 2, 2, 1, 2, False, 4),
+        (GPT, 1, 2, 1, 1, False, 1, "shard_map"),
+        (GPT, 2, 2, 2, 2, False, 1, "shard_map"),
+        (GPT, 1, 4, 2, 4, False, 1, "shard_map"),
+        (GPT, 1, 4, 2, 1, True, 1, "shard_map"),
+        (QWEN, 2, 2, 2, 1, False, 1, "shard_map"),
+        (QWEN, 1, 2, 4, 4, True, 1, "shard_map"),
+        (GPT8, 1, 2, 2, 2, False, 2, "shard_map"),  # circular
+        (GPT8, 1, 4, 2, 4, True, 2, "shard_map"),
+        (GPT8, 1, 2, 2, 4, False, 2, "shard_map"),  # M > P: microbatches wait in the store
+        (GPT8, 2, 2, 1, 2, False, 4, "shard_map"),
+        # The mesh emulated on one device (models/spmd.py), up to the paper's 16 ranks.
+        (GPT, 2, 2, 4, 2, True, 1, "emulate"),
+        (GPT8, 1, 2, 2, 4, False, 2, "emulate"),
     ],
 )
 def test_uncompressed_pipeline_equals_unsharded(
-    references, cfg, dp, pp, tp, microbatches, sp, repeats
+    references, cfg, dp, pp, tp, microbatches, sp, repeats, mode
 ):
     """Same function, reductions reassociated (TP partial sums, microbatch means, the psum of
     the tied embedding's two gradient parts): the fp32 bound of tests/tolerances.py."""
     ref_loss, ref_grads = references[cfg]
-    loss, grads = _run(cfg, dp, pp, tp, microbatches, sp=sp, repeats=repeats)
+    loss, grads = _run(cfg, dp, pp, tp, microbatches, sp=sp, repeats=repeats, mode=mode)
     tol = exact_tolerance(cfg)
     assert abs(float(loss) - float(ref_loss)) <= tol * abs(float(ref_loss))
     errors = jax.tree.map(_normwise, grads, ref_grads)
@@ -120,16 +124,19 @@ def test_uncompressed_pipeline_equals_unsharded(
 
 
 # Every codec at pp = 2; pp = 4 (three sends on each path) with the INT8 and INT4 stage codecs.
-STAGE_CASES = [(codec, 2) for codec in sorted(EPS_SEND)] + [("tahquant", 4), ("tahquant4", 4)]
+# Emulated on one device too: the stochastic codec's noise keyed per rank under vmap.
+STAGE_CASES = [(codec, 2, "shard_map") for codec in sorted(EPS_SEND)] + [
+    ("tahquant", 4, "shard_map"), ("tahquant4", 4, "shard_map"), ("tahquant", 4, "emulate")
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("codec,pp", STAGE_CASES)
-def test_stage_codecs_within_their_bound(references, codec, pp):
+@pytest.mark.parametrize("codec,pp,mode", STAGE_CASES)
+def test_stage_codecs_within_their_bound(references, codec, pp, mode):
     """P - 1 sends lie on each forward path and P - 1 on each backward path; independent errors
     add in quadrature: the gradients move by at most MARGIN EPS sqrt(2 (P - 1)) in relative L2.
     (The loss, a mean over many tokens of a smooth function, moves far less; not bounded here.)"""
     _, ref_grads = references[GPT]
-    _, grads = _run(GPT, 1, pp, 2, 4 if pp == 4 else 2, codec=codec, key=KEY)
+    _, grads = _run(GPT, 1, pp, 2, 4 if pp == 4 else 2, codec=codec, key=KEY, mode=mode)
     eps = MARGIN * EPS_SEND[codec]
     err = np.linalg.norm(_flat(grads) - _flat(ref_grads)) / np.linalg.norm(_flat(ref_grads))
     assert 0 < err <= eps * math.sqrt(2 * (pp - 1))

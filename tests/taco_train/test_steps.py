@@ -19,6 +19,10 @@ from taco_train.steps import make_steps
 
 CFG = ModelConfig.preset("gpt_tiny")
 STEPS = 6
+EMULATED_3D = ParallelConfig(  # dp x pp x tp on one device (models/spmd.py)
+    dp=2, pp=2, tp=2, microbatches=2, sequence_parallel=True, compute_dtype="float32",
+    mode="emulate",
+)  # fmt: skip
 
 
 def _batch(global_batch: int) -> np.ndarray:
@@ -173,8 +177,9 @@ def _slice_dims(parallel: ParallelConfig):
         ParallelConfig(
             dp=2, pp=2, tp=2, microbatches=2, sequence_parallel=True, compute_dtype="float32"
         ),  # fmt: skip
+        EMULATED_3D,  # the same layout emulated on one device
     ],
-    ids=["dp2", "dp2-pp2-tp2-sp"],
+    ids=["dp2", "dp2-pp2-tp2-sp", "emulate-dp2-pp2-tp2-sp"],
 )
 def test_sharded_optimizer_is_the_replicated_one(parallel):
     """ZeRO-1 (`optimizer.sharded`), uncompressed, fp32: three steps land where the replicated
