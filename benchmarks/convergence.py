@@ -9,7 +9,11 @@ overridden (`layout_overrides`):
   or "sdp4bit" (TLq-HS gradients, qWD weights);
 - `--pp N`: a pipeline over N devices (GPipe, 4 microbatches); the codec on the stage sends
   (`compression.pp`, e.g. "tahquant"), and after "+grads=" the codec of the stages' sum of the
-  shared parameters' gradients (`compression.pp_grads`, e.g. "tahquant+grads=taco").
+  shared parameters' gradients (`compression.pp_grads`, e.g. "tahquant+grads=taco");
+- `--emulate-3d DP PP TP`: the whole (dp, pp, tp) mesh emulated on one device
+  (`parallel.mode=emulate`), GPipe with 4 microbatches, ZeRO-1 over dp; the codec names each
+  dimension's traffic, "+"-joined: "tp=<TP codec>", "pp=<stage codec>", "dp=sdp4bit" (e.g.
+  "tp=taco+pp=tahquant+dp=sdp4bit"; "none": nothing compressed).
 Telemetry logs each compressed collective's relative error. The baseline (`none`) runs with
 several seeds: the spread of its final validation loss is the noise floor a codec's difference
 must exceed, and each codec is compared with the baseline of its own seed and layout.
@@ -23,6 +27,8 @@ machines and sessions; `--report-only` trains nothing and only merges, compares 
     python benchmarks/convergence.py --tp 4 --codecs none taco fp8 taco_no_ds int8 \
         --baseline-seeds 0 1 --set run.steps=600
     python benchmarks/convergence.py --dp 2 --codecs none sdp4bit --baseline-seeds 0
+    python benchmarks/convergence.py --emulate-3d 2 2 4 --codecs none tp=taco \
+        tp=taco+pp=tahquant+dp=sdp4bit --baseline-seeds 0
     python benchmarks/convergence.py --report-only --merge part1.json part2.json
 """
 
@@ -32,6 +38,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import statistics
 import time
 
@@ -51,7 +58,7 @@ PAPER = {"taco": 0.25, "tah_quant_path": 2.9}
 # vmap, the codec on every TP collective), "dp" (dp GPUs under shard_map, ZeRO-1; codec "sdp4bit"
 # is TLq-HS on the gradients and qWD on the weights) or "pp" (pp GPUs under shard_map; the
 # codec on the stage sends).
-DIMS = ("tp", "dp", "pp")
+DIMS = ("tp", "dp", "pp", "3d")
 DP_CODECS = {"none": ("none", "none"), "sdp4bit": ("tlq_hs", "qwd")}
 PP_MICROBATCHES = 4
 PP_GRADS = "+grads="  # "<stage codec>+grads=<TP codec>": the shared-gradient sum compressed too
@@ -79,8 +86,35 @@ def layout_of(run: dict) -> str:
     return run.get("layout") or f"tp{run['tp']}"
 
 
-def layout_overrides(dim: str, size: int, codec: str) -> list[str]:
-    """The config overrides that run `codec` on the traffic of `dim` over `size` ranks."""
+def three_d_layout(dp: int, pp: int, tp: int) -> str:
+    """The 3D study's layout label (and `layout_overrides`' size), e.g. "dp2pp2tp4"."""
+    return f"dp{dp}pp{pp}tp{tp}"
+
+
+def three_d_overrides(size: str, codec: str) -> list[str]:
+    """The overrides of `codec` ("none", or "+"-joined "tp=...", "pp=...", "dp=sdp4bit") on
+    the emulated layout `size` (`three_d_layout`)."""
+    dp, pp, tp = map(int, re.fullmatch(r"dp(\d+)pp(\d+)tp(\d+)", size).groups())
+    parts = {} if codec == "none" else dict(part.partition("=")[::2] for part in codec.split("+"))
+    if set(parts) - {"tp", "pp", "dp"} or not all(parts.values()):
+        raise SystemExit(f"--emulate-3d codec {codec!r}: name parts tp=..., pp=..., dp=...")
+    if parts.get("dp", "none") not in DP_CODECS:
+        raise SystemExit(f"--emulate-3d dp codecs are {sorted(DP_CODECS)}, not {parts['dp']!r}")
+    grad, param = DP_CODECS[parts.get("dp", "none")]
+    tp_codec = parts.get("tp", "none")
+    return ["parallel.mode='emulate'", f"parallel.dp={dp}", f"parallel.pp={pp}",
+            f"parallel.tp={tp}", f"parallel.microbatches={PP_MICROBATCHES}",
+            "parallel.scan_layers=false", "optimizer.sharded=true",
+            f"compression.fwd={tp_codec}", f"compression.bwd={tp_codec}",
+            f"compression.pp={parts.get('pp', 'none')}", f"compression.dp_grad={grad}",
+            f"compression.dp_param={param}"]  # fmt: skip
+
+
+def layout_overrides(dim: str, size, codec: str) -> list[str]:
+    """The config overrides that run `codec` on the traffic of `dim` over `size` ranks (for
+    "3d", the `three_d_layout` label)."""
+    if dim == "3d":
+        return three_d_overrides(size, codec)
     if dim == "tp":
         return [f"compression.fwd={codec}", f"compression.bwd={codec}", f"parallel.tp={size}"]
     real = ["parallel.mode='shard_map'", "parallel.tp=1", "compression.fwd=none"]
@@ -192,6 +226,8 @@ def compare(runs: list[dict]) -> list[dict]:
 
 
 def _title(layout: str) -> str:
+    if layout.startswith("3d"):
+        return f"{layout[2:]}, one GPU (emulated)"
     dim, size = layout[:2], layout[2:]
     return f"TP = {size} (emulated)" if dim == "tp" else f"{dim.upper()} = {size}"
 
@@ -249,6 +285,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, nargs="+", default=[], help="TP sizes (default 4)")
     parser.add_argument("--dp", type=int, nargs="+", default=[], help="dp sizes (GPUs)")
     parser.add_argument("--pp", type=int, nargs="+", default=[], help="pipeline sizes (GPUs)")
+    parser.add_argument("--emulate-3d", type=int, nargs=3, metavar=("DP", "PP", "TP"),
+                        help="a (dp, pp, tp) layout emulated on one device")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of every compressed run")
     parser.add_argument("--baseline-seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -272,7 +310,8 @@ def main() -> None:
         for path, record in merged.items()
     ]
     done = {run_key(r["codec"], layout_of(r), r["seed"]) for r in runs}
-    sizes = {"tp": args.tp, "dp": args.dp, "pp": args.pp}
+    sizes = {"tp": args.tp, "dp": args.dp, "pp": args.pp,
+             "3d": [three_d_layout(*args.emulate_3d)] if args.emulate_3d else []}  # fmt: skip
     if not any(sizes.values()):
         sizes["tp"] = [4]
     plan = [
