@@ -95,8 +95,9 @@ def three_d_overrides(size: str, codec: str) -> list[str]:
     """The overrides of `codec` ("none", or "+"-joined "tp=...", "pp=...", "dp=sdp4bit") on
     the emulated layout `size` (`three_d_layout`)."""
     dp, pp, tp = map(int, re.fullmatch(r"dp(\d+)pp(\d+)tp(\d+)", size).groups())
-    parts = {} if codec == "none" else dict(part.partition("=")[::2] for part in codec.split("+"))
-    if set(parts) - {"tp", "pp", "dp"} or not all(parts.values()):
+    pairs = [] if codec == "none" else [part.partition("=")[::2] for part in codec.split("+")]
+    parts = dict(pairs)
+    if set(parts) - {"tp", "pp", "dp"} or not all(parts.values()) or len(parts) < len(pairs):
         raise SystemExit(f"--emulate-3d codec {codec!r}: name parts tp=..., pp=..., dp=...")
     if parts.get("dp", "none") not in DP_CODECS:
         raise SystemExit(f"--emulate-3d dp codecs are {sorted(DP_CODECS)}, not {parts['dp']!r}")
@@ -110,7 +111,7 @@ def three_d_overrides(size: str, codec: str) -> list[str]:
             f"compression.dp_param={param}"]  # fmt: skip
 
 
-def layout_overrides(dim: str, size, codec: str) -> list[str]:
+def layout_overrides(dim: str, size: int | str, codec: str) -> list[str]:
     """The config overrides that run `codec` on the traffic of `dim` over `size` ranks (for
     "3d", the `three_d_layout` label)."""
     if dim == "3d":

@@ -52,9 +52,9 @@ class TPContext:
         """The same context with the collectives' telemetry off."""
         if not self.sharded:
             return self
-        off = lambda cfg: dataclasses.replace(cfg, telemetry=False)  # noqa: E731
-        comm = dataclasses.replace(self.comm, fwd=off(self.comm.fwd), bwd=off(self.comm.bwd))
-        return dataclasses.replace(self, comm=comm)
+        fwd = dataclasses.replace(self.comm.fwd, telemetry=False)
+        bwd = dataclasses.replace(self.comm.bwd, telemetry=False)
+        return dataclasses.replace(self, comm=dataclasses.replace(self.comm, fwd=fwd, bwd=bwd))
 
     def rank(self) -> jax.Array | int:
         return lax.axis_index(self.comm.axis_name) if self.sharded else 0

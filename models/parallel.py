@@ -307,7 +307,8 @@ def vmap_out_axes(model: ModelConfig) -> dict:
 
 def _context(parallel: ParallelConfig, comm: taco_jax.TPComm | None) -> TPContext:
     attention = parallel.attention
-    if attention == "auto" and parallel.mode != "shard_map":
+    emulated = parallel.mode == "emulate" or (parallel.mode == "vmap" and parallel.tp > 1)
+    if attention == "auto" and emulated:
         attention = "xla"  # cuDNN attention's backward does not batch over vmapped ranks
     return TPContext(
         comm,
@@ -393,9 +394,11 @@ def spmd_map(parallel: ParallelConfig, f, *, mesh: jax.sharding.Mesh, in_specs, 
     """`jax.shard_map(f, mesh=mesh, ..., check_vma=False)`, or under mode "emulate" its
     emulation on one device with the sizes the layout gives `mesh`'s axes (`models.spmd`)."""
     emulate = None
-    if parallel.mode == "emulate":  # the dp axes and "pp" by name; the other is TP's
-        sizes = dict(zip(parallel.dp_axes, parallel.dp_shape, strict=True)) | {PP_AXIS: parallel.pp}
-        emulate = {name: sizes.get(name, parallel.tp) for name in mesh.axis_names}
+    if parallel.mode == "emulate":  # `make_mesh`'s axes: the last is TP's
+        emulate = mesh_axes(parallel, mesh.axis_names[-1])
+        if tuple(emulate) != mesh.axis_names:
+            raise ValueError(f"mesh axes {mesh.axis_names} are not the layout's "
+                             f"{tuple(emulate)} (make_mesh builds them)")  # fmt: skip
     return spmd.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, emulate=emulate)
 
 

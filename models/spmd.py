@@ -9,8 +9,12 @@ put back together from the blocks its spec names, and taken from rank 0 along th
 its spec leaves out (where `shard_map` with `check_vma=False` assumes every copy is the same).
 
 It lets one GPU study a layout with more ranks than it has devices (the paper's TP 4 x PP 2 x
-DP 2, 16 ranks) with each rank's arithmetic unchanged. It saves no time (every rank runs, one
-after another in a batch), and `lax.cond` on a rank's index runs both branches under vmap.
+DP 2, 16 ranks) with each rank's program unchanged. It saves no time (every rank runs, in one
+batch). Where vmap differs from devices:
+- `lax.cond` on a rank's index runs both branches (a select);
+- jax 0.11.2's vmap rules take `lax.ppermute` with a full permutation only, and `all_gather` /
+  `psum_scatter` over one axis name at a time (`taco_jax`'s collectives work around both);
+- the copies an out spec leaves out are not compared unless `CHECK_REPLICAS` is set.
 """
 
 from __future__ import annotations
@@ -23,23 +27,36 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+# Tests set this: every output's copies along the mesh axes its spec leaves out must then be
+# bit-identical (checked on the host after each call), where `shard_map` would keep one
+# device's copy unseen.
+CHECK_REPLICAS = False
+
 
 def _is_spec(x) -> bool:
     return isinstance(x, P)
+
+
+def _entry_axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _dim_axes(spec: P, ndim: int, sizes: Mapping[str, int]) -> list[tuple[str, ...]]:
     """Per array dimension, the mesh axes it is split over (major first)."""
     if len(spec) > ndim:
         raise ValueError(f"spec {spec} names {len(spec)} dimensions of a {ndim}-d array")
-    dims = []
-    for entry in (*spec, *(None,) * (ndim - len(spec))):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        for name in axes:
-            if name not in sizes:
-                raise ValueError(f"spec {spec} names axis {name!r}, not one of {tuple(sizes)}")
-        dims.append(axes)
+    dims = [_entry_axes(entry) for entry in (*spec, *(None,) * (ndim - len(spec)))]
+    named = [name for axes in dims for name in axes]
+    for name in named:
+        if name not in sizes:
+            raise ValueError(f"spec {spec} names axis {name!r}, not one of {tuple(sizes)}")
+    if len(set(named)) < len(named):
+        raise ValueError(f"spec {spec} names a mesh axis twice")
     return dims
+
+
+def _named(spec: P) -> set[str]:
+    return {name for entry in spec for name in _entry_axes(entry)}
 
 
 def _split(x: jax.Array, spec: P, sizes: Mapping[str, int]) -> jax.Array:
@@ -64,7 +81,9 @@ def _merge(y: jax.Array, spec: P, sizes: Mapping[str, int]) -> jax.Array:
     axes the spec leaves out keep rank 0's copy."""
     names = list(sizes)
     dims = _dim_axes(spec, y.ndim - len(names), sizes)
-    named = {a for axes in dims for a in axes}
+    named = _named(spec)
+    if CHECK_REPLICAS and named != set(names):
+        _check_copies(y, [i for i, a in enumerate(names) if a not in named], spec)
     y = y[tuple(slice(None) if a in named else 0 for a in names)]
     kept = [a for a in names if a in named]
     order, shape = [], []
@@ -72,6 +91,23 @@ def _merge(y: jax.Array, spec: P, sizes: Mapping[str, int]) -> jax.Array:
         order += [kept.index(a) for a in axes] + [len(kept) + d]
         shape.append(math.prod(sizes[a] for a in axes) * y.shape[len(kept) + d])
     return jnp.transpose(y, order).reshape(shape)
+
+
+def _check_copies(y: jax.Array, axes: list[int], spec: P) -> None:
+    """Raises (from the host, after the call) unless `y` is the same along `axes`, bit for bit
+    (NaNs included)."""
+    bits = jax.random.key_data(y) if jax.dtypes.issubdtype(y.dtype, jax.dtypes.prng_key) else y
+    if jnp.issubdtype(bits.dtype, jnp.floating):
+        bits = jax.lax.bitcast_convert_type(bits, jnp.dtype(f"uint{8 * bits.dtype.itemsize}"))
+    first = bits[tuple(slice(0, 1) if i in axes else slice(None) for i in range(bits.ndim))]
+    same = jnp.all(bits == first)
+
+    def check(same):
+        if not same:
+            raise AssertionError(f"an output of spec {spec} differs between the ranks that "
+                                 "its spec leaves out")  # fmt: skip
+
+    jax.debug.callback(check, same)
 
 
 def _leaf_specs(specs, tree) -> Any:
@@ -92,7 +128,8 @@ def emulated_shard_map(f: Callable, *, axis_sizes: Mapping[str, int], in_specs, 
     sizes = dict(axis_sizes)
 
     def emulated(*args):
-        specs = _leaf_specs(tuple(in_specs), args)
+        specs = _leaf_specs(in_specs if isinstance(in_specs, tuple) else (in_specs,) * len(args),
+                            args)  # fmt: skip
         blocks = jax.tree.map(lambda x, s: _split(x, s, sizes), args, specs, is_leaf=_is_spec)
         run = f
         for name in reversed(sizes):  # the innermost vmap is the last mesh axis
@@ -104,11 +141,6 @@ def emulated_shard_map(f: Callable, *, axis_sizes: Mapping[str, int], in_specs, 
                             is_leaf=_is_spec)  # fmt: skip
 
     return emulated
-
-
-def _named(spec: P) -> set[str]:
-    return {a for entry in spec if entry is not None
-            for a in ((entry,) if isinstance(entry, str) else entry)}  # fmt: skip
 
 
 def shard_map(f: Callable, *, mesh, in_specs, out_specs,

@@ -205,9 +205,9 @@ def compressed_ppermute(
         # Seen with jax 0.11.2 on the CPU: XLA fails to compile this combination (an internal
         # "instruction is live and cannot be removed" check), a crash rather than an answer.
         raise ValueError(
-            f"telemetry=True with the full permutation perm={perm!r} under vmap is not "
-            "supported (an XLA compile failure); record it under shard_map, or with a "
-            "partial permutation"
+            f"telemetry=True with the full permutation perm={perm!r} under vmap (TP or a "
+            "mesh emulated, parallel.mode='vmap' or 'emulate') is not supported (an XLA "
+            "compile failure); record it under shard_map, or with a partial permutation"
         )
     perms = (pairs, pairs if under_shard_map else _completed(pairs, n_ranks))
     bwd_direction = _Direction(bwd, impl, telemetry)

@@ -15,7 +15,7 @@ import pytest
 from tolerances import BATCH, exact_tolerance
 
 import taco_jax
-from models import ModelConfig, ParallelConfig, init_params, reference_loss_and_grads
+from models import ModelConfig, ParallelConfig, init_params, reference_loss_and_grads, spmd
 from models.pipeline import (
     StageCodecs,
     from_stages,
@@ -110,10 +110,12 @@ def _flat(tree) -> np.ndarray:
     ],
 )
 def test_uncompressed_pipeline_equals_unsharded(
-    references, cfg, dp, pp, tp, microbatches, sp, repeats, mode
+    references, cfg, dp, pp, tp, microbatches, sp, repeats, mode, monkeypatch
 ):
     """Same function, reductions reassociated (TP partial sums, microbatch means, the psum of
-    the tied embedding's two gradient parts): the fp32 bound of tests/tolerances.py."""
+    the tied embedding's two gradient parts): the fp32 bound of tests/tolerances.py. Emulated,
+    every rank's copy of the replicated outputs must be the same bits too."""
+    monkeypatch.setattr(spmd, "CHECK_REPLICAS", mode == "emulate")
     ref_loss, ref_grads = references[cfg]
     loss, grads = _run(cfg, dp, pp, tp, microbatches, sp=sp, repeats=repeats, mode=mode)
     tol = exact_tolerance(cfg)

@@ -36,7 +36,7 @@ OUT_SPECS = {
     "sent": P(("dp", "pp"), "tp"),
     "swapped": P(("pp", "dp"), "tp"),  # a tuple in another order than the mesh's
     "mean": P(),
-    "noise": P("tp"),  # replicated over dp and pp: rank 0's copy
+    "noise": P("tp"),  # differs over dp and pp: both keep rank 0's copy
     "stacked": P("dp", ("pp", "tp")),
 }
 
@@ -68,3 +68,32 @@ def test_a_spec_that_does_not_fit_names_the_array():
                                       out_specs=P())  # fmt: skip
     with pytest.raises(ValueError, match="names axis 'ep', not one of"):
         unknown(jnp.zeros((4,)))
+    twice = spmd.emulated_shard_map(lambda x: x, axis_sizes=SIZES, in_specs=(P("tp", "tp"),),
+                                    out_specs=P())  # fmt: skip
+    with pytest.raises(ValueError, match="names a mesh axis twice"):
+        twice(jnp.zeros((4, 4)))
+
+
+def test_replica_check_catches_copies_that_differ(monkeypatch):
+    """With `CHECK_REPLICAS`, an output whose copies along the axes its spec leaves out differ
+    (here the noise, drawn per rank) raises; copies made equal by a collective pass."""
+    monkeypatch.setattr(spmd, "CHECK_REPLICAS", True)
+    x = jnp.arange(16 * 12, dtype=jnp.float32).reshape(16, 12)
+    w = jnp.arange(6, dtype=jnp.float32)
+
+    def run(out_specs):
+        program = lambda *a: {k: _program(*a)[k] for k in out_specs}  # noqa: E731
+        emulated = spmd.emulated_shard_map(program, axis_sizes=SIZES, in_specs=IN_SPECS,
+                                           out_specs=out_specs)  # fmt: skip
+        jax.block_until_ready(jax.jit(emulated)(x, w, jax.random.key(7)))
+        jax.effects_barrier()
+
+    run({"mean": P(), "scattered": P("pp", "tp")})
+    with pytest.raises(Exception, match="differs between the ranks"):
+        run({"noise": P("tp")})
+
+
+def test_in_specs_may_be_one_spec_for_every_argument():
+    emulated = spmd.emulated_shard_map(lambda a, b: a + b, axis_sizes={"tp": 2},
+                                       in_specs=P("tp"), out_specs=P("tp"))  # fmt: skip
+    np.testing.assert_array_equal(emulated(jnp.arange(4.0), jnp.ones(4)), jnp.arange(4.0) + 1)

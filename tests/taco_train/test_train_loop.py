@@ -9,6 +9,7 @@ import pytest
 from train_testing import TINY, tiny_args, untimed
 
 import taco_jax
+from models import spmd
 from taco_train import metrics, trainer
 from taco_train.config import load_config
 from taco_train.main import main
@@ -227,11 +228,15 @@ def test_3d_compressed_run_trains_and_resumes_exactly(cache, tmp_path, capsys):
     assert "(dp, pp, tp) slices (2, 2, 2) -> (2, 2, 1)" in capsys.readouterr().err
 
 
-def test_the_paper_layout_emulated_on_one_device_trains_and_resumes_exactly(cache, tmp_path):
+def test_the_paper_layout_emulated_on_one_device_trains_and_resumes_exactly(
+    cache, tmp_path, monkeypatch
+):
     """The paper's TP 4 x PP 2 x DP 2 (16 ranks) with every dimension compressed, emulated on one
     device (`parallel.mode=emulate`, models/spmd.py): the loss falls, each dimension's error is
-    logged within its bound, and a resumed run ends bit for bit where the uninterrupted one
-    does."""
+    logged within its bound, every rank's copy of what it replicates (qWD's weight replicas
+    across dp among them) is the same bits, and a resumed run ends bit for bit where the
+    uninterrupted one does."""
+    monkeypatch.setattr(spmd, "CHECK_REPLICAS", True)
     overrides = (*THREE_D, "parallel.mode='emulate'", "parallel.tp=4")
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     _cli(full, cache, *overrides)
