@@ -224,21 +224,24 @@ def test_sharded_optimizer_is_the_replicated_one(parallel, monkeypatch):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(replica))  # fp32 replica
 
 
-def test_two_level_dp_compresses_in_two_levels(monkeypatch):
+@pytest.mark.parametrize("mode", ["shard_map", "emulate"])
+def test_two_level_dp_compresses_in_two_levels(mode, monkeypatch):
     """dp = 4 as 2 groups of 2 (`dp_intra=2`): the mesh names both levels, the batch and every
     sharded-state leaf are split over them, and ZeRO-1 with TLq-HS (8-bit codes within a group,
     4-bit across) and qWD trains: the loss falls over a few steps, the replicas stay identical,
     and the gradient reduce-scatter's relative error is that of a compressed one (above the
     exact path's 0, below the 4-bit bound of tests/taco_train/test_train_loop.py's
-    TELEMETRY_BOUNDS)."""
-    parallel = ParallelConfig(dp=4, dp_intra=2, compute_dtype="float32")
+    TELEMETRY_BOUNDS). Emulated on one device, the same (its mesh axes of size 1)."""
+    parallel = ParallelConfig(dp=4, dp_intra=2, compute_dtype="float32", mode=mode)
+    monkeypatch.setattr(spmd, "CHECK_REPLICAS", mode == "emulate")
     if jax.device_count() < parallel.num_devices:
         pytest.skip(f"needs {parallel.num_devices} devices")
     assert parallel.dp_axis == ("dp_inter", "dp_intra") and parallel.dp_shape == (2, 2)
     comm = taco_jax.TPComm.create("tp", fwd="none")
     sharded = zero.ZeroConfig(parallel.dp_axis, "tlq_hs", "qwd", grad_clip=1.0, telemetry=True)
     steps = make_steps(CFG, parallel, comm, optax.adamw(3e-3), sharded=sharded)
-    assert dict(steps.mesh.shape) == {"dp_inter": 2, "dp_intra": 2, "tp": 1}
+    sizes = (2, 2, 1) if mode == "shard_map" else (1, 1, 1)
+    assert dict(steps.mesh.shape) == dict(zip(("dp_inter", "dp_intra", "tp"), sizes, strict=True))
     assert steps.batch_sharding.spec == P(("dp_inter", "dp_intra"))
     for sharding in jax.tree.leaves(steps.state_sharding.opt_state):
         assert sharding.spec[0] == ("dp_inter", "dp_intra")
