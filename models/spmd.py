@@ -122,8 +122,9 @@ def emulated_shard_map(f: Callable, *, axis_sizes: Mapping[str, int], in_specs, 
     over the blocks of the inputs.
 
     axis_sizes: the emulated mesh, axis name -> size, in mesh order. in_specs: a tuple, one
-    PartitionSpec prefix per positional argument; out_specs: a PartitionSpec prefix of f's
-    output. Raises ValueError naming the array when a spec does not divide it.
+    PartitionSpec prefix per positional argument, or one PartitionSpec for all of them;
+    out_specs: a PartitionSpec prefix of f's output. Raises ValueError naming the array when a
+    spec does not divide it, or names an axis the mesh lacks or an axis twice.
     """
     sizes = dict(axis_sizes)
 
