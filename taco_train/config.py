@@ -284,6 +284,13 @@ class TrainConfig:
                 f"compression.{name}={getattr(c, name)!r} compresses pipeline traffic: needs "
                 "parallel.pp > 1",
             )
+        _check(  # taco_jax.compressed_ppermute refuses it while tracing, after the data is ready
+            not (p.mode == "emulate" and p.schedule == "circular" and c.telemetry),
+            "compression.telemetry=true with parallel.schedule='circular' under "
+            "parallel.mode='emulate' is not supported (the circular schedule's sends form a "
+            "full permutation, whose telemetry under vmap XLA fails to compile); set "
+            "compression.telemetry=false or parallel.schedule='gpipe'",
+        )
         for name in ("dp_grad", "dp_param"):
             _check(
                 getattr(c, name) == "none" or self.optimizer.sharded,

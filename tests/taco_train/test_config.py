@@ -98,6 +98,14 @@ def test_validation_errors_name_the_value(override, message):
         load_config(None, ["parallel.dp=4", override])
 
 
+def test_emulated_circular_schedule_with_telemetry_is_refused_before_the_data():
+    circular = ["parallel.mode='emulate'", "parallel.pp=2", "parallel.microbatches=2",
+                "parallel.schedule='circular'", "parallel.repeats=2"]  # fmt: skip
+    with pytest.raises(ValueError, match="compression.telemetry=true with parallel.schedule"):
+        load_config(None, [*circular, "compression.telemetry=true"])
+    assert load_config(None, circular).parallel.schedule == "circular"
+
+
 def test_bpe_vocab_must_fit_uint16():
     with pytest.raises(ValueError, match="model.vocab_size=70000"):
         build_config({"model": {"preset": "gpt_tiny", "vocab_size": 70000}})
