@@ -79,8 +79,12 @@ def all_reduce_seconds(link: str, nbytes: float, codec: str = "lax", algorithm: 
     return interpolated(points, nbytes)
 
 
+def _one_gpu_step() -> dict:
+    return next(r for r in _load(ONE_GPU_STEP)["results"] if r["label"] == "gpt_1p3b")
+
+
 def compute_seconds() -> float:
-    step = next(r for r in _load(ONE_GPU_STEP)["results"] if r["label"] == "gpt_1p3b")
+    step = _one_gpu_step()
     per_token = step["median_step_s"] / step["tokens_per_step"]
     bubble = (MICROBATCHES + PP - 1) / MICROBATCHES
     return SEQUENCES * SEQ * per_token / (TP * PP * DP) * bubble
@@ -118,12 +122,8 @@ def dp_seconds(link: str, compressed: bool) -> float:
     base = nvlink["gpt_350m dp=2 zero1 none"]["median_step_s"]
     label = "gpt_350m dp=2 zero1 " + ("sdp4bit" if compressed else "none")
     params_350m = steps[label]["num_params"]
-    params_per_rank = _gpt_1p3b_params() / (TP * PP)
+    params_per_rank = _one_gpu_step()["num_params"] / (TP * PP)
     return max(steps[label]["median_step_s"] - base, 0.0) * params_per_rank / params_350m
-
-
-def _gpt_1p3b_params() -> int:
-    return next(r for r in _load(ONE_GPU_STEP)["results"] if r["label"] == "gpt_1p3b")["num_params"]
 
 
 VARIANTS = {  # name: (TACO on TP, TAH-Quant on PP, SDP4Bit on DP)

@@ -393,13 +393,14 @@ def make_mesh(parallel: ParallelConfig, tp_axis: str = "tp") -> jax.sharding.Mes
 def spmd_map(parallel: ParallelConfig, f, *, mesh: jax.sharding.Mesh, in_specs, out_specs):
     """`jax.shard_map(f, mesh=mesh, ..., check_vma=False)`, or under mode "emulate" its
     emulation on one device with the sizes the layout gives `mesh`'s axes (`models.spmd`)."""
-    emulate = None
-    if parallel.mode == "emulate":  # `make_mesh`'s axes: the last is TP's
-        emulate = mesh_axes(parallel, mesh.axis_names[-1])
-        if tuple(emulate) != mesh.axis_names:
-            raise ValueError(f"mesh axes {mesh.axis_names} are not the layout's "
-                             f"{tuple(emulate)} (make_mesh builds them)")  # fmt: skip
-    return spmd.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, emulate=emulate)
+    if parallel.mode != "emulate":
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)  # fmt: skip
+    sizes = mesh_axes(parallel, mesh.axis_names[-1])  # `make_mesh`'s axes: the last is TP's
+    if tuple(sizes) != mesh.axis_names:
+        raise ValueError(f"mesh axes {mesh.axis_names} are not the layout's "
+                         f"{tuple(sizes)} (make_mesh builds them)")  # fmt: skip
+    return spmd.emulated_shard_map(f, axis_sizes=sizes, in_specs=in_specs, out_specs=out_specs)
 
 
 def _mapped(model, parallel, comm, fn, out_kind: str, mesh):

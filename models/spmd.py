@@ -142,13 +142,3 @@ def emulated_shard_map(f: Callable, *, axis_sizes: Mapping[str, int], in_specs, 
                             is_leaf=_is_spec)  # fmt: skip
 
     return emulated
-
-
-def shard_map(f: Callable, *, mesh, in_specs, out_specs,
-              emulate: Mapping[str, int] | None = None):  # fmt: skip
-    """`jax.shard_map(f, ..., check_vma=False)` over `mesh`, or with `emulate` (the mesh to
-    emulate, axis name -> size) `emulated_shard_map` on one device."""
-    if emulate is None:
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)  # fmt: skip
-    return emulated_shard_map(f, axis_sizes=emulate, in_specs=in_specs, out_specs=out_specs)
