@@ -3,8 +3,10 @@ same bytes and against their jnp references, on one GPU (BENCHMARKS.md, "Pipelin
 
     PYTHONPATH=. python benchmarks/stage_kernels.py --out $OUT
 
-For each bf16 message size (one row, as `compressed_ppermute` encodes a stage's activation) and
-each stage codec: encode (bf16 -> wire) and decode (wire -> bf16), fused and reference.
+For each bf16 message size (one row, as `compressed_ppermute` encodes a stage's activation), each
+data set (`--data`: Gaussian, Student-t, outlier channels; the encode of the G = 128 codecs
+skips the pivot's swap and H_32 on tiles without a flagged group, so the data moves its time)
+and each stage codec: encode (bf16 -> wire) and decode (wire -> bf16), fused and reference.
 Bandwidth is logical IO (bytes read + bytes written, once each); "of copy" divides it by the
 bandwidth of an XLA negate of a bf16 array of the same size (read + write), timed in the same
 run. Timings: host-dispatched batches (`_common.batched_seconds`), inputs rotating over
@@ -23,7 +25,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import batched_seconds, write_record
+from _common import activation_like, batched_seconds, write_record
 
 from pallas_kernels import tahquant_kernel as tk
 from pallas_kernels.config import BlockConfig
@@ -33,15 +35,27 @@ MiB = 1 << 20
 ROTATE_BYTES = 256 * MiB
 
 
-def _messages(size: int) -> tuple[jax.Array, list[tuple], float]:
-    """(key, bf16 rows [1, size / 2] as 1-tuples, copy seconds): enough distinct messages to
-    cover ROTATE_BYTES (at least 2), and an XLA negate of one timed over them."""
+DATA = ("gaussian", "student_t3", "outlier_channels")  # `_common.activation_like`'s sets
+
+
+def _messages(size: int, data: str = "gaussian") -> tuple[jax.Array, list[tuple], float]:
+    """(key, bf16 rows [1, size / 2] of `data` as 1-tuples, copy seconds): enough distinct
+    messages to cover ROTATE_BYTES (at least 2), and an XLA negate of one timed over them."""
     key = jax.random.key(size)
     count = max(2, ROTATE_BYTES // size)
-    xs = [(jax.random.normal(jax.random.fold_in(key, i), (1, size // 2), jnp.bfloat16),)
+    xs = [(activation_like(1, size // 2, seed=size + i, dof=3)[data].astype(jnp.bfloat16),)
           for i in range(count)]  # fmt: skip
     t_copy, _ = batched_seconds(jax.jit(lambda x: -x), xs)
     return key, xs, t_copy
+
+
+def _pivoted_tiles(codec, wire, n: int) -> float:
+    """The fraction of the encode kernel's tiles holding a flagged group (those run the swap
+    and H_32; the others skip them)."""
+    pivots = tahquant.unpack_sides(codec, wire, n)["pivots"] & tahquant.PIVOT_FLAG
+    per_tile = tk.encode_config(codec, 1, n).groups_per_tile
+    flagged = jnp.max(pivots.reshape(-1, per_tile), axis=-1) > 0
+    return float(jnp.mean(flagged))
 
 
 def _check(codec, x, key) -> dict:
@@ -54,16 +68,17 @@ def _check(codec, x, key) -> dict:
     want = tahquant.decode_wire(codec, ref, n)
     scale = float(jnp.max(jnp.abs(want)))
     return {
+        "pivoted_tiles": _pivoted_tiles(codec, ref, n) if codec.pivot else 0.0,
         "moved_codes": int(jnp.sum(codes != ref_codes)),
         "max_code_step": int(jnp.max(jnp.abs(codes - ref_codes))),
         "decode_max_err_rel": float(jnp.max(jnp.abs(decoded - want))) / scale,
     }
 
 
-def bench(size: int, names) -> dict:
+def bench(size: int, names, data: str = "gaussian") -> dict:
     elements = size // 2
-    key, xs, t_copy = _messages(size)
-    row = {"bytes": size, "copy_s": t_copy, "copy_tbps": 2 * size / t_copy / 1e12}
+    key, xs, t_copy = _messages(size, data)
+    row = {"bytes": size, "data": data, "copy_s": t_copy, "copy_tbps": 2 * size / t_copy / 1e12}
     copy_bw = 2 * size / t_copy
     for name in names:
         codec = tahquant.get_stage_codec(name)
@@ -136,11 +151,11 @@ ABLATIONS = {
 }
 
 
-def ablate(size: int, names) -> list[dict]:
+def ablate(size: int, names, data: str = "gaussian") -> list[dict]:
     """Encode time of each codec with its pivot and / or stochastic rounding switched off
     (real codecs, `TahQuant` fields): where the encode's arithmetic goes."""
     elements = size // 2
-    key, xs, t_copy = _messages(size)
+    key, xs, t_copy = _messages(size, data)
     out = []
     for name in names:
         for label, fields in ABLATIONS.items():
@@ -149,7 +164,7 @@ def ablate(size: int, names) -> list[dict]:
             inputs = [(x, jax.random.fold_in(key, i)) for i, (x,) in enumerate(xs)]
             t, _ = batched_seconds(enc, inputs)
             io = size + codec.wire_bytes(elements)
-            row = {"codec": name, "variant": label, "encode_s": t,
+            row = {"codec": name, "data": data, "variant": label, "encode_s": t,
                    "encode_of_copy": (io / t) / (2 * size / t_copy)}  # fmt: skip
             print("ABLATE", json.dumps(row), flush=True)
             out.append(row)
@@ -160,6 +175,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[4, 16, 64, 256])
     parser.add_argument("--codecs", nargs="+", default=list(tahquant.STAGE_CODEC_NAMES))
+    parser.add_argument("--data", nargs="+", choices=DATA, default=["gaussian"],
+                        help="message data (`_common.activation_like`)")  # fmt: skip
     parser.add_argument("--sweep-mib", type=float, default=None,
                         help="also time launch configurations at this size")  # fmt: skip
     parser.add_argument("--ablate-mib", type=float, default=None,
@@ -168,19 +185,24 @@ def main() -> None:
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         raise SystemExit("stage_kernels.py times compiled GPU kernels: run it on a GPU")
-    rows = [bench(int(s * MiB), args.codecs) for s in args.sizes_mib]
+    rows = [bench(int(s * MiB), args.codecs, data) for s in args.sizes_mib for data in args.data]
     np.testing.assert_array_less(  # checked before anything is recorded: a code moves by <= 1
         [row[n]["check"]["max_code_step"] for row in rows for n in args.codecs], 2
     )
     swept = sweep(int(args.sweep_mib * MiB), args.codecs) if args.sweep_mib else []
-    ablated = ablate(int(args.ablate_mib * MiB), args.codecs) if args.ablate_mib else []
+    ablated = [row for data in args.data if args.ablate_mib
+               for row in ablate(int(args.ablate_mib * MiB), args.codecs, data)]  # fmt: skip
     write_record("stage_kernels", args.out, results=rows, launch_sweep=swept, ablation=ablated)
-    print("\n| size | codec | encode % of copy | decode % of copy | vs reference (enc/dec) |")
-    print("|---|---|---|---|---|")
+    print(
+        "\n| size | data | codec | tiles pivoted | encode % of copy | decode % of copy | "
+        "vs reference (enc/dec) |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         for name in args.codecs:
             e, d = row[name]["encode"], row[name]["decode"]
-            print(f"| {row['bytes'] / MiB:g} MiB | {name} | {100 * e['of_copy']:.0f}% | "
+            print(f"| {row['bytes'] / MiB:g} MiB | {row['data']} | {name} | "
+                  f"{100 * row[name]['check']['pivoted_tiles']:.0f}% | {100 * e['of_copy']:.0f}% | "
                   f"{100 * d['of_copy']:.0f}% | {e['speedup_over_ref']:.1f}x / "
                   f"{d['speedup_over_ref']:.1f}x |")  # fmt: skip
 

@@ -113,15 +113,25 @@ _STAGE_CODECS = {
     "tahquant4": dict(bits=4, group_size=32, asymmetric=False),
 }
 STAGE_CODEC_NAMES = tuple(_STAGE_CODECS)
+# The same two grids rounding to nearest: TAH-Quant on TP traffic (the TACO paper's baseline),
+# where the collectives thread no PRNG key (`taco_jax.compressed_psum` takes these names).
+_NEAREST_CODECS = {
+    f"{name}_nearest": dict(_STAGE_CODECS[name], stochastic=False)
+    for name in ("tahquant", "tahquant4")
+}
+NEAREST_CODEC_NAMES = tuple(_NEAREST_CODECS)
 
 
 def get_stage_codec(name: str | TahQuant) -> TahQuant:
-    """The TAH-Quant codec named `name` (one of `STAGE_CODEC_NAMES`), or `name` itself."""
+    """The TAH-Quant codec named `name` (one of `STAGE_CODEC_NAMES` or `NEAREST_CODEC_NAMES`),
+    or `name` itself."""
     if isinstance(name, TahQuant):
         return name
-    if name not in _STAGE_CODECS:
-        raise ValueError(f"unknown stage codec {name!r}; choose one of {STAGE_CODEC_NAMES}")
-    return TahQuant(name=name, **_STAGE_CODECS[name])
+    fields = _STAGE_CODECS.get(name, _NEAREST_CODECS.get(name))
+    if fields is None:
+        raise ValueError(f"unknown stage codec {name!r}; choose one of "
+                         f"{STAGE_CODEC_NAMES + NEAREST_CODEC_NAMES}")  # fmt: skip
+    return TahQuant(name=name, **fields)
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,9 +171,11 @@ def _element_at(groups: jax.Array, at: jax.Array) -> jax.Array:
 
 def swap_to_front(groups: jax.Array, index: jax.Array) -> jax.Array:
     """Exchanges elements 0 and `index` of each group (its own inverse; index 0 leaves the group
-    as it is, which is what `pivot_rule` gives groups without an outlier)."""
+    as it is, bit for bit, which is what `pivot_rule` gives groups without an outlier)."""
     positions = lax.broadcasted_iota(jnp.int32, groups.shape, 1)
-    is_index, is_first = positions == index[:, None], positions == 0
+    # Index 0 selects nothing: the masked sums of `_element_at` would turn a -0.0 into +0.0.
+    moved = index[:, None] != 0
+    is_index, is_first = moved & (positions == index[:, None]), moved & (positions == 0)
     at_index, first = _element_at(groups, is_index), _element_at(groups, is_first)
     return jnp.where(is_first, at_index[:, None], jnp.where(is_index, first[:, None], groups))
 
@@ -288,12 +300,27 @@ def dequantize_groups(codec: TahQuant, codes: jax.Array, scale, lo) -> jax.Array
     return y + lo[:, None] if codec.asymmetric else y
 
 
+def pivot_forward(groups: jax.Array, flag: jax.Array, index: jax.Array) -> jax.Array:
+    """The pivot's transform of groups [M, G]: swap, then H_32 of the first block where flagged
+    (the identity on groups with flag False and index 0, as `pivot_rule` gives them)."""
+    return hadamard_front(swap_to_front(groups, index), flag)
+
+
+def pivot_inverse(groups: jax.Array, flag: jax.Array, index: jax.Array) -> jax.Array:
+    """The decoder's inverse of `pivot_forward` (up to fp32 rounding)."""
+    return swap_to_front(hadamard_front(groups, flag), index)
+
+
 def encode_groups(codec: TahQuant, groups: jax.Array, noise: jax.Array | None, *,
-                  magic_round: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:  # fmt: skip
+                  magic_round: bool = False,
+                  pivot=pivot_forward) -> tuple[jax.Array, dict[str, jax.Array]]:  # fmt: skip
     """groups [M, G] fp32 -> (codes [M, G] int32, {side field: [M]}): the whole encode but the
-    packing (the reference and the fused kernels both run it)."""
+    packing (the reference and the fused kernels both run it).
+
+    pivot: `pivot_forward`, or a function equal to it (the kernels skip it on a tile where no
+    group is flagged)."""
     flag, index = pivot_rule(groups) if codec.pivot else (None, None)
-    y = hadamard_front(swap_to_front(groups, index), flag) if codec.pivot else groups
+    y = pivot(groups, flag, index) if codec.pivot else groups
     codes, scale, lo = quantize_groups(codec, y, noise, magic_round=magic_round)
     sides = {"scales": scale, "mins": lo}
     if codec.pivot:
@@ -307,7 +334,7 @@ def decode_groups(codec: TahQuant, codes: jax.Array, sides: dict[str, jax.Array]
     if not codec.pivot:
         return y
     flag, index = pivot_fields(sides["pivots"], PIVOT_FLAG - 1)
-    return swap_to_front(hadamard_front(y, flag), index)
+    return pivot_inverse(y, flag, index)
 
 
 def pivot_fields(pivots: jax.Array, index_mask: int) -> tuple[jax.Array, jax.Array]:

@@ -160,7 +160,7 @@ def encode_wire(codec: AdaptiveTahQuant, x: jax.Array, key: jax.Array | None = N
     rows, n = x.shape
     groups = x.astype(jnp.float32).reshape(-1, GROUP_SIZE)
     flag, index = tahquant.pivot_rule(groups)
-    y = tahquant.hadamard_front(tahquant.swap_to_front(groups, index), flag)
+    y = tahquant.pivot_forward(groups, flag, index)
     wide = _wide_mask(codec, y, rows)
     noise = None
     if codec.stochastic:  # the fixed-bit codec's noise (`tahquant.uniform_noise`)
@@ -201,5 +201,5 @@ def decode_wire(codec: AdaptiveTahQuant, wire: jax.Array, n: int, dtype=jnp.floa
                       _unpack3(chunks[:, :12]) - (NARROW.qmax + 1))  # fmt: skip
     y = codecs.scale_rows(codes.astype(jnp.float32), scale)
     flag, index = tahquant.pivot_fields(pivots, WIDE_FLAG - 1)
-    y = tahquant.swap_to_front(tahquant.hadamard_front(y, flag), index)
+    y = tahquant.pivot_inverse(y, flag, index)
     return y.reshape(rows, n).astype(dtype)
