@@ -113,6 +113,35 @@ def get_stage_ops(impl: str) -> StageOps:
     )
 
 
+def codec_ops(impl: str, codec: Codec | tahquant.TahQuant) -> CodecOps:
+    """The collectives' ops for `codec` under `impl`: `get_ops(impl)` for a TP `Codec`; for a
+    round-to-nearest TAH-Quant codec (TAH-Quant on TP traffic), its stage encode and decode
+    (`get_stage_ops`), with the sums in fp32 in rank order as `codecs.decode_sum_wire` does."""
+    if isinstance(codec, Codec):
+        return get_ops(impl)
+    return _stage_collective_ops(get_stage_ops(impl))
+
+
+def _stage_collective_ops(stage: StageOps) -> CodecOps:
+    """`CodecOps` built from a TAH-Quant codec's encode and decode (no fused sums)."""
+
+    def encode(codec, x):
+        return stage.encode(codec, x, None)  # round to nearest: no key
+
+    def decode_sum(codec, wire, n, dtype=jnp.float32):
+        # One row at a time, in rank order: decoding all N rows at once would make an fp32
+        # kernel output N times the message, past the kernels' 2^31-byte buffers sooner.
+        total = stage.decode(codec, wire[:1], n, jnp.float32)[0]
+        for rank in range(1, wire.shape[0]):
+            total = total + stage.decode(codec, wire[rank : rank + 1], n, jnp.float32)[0]
+        return total.astype(dtype)
+
+    def decode_sum_reencode(codec, wire, n):
+        return encode(codec, decode_sum(codec, wire, n)[None])[0]
+
+    return CodecOps(encode, stage.decode, decode_sum, decode_sum_reencode)
+
+
 def _stage_op(kernel, reference, interpret: bool, codec, *args):
     """The kernel where it takes the codec's groups (G <= MAX_KERNEL_GROUP), else the reference."""
     if codec.group_size > _kernels().tahquant_kernel.MAX_KERNEL_GROUP:
@@ -136,7 +165,7 @@ def fused_exchange(kind: str, impl: str, codec: Codec, x: jax.Array, axis_name: 
     link (peer stores need NVLink) and for the axis (one `shard_map` mesh axis)."""
     if kind not in FUSED_KINDS:
         raise ValueError(f"unknown fused exchange {kind=}; choose one of {FUSED_KINDS}")
-    if impl not in ("auto", "pallas") or get_ops(impl) is XLA_OPS:
+    if not isinstance(codec, Codec) or impl not in ("auto", "pallas") or get_ops(impl) is XLA_OPS:
         return None
     exchange = _kernels().exchange_mosaic
     if exchange.unsupported(codec, x) is not None:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from taco_jax import _backends, codecs, policy, telemetry
+from taco_jax import _backends, codecs, policy, tahquant, telemetry
 from taco_jax.codecs import Codec
 
 MAX_SLICES = 16
@@ -45,7 +45,8 @@ class CommConfig:
     The defaults of every collective option live here; the public ops and `taco_jax.TPComm`
     take a codec (name, `Codec` or `CommConfig`) plus keyword overrides of these fields.
 
-    codec: the codec (`codec.is_identity` means the plain lax collective).
+    codec: the codec, a `Codec` or a round-to-nearest `TahQuant` (`collective_codec`;
+      `codec.is_identity` means the plain lax collective).
     impl: "auto" | "xla" | "pallas" | "pallas_interpret"; which codec kernels run.
     algorithm: "auto" | "one_shot" | "two_shot" | "fused"; how an all-reduce moves its codes
       (`ALGORITHMS`; "auto": `taco_jax.policy`). Reduce-scatter and all-gather have one each,
@@ -63,7 +64,7 @@ class CommConfig:
     telemetry: also run the exact collective and record the relative error (`taco_jax.telemetry`).
     """
 
-    codec: Codec = dataclasses.field(default_factory=codecs.get_codec)
+    codec: Codec | tahquant.TahQuant = dataclasses.field(default_factory=codecs.get_codec)
     _: dataclasses.KW_ONLY  # options by name only: adding one never shifts another
     impl: str = "auto"
     algorithm: str = "auto"
@@ -93,7 +94,7 @@ class CommConfig:
         return policy.choose(self, op, nbytes, axis_name, n_ranks, fused_available=fused)
 
 
-CodecLike = str | Codec | CommConfig
+CodecLike = str | Codec | tahquant.TahQuant | CommConfig
 # Keyword overrides the collectives accept: the CommConfig fields, and the codec's group size.
 OPTION_NAMES = ("group_size",) + tuple(
     f.name for f in dataclasses.fields(CommConfig) if f.name != "codec"
@@ -112,10 +113,35 @@ def comm_config(codec: CodecLike = codecs.DEFAULT_CODEC, **overrides) -> CommCon
         raise TypeError(f"unknown collective option(s) {unknown}; valid: {list(OPTION_NAMES)}")
     group_size = overrides.pop("group_size", None)
     if isinstance(codec, CommConfig):
-        cfg = dataclasses.replace(codec, codec=codecs.get_codec(codec.codec, group_size))
+        cfg = dataclasses.replace(codec, codec=collective_codec(codec.codec, group_size))
     else:
-        cfg = CommConfig(codecs.get_codec(codec, group_size))
+        cfg = CommConfig(collective_codec(codec, group_size))
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
+
+
+# TAH-Quant codecs the collectives take (the TACO paper's "TAH-Quant on TP" baseline).
+TAHQUANT_CODEC_NAMES = tahquant.NEAREST_CODEC_NAMES
+
+
+def collective_codec(
+    codec: str | Codec | tahquant.TahQuant, group_size: int | None = None
+) -> Codec | tahquant.TahQuant:
+    """The codec a collective runs: a TP codec (`codecs.get_codec`: a name of `CODEC_NAMES` or
+    a `Codec`, group_size overriding its G), or a round-to-nearest TAH-Quant codec (a name of
+    `TAHQUANT_CODEC_NAMES` or a `TahQuant`; its G is part of it, so group_size may only repeat it).
+    Raises ValueError for a TAH-Quant codec that rounds stochastically: the collectives thread
+    no PRNG key."""
+    stage_names = TAHQUANT_CODEC_NAMES + tahquant.STAGE_CODEC_NAMES
+    if not isinstance(codec, tahquant.TahQuant) and codec not in stage_names:
+        return codecs.get_codec(codec, group_size)
+    stage = tahquant.get_stage_codec(codec)
+    if stage.stochastic:
+        raise ValueError(f"codec {stage.name!r} rounds stochastically, and the collectives "
+                         f"thread no PRNG key; choose one of {TAHQUANT_CODEC_NAMES}")  # fmt: skip
+    if group_size not in (None, stage.group_size):
+        raise ValueError(f"{group_size=} differs from codec {stage.name!r}'s own "
+                         f"group_size={stage.group_size}")  # fmt: skip
+    return stage
 
 
 def fwd_bwd_configs(
@@ -168,7 +194,7 @@ def _reduce_scatter_rows(
 ) -> jax.Array:
     """rows [N, n] (n multiple of G) -> this rank's sum [n] (summed in fp32, stored as `dtype`),
     or its re-encoded wire [B]."""
-    ops = _backends.get_ops(cfg.impl)
+    ops = _backends.codec_ops(cfg.impl, cfg.codec)
     n = rows.shape[-1]
     received = exchange_rows(ops.encode(cfg.codec, rows), axis_name)
     if reencode:
@@ -190,7 +216,7 @@ def _gather_wire(
 ) -> jax.Array:
     """wire [B] of this rank's chunk -> every rank's decoded chunk [N, n]."""
     gathered = _all_gather_wire(wire, axis_name, invariant=invariant)
-    return _backends.get_ops(cfg.impl).decode(cfg.codec, gathered, n, dtype)
+    return _backends.codec_ops(cfg.impl, cfg.codec).decode(cfg.codec, gathered, n, dtype)
 
 
 def varies_along(x: jax.Array, axis_name: AxisName) -> bool:
@@ -303,7 +329,7 @@ def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) ->
     one_row = choice.algorithm in ("one_shot", "fused")  # else two-shot: a row per rank
     rows_of = 1 if one_row else n_ranks
     cfg = _addressable(cfg, x, n_ranks, rows=rows_of)
-    ops = _backends.get_ops(cfg.impl)
+    ops = _backends.codec_ops(cfg.impl, cfg.codec)
 
     def two_shot(piece):  # piece: [N, m / slices], row j for rank j
         n = piece.shape[-1]
@@ -358,7 +384,7 @@ def _reduce_scatter(
         exchange = fused and _fused_exchange("all_to_all", piece, axis_name, cfg)
         if not exchange:
             return _reduce_scatter_rows(piece, axis_name, cfg, reencode=False, dtype=x.dtype)
-        ops = _backends.get_ops(cfg.impl)
+        ops = _backends.codec_ops(cfg.impl, cfg.codec)
         return ops.decode_sum(cfg.codec, exchange(piece), piece.shape[-1], x.dtype)
 
     block = _sliced(reduce_scatter, rows, cfg.slices)[:size].reshape(block_shape)
@@ -385,7 +411,7 @@ def _all_gather(
         # N = 1 moves nothing; the lax op then only adds or keeps the gathered axis.
         return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
     cfg = _addressable(cfg, x, n_ranks, rows=1, gathers=True)
-    ops = _backends.get_ops(cfg.impl)
+    ops = _backends.codec_ops(cfg.impl, cfg.codec)
     row, size = codecs.pad_to_multiple(x.reshape(1, -1), _row_multiple(cfg, fused))
 
     def gather(piece):  # piece: [1, n]
@@ -469,7 +495,8 @@ def compressed_psum(
       axis_name: a bound `shard_map` mesh axis or `vmap` axis name, or a tuple of mesh axes
         (the group is then their product, in mesh order, as for `lax.psum`).
       codec: a name from `taco_jax.CODEC_NAMES`, a `Codec`, or a `CommConfig`. "none" runs
-        `lax.psum` itself.
+        `lax.psum` itself. TAH-Quant's grids (`TAHQUANT_CODEC_NAMES`, rounding to nearest) run
+        too, as a baseline: their decode-sums are the stage kernels' decodes summed by XLA.
       bwd_codec: codec of the backward psum (see Backward); None means `codec`.
       name: this collective's label in `taco_jax.telemetry`.
       **overrides: any `CommConfig` option, applied to both directions: `group_size` (G,

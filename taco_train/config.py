@@ -48,9 +48,11 @@ _COMM = taco_jax.CommConfig  # the collectives' option defaults, in one place
 class CompressionConfig:
     """How every TP collective is compressed; see `taco_jax.TPComm.create`.
 
-    fwd / bwd: codec names (`taco_jax.CODEC_NAMES`) for activations / activation gradients; bwd
+    fwd / bwd: codec names (`taco_jax.CODEC_NAMES`, or TAH-Quant's round-to-nearest grids
+      `taco_jax.collectives.TAHQUANT_CODEC_NAMES`) for activations / activation gradients; bwd
       None means the same as fwd.
-    group_size, impl, algorithm, slices, min_compress_bytes, link: the collective options of
+    group_size: G of the TP codecs (None: 128); a TAH-Quant codec keeps its own.
+    impl, algorithm, slices, min_compress_bytes, link: the collective options of
       `taco_jax.CommConfig` (and the codec's group size), with the library's defaults
       (min_compress_bytes unset: `taco_jax.policy` decides).
     telemetry: record the relative error of every compressed collective against the exact one
@@ -70,7 +72,7 @@ class CompressionConfig:
 
     fwd: str = codecs.DEFAULT_CODEC
     bwd: str | None = None
-    group_size: int = codecs.DEFAULT_GROUP_SIZE
+    group_size: int | None = None
     impl: str = _COMM.impl
     algorithm: str = _COMM.algorithm
     slices: int = _COMM.slices
@@ -85,12 +87,15 @@ class CompressionConfig:
     dp_param: str = "none"
 
     def __post_init__(self):
-        for name in ("fwd", "bwd", "pp_grads"):
+        tp_names = taco_jax.CODEC_NAMES + taco_jax.collectives.TAHQUANT_CODEC_NAMES
+        for name, valid in (
+            ("fwd", tp_names),
+            ("bwd", tp_names),
+            ("pp_grads", taco_jax.CODEC_NAMES),
+        ):
             codec = getattr(self, name)
-            if codec is not None and codec not in taco_jax.CODEC_NAMES:
-                raise ConfigError(
-                    f"compression.{name}={codec!r} is not one of {taco_jax.CODEC_NAMES}"
-                )
+            if codec is not None and codec not in valid:
+                raise ConfigError(f"compression.{name}={codec!r} is not one of {valid}")
         stage_names = taco_jax.ppermute.CODEC_NAMES
         for name in ("pp", "pp_bwd"):
             codec = getattr(self, name)

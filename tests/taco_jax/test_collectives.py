@@ -23,7 +23,7 @@ from tp_testing import MODES, run_tp
 
 import pallas_kernels
 import taco_jax as tj
-from taco_jax import codecs, telemetry
+from taco_jax import codecs, tahquant, telemetry
 
 U = 2.0**-4
 TP_SIZES = (2, 4, 8)
@@ -683,3 +683,116 @@ def test_the_reference_codec_has_no_buffer_limit():
     cfg = tj.comm_config("taco", impl="xla")
     assert tj.collectives._addressable(cfg, jnp.zeros((8,)), 2, rows=1) is cfg
     assert tj._backends.max_buffer_bytes("xla") is None
+
+
+# ------------------------------------------------------------------ TAH-Quant's grids on TP
+
+
+def _stage_replay(codec, x):
+    """docs/method.md "Collectives" replayed chunk by chunk with TAH-Quant's own round trip, for
+    x [N, N c] (whole groups per chunk): what each rank receives, [N, ...] per op."""
+    tp = x.shape[0]
+
+    def roundtrip(rows):
+        return tahquant.roundtrip(codec, rows)
+
+    def everywhere(value):
+        return jnp.broadcast_to(value, (tp, *value.shape))
+
+    chunks = x.reshape(tp, tp, -1)  # [rank, destination chunk, c]
+    scattered = jnp.stack([jnp.sum(roundtrip(chunks[:, j]), axis=0) for j in range(tp)])
+    return {
+        "two_shot": everywhere(roundtrip(scattered).reshape(-1)),
+        "one_shot": everywhere(jnp.sum(roundtrip(x), axis=0)),
+        "scatter": scattered,
+        "gather": everywhere(roundtrip(chunks[:, 0]).reshape(-1)),
+    }
+
+
+@pytest.mark.parametrize("name", tj.collectives.TAHQUANT_CODEC_NAMES)
+def test_tahquant_grids_on_tp_match_a_host_side_replay(name):
+    """TAH-Quant on TP traffic (the TACO paper's baseline) runs the TP codecs' exchanges with
+    TAH-Quant's round trip (round to nearest). An output element depends on its own group only,
+    so a misrouted chunk, a wrong peer order or a skipped re-encode moves whole groups by whole
+    steps. What may differ is fp32 rounding of the N-term sums (an FMA may contract a decode
+    into a sum): <= N 2^-24 of the sum of magnitudes, doubled for the re-encode, which carries
+    it through except where a value lands on a rounding tie; the all-gather sums nothing (a few
+    ulp of the value). Ties: Gaussian data puts a value within 2 N 2^-24 relative of one with
+    probability ~1e-5 per element, so at most MAX_TIES of these 4 x 4096 may differ by more,
+    each by at most one step of one rank's group: `_one_step`."""
+    tp = 4
+    codec = tahquant.get_stage_codec(name)
+    x = _ranks(tp, (tp * 1024,), seed=180)
+    steps = _one_step(codec, x)  # [n], one step of every rank's group summed
+    # The all-gather's element r * 1024 + i is rank r's own x[r, i], rounded once.
+    gather_steps = np.concatenate([_one_step(codec, x[r : r + 1, :1024]) for r in range(tp)])
+    step_of = {"two_shot": steps, "one_shot": steps, "scatter": steps.reshape(tp, -1)}
+
+    def ops(v):
+        return {
+            "two_shot": tj.compressed_psum(v, "tp", codec=name, impl="xla", algorithm="two_shot"),
+            "one_shot": tj.compressed_psum(v, "tp", codec=name, impl="xla", algorithm="one_shot"),
+            "scatter": tj.compressed_psum_scatter(v, "tp", tiled=True, codec=name, impl="xla"),
+            "gather": tj.compressed_all_gather(v[:1024], "tp", tiled=True, codec=name, impl="xla"),
+        }
+
+    outs = run_tp(ops, x, tp=tp, mode="shard_map")
+    sum_level = 2 * tp * 2.0**-24 * np.asarray(jnp.sum(jnp.abs(x), axis=0))
+    for op, want in _stage_replay(codec, x).items():
+        want, got = np.asarray(want), np.asarray(outs[op])
+        if op == "gather":
+            level = 4 * 2.0**-24 * np.abs(want)
+        elif op == "scatter":  # rank r holds chunk r
+            level = sum_level.reshape(tp, -1)
+        else:
+            level = np.broadcast_to(sum_level, want.shape)
+        diff = np.abs(got - want)
+        assert int(np.sum(diff > level)) <= MAX_TIES, f"{op}: {int(np.sum(diff > level))} ties"
+        assert bool(np.all(diff <= step_of.get(op, gather_steps) + level)), op
+
+
+def _one_step(codec, x):
+    """x [N, ..., n] -> [..., n]: the sum over the N ranks of one quantization step of each
+    element's group, a bound for a tie rounded the other way by any rank or by the re-encode of
+    their sum (whose group's range is at most the sum of theirs). A step is absmax / (2^(b-1) - 1)
+    on the symmetric grid and span / (2^b - 1) <= 2 absmax / (2^b - 1) on the asymmetric one; the
+    pivot's orthonormal H_32 grows a group's absmax by at most sqrt(32) and its inverse spreads a
+    step over 32 elements by 1 / sqrt(32) each, so the bound holds in pivoted groups too."""
+    levels = 2 ** (codec.bits - 1) - 1 if not codec.asymmetric else (2**codec.bits - 1) / 2
+    groups = np.abs(np.asarray(x)).reshape(*x.shape[:-1], -1, codec.group_size)
+    step = groups.max(axis=-1, keepdims=True) / levels
+    return np.broadcast_to(step, groups.shape).reshape(x.shape).sum(axis=0)
+
+
+def test_tahquant_grids_on_tp_run_the_stage_kernels():
+    """impl="pallas_interpret" runs the fused stage kernels (`pallas_kernels.tahquant_kernel`)
+    inside the collectives: equal to the reference path within the replay test's rule."""
+    tp, name = 2, "tahquant4_nearest"
+    x = _ranks(tp, (2048,), seed=185)
+    outs = {
+        impl: run_tp(lambda v, i=impl: tj.compressed_psum(v, "tp", codec=name, impl=i), x,
+                     tp=tp, mode="vmap")
+        for impl in ("xla", "pallas_interpret")
+    }  # fmt: skip
+    level = 2 * tp * 2.0**-24 * np.asarray(jnp.sum(jnp.abs(x), axis=0))
+    diff = np.abs(np.asarray(outs["pallas_interpret"]) - np.asarray(outs["xla"]))
+    assert int(np.sum(diff > level)) <= MAX_TIES
+    assert bool(np.all(diff <= _one_step(tahquant.get_stage_codec(name), x) + level))
+    _assert_rank_identical(outs["pallas_interpret"])
+    jaxpr = str(
+        jax.make_jaxpr(
+            jax.vmap(
+                lambda v: tj.compressed_psum(v, "tp", codec=name, impl="pallas_interpret"),
+                axis_name="tp",
+            )  # fmt: skip
+        )(x)
+    )
+    assert "pallas_call" in jaxpr, "the stage kernels did not run"
+
+
+def test_tahquant_on_tp_errors_name_the_offending_value():
+    x = _ranks(2, (256,))
+    with pytest.raises(ValueError, match="'tahquant' rounds stochastically"):
+        tj.compressed_psum(x, "tp", codec="tahquant")
+    with pytest.raises(ValueError, match="group_size=128 differs"):
+        tj.compressed_psum(x, "tp", codec="tahquant4_nearest", group_size=128)

@@ -67,6 +67,14 @@ def test_int_widens_to_float_and_strings_parse():
     assert load_config(None, ["compression.bwd=none"]).compression.bwd == "none"
 
 
+def test_tp_takes_tahquant_grids_with_their_own_group_size():
+    cfg = load_config(None, ["compression.fwd=tahquant4_nearest"]).compression
+    assert cfg.make_comm().fwd.codec.group_size == 32  # its own G, not the TP codecs' 128
+    assert load_config(None, []).compression.make_comm().fwd.codec.group_size == 128
+    with pytest.raises(ValueError, match="group_size=64 differs"):
+        load_config(None, ["compression.fwd=tahquant4_nearest", "compression.group_size=64"])
+
+
 @pytest.mark.parametrize(
     "override, message",
     [

@@ -31,17 +31,18 @@ def _batch(global_batch: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "parallel",
+    "parallel,codec",
     [
-        ParallelConfig(dp=2, tp=4, sequence_parallel=True, remat=True),
-        ParallelConfig(dp=2, tp=2, mode="vmap"),
+        (ParallelConfig(dp=2, tp=4, sequence_parallel=True, remat=True), "taco"),
+        (ParallelConfig(dp=2, tp=2, mode="vmap"), "taco"),
+        (ParallelConfig(dp=2, tp=2, mode="vmap"), "tahquant4_nearest"),  # TAH-Quant on TP
     ],
-    ids=["shard_map-dp2-tp4-sp-remat", "vmap-dp2-tp2"],
+    ids=["shard_map-dp2-tp4-sp-remat", "vmap-dp2-tp2", "vmap-dp2-tp2-tahquant4"],
 )
-def test_train_steps_lower_the_loss(parallel):
+def test_train_steps_lower_the_loss(parallel, codec):
     if jax.device_count() < parallel.num_devices:
         pytest.skip(f"needs {parallel.num_devices} devices")
-    comm = taco_jax.TPComm.create("tp", fwd="taco", impl="xla")
+    comm = taco_jax.TPComm.create("tp", fwd=codec, impl="xla")
     steps = make_steps(CFG, parallel, comm, optax.adamw(3e-3))
     state = steps.init(jax.random.key(0))
     if parallel.mode == "shard_map":
