@@ -35,6 +35,7 @@ machines and sessions; `--report-only` trains nothing and only merges, compares 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import pathlib
@@ -243,13 +244,21 @@ def plot(runs: list[dict], png: pathlib.Path) -> None:
     fig, axes = plt.subplots(1, len(layouts), figsize=(6 * len(layouts), 4.5), squeeze=False)
     for ax, layout in zip(axes[0], layouts, strict=True):
         group = [r for r in runs if layout_of(r) == layout]
-        for r in sorted(group, key=lambda r: r["codec"]):
+        # One color per codec (bf16 black), one line style per seed.
+        codecs_here = sorted({r["codec"] for r in group} - {"none"})
+        palette = plt.get_cmap("tab10" if len(codecs_here) <= 10 else "tab20").colors
+        colors = dict(zip(codecs_here, itertools.cycle(palette)))  # repeats past 20 codecs
+        colors["none"] = "black"
+        seeds = sorted({r["seed"] for r in group})
+        styles = dict(zip(seeds, ["-", "--", ":", "-."] * len(seeds), strict=False))
+        for r in sorted(group, key=lambda r: (r["codec"], r["seed"])):
             steps, losses = zip(*r["val_curve"], strict=True) if r["val_curve"] else ((), ())
             ax.plot(
                 steps,
                 losses,
                 label=f"{r['codec']} (seed {r['seed']})",
-                linestyle="-" if r["codec"] != "none" else "--",
+                color=colors[r["codec"]],
+                linestyle=styles[r["seed"]],
             )
         ax.set_title(_title(layout))
         ax.set_xlabel("step")
