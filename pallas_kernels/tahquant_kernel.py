@@ -56,7 +56,7 @@ def _encode_pivot(codec: TahQuant):
         return tahquant.pivot_forward
 
     def tile_pivot(groups, flag, index):
-        any_flag = jnp.max(flag.astype(jnp.int32)) > 0
+        any_flag = jnp.max(flag.astype(jnp.int32)) > 0  # "any", as an integer max reduction
         return lax.cond(any_flag, tahquant.pivot_forward, lambda g, f, i: g, groups, flag, index)
 
     return tile_pivot

@@ -132,6 +132,9 @@ def collective_codec(
     Raises ValueError for a TAH-Quant codec that rounds stochastically: the collectives thread
     no PRNG key."""
     stage_names = TAHQUANT_CODEC_NAMES + tahquant.STAGE_CODEC_NAMES
+    if isinstance(codec, str) and codec not in codecs.CODEC_NAMES + stage_names:
+        raise ValueError(f"unknown codec {codec!r}; choose one of "
+                         f"{codecs.CODEC_NAMES + TAHQUANT_CODEC_NAMES}")  # fmt: skip
     if not isinstance(codec, tahquant.TahQuant) and codec not in stage_names:
         return codecs.get_codec(codec, group_size)
     stage = tahquant.get_stage_codec(codec)
@@ -296,8 +299,9 @@ def _addressable(
 
     The message, x's elements, is laid out as `rows` rows (1: one-shot, fused and all-gather;
     N: two-shot and reduce-scatter, a row per rank), each padded per slice. A slice's largest
-    buffers are then its rows of values (N times that for an all-gather's output: `gathers`)
-    and N wire rows of one row's elements (gathered, or one from each rank). The padding is
+    buffers are then its rows of values (N times that for an all-gather's output: `gathers`),
+    N wire rows of one row's elements (gathered, or one from each rank) and, for a TAH-Quant
+    codec, one row decoded to fp32. The padding is
     taken at its largest (the fused kernels'), so this over-approximates a little. Slices do not
     change a value (each encodes whole groups), except where a slice falls below the Mosaic
     encode's threshold (`MOSAIC_MIN_TILES`, 64 MiB), whose Triton encode may round ties apart.
@@ -310,7 +314,9 @@ def _addressable(
     for slices in range(cfg.slices, MAX_SLICES + 1):
         row = math.ceil(x.size / rows / slices / padding) * padding  # a slice's row, padded
         values = (n_ranks if gathers else 1) * rows * row * itemsize
-        if max(values, n_ranks * cfg.codec.wire_bytes(row)) <= limit:
+        # TAH-Quant's decode-sum (no fused kernel) decodes each row to fp32 first.
+        decoded = 0 if isinstance(cfg.codec, Codec) else 4 * row
+        if max(values, decoded, n_ranks * cfg.codec.wire_bytes(row)) <= limit:
             return cfg if slices == cfg.slices else dataclasses.replace(cfg, slices=slices)
     raise ValueError(
         f"a message of {x.size} elements per rank over {n_ranks} ranks does not fit the "
