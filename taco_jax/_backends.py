@@ -115,8 +115,8 @@ def get_stage_ops(impl: str) -> StageOps:
 
 def codec_ops(impl: str, codec: Codec | tahquant.TahQuant) -> CodecOps:
     """The collectives' ops for `codec` under `impl`: `get_ops(impl)` for a TP `Codec`; for a
-    round-to-nearest TAH-Quant codec (TAH-Quant on TP traffic), its stage encode and decode
-    (`get_stage_ops`), with the sums in fp32 in rank order as `codecs.decode_sum_wire` does."""
+    TAH-Quant codec (TAH-Quant on TP traffic), its stage encode and decode (`get_stage_ops`),
+    with the sums in fp32 in rank order as `codecs.decode_sum_wire` does."""
     if isinstance(codec, Codec):
         return get_ops(impl)
     return _stage_collective_ops(get_stage_ops(impl))
@@ -126,7 +126,8 @@ def _stage_collective_ops(stage: StageOps) -> CodecOps:
     """`CodecOps` built from a TAH-Quant codec's encode and decode (no fused sums)."""
 
     def encode(codec, x):
-        return stage.encode(codec, x, None)  # round to nearest: no key
+        # The collectives take no key: stochastic rounding hashes one from the message.
+        return stage.encode(codec, x, tahquant.message_key(x) if codec.stochastic else None)
 
     def decode_sum(codec, wire, n, dtype=jnp.float32):
         # One row at a time, in rank order: decoding all N rows at once would make an fp32

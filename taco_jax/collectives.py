@@ -45,7 +45,7 @@ class CommConfig:
     The defaults of every collective option live here; the public ops and `taco_jax.TPComm`
     take a codec (name, `Codec` or `CommConfig`) plus keyword overrides of these fields.
 
-    codec: the codec, a `Codec` or a round-to-nearest `TahQuant` (`collective_codec`;
+    codec: the codec, a `Codec` or a `TahQuant` (`collective_codec`;
       `codec.is_identity` means the plain lax collective).
     impl: "auto" | "xla" | "pallas" | "pallas_interpret"; which codec kernels run.
     algorithm: "auto" | "one_shot" | "two_shot" | "fused"; how an all-reduce moves its codes
@@ -119,28 +119,25 @@ def comm_config(codec: CodecLike = codecs.DEFAULT_CODEC, **overrides) -> CommCon
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 
-# TAH-Quant codecs the collectives take (the TACO paper's "TAH-Quant on TP" baseline).
-TAHQUANT_CODEC_NAMES = tahquant.NEAREST_CODEC_NAMES
+# TAH-Quant codecs the collectives take (the TACO paper's "TAH-Quant on TP" baseline): the
+# stochastic ones draw their noise from `tahquant.message_key` (the collectives take no key).
+TAHQUANT_CODEC_NAMES = tahquant.STAGE_CODEC_NAMES + tahquant.NEAREST_CODEC_NAMES
 
 
 def collective_codec(
     codec: str | Codec | tahquant.TahQuant, group_size: int | None = None
 ) -> Codec | tahquant.TahQuant:
     """The codec a collective runs: a TP codec (`codecs.get_codec`: a name of `CODEC_NAMES` or
-    a `Codec`, group_size overriding its G), or a round-to-nearest TAH-Quant codec (a name of
-    `TAHQUANT_CODEC_NAMES` or a `TahQuant`; its G is part of it, so group_size may only repeat it).
-    Raises ValueError for a TAH-Quant codec that rounds stochastically: the collectives thread
-    no PRNG key."""
-    stage_names = TAHQUANT_CODEC_NAMES + tahquant.STAGE_CODEC_NAMES
-    if isinstance(codec, str) and codec not in codecs.CODEC_NAMES + stage_names:
+    a `Codec`, group_size overriding its G), or a TAH-Quant codec (a name of
+    `TAHQUANT_CODEC_NAMES` or a `TahQuant`; its G is part of it, so group_size may only repeat
+    it). A stochastic TAH-Quant codec draws its noise from each encoded message's own bits
+    (`tahquant.message_key`)."""
+    if isinstance(codec, str) and codec not in codecs.CODEC_NAMES + TAHQUANT_CODEC_NAMES:
         raise ValueError(f"unknown codec {codec!r}; choose one of "
                          f"{codecs.CODEC_NAMES + TAHQUANT_CODEC_NAMES}")  # fmt: skip
-    if not isinstance(codec, tahquant.TahQuant) and codec not in stage_names:
+    if not isinstance(codec, tahquant.TahQuant) and codec not in TAHQUANT_CODEC_NAMES:
         return codecs.get_codec(codec, group_size)
     stage = tahquant.get_stage_codec(codec)
-    if stage.stochastic:
-        raise ValueError(f"codec {stage.name!r} rounds stochastically, and the collectives "
-                         f"thread no PRNG key; choose one of {TAHQUANT_CODEC_NAMES}")  # fmt: skip
     if group_size not in (None, stage.group_size):
         raise ValueError(f"{group_size=} differs from codec {stage.name!r}'s own "
                          f"group_size={stage.group_size}")  # fmt: skip
@@ -501,8 +498,9 @@ def compressed_psum(
       axis_name: a bound `shard_map` mesh axis or `vmap` axis name, or a tuple of mesh axes
         (the group is then their product, in mesh order, as for `lax.psum`).
       codec: a name from `taco_jax.CODEC_NAMES`, a `Codec`, or a `CommConfig`. "none" runs
-        `lax.psum` itself. TAH-Quant's grids (`TAHQUANT_CODEC_NAMES`, rounding to nearest) run
-        too, as a baseline: their decode-sums are the stage kernels' decodes summed by XLA.
+        `lax.psum` itself. TAH-Quant's codecs (`TAHQUANT_CODEC_NAMES`) run too, as a baseline:
+        their decode-sums are the stage kernels' decodes summed by XLA, and the stochastic ones
+        draw their noise from each message's bits (`tahquant.message_key`).
       bwd_codec: codec of the backward psum (see Backward); None means `codec`.
       name: this collective's label in `taco_jax.telemetry`.
       **overrides: any `CommConfig` option, applied to both directions: `group_size` (G,

@@ -113,8 +113,8 @@ _STAGE_CODECS = {
     "tahquant4": dict(bits=4, group_size=32, asymmetric=False),
 }
 STAGE_CODEC_NAMES = tuple(_STAGE_CODECS)
-# The same two grids rounding to nearest: TAH-Quant on TP traffic (the TACO paper's baseline),
-# where the collectives thread no PRNG key (`taco_jax.compressed_psum` takes these names).
+# The same two grids rounding to nearest (the TP collectives take these and the stochastic ones,
+# `taco_jax.collectives.TAHQUANT_CODEC_NAMES`).
 _NEAREST_CODECS = {
     f"{name}_nearest": dict(_STAGE_CODECS[name], stochastic=False)
     for name in ("tahquant", "tahquant4")
@@ -248,6 +248,23 @@ def uniform_noise(seeds, pairs: jax.Array) -> jax.Array:
     u = [(half.astype(jnp.int32).astype(jnp.float32) + 0.5) * np.float32(2.0**-16)
          for half in halves]  # fmt: skip
     return lax.stack(u, axis=-1).reshape(*pairs.shape[:-1], 2 * pairs.shape[-1])
+
+
+def message_key(x: jax.Array) -> jax.Array:
+    """A PRNG key hashed from the bits of `x` and their positions: the stochastic rounding's key
+    where no caller threads one (TAH-Quant on TP traffic, `taco_jax.collectives`).
+
+    h = sum_i mix(bits_i ^ mix(i)) mod 2^32, then `jax.random.key(h)`. A message draws the same
+    noise whenever it is sent again (a resumed run reproduces the uninterrupted one), and one
+    that differs in any element draws a different h (the mixer is a bijection, so the changed
+    term changes the sum) and with it unrelated noise. For a given message the rounding is
+    fixed; across the messages of a training run (other steps, layers, ranks) it is unbiased
+    as the keyed rounding is. Two ranks sending identical messages draw identical noise, so
+    their errors add as round-to-nearest's do."""
+    width = jnp.dtype(x.dtype).itemsize * 8
+    bits = lax.bitcast_convert_type(x.reshape(-1), jnp.dtype(f"uint{width}")).astype(jnp.uint32)
+    index = jnp.arange(bits.size, dtype=jnp.uint32)
+    return jax.random.key(jnp.sum(_mix32(bits ^ _mix32(index)), dtype=jnp.uint32))
 
 
 def pair_counters(rows: int, n: int) -> jax.Array:

@@ -48,7 +48,7 @@ _COMM = taco_jax.CommConfig  # the collectives' option defaults, in one place
 class CompressionConfig:
     """How every TP collective is compressed; see `taco_jax.TPComm.create`.
 
-    fwd / bwd: codec names (`taco_jax.CODEC_NAMES`, or TAH-Quant's round-to-nearest grids
+    fwd / bwd: codec names (`taco_jax.CODEC_NAMES`, or TAH-Quant's codecs
       `taco_jax.collectives.TAHQUANT_CODEC_NAMES`) for activations / activation gradients; bwd
       None means the same as fwd.
     group_size: G of the TP codecs (None: 128); a TAH-Quant codec keeps its own.

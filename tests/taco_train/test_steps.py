@@ -35,7 +35,7 @@ def _batch(global_batch: int) -> np.ndarray:
     [
         (ParallelConfig(dp=2, tp=4, sequence_parallel=True, remat=True), "taco"),
         (ParallelConfig(dp=2, tp=2, mode="vmap"), "taco"),
-        (ParallelConfig(dp=2, tp=2, mode="vmap"), "tahquant4_nearest"),  # TAH-Quant on TP
+        (ParallelConfig(dp=2, tp=2, mode="vmap"), "tahquant4"),  # TAH-Quant on TP, stochastic
     ],
     ids=["shard_map-dp2-tp4-sp-remat", "vmap-dp2-tp2", "vmap-dp2-tp2-tahquant4"],
 )
