@@ -853,13 +853,14 @@ def test_stochastic_tahquant_on_tp_rounds_without_bias(name):
     x, between = _between_steps(name, tp, groups=96)
     head, value, _ = _BETWEEN_STEPS[name]
 
+    def gather(v, codec):
+        return tj.compressed_all_gather(v, "tp", tiled=True, codec=codec, impl="xla")
+
     def ops(v):
         return {
-            "gather": tj.compressed_all_gather(v, "tp", tiled=True, codec=name, impl="xla"),
-            "one_shot": tj.compressed_psum(v, "tp", codec=name, impl="xla",
-                                           algorithm="one_shot"),  # fmt: skip
-            "nearest": tj.compressed_all_gather(v, "tp", tiled=True, codec=f"{name}_nearest",
-                                                impl="xla"),  # fmt: skip
+            "gather": gather(v, name),
+            "one_shot": tj.compressed_psum(v, "tp", codec=name, impl="xla", algorithm="one_shot"),
+            "nearest": gather(v, f"{name}_nearest"),
         }
 
     outs = run_tp(ops, x, tp=tp, mode="shard_map")
