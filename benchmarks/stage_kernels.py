@@ -6,7 +6,8 @@ same bytes and against their jnp references, on one GPU (BENCHMARKS.md, "Pipelin
 For each bf16 message size (one row, as `compressed_ppermute` encodes a stage's activation), each
 data set (`--data`: Gaussian, Student-t, outlier channels; the encode of the G = 128 codecs
 skips the pivot's swap and H_32 on tiles without a flagged group, so the data moves its time)
-and each stage codec: encode (bf16 -> wire) and decode (wire -> bf16), fused and reference.
+and each stage codec (or SDP4Bit code: `--codecs tlq_hs4 qwd`): encode (bf16 -> wire) and
+decode (wire -> bf16), fused and reference.
 Bandwidth is logical IO (bytes read + bytes written, once each); "of copy" divides it by the
 bandwidth of an XLA negate of a bf16 array of the same size (read + write), timed in the same
 run. Timings: host-dispatched batches (`_common.batched_seconds`), inputs rotating over
@@ -29,13 +30,20 @@ from _common import activation_like, batched_seconds, write_record
 
 from pallas_kernels import tahquant_kernel as tk
 from pallas_kernels.config import BlockConfig
-from taco_jax import tahquant
+from taco_jax import sdp4bit, tahquant
 
 MiB = 1 << 20
 ROTATE_BYTES = 256 * MiB
 
 
 DATA = ("gaussian", "student_t3", "outlier_channels")  # `_common.activation_like`'s sets
+# SDP4Bit's codes run on the same kernels (`taco_jax.sdp4bit`): --codecs takes their names too.
+SDP4BIT_CODECS = {c.name: c for c in (sdp4bit.TLQ_INNER, sdp4bit.TLQ_OUTER, sdp4bit.QWD)}
+
+
+def _codec(name: str) -> tahquant.TahQuant:
+    """A stage codec (`tahquant.STAGE_CODEC_NAMES`) or an SDP4Bit code (`SDP4BIT_CODECS`)."""
+    return SDP4BIT_CODECS.get(name) or tahquant.get_stage_codec(name)
 
 
 def _messages(size: int, data: str = "gaussian") -> tuple[jax.Array, list[tuple], float]:
@@ -81,7 +89,7 @@ def bench(size: int, names, data: str = "gaussian") -> dict:
     row = {"bytes": size, "data": data, "copy_s": t_copy, "copy_tbps": 2 * size / t_copy / 1e12}
     copy_bw = 2 * size / t_copy
     for name in names:
-        codec = tahquant.get_stage_codec(name)
+        codec = _codec(name)
         wire_bytes = codec.wire_bytes(elements)
         keys = [jax.random.fold_in(key, 1000 + i) for i in range(len(xs))]
         enc_in = [(x, k) for (x,), k in zip(xs, keys, strict=True)]
@@ -122,7 +130,7 @@ def sweep(size: int, names) -> list[dict]:
     key, xs, t_copy = _messages(size)
     out = []
     for name in names:
-        codec = tahquant.get_stage_codec(name)
+        codec = _codec(name)
         io = size + codec.wire_bytes(elements)
         enc_in = [(x, jax.random.fold_in(key, i)) for i, (x,) in enumerate(xs)]
         wires = [(tahquant.encode_wire(codec, x, k),) for x, k in enc_in]
@@ -159,7 +167,7 @@ def ablate(size: int, names, data: str = "gaussian") -> list[dict]:
     out = []
     for name in names:
         for label, fields in ABLATIONS.items():
-            codec = dataclasses.replace(tahquant.get_stage_codec(name), **fields)
+            codec = dataclasses.replace(_codec(name), **fields)
             enc = jax.jit(lambda x, k, c=codec: tk.encode(c, x, k if c.stochastic else None))
             inputs = [(x, jax.random.fold_in(key, i)) for i, (x,) in enumerate(xs)]
             t, _ = batched_seconds(enc, inputs)

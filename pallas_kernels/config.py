@@ -100,6 +100,8 @@ class BlockConfig:
       b columns, combined by butterflies on the low index bits).
     signs_in_kernel: build that block from an iota in each program instead of loading it.
     prefetch: in the tile loop, load tile k + 1 before processing tile k.
+    dot: the kernel applies a tensor-core dot over the tile's groups (then it needs >= 16 of
+      them); False lets a kernel without one tile fewer, larger groups.
     """
 
     groups_per_tile: int
@@ -109,13 +111,14 @@ class BlockConfig:
     hadamard_dot: int = MAX_DOT_HADAMARD
     signs_in_kernel: bool = False
     prefetch: bool = False
+    dot: bool = True
 
     def __post_init__(self):
         for name in ("groups_per_tile", "tiles_per_program", "hadamard_dot"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"BlockConfig.{name}={value} must be a power of two")
-        if self.groups_per_tile < MIN_GROUPS_PER_TILE:
+        if self.dot and self.groups_per_tile < MIN_GROUPS_PER_TILE:
             raise ValueError(
                 f"BlockConfig.groups_per_tile={self.groups_per_tile} must be >= "
                 f"{MIN_GROUPS_PER_TILE} (tensor-core dot)"

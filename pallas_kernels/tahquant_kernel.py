@@ -124,16 +124,23 @@ def _decode_kernel(wire_ref, out_ref, *, codec: TahQuant, n: int, cfg: BlockConf
     _tile.for_each_tile(cfg, _pallas.program_id(1), load, decode_tile)
 
 
-# A tile holds at least 16 groups (`config.MIN_GROUPS_PER_TILE`): larger groups would not fit a
-# program's registers. Codecs with larger groups (SDP4Bit's qWD, G = 2048) run the reference.
-MAX_KERNEL_GROUP = 128
+# Up to G = 128 a tile holds at least 16 groups (`block_config`, as the TP kernels); larger
+# groups (SDP4Bit's qWD, G = 2048) take the launch's tile in whole groups, down to one group
+# per tile (these kernels have no dot). A group of 2048 on the encode's 2 warps is 32 fp32
+# values per thread; larger groups run the reference.
+MAX_KERNEL_GROUP = 2048
+MAX_MANY_GROUPS = 128
 
 
 def _launch(codec: TahQuant, rows: int, n: int, launch: Launch) -> BlockConfig:
-    if codec.group_size > MAX_KERNEL_GROUP:
-        raise ValueError(f"group_size={codec.group_size} of codec {codec.name!r}: the kernels "
-                         f"take groups of at most {MAX_KERNEL_GROUP}")  # fmt: skip
-    return block_config(codec.group_size, n // codec.group_size, rows=rows, launch=launch)
+    g, groups = codec.group_size, n // codec.group_size
+    if g > MAX_KERNEL_GROUP:
+        raise ValueError(f"group_size={g} of codec {codec.name!r}: the kernels take groups of "
+                         f"at most {MAX_KERNEL_GROUP}")  # fmt: skip
+    if g <= MAX_MANY_GROUPS:
+        return block_config(g, groups, rows=rows, launch=launch)
+    per_tile = max(1, min(launch.elements_per_tile // g, 1 << (groups - 1).bit_length()))
+    return BlockConfig(per_tile, num_warps=launch.num_warps, num_stages=1, dot=False)
 
 
 def encode_config(codec: TahQuant, rows: int, n: int) -> BlockConfig:

@@ -13,7 +13,7 @@ the dp mesh axes (Jia et al., "SDP4Bit", NeurIPS 2024; docs/method.md, "Data-par
 
 The codes are those of the TAH-Quant codec framework (`taco_jax.tahquant.TahQuant`: symmetric,
 no pivot, stochastic rounding from a threaded key, 4-bit codes two per byte, full range), so
-their fused kernels serve TLq-HS (G = 128); qWD's groups of 2048 run the jnp reference.
+their fused kernels serve both (TLq-HS: G = 128; qWD: G = 2048, one group per encode tile).
 Both work inside `shard_map` and under `vmap(axis_name=...)`, with any number of ranks.
 """
 
@@ -168,7 +168,7 @@ def qwd_all_gather(
       replica: the full parameter replica [ranks x m] (bf16 in SDP4Bit; any float dtype).
       axis_names: the dp axis, or a tuple of axes (outer major, as `lax.all_gather`).
       key: PRNG key of the stochastic rounding (each rank folds in its indices).
-      impl: the codec ops (`taco_jax._backends`; groups of 2048 run the jnp reference).
+      impl: the codec ops (`taco_jax._backends`: fused on a GPU, the reference elsewhere).
     """
     axes = _axes(axis_names)
     ranks = axis_size(axes)

@@ -169,6 +169,29 @@ class TahQuantKernelTest:
         bound = 8 * 32 * FP32_EPS * np.max(np.abs(groups), axis=-1, keepdims=True)  # as above
         assert np.all(np.abs(got.reshape(groups.shape) - groups) <= bound)
 
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    def test_large_groups_match_reference(self, dtype):
+        """SDP4Bit's qWD (G = 2048, 4-bit, symmetric, stochastic): one group or a few per tile
+        (`tk.MAX_MANY_GROUPS`), a partial last tile in the decode (4 groups of 2048 per tile);
+        the encode and decode bounds as for the other codecs."""
+        codec = sdp4bit.QWD
+        g = codec.group_size
+        n = g * (self.GROUPS // 16 + 2)  # 3 groups here, 66 on the GPU: decode tiles of 4
+        assert tk.encode_config(codec, ROWS, n).groups_per_tile == 1
+        x = _data((ROWS, n), dtype, seed=11)
+        key = jax.random.key(9)
+        run = dict(interpret=self.INTERPRET)
+        wire = tk.encode(codec, x, key, **run)
+        ref = tahquant.encode_wire(codec, x, key)
+        if self.INTERPRET:
+            np.testing.assert_array_equal(wire, ref)
+        assert_wire_matches(codec, wire, ref, n)
+        want = np.asarray(tahquant.decode_wire(codec, ref, n), np.float64).reshape(-1, g)
+        got = np.asarray(tk.decode(codec, ref, n, **run), np.float64).reshape(-1, g)
+        # No pivot here: one code times the scale, one rounding (the bound above covers it).
+        bound = 8 * 32 * FP32_EPS * np.max(np.abs(want), axis=-1, keepdims=True)
+        assert np.all(np.abs(got - want) <= bound)
+
     def test_keys_draw_reproducible_noise(self):
         codec = get_stage_codec("tahquant4")
         x = _data((1, 4096), jnp.float32, seed=2)

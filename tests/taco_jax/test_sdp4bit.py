@@ -156,6 +156,32 @@ def test_qwd_replicas_stay_bit_identical_and_near_the_new_weights(mode, shape, n
     assert not np.array_equal(out[0], np.asarray(replica, np.float32))  # the replica moved
 
 
+def test_qwd_runs_the_stage_kernels():
+    """impl="pallas_interpret" runs qWD's groups of 2048 through the fused stage kernels (one
+    group per encode tile): the replicas stay bit-identical across ranks and equal the
+    reference path's within one bf16 ulp (the encodes are byte-equal in interpret mode, test
+    of `pallas_kernels.tahquant_kernel`; the decode may round its fp32 sum differently, which
+    can move the final bf16 rounding by one ulp)."""
+    ranks, m = 4, 2 * 2048
+    replica = jnp.asarray(jax.random.normal(jax.random.key(7), (ranks * m,)), jnp.bfloat16)
+    new = np.asarray(replica, np.float32).reshape(ranks, m) + 1e-2 * np.asarray(
+        jax.random.normal(jax.random.key(8), (ranks, m)), np.float32
+    )
+    inputs = (jnp.asarray(new), jnp.broadcast_to(replica, (ranks, ranks * m)))
+
+    def run(impl):
+        fn = jax.vmap(lambda a: sdp4bit.qwd_all_gather(a[0], a[1], "dp", key=KEY, impl=impl),
+                      axis_name="dp")  # fmt: skip
+        return fn, np.asarray(fn(inputs), np.float32)
+
+    fused, got = run("pallas_interpret")
+    _, want = run("xla")
+    assert "pallas_call" in str(jax.make_jaxpr(fused)(inputs)), "the stage kernels did not run"
+    for rank in range(1, ranks):
+        np.testing.assert_array_equal(got[rank], got[0])
+    assert np.all(np.abs(got[0] - want[0]) <= np.abs(want[0]) * 2.0**-7)  # one bf16 ulp
+
+
 def test_errors_name_the_offending_value():
     mesh_fn = lambda f, x: jax.vmap(f, axis_name="dp")(x)  # noqa: E731
     with pytest.raises(ValueError, match="multiple of 512"):
