@@ -93,15 +93,16 @@ MAX_DOT_HADAMARD = 128
 class BlockConfig:
     """How a kernel splits its rows into programs.
 
-    groups_per_tile: groups of G one tile holds (a power of two, >= 16).
+    groups_per_tile: groups of G one tile holds (a power of two, >= min_groups).
     tiles_per_program: consecutive tiles one program walks through in a loop (1: no loop).
     num_warps / num_stages: Triton launch parameters (stages pipeline the tile loop's loads).
     hadamard_dot: size b of the +-1 block applied as one tensor-core dot (G > b: G / b dots of
       b columns, combined by butterflies on the low index bits).
     signs_in_kernel: build that block from an iota in each program instead of loading it.
     prefetch: in the tile loop, load tile k + 1 before processing tile k.
-    dot: the kernel applies a tensor-core dot over the tile's groups (then it needs >= 16 of
-      them); False lets a kernel without one tile fewer, larger groups.
+    min_groups: the fewest groups a tile may hold: 16 for the kernels that run the Hadamard
+      as a tensor-core dot over the tile's groups (the default, `block_config`); the stage
+      kernels, which have no dot, take large groups one at a time.
     """
 
     groups_per_tile: int
@@ -111,17 +112,17 @@ class BlockConfig:
     hadamard_dot: int = MAX_DOT_HADAMARD
     signs_in_kernel: bool = False
     prefetch: bool = False
-    dot: bool = True
+    min_groups: int = MIN_GROUPS_PER_TILE
 
     def __post_init__(self):
         for name in ("groups_per_tile", "tiles_per_program", "hadamard_dot"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"BlockConfig.{name}={value} must be a power of two")
-        if self.dot and self.groups_per_tile < MIN_GROUPS_PER_TILE:
+        if self.groups_per_tile < self.min_groups:
             raise ValueError(
                 f"BlockConfig.groups_per_tile={self.groups_per_tile} must be >= "
-                f"{MIN_GROUPS_PER_TILE} (tensor-core dot)"
+                f"min_groups={self.min_groups}"
             )
         if not 16 <= self.hadamard_dot <= MAX_DOT_HADAMARD:
             raise ValueError(

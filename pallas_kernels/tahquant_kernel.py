@@ -124,12 +124,12 @@ def _decode_kernel(wire_ref, out_ref, *, codec: TahQuant, n: int, cfg: BlockConf
     _tile.for_each_tile(cfg, _pallas.program_id(1), load, decode_tile)
 
 
-# Up to G = 128 a tile holds at least 16 groups (`block_config`, as the TP kernels); larger
-# groups (SDP4Bit's qWD, G = 2048) take the launch's tile in whole groups, down to one group
-# per tile (these kernels have no dot). A group of 2048 on the encode's 2 warps is 32 fp32
-# values per thread; larger groups run the reference.
+# Up to G = MAX_GROUP_OF_WIDE_TILES a tile holds at least 16 groups (`block_config`, as the
+# TP kernels); larger groups (SDP4Bit's qWD, G = 2048) fill the launch's tile with whole groups,
+# down to one (these kernels have no dot). A group of 2048 on the encode's 2 warps is 32 fp32
+# values per thread; larger groups run the reference (`taco_jax._backends`).
 MAX_KERNEL_GROUP = 2048
-MAX_MANY_GROUPS = 128
+MAX_GROUP_OF_WIDE_TILES = 128
 
 
 def _launch(codec: TahQuant, rows: int, n: int, launch: Launch) -> BlockConfig:
@@ -137,10 +137,10 @@ def _launch(codec: TahQuant, rows: int, n: int, launch: Launch) -> BlockConfig:
     if g > MAX_KERNEL_GROUP:
         raise ValueError(f"group_size={g} of codec {codec.name!r}: the kernels take groups of "
                          f"at most {MAX_KERNEL_GROUP}")  # fmt: skip
-    if g <= MAX_MANY_GROUPS:
+    if g <= MAX_GROUP_OF_WIDE_TILES:
         return block_config(g, groups, rows=rows, launch=launch)
     per_tile = max(1, min(launch.elements_per_tile // g, 1 << (groups - 1).bit_length()))
-    return BlockConfig(per_tile, num_warps=launch.num_warps, num_stages=1, dot=False)
+    return BlockConfig(per_tile, num_warps=launch.num_warps, num_stages=1, min_groups=1)
 
 
 def encode_config(codec: TahQuant, rows: int, n: int) -> BlockConfig:

@@ -261,8 +261,12 @@ def message_key(x: jax.Array) -> jax.Array:
     fixed; across the messages of a training run (other steps, layers, ranks) it is unbiased
     as the keyed rounding is. Two ranks sending identical messages draw identical noise, so
     their errors add as round-to-nearest's do."""
-    width = jnp.dtype(x.dtype).itemsize * 8
-    bits = lax.bitcast_convert_type(x.reshape(-1), jnp.dtype(f"uint{width}")).astype(jnp.uint32)
+    size = jnp.dtype(x.dtype).itemsize
+    if size >= 4:  # fp64 becomes two uint32 words per value: both halves are hashed
+        bits = lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
+    else:
+        bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * size}")).astype(jnp.uint32)
+        bits = bits.reshape(-1)
     index = jnp.arange(bits.size, dtype=jnp.uint32)
     return jax.random.key(jnp.sum(_mix32(bits ^ _mix32(index)), dtype=jnp.uint32))
 

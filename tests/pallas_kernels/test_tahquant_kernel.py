@@ -48,6 +48,14 @@ ENCODE_CASES = (
 )  # fmt: skip
 
 
+# Groups above the wide tiles' G: qWD's, and an asymmetric 8-bit G = 256 without the pivot.
+LARGE_GROUP_CASES = [
+    (sdp4bit.QWD, jnp.float32),
+    (sdp4bit.QWD, jnp.bfloat16),
+    (tahquant.TahQuant("g256", bits=8, group_size=256, pivot=False), jnp.float32),
+]
+
+
 def _case_id(case):
     codec, dtype = case
     nearest = "-nearest" * (not codec.stochastic)
@@ -169,15 +177,15 @@ class TahQuantKernelTest:
         bound = 8 * 32 * FP32_EPS * np.max(np.abs(groups), axis=-1, keepdims=True)  # as above
         assert np.all(np.abs(got.reshape(groups.shape) - groups) <= bound)
 
-    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-    def test_large_groups_match_reference(self, dtype):
-        """SDP4Bit's qWD (G = 2048, 4-bit, symmetric, stochastic): one group or a few per tile
-        (`tk.MAX_MANY_GROUPS`), a partial last tile in the decode (4 groups of 2048 per tile);
-        the encode and decode bounds as for the other codecs."""
-        codec = sdp4bit.QWD
+    @pytest.mark.parametrize("case", LARGE_GROUP_CASES, ids=_case_id)
+    def test_large_groups_match_reference(self, case):
+        """Groups above `tk.MAX_GROUP_OF_WIDE_TILES` fill a tile with whole groups: SDP4Bit's
+        qWD (G = 2048, one group per encode tile, 4 per decode tile) and an asymmetric 8-bit
+        G = 256 (8 per encode tile). 3 groups here and 66 on the GPU leave a partial last tile
+        wherever a tile holds more than one group. The bounds are the other codecs'."""
+        codec, dtype = case
         g = codec.group_size
-        n = g * (self.GROUPS // 16 + 2)  # 3 groups here, 66 on the GPU: decode tiles of 4
-        assert tk.encode_config(codec, ROWS, n).groups_per_tile == 1
+        n = g * (self.GROUPS // 16 + 2)
         x = _data((ROWS, n), dtype, seed=11)
         key = jax.random.key(9)
         run = dict(interpret=self.INTERPRET)
@@ -188,7 +196,7 @@ class TahQuantKernelTest:
         assert_wire_matches(codec, wire, ref, n)
         want = np.asarray(tahquant.decode_wire(codec, ref, n), np.float64).reshape(-1, g)
         got = np.asarray(tk.decode(codec, ref, n, **run), np.float64).reshape(-1, g)
-        # No pivot here: one code times the scale, one rounding (the bound above covers it).
+        # No pivot here: one code times the scale plus the min, within the bound above.
         bound = 8 * 32 * FP32_EPS * np.max(np.abs(want), axis=-1, keepdims=True)
         assert np.all(np.abs(got - want) <= bound)
 

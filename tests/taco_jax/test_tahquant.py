@@ -227,3 +227,28 @@ def test_errors_name_the_offending_value():
         tahquant.encode_wire(codec, _normal((1, 100)), KEY)
     with pytest.raises(TypeError, match="int32"):
         tahquant.encode_wire(codec, jnp.zeros((1, 128), jnp.int32), KEY)
+
+
+def _key_bits(x):
+    return tuple(np.asarray(jax.random.key_data(tahquant.message_key(x))).tolist())
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_message_key_follows_every_bit_of_the_message(dtype):
+    """The same message gives the same key; a sign, one ulp of one element, or two elements
+    swapped give another (the positions are hashed too)."""
+    x = jnp.asarray(np.linspace(0.5, 3.0, 64), dtype)
+    same = _key_bits(x)
+    assert _key_bits(jnp.array(x)) == same
+    one_ulp = x.at[5].set(jnp.nextafter(x[5], jnp.asarray(10, dtype)))
+    variants = [-x, one_ulp, x.at[3].set(x[4]).at[4].set(x[3]), x[None]]
+    keys = [_key_bits(v) for v in variants[:3]]
+    assert len({same, *keys}) == 4
+    assert _key_bits(variants[3]) == same  # the shape is not part of the message
+
+
+def test_message_key_hashes_both_words_of_fp64():
+    with jax.enable_x64(True):
+        x = jnp.asarray(np.linspace(1.0, 2.0, 16), jnp.float64)
+        keys = {_key_bits(v) for v in (x, 2 * x, -x)}  # the low 32 bits of each are equal
+    assert len(keys) == 3
