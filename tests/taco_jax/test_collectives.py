@@ -793,21 +793,30 @@ def _steps(codec, rows):
     return np.repeat(scales, codec.group_size, axis=-1)
 
 
-def test_tahquant_grids_on_tp_run_the_stage_kernels():
-    """impl="pallas_interpret" runs the fused stage kernels (`pallas_kernels.tahquant_kernel`)
-    inside the collectives: equal to the reference path within the replay test's rule."""
-    tp, name = 2, "tahquant4_nearest"
-    codec = tahquant.get_stage_codec(name)
-    x = _ranks(tp, (2048,), seed=185)
+def _kernels_against_reference(name, x, **options):
+    """|pallas_interpret - xla| of `compressed_psum` of x [N, ...] under vmap (one copy) and the
+    fp32 level (`_sum_level`), after checking that the kernel path's ranks agree and that at
+    most MAX_TIES elements differ beyond that level (the replay test's rule)."""
     outs = {
-        impl: run_tp(lambda v, i=impl: tj.compressed_psum(v, "tp", codec=name, impl=i), x,
-                     tp=tp, mode="vmap")
+        impl: run_tp(lambda v, i=impl: tj.compressed_psum(v, "tp", codec=name, impl=i,
+                                                          **options), x,
+                     tp=x.shape[0], mode="vmap")
         for impl in ("xla", "pallas_interpret")
     }  # fmt: skip
     _assert_rank_identical(outs["pallas_interpret"])
     level = _sum_level(x)
     diff = np.abs(np.asarray(outs["pallas_interpret"])[0] - np.asarray(outs["xla"])[0])
     assert int(np.sum(diff > level)) <= MAX_TIES
+    return diff, level
+
+
+def test_tahquant_grids_on_tp_run_the_stage_kernels():
+    """impl="pallas_interpret" runs the fused stage kernels (`pallas_kernels.tahquant_kernel`)
+    inside the collectives: equal to the reference path within the replay test's rule."""
+    tp, name = 2, "tahquant4_nearest"
+    codec = tahquant.get_stage_codec(name)
+    x = _ranks(tp, (2048,), seed=185)
+    diff, level = _kernels_against_reference(name, x)
     # The default algorithm here (emulated: two-shot) encodes twice.
     scattered = _stage_replay(codec, x)["scatter"]
     steps = _steps(codec, x).sum(axis=0) + _steps(codec, scattered).reshape(-1)
@@ -963,16 +972,7 @@ def test_stochastic_tahquant_on_tp_runs_the_stage_kernels():
     tp, name = 2, "tahquant4"
     codec = tahquant.get_stage_codec(name)
     x = _ranks(tp, (2048,), seed=195)
-    outs = {
-        impl: run_tp(lambda v, i=impl: tj.compressed_psum(v, "tp", codec=name, impl=i,
-                                                          algorithm="one_shot"), x,
-                     tp=tp, mode="vmap")
-        for impl in ("xla", "pallas_interpret")
-    }  # fmt: skip
-    _assert_rank_identical(outs["pallas_interpret"])
-    level = _sum_level(x)
-    diff = np.abs(np.asarray(outs["pallas_interpret"])[0] - np.asarray(outs["xla"])[0])
-    assert int(np.sum(diff > level)) <= MAX_TIES
+    diff, level = _kernels_against_reference(name, x, algorithm="one_shot")
     assert bool(np.all(diff <= _stochastic_bound(codec, x).sum(axis=0) + level))
 
 
