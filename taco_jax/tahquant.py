@@ -255,9 +255,10 @@ def message_key(x: jax.Array) -> jax.Array:
     where no caller threads one (TAH-Quant on TP traffic, `taco_jax.collectives`).
 
     h = sum_i mix(bits_i ^ mix(i)) mod 2^32, then `jax.random.key(h)`. A message draws the same
-    noise whenever it is sent again (a resumed run reproduces the uninterrupted one), and one
-    that differs in any element draws a different h (the mixer is a bijection, so the changed
-    term changes the sum) and with it unrelated noise. For a given message the rounding is
+    noise whenever it is sent again (a resumed run reproduces the uninterrupted one); one that
+    differs in a single element draws a different h (the mixer is a bijection, so the changed
+    term changes the sum), and one that differs more the same h with probability ~2^-32: other
+    messages draw unrelated noise. For a given message the rounding is
     fixed; across the messages of a training run (other steps, layers, ranks) it is unbiased
     as the keyed rounding is. Two ranks sending identical messages draw identical noise, so
     their errors add as round-to-nearest's do."""
