@@ -35,14 +35,14 @@ def _batch(global_batch: int) -> np.ndarray:
     [
         (ParallelConfig(dp=2, tp=4, sequence_parallel=True, remat=True), "taco"),
         (ParallelConfig(dp=2, tp=2, mode="vmap"), "taco"),
-        (ParallelConfig(dp=2, tp=2, mode="vmap"), "tahquant4"),  # TAH-Quant on TP, stochastic
-        (ParallelConfig(dp=2, tp=2, mode="vmap"), "tahquant4_nearest"),  # ... to nearest
+        # TAH-Quant on TP, stochastic (80 s on the CPU; the round-to-nearest grid shares every
+        # path but the key and is tested inside the collectives, tests/taco_jax)
+        (ParallelConfig(dp=2, tp=2, mode="vmap"), "tahquant4"),
     ],
     ids=[
         "shard_map-dp2-tp4-sp-remat",
         "vmap-dp2-tp2",
         "vmap-dp2-tp2-tahquant4",
-        "vmap-dp2-tp2-tahquant4-nearest",
     ],
 )
 def test_train_steps_lower_the_loss(parallel, codec):
