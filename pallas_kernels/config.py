@@ -143,19 +143,21 @@ def _next_pow2(v: int) -> int:
 
 
 def block_config(group_size: int, num_groups: int, *, rows=1, peers=1, dot=True, planes=False,
-                 launch: Launch | None = None) -> BlockConfig:  # fmt: skip
+                 launch: Launch | None = None,
+                 min_groups: int = MIN_GROUPS_PER_TILE) -> BlockConfig:  # fmt: skip
     """The launch for `rows` rows (or `peers` rows summed into one) of `num_groups` groups.
 
     dot: the kernel applies the Hadamard dot (then it loops over tiles, see module docstring).
     planes: take `PLANES_ENCODE_DECODE` (one tile per program) for an encode or decode with the
       Hadamard dot; the kernels ask for it where a sweep measured it faster (`default_config`).
     launch: a row of the table to use instead of the one `peers`, `dot` and `planes` pick.
+    min_groups: the fewest groups per tile (`BlockConfig.min_groups`).
     """
     if launch is None and planes and peers == 1 and dot:
         launch = PLANES_ENCODE_DECODE
     launch = launch or _LAUNCHES[(min(peers, 3), dot)]
-    groups = max(MIN_GROUPS_PER_TILE, launch.elements_per_tile // group_size)
-    groups = max(MIN_GROUPS_PER_TILE, min(groups, _next_pow2(num_groups)))
+    groups = max(min_groups, launch.elements_per_tile // group_size)
+    groups = max(min_groups, min(groups, _next_pow2(num_groups)))
     tiles = rows * cdiv(num_groups, groups)
     loop = launch.tiles_per_program if tiles >= MIN_TILES_FOR_LOOP else 1
     return BlockConfig(
@@ -164,6 +166,7 @@ def block_config(group_size: int, num_groups: int, *, rows=1, peers=1, dot=True,
         num_stages=1,
         tiles_per_program=loop,
         hadamard_dot=launch.dot_columns or MAX_DOT_HADAMARD,  # unused without a dot
+        min_groups=min_groups,
     )
 
 

@@ -22,6 +22,7 @@ from jax import lax
 
 from pallas_kernels import _pallas, _tile
 from pallas_kernels.config import (
+    MIN_GROUPS_PER_TILE,
     STAGE_DECODE,
     STAGE_DECODE_G32,
     STAGE_ENCODE,
@@ -137,10 +138,8 @@ def _launch(codec: TahQuant, rows: int, n: int, launch: Launch) -> BlockConfig:
     if g > MAX_KERNEL_GROUP:
         raise ValueError(f"group_size={g} of codec {codec.name!r}: the kernels take groups of "
                          f"at most {MAX_KERNEL_GROUP}")  # fmt: skip
-    if g <= MAX_GROUP_OF_WIDE_TILES:
-        return block_config(g, groups, rows=rows, launch=launch)
-    per_tile = max(1, min(launch.elements_per_tile // g, 1 << (groups - 1).bit_length()))
-    return BlockConfig(per_tile, num_warps=launch.num_warps, num_stages=1, min_groups=1)
+    min_groups = MIN_GROUPS_PER_TILE if g <= MAX_GROUP_OF_WIDE_TILES else 1
+    return block_config(g, groups, rows=rows, launch=launch, min_groups=min_groups)
 
 
 def encode_config(codec: TahQuant, rows: int, n: int) -> BlockConfig:

@@ -64,12 +64,9 @@ def _encode(codec: TahQuant, rows: jax.Array, key: jax.Array, impl: str) -> jax.
 
 
 def _decode_sum(codec: TahQuant, wire: jax.Array, n: int, impl: str) -> jax.Array:
-    """The fp32 sum of the decoded rows of wire [N, B], in row order (every rank alike)."""
-    decoded = _backends.get_stage_ops(impl).decode(codec, wire, n, jnp.float32)
-    total = decoded[0]
-    for row in range(1, decoded.shape[0]):
-        total = total + decoded[row]
-    return total
+    """The fp32 sum of the decoded rows of wire [N, B], in row order (every rank alike): the
+    TP collectives' decode-sum for TAH-Quant codecs (`_backends.codec_ops`)."""
+    return _backends.codec_ops(impl, codec).decode_sum(codec, wire, n)
 
 
 def _check_gradient(x: jax.Array, ranks: int) -> None:
