@@ -2,14 +2,18 @@
 
 Times one op of `pallas_kernels` (`--op`: encode, decode, decode_sum, decode_sum_reencode) for
 `--codec` on rows of `--peers` x n values (decode-sum and decode-sum-reencode sum the peers into
-one row), with the default launch (the kernel module's `default_config`) and with every candidate of
-the grid `--groups x --warps x --tiles x --dots` (groups per tile, Triton warps, tiles per
-program, Hadamard dot columns), each inside one jitted program (`_common.in_program_seconds`, so
-JAX's per-call dispatch is not counted), beside an XLA pass over the same bytes (a negate of a
+one row), with the default launch (the kernel module's `default_config`) and with every
+candidate of the grid `--groups x --warps x --tiles x --dots x --per-peer` (groups per tile,
+Triton warps, tiles per program, Hadamard dot columns, decode-sum's Hadamard per peer or once
+on the sum), each inside one jitted program (`_common.in_program_seconds`, so JAX's per-call
+dispatch is not counted), beside an XLA pass over the same bytes (a negate of a
 buffer of (bytes read + bytes written) / 2: it reads and writes that many, once each). Every
-candidate's output is compared with the default's first, byte for byte.
+candidate's output is compared with the default's first: byte for byte, and where they differ,
+the fraction of differing values and the largest difference relative to the output's RMS.
 
     python benchmarks/launch_sweep.py --op decode_sum --codec taco --peers 2 --sizes-mib 64 1024
+    python benchmarks/launch_sweep.py --op decode_sum --peers 2 --groups 64 --warps 4 \
+        --tiles 1 --dots 16 --per-peer 0 1
     python benchmarks/launch_sweep.py --op encode --codec int6_hadamard --groups 16 32 64 \
         --warps 4 8 --tiles 1 2
 """
@@ -69,11 +73,12 @@ def _default(op: str, codec, peers: int, n: int) -> pk.BlockConfig:
 def candidates(args) -> list[pk.BlockConfig]:
     """The grid of launches, minus the ones `BlockConfig` refuses."""
     out = []
-    for groups, warps, tiles, dot in itertools.product(args.groups, args.warps, args.tiles,
-                                                       args.dots):  # fmt: skip
+    grid = itertools.product(args.groups, args.warps, args.tiles, args.dots, args.per_peer)
+    for groups, warps, tiles, dot, per_peer in grid:
         try:
             out.append(pk.BlockConfig(groups, num_warps=warps, num_stages=1,
-                                      tiles_per_program=tiles, hadamard_dot=dot))  # fmt: skip
+                                      tiles_per_program=tiles, hadamard_dot=dot,
+                                      hadamard_per_peer=bool(per_peer)))  # fmt: skip
         except ValueError as error:
             print(f"skipped: {error}")
     return out
@@ -81,7 +86,19 @@ def candidates(args) -> list[pk.BlockConfig]:
 
 def _label(config: pk.BlockConfig) -> str:
     return (f"groups={config.groups_per_tile} warps={config.num_warps} "
-            f"tiles={config.tiles_per_program} dot={config.hadamard_dot}")  # fmt: skip
+            f"tiles={config.tiles_per_program} dot={config.hadamard_dot}"
+            + " per-peer" * config.hadamard_per_peer)  # fmt: skip
+
+
+def _difference(op: str, out: np.ndarray, default: np.ndarray) -> tuple[float, float]:
+    """(fraction of differing values, largest |difference| / RMS of the default's values) of
+    a decoding op's bf16 output (wire outputs: fraction of differing bytes, and nan)."""
+    if op in ("encode", "decode_sum_reencode"):
+        return float(np.mean(out != default)), float("nan")
+    a = out.view(jnp.bfloat16).astype(np.float32)
+    b = default.view(jnp.bfloat16).astype(np.float32)
+    rms = float(np.sqrt(np.mean(np.square(b))))
+    return float(np.mean(a != b)), float(np.max(np.abs(a - b)) / rms)
 
 
 def run(args) -> dict:
@@ -113,13 +130,16 @@ def run(args) -> dict:
                 continue
             default = out if default is None else default
             same = bool(np.array_equal(out, default))
+            differing, largest = _difference(args.op, out, default)
             seconds = in_program_seconds(fn, [(i,) for i in inputs], args.calls)
             config_of = config or _default(args.op, codec, args.peers, n)
             label = label if config else f"default ({_label(config_of)})"
             rows.append(dict(bytes=int(size_mib * MiB), peers=args.peers, label=label,
                              config=dataclasses.asdict(config_of), seconds=seconds,
                              copy_seconds=copy_s, tbps=io_bytes / seconds / 1e12,
-                             of_copy=copy_s / seconds, equal_to_default=same))  # fmt: skip
+                             of_copy=copy_s / seconds, equal_to_default=same,
+                             differing_fraction=differing,
+                             max_difference_over_rms=largest))  # fmt: skip
             print(f"{size_mib:7.0f} MiB {label:36s} {seconds * 1e3:7.3f} ms "
                   f"{rows[-1]['tbps']:5.2f} TB/s {rows[-1]['of_copy']:4.0%} of copy "
                   f"same={same}", flush=True)  # fmt: skip
@@ -142,6 +162,14 @@ def main() -> None:
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--tiles", type=int, nargs="+", default=[1, 2], help="tiles per program")
     parser.add_argument("--dots", type=int, nargs="+", default=[16], help="Hadamard dot columns")
+    parser.add_argument(
+        "--per-peer",
+        type=int,
+        nargs="+",
+        default=[0],
+        choices=(0, 1),
+        help="decode-sum: 1 = the Hadamard per peer (BlockConfig.hadamard_per_peer)",
+    )
     parser.add_argument("--calls", type=int, default=8)
     parser.add_argument(
         "--interpret", action="store_true", help="Pallas' CPU interpreter (a check)"

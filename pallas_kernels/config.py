@@ -100,6 +100,9 @@ class BlockConfig:
       b columns, combined by butterflies on the low index bits).
     signs_in_kernel: build that block from an iota in each program instead of loading it.
     prefetch: in the tile loop, load tile k + 1 before processing tile k.
+    hadamard_per_peer: decode-sum only: apply the Hadamard to each peer's codes (exact bf16
+      operands, one dot chain per peer) and sum the decoded values, instead of summing in the
+      Hadamard domain and applying it once to the fp32 sum (three bf16 pieces, three chains).
     min_groups: the fewest groups a tile may hold: 16 for the kernels that run the Hadamard
       as a tensor-core dot over the tile's groups (the default, `block_config`); the stage
       kernels, which have no dot, take large groups one at a time.
@@ -112,6 +115,7 @@ class BlockConfig:
     hadamard_dot: int = MAX_DOT_HADAMARD
     signs_in_kernel: bool = False
     prefetch: bool = False
+    hadamard_per_peer: bool = False
     min_groups: int = MIN_GROUPS_PER_TILE
 
     def __post_init__(self):

@@ -4,10 +4,12 @@ decode_sum: wire[N, B] -> the fp32 sum of the N decoded rows, [n] in fp32 or the
   (the end of a reduce-scatter and of the one-shot all-reduce).
 decode_sum_reencode: wire[N, B] -> wire[B] of that sum (middle of the two-shot all-reduce).
 
-Both sum in the Hadamard domain: H is linear and orthonormal, so
+Both can sum in the Hadamard domain: H is linear and orthonormal, so
   sum_p H(q_p) d_p = H(sum_p q_p d_p)          (one Hadamard instead of N), and
   encode(sum) needs H(sum) = sum_p q_p d_p       (none at all: H H = I),
-with the energy of the sum read in the Hadamard domain (||H z|| = ||z||). The peers are summed
+with the energy of the sum read in the Hadamard domain (||H z|| = ||z||). A decode-sum may
+instead decode each peer (`BlockConfig.hadamard_per_peer`): N dot chains of exact bf16 codes
+against three for the fp32 sum's bf16 pieces, as the reference computes it. The peers are summed
 in fixed order 0..N-1, so every rank computes the same bytes. Equal to the references
 (`codecs.decode_sum_wire`, `codecs.decode_sum_reencode_wire`) up to fp32 rounding; codes differ
 only at rounding ties.
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _pallas, _tile
 from pallas_kernels.config import BlockConfig, block_config
-from pallas_kernels.decode_kernel import check_wire
+from pallas_kernels.decode_kernel import check_wire, decoded_tile
 from taco_jax import codecs
 from taco_jax.codecs import Codec
 
@@ -44,6 +46,19 @@ def _summed_h_domain(codec: Codec, raws, tile, n: int, cfg: BlockConfig, unit=1.
     return total
 
 
+def _summed_decodes(codec: Codec, raws, tile, n: int, cfg: BlockConfig, hblock, interpret: bool):
+    """sum_p H(q_p) d_p for one tile, fp32 [T, G]: each peer's codes, exact in bf16, through
+    their own dot chain (`decode_kernel.decoded_tile`), the decoded values summed in peer order.
+    N chains where the Hadamard-domain sum takes three (its fp32 sum split into bf16 pieces)."""
+    unit = codecs.hadamard_unit(codec.group_size)
+    total = None
+    for raw in raws:
+        q, d = _tile.unpack_wire_tile(codec, raw, tile, n, cfg, unit)
+        part = decoded_tile(codec, q, d, hblock, interpret)
+        total = part if total is None else total + part
+    return total
+
+
 def _decode_sum_kernel(
     wire_ref, h_ref, out_ref, *, codec: Codec, n: int, cfg: BlockConfig, interpret: bool
 ):
@@ -51,7 +66,9 @@ def _decode_sum_kernel(
     hblock = _tile.signs(h_ref, cfg) if codec.hadamard else None
 
     def decode_sum_tile(tile, raws):
-        if codec.hadamard:  # S (z / sqrt(G)) = H z
+        if codec.hadamard and cfg.hadamard_per_peer:
+            x = _summed_decodes(codec, raws, tile, n, cfg, hblock, interpret)
+        elif codec.hadamard:  # S (z / sqrt(G)) = H z
             z = _summed_h_domain(codec, raws, tile, n, cfg, codecs.hadamard_unit(g))
             x = _tile.signed_hadamard(z, hblock, exact_bf16=False, interpret=interpret)
         else:

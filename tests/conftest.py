@@ -11,6 +11,13 @@ session (nothing carries over between sessions), compiles each once. It changes 
 cached executable is the one compiled. Tests that start processes hand them
 `train_testing.subprocess_env()`, without the cache: a process timed or killed mid-run must
 compile as a user's would.
+
+The session also compiles with XLA's backend (LLVM) optimization off: the suite's programs are
+tiny and compiled once or twice, so compiling dominates, and level 0 halves it (a TAH-Quant
+train step: 55 s -> 28 s on two cores). The programs compute the same functions (LLVM at any
+level keeps IEEE float semantics; tests compare runs of one session with each other or within
+derived tolerances). Processes the tests start get the user's XLA_FLAGS back
+(`train_testing.subprocess_env`): a process killed mid-run must take as long as a user's would.
 """
 
 import os
@@ -18,6 +25,10 @@ import shutil
 import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+_FAST_COMPILE = "--xla_backend_optimization_level=0"
+if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:  # the user's choice stays
+    os.environ["TACO_TEST_USER_XLA_FLAGS"] = os.environ["XLA_FLAGS"]
+    os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {_FAST_COMPILE}"
 _JIT_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # a cache of the user's own is left alone
     _JIT_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="taco-jit-")

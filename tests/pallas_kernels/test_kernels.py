@@ -124,6 +124,9 @@ LAUNCH_CONFIGS = [
     pk.BlockConfig(groups_per_tile=64, tiles_per_program=4),
     pk.BlockConfig(groups_per_tile=32, hadamard_dot=32, num_warps=8),
     pk.BlockConfig(groups_per_tile=16, hadamard_dot=16, tiles_per_program=4, signs_in_kernel=True),
+    # decode-sum with a Hadamard per peer (the other ops ignore it), one tile and a tile loop
+    pk.BlockConfig(groups_per_tile=64, hadamard_dot=16, hadamard_per_peer=True),
+    pk.BlockConfig(groups_per_tile=16, tiles_per_program=2, prefetch=True, hadamard_per_peer=True),
 ]
 
 
@@ -132,7 +135,8 @@ def _config_id(config):
         return "default"
     c = config
     name = f"t{c.groups_per_tile}x{c.tiles_per_program}-dot{c.hadamard_dot}"
-    return name + "-iota" * c.signs_in_kernel + "-prefetch" * c.prefetch
+    name += "-iota" * c.signs_in_kernel + "-prefetch" * c.prefetch
+    return name + "-per-peer" * c.hadamard_per_peer
 
 
 class KernelTest:

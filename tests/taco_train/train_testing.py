@@ -32,15 +32,20 @@ def tiny_overrides(out_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-# The test session's compilation cache (tests/conftest.py) stays out of the processes tests start.
+# The test session's compilation cache and compile flags (tests/conftest.py) stay out of the
+# processes tests start.
 _SESSION_ONLY = (
     "JAX_COMPILATION_CACHE_DIR",
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",
+    "TACO_TEST_USER_XLA_FLAGS",
 )
 
 
 def subprocess_env(**updates: str) -> dict[str, str]:
-    """os.environ for a process a test starts, without the session's compilation cache."""
+    """os.environ for a process a test starts, without the session's compilation cache and with
+    the user's XLA_FLAGS (without the session's fast-compile flag)."""
     env = {k: v for k, v in os.environ.items() if k not in _SESSION_ONLY}
+    if "TACO_TEST_USER_XLA_FLAGS" in os.environ:
+        env["XLA_FLAGS"] = os.environ["TACO_TEST_USER_XLA_FLAGS"]
     return env | updates
