@@ -32,12 +32,14 @@ class Launch:
     num_warps: Triton warps per program.
     dot_columns: the Hadamard dot block b (None: the kernel has no dot).
     tiles_per_program: tiles one program walks in a loop, once the launch is large enough.
+    hadamard_per_peer: decode-sum: `BlockConfig.hadamard_per_peer`.
     """
 
     elements_per_tile: int
     num_warps: int
     dot_columns: int | None
     tiles_per_program: int
+    hadamard_per_peer: bool = False
 
 
 # 64 groups of 128 per tile, one M = 64 block per warpgroup; 16-column dots + butterflies.
@@ -55,8 +57,16 @@ PLANES_ENCODE_DECODE = Launch(
 PEERS_DOT = Launch(elements_per_tile=2048, num_warps=4, dot_columns=64, tiles_per_program=4)
 # decode-sum of two peers (one-shot at N = 2, a full-size output): decode's tile fits, and one
 # tile per program measured fastest (benchmarks/launch_sweep.py --op decode_sum: 73% of the
-# copy at 1 GiB against 51% with PEERS_DOT, BENCHMARKS.md "Kernels").
-TWO_PEERS_DOT = Launch(elements_per_tile=8192, num_warps=4, dot_columns=16, tiles_per_program=1)
+# copy at 1 GiB against 51% with PEERS_DOT, BENCHMARKS.md "Kernels"); each peer's exact codes
+# through their own Hadamard rather than the fp32 sum's three bf16 pieces: 0.458 -> 0.401 ms at
+# 1 GiB, 75% -> 86% of the copy (at 4 and 8 peers it was 1.3-3x slower: PEERS_DOT keeps the sum).
+TWO_PEERS_DOT = Launch(
+    elements_per_tile=8192,
+    num_warps=4,
+    dot_columns=16,
+    tiles_per_program=1,
+    hadamard_per_peer=True,
+)
 # decode-sum-reencode (it needs no Hadamard: H H = I), and decode-sum without a Hadamard.
 PEERS_NO_DOT = Launch(elements_per_tile=2048, num_warps=4, dot_columns=None, tiles_per_program=1)
 # A plain streaming pass: the fp8 / int8 codecs without a Hadamard.
@@ -170,6 +180,7 @@ def block_config(group_size: int, num_groups: int, *, rows=1, peers=1, dot=True,
         num_stages=1,
         tiles_per_program=loop,
         hadamard_dot=launch.dot_columns or MAX_DOT_HADAMARD,  # unused without a dot
+        hadamard_per_peer=launch.hadamard_per_peer,
         min_groups=min_groups,
     )
 

@@ -21,7 +21,7 @@ import pytest
 from codec_testing import DECADES, groups64, mixed_magnitudes
 
 import pallas_kernels as pk
-from pallas_kernels import _tile, decode_kernel, encode_kernel
+from pallas_kernels import _tile, decode_kernel, decode_sum_kernel, encode_kernel
 from taco_jax import codecs
 
 FP32_EPS = 2.0**-24
@@ -365,6 +365,17 @@ def test_default_launches_follow_the_measured_table(name, encode_loop, decode_lo
     n = 1 << 26  # 2^19 groups of 128: enough tiles for the loop
     assert encode_kernel.default_config(codec, 2, n).tiles_per_program == encode_loop
     assert decode_kernel.default_config(codec, 2, n).tiles_per_program == decode_loop
+
+
+@pytest.mark.parametrize("peers,per_peer", [(2, True), (3, False), (8, False)])
+def test_decode_sum_takes_the_hadamard_per_peer_where_measured_faster(peers, per_peer):
+    """Two peers decode each peer's codes (config.TWO_PEERS_DOT); from three the kernel sums in
+    the Hadamard domain (1.3-3x faster there, BENCHMARKS.md "Kernels"); decode-sum-reencode
+    never applies the Hadamard."""
+    codec = codecs.get_codec("taco")
+    n = 1 << 20
+    assert decode_sum_kernel.default_config(codec, peers, n).hadamard_per_peer == per_peer
+    assert not decode_sum_kernel.default_config(codec, peers, n, reencode=True).hadamard_per_peer
 
 
 @pytest.mark.parametrize(
