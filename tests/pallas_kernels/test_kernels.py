@@ -244,7 +244,8 @@ class KernelTest:
     @pytest.mark.parametrize(
         "name,config",
         [("taco", c) for c in LAUNCH_CONFIGS]
-        + [(name, LAUNCH_CONFIGS[2]) for name in MULTI_PLANE_CODECS],
+        + [(name, LAUNCH_CONFIGS[2]) for name in MULTI_PLANE_CODECS]
+        + [("int6_hadamard", LAUNCH_CONFIGS[-1])],  # bit-plane codes, a Hadamard per peer
         ids=lambda v: _config_id(v) if v is None or isinstance(v, pk.BlockConfig) else v,
     )
     def test_rows_of_several_tiles(self, name, config):
