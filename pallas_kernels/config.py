@@ -9,7 +9,8 @@ summarised in docs/development_history.md ("Kernels") and BENCHMARKS.md. What th
   decodes of codes over several bit planes measured faster with one tile per program);
 - encode and decode take 8192-element tiles and 16-column dots, the rest of the Hadamard as fp32
   butterflies;
-- kernels that hold N peer rows in registers (decode-sum, decode-sum-reencode) take small tiles.
+- kernels that hold N peer rows in registers (decode-sum, decode-sum-reencode) take small tiles,
+  but for two peers, whose decode-sum takes decode's tile and a Hadamard per peer.
 """
 
 from __future__ import annotations
@@ -55,11 +56,14 @@ PLANES_ENCODE_DECODE = Launch(
 )
 # decode-sum: the N peer tiles live in registers at once.
 PEERS_DOT = Launch(elements_per_tile=2048, num_warps=4, dot_columns=64, tiles_per_program=4)
-# decode-sum of two peers (one-shot at N = 2, a full-size output): decode's tile fits, and one
-# tile per program measured fastest (benchmarks/launch_sweep.py --op decode_sum: 73% of the
-# copy at 1 GiB against 51% with PEERS_DOT, BENCHMARKS.md "Kernels"); each peer's exact codes
-# through their own Hadamard rather than the fp32 sum's three bf16 pieces: 0.458 -> 0.401 ms at
-# 1 GiB, 75% -> 86% of the copy (at 4 and 8 peers it was 1.3-3x slower: PEERS_DOT keeps the sum).
+# decode-sum of two peers (the one-shot and fused all-reduces and the reduce-scatter at N = 2, a
+# full-size output): decode's tile fits, and one tile per program measured fastest
+# (`decode_sum_launch-2026-11-30.json`: 73% of the copy for 2 rows of 1 GiB of bf16 each,
+# against 51% with PEERS_DOT); each peer's exact codes through their own Hadamard rather than
+# the fp32 sum's three bf16 pieces (`launch_sweep-2026-12-01-decode_sum-per-peer-p2.json`, 2
+# rows of 512 MiB: 0.458 -> 0.401 ms, 75% -> 86% of the copy; measured for `taco` and the
+# sub-byte codecs at G = 128, taken by every codec with a Hadamard). With 4 and 8 peers the
+# best per-peer launch was 1.7-2.9x slower than PEERS_DOT, which keeps the sum.
 TWO_PEERS_DOT = Launch(
     elements_per_tile=8192,
     num_warps=4,

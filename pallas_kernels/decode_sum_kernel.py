@@ -4,12 +4,13 @@ decode_sum: wire[N, B] -> the fp32 sum of the N decoded rows, [n] in fp32 or the
   (the end of a reduce-scatter and of the one-shot all-reduce).
 decode_sum_reencode: wire[N, B] -> wire[B] of that sum (middle of the two-shot all-reduce).
 
-Both can sum in the Hadamard domain: H is linear and orthonormal, so
+Both sum in the Hadamard domain: H is linear and orthonormal, so
   sum_p H(q_p) d_p = H(sum_p q_p d_p)          (one Hadamard instead of N), and
   encode(sum) needs H(sum) = sum_p q_p d_p       (none at all: H H = I),
 with the energy of the sum read in the Hadamard domain (||H z|| = ||z||). A decode-sum may
-instead decode each peer (`BlockConfig.hadamard_per_peer`): N dot chains of exact bf16 codes
-against three for the fp32 sum's bf16 pieces, as the reference computes it. The peers are summed
+instead decode each peer and sum the decoded values, as the reference does
+(`BlockConfig.hadamard_per_peer`, the two-peer default): N dot chains of exact bf16 codes
+against three for the fp32 sum's bf16 pieces. The peers are summed
 in fixed order 0..N-1, so every rank computes the same bytes. Equal to the references
 (`codecs.decode_sum_wire`, `codecs.decode_sum_reencode_wire`) up to fp32 rounding; codes differ
 only at rounding ties.
@@ -35,28 +36,20 @@ def _load_peers(codec: Codec, wire_ref, tile, n: int, cfg: BlockConfig):
     ]
 
 
+def _peer_sum(codec: Codec, raws, tile, n: int, cfg: BlockConfig, unit, term) -> jax.Array:
+    """sum_p term(q_p, d_p) over the N peers for one tile, in peer order, fp32 [T, G]; `unit`
+    is folded into each d_p (`_tile.unpack_wire_tile`)."""
+    total = None
+    for raw in raws:
+        q, d = _tile.unpack_wire_tile(codec, raw, tile, n, cfg, unit)
+        part = term(q, d)
+        total = part if total is None else total + part
+    return total
+
+
 def _summed_h_domain(codec: Codec, raws, tile, n: int, cfg: BlockConfig, unit=1.0) -> jax.Array:
-    """sum_p q_p d_p over the N peers for one tile: the sum, Hadamard-transformed (fp32 [T, G]),
-    times `unit` (folded into each d_p)."""
-    total = None
-    for raw in raws:
-        q, d = _tile.unpack_wire_tile(codec, raw, tile, n, cfg, unit)
-        part = codecs.scale_rows(q, d)
-        total = part if total is None else total + part
-    return total
-
-
-def _summed_decodes(codec: Codec, raws, tile, n: int, cfg: BlockConfig, hblock, interpret: bool):
-    """sum_p H(q_p) d_p for one tile, fp32 [T, G]: each peer's codes, exact in bf16, through
-    their own dot chain (`decode_kernel.decoded_tile`), the decoded values summed in peer order.
-    N chains where the Hadamard-domain sum takes three (its fp32 sum split into bf16 pieces)."""
-    unit = codecs.hadamard_unit(codec.group_size)
-    total = None
-    for raw in raws:
-        q, d = _tile.unpack_wire_tile(codec, raw, tile, n, cfg, unit)
-        part = decoded_tile(codec, q, d, hblock, interpret)
-        total = part if total is None else total + part
-    return total
+    """sum_p q_p d_p: the sum of one tile, Hadamard-transformed, times `unit`."""
+    return _peer_sum(codec, raws, tile, n, cfg, unit, codecs.scale_rows)
 
 
 def _decode_sum_kernel(
@@ -64,12 +57,16 @@ def _decode_sum_kernel(
 ):
     g, t = codec.group_size, cfg.groups_per_tile
     hblock = _tile.signs(h_ref, cfg) if codec.hadamard else None
+    unit = codecs.hadamard_unit(g) if codec.hadamard else 1.0
+
+    def decoded(q, d):  # one peer through its own dot chain: its codes are exact in bf16
+        return decoded_tile(codec, q, d, hblock, interpret)
 
     def decode_sum_tile(tile, raws):
-        if codec.hadamard and cfg.hadamard_per_peer:
-            x = _summed_decodes(codec, raws, tile, n, cfg, hblock, interpret)
-        elif codec.hadamard:  # S (z / sqrt(G)) = H z
-            z = _summed_h_domain(codec, raws, tile, n, cfg, codecs.hadamard_unit(g))
+        if codec.hadamard and cfg.hadamard_per_peer:  # N dot chains, no fp32 split
+            x = _peer_sum(codec, raws, tile, n, cfg, unit, decoded)
+        elif codec.hadamard:  # S (z / sqrt(G)) = H z: three chains, of the sum's bf16 pieces
+            z = _summed_h_domain(codec, raws, tile, n, cfg, unit)
             x = _tile.signed_hadamard(z, hblock, exact_bf16=False, interpret=interpret)
         else:
             x = _summed_h_domain(codec, raws, tile, n, cfg)

@@ -12,13 +12,15 @@ cached executable is the one compiled. Tests that start processes hand them
 `train_testing.subprocess_env()`, without the cache: a process timed or killed mid-run must
 compile as a user's would.
 
-The session also compiles with XLA's backend (LLVM) optimization at level 1 instead of 2: the
-suite's programs are tiny and compiled once or twice, so compiling dominates (a TAH-Quant train
-step on two cores: 55 s -> 45 s). Level 0 would halve it but changed the last bit of values
-computed by separately compiled programs, which tests compare bit for bit (receivers of a
-compressed ppermute against the codec's round trip): level 1 keeps every such comparison.
-Processes the tests start get the user's XLA_FLAGS back (`train_testing.subprocess_env`): a
-process killed mid-run must take as long as a user's would.
+The session also compiles with XLA's backend (LLVM) optimization at level 1 instead of XLA's
+default 3 (on the CPU, and for the jnp references of a GPU session): the suite's programs are
+tiny and compiled once or twice, so compiling dominates (one TAH-Quant train-step test on a
+2-core machine: 55 s -> 45 s, not recorded). At level 0, which would halve it, two separately
+compiled programs computing the same values (the receivers of a compressed ppermute and the
+codec's own round trip) disagreed in the last bit, where tests compare them bit for bit; at
+level 1 every such comparison of the suite passed (jax 0.11.2 on this CPU; nothing in XLA
+promises it). Processes started with `train_testing.subprocess_env` get the user's XLA_FLAGS
+back: a process killed mid-run must take as long as a user's would.
 """
 
 import os

@@ -19,7 +19,8 @@ def _cli(out_dir, cache_dir, *extra):
     # JAX's in-memory caches change how a retraced step lowers (a jitted helper traced before
     # becomes a second private function), so a run after another in this process would miss
     # the session's compilation cache (tests/conftest.py); cleared, each run lowers as the
-    # first did, and a resume compiles nothing new (the paper layout: 123 s -> 109 s).
+    # first did, and a resume compiles nothing new (the paper-layout test's three runs on a
+    # 2-core machine: 123 s -> 109 s, not recorded).
     jax.clear_caches()
     main(tiny_args(out_dir, cache_dir, *extra))
 
