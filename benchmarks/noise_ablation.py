@@ -136,6 +136,8 @@ VARIANTS = {
     "constant 1/2": (_element_counters, _constant_noise, True, True),
     "nearest": (None, None, False, True),
     "rule only": (None, None, True, False),
+    "swap only": (None, None, True, lambda codec: lambda g, f, i: tahquant.swap_to_front(g, i)),
+    "H_32 only": (None, None, True, lambda codec: lambda g, f, i: tahquant.hadamard_front(g, f)),
     "H_32 as one dot": (None, None, True, _dot_transform()),
     "H_32 as one dot, 1 round": (None, _pairs_noise(1), True, _dot_transform()),
 }
