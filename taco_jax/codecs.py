@@ -661,11 +661,15 @@ def pad_to_multiple(x: jax.Array, multiple: int) -> tuple[jax.Array, int]:
 # the fused kernels equal (up to rounding ties). Rows [R, n] <-> wire rows [R, wire_bytes(n)].
 
 
+# Jitted (codec, sizes and dtype static): called eagerly, op by op, each of their operations
+# would compile on its own; inside a caller's jit they inline.
+@functools.partial(jax.jit, static_argnames=("codec",))
 def encode_wire(codec: Codec, x: jax.Array) -> jax.Array:
     """x[R, n] -> wire[R, codec.wire_bytes(n)]: `pack(encode_reference(x))`."""
     return pack(codec, encode_reference(codec, x))
 
 
+@functools.partial(jax.jit, static_argnames=("codec", "n", "dtype"))
 def decode_wire(codec: Codec, wire: jax.Array, n: int, dtype=jnp.float32) -> jax.Array:
     """wire[R, B] -> x[R, n] of `dtype`: `decode_reference(unpack(wire))`."""
     return decode_reference(codec, unpack(codec, wire, n), dtype)

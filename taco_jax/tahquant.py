@@ -400,6 +400,9 @@ def check_stage_encodable(codec: TahQuant, x: jax.Array) -> None:
                          f"group_size={codec.group_size}")  # fmt: skip
 
 
+# The reference ops are jitted (codec, sizes and dtype static): called eagerly, op by op, each
+# of their few hundred operations would compile on its own; inside a caller's jit they inline.
+@functools.partial(jax.jit, static_argnames=("codec",))
 def encode_wire(codec: TahQuant, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
     """x [R, n] -> wire [R, codec.wire_bytes(n)]; `key` draws the stochastic rounding (required
     when `codec.stochastic`)."""
@@ -431,6 +434,7 @@ def unpack_sides(codec: TahQuant, wire: jax.Array, n: int) -> dict[str, jax.Arra
     return sides
 
 
+@functools.partial(jax.jit, static_argnames=("codec", "n", "dtype"))
 def decode_wire(codec: TahQuant, wire: jax.Array, n: int, dtype=jnp.float32) -> jax.Array:
     """wire [R, B] -> x [R, n] of `dtype`."""
     codes = unpack_codes(codec, wire[:, : codec.code_bytes(n)]).reshape(-1, codec.group_size)

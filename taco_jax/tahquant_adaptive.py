@@ -19,6 +19,7 @@ group's bytes by a prefix sum. Bits per element: budget + 40 / G (4.75 at budget
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -152,6 +153,9 @@ def _group_bytes(wide: jax.Array) -> jax.Array:
     return jnp.where(wide, GROUP_SIZE // 2, GROUP_SIZE * 3 // 8)
 
 
+# Jitted (codec, sizes and dtype static), as `tahquant`'s reference ops: an eager call compiles
+# once instead of once per operation.
+@functools.partial(jax.jit, static_argnames=("codec",))
 def encode_wire(codec: AdaptiveTahQuant, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
     """x [R, n] -> wire [R, codec.wire_bytes(n)]."""
     tahquant.check_stage_encodable(WIDE, x)
@@ -185,6 +189,7 @@ def encode_wire(codec: AdaptiveTahQuant, x: jax.Array, key: jax.Array | None = N
     return lax.optimization_barrier(jnp.concatenate([code_bytes, *sides], axis=-1))
 
 
+@functools.partial(jax.jit, static_argnames=("codec", "n", "dtype"))
 def decode_wire(codec: AdaptiveTahQuant, wire: jax.Array, n: int, dtype=jnp.float32):
     """wire [R, B] -> x [R, n] of `dtype`."""
     rows, groups = wire.shape[0], n // GROUP_SIZE

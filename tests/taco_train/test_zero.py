@@ -213,7 +213,8 @@ def test_slices_of_a_leaf_round_independently_and_its_copies_alike():
     cfg = zero.ZeroConfig(("dp",), "tlq_hs", "qwd", grad_clip=None)
     opt, ranks = optax.adamw(1e-3), 2
     split = {"w": (), "emb": ("tp",)}
-    state = jax.vmap(lambda m: zero.init(opt, m))(zero.shard_leaves(params, ranks))
+    # jitted: run op by op under vmap, each operation would compile on its own (~20 s)
+    state = jax.jit(jax.vmap(lambda m: zero.init(opt, m)))(zero.shard_leaves(params, ranks))
     grads = {n: 1e-2 * jax.random.normal(jax.random.key(i), (ranks, *p.shape))
              for i, (n, p) in enumerate(params.items())}  # fmt: skip
     replica = jax.tree.map(lambda p: jnp.broadcast_to(p, (ranks, *p.shape)), params)
@@ -223,6 +224,6 @@ def test_slices_of_a_leaf_round_independently_and_its_copies_alike():
 
     per_dp = jax.vmap(step, axis_name="dp")
     both_tp = jax.vmap(per_dp, in_axes=None, axis_name="tp", axis_size=2)  # same inputs
-    new = both_tp(grads, state, replica)  # [tp, dp, ...]
+    new = jax.jit(both_tp)(grads, state, replica)  # [tp, dp, ...]
     np.testing.assert_array_equal(np.asarray(new["w"][0]), np.asarray(new["w"][1]))
     assert not np.array_equal(np.asarray(new["emb"][0]), np.asarray(new["emb"][1]))
