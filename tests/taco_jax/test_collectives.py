@@ -705,8 +705,9 @@ def _stage_replay(codec, x):
     """docs/method.md "Collectives" replayed chunk by chunk with TAH-Quant's own round trip, for
     x [N, N c] (whole groups per chunk): what each rank receives, [N, ...] per op."""
     tp = x.shape[0]
-    # Jitted: run op by op, each of the codec's operations would compile on its own (~40 s).
-    roundtrip = jax.jit(lambda rows: tahquant.roundtrip(codec, rows))
+
+    def roundtrip(rows):
+        return tahquant.roundtrip(codec, rows)
 
     def everywhere(value):
         return jnp.broadcast_to(value, (tp, *value.shape))
@@ -787,8 +788,7 @@ def _steps(codec, rows):
     rows = jnp.asarray(rows, jnp.float32)
     n = rows.shape[-1]
     key = jax.random.key(0) if codec.stochastic else None  # the scales do not read the noise
-    encode = jax.jit(lambda r: tahquant.encode_wire(codec, r, key))
-    sides = tahquant.unpack_sides(codec, encode(rows), n)
+    sides = tahquant.unpack_sides(codec, tahquant.encode_wire(codec, rows, key), n)
     scales = np.asarray(sides["scales"]).reshape(rows.shape[0], n // codec.group_size)
     return np.repeat(scales, codec.group_size, axis=-1)
 
