@@ -4,24 +4,37 @@ The fused encode (`pallas_kernels.tahquant_kernel.encode`) draws 16 bits of nois
 from a counter hash (`tahquant.uniform_noise`: one hash of two keyed rounds of a 32-bit mixer per
 pair of elements, its two halves joined into the tile's element order). An earlier ablation
 (BENCHMARKS.md, "Pipeline codec kernels") put about a third of the encode's time in the noise and
-another third in the pivot. This times the encode with the noise drawn in other ways, and with
-the pivot's rule kept but its transform left out, each at one bf16 message size, on each data set:
+another third in the pivot. This times the encode with the noise drawn in other ways and with
+the pivot cut apart, at one bf16 message size, on each data set:
 
     pairs, 2 rounds     the library's noise
     elements, 2 rounds  the same numbers, drawn per element in the tile's own [T, G] order (the
                         hash of the element's pair, then its half): twice the hashing, no join
-    pairs, 1 round      one keyed round per pair: h = mix(j ^ s0 + s1)
-    elements, 1 round   the same numbers as "pairs, 1 round", drawn per element
+    pairs, 1 round      one keyed round per pair: h = mix((j ^ s0) + s1)
+    elements, 1 round   the same numbers as "pairs, 1 round", drawn per element (the library's
+                        count of hashes, no join)
     constant 1/2        no hash (floor(v + 1/2): rounding to nearest with the noise's add kept)
-    nearest             no noise (the codec's round-to-nearest twin)
+    nearest             no noise (the codec's round-to-nearest twin; it also skips drawing the
+                        noise's two seed words, a small XLA op before the kernel)
     rule only           the library's noise; the pivot's rule and side byte kept, its swap and
-                        H_32 left out (outlier data: every tile would run them)
+                        H_32 left out
+    swap only           the swap kept, the H_32 left out
+    H_32 only           the H_32 kept, the swap left out
+    H_32 as one dot     the swap, then the first block's H_32 as one bf16 tensor-core dot of the
+                        whole group [T, G] by diag(S_32, 0) [G, G] (for G = 128, 16x the
+                        multiply-adds of a 32 x 32 block), kept where flagged and k < 32
+    H_32 as one dot, 1 round   the same with "pairs, 1 round"'s noise
 
-Checks before timing: "elements, 2 rounds" must write the library's wire byte for byte, and
-"elements, 1 round" the wire of "pairs, 1 round" (same noise, other order of drawing). The
-variants replace `tahquant_kernel._tile_pairs`, `tahquant.uniform_noise` and
-`tahquant_kernel._encode_pivot` while the kernel is traced; the library is not changed. TIMING
-ONLY for the other variants (their codes are not TAH-Quant's).
+"rule only", "swap only" and "H_32 only" also leave out the G = 128 encode's tile skip (its
+"any group flagged" reduction and `lax.cond`): read them on data where every tile pivots.
+
+Checks before timing, on the first message: "elements, 2 rounds" writes the library's wire
+byte for byte; "elements, 1 round" writes the wire of "pairs, 1 round"; "pairs, 1 round" writes
+another wire than the library (the patch took effect); the dot variant's codes are within one
+step of the library's (the count of moved codes is printed, not recorded). The variants replace
+`tahquant_kernel._tile_pairs`, `tahquant.uniform_noise` and `tahquant_kernel._encode_pivot`
+while the kernel is traced and timed; the library is not changed. TIMING ONLY for the variants
+that change the codes.
 
     PYTHONPATH=. python benchmarks/noise_ablation.py --size-mib 64 \
         --data gaussian outlier_channels --out $OUT
@@ -211,13 +224,11 @@ def study(size: int, names, data: str) -> list[dict]:
         checks = _check_equal_noise(codec, *inputs[0])
         print("CHECK", name, data, json.dumps(checks), flush=True)
         if not all(v for k, v in checks.items() if "information" not in k):
-            raise SystemExit(f"{name}: a per-element variant drew other noise: {checks}")
+            raise SystemExit(f"{name}: a check before timing failed: {checks}")
         io = size + codec.wire_bytes(elements)
         for label in VARIANTS:
-            with _variant(label):
-                fn = _encoder(codec, label)
-                jax.block_until_ready(fn(*inputs[0]))  # traced under the variant
-            t, spread = batched_seconds(fn, inputs)
+            with _variant(label):  # traced, and timed, under the variant
+                t, spread = batched_seconds(_encoder(codec, label), inputs)
             row = {"codec": name, "data": data, "variant": label, "encode_s": t,
                    "encode_of_copy": (io / t) / (2 * size / t_copy), "spread": spread}  # fmt: skip
             print("ABLATE", json.dumps(row), flush=True)

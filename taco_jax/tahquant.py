@@ -401,7 +401,7 @@ def check_stage_encodable(codec: TahQuant, x: jax.Array) -> None:
 
 
 # The reference ops are jitted (codec, sizes and dtype static): called eagerly, op by op, each
-# of their few hundred operations would compile on its own; inside a caller's jit they inline.
+# of their operations would compile on its own; inside a caller's jit they inline.
 @functools.partial(jax.jit, static_argnames=("codec",))
 def encode_wire(codec: TahQuant, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
     """x [R, n] -> wire [R, codec.wire_bytes(n)]; `key` draws the stochastic rounding (required
