@@ -33,7 +33,8 @@ byte for byte; "elements, 1 round" writes the wire of "pairs, 1 round"; "pairs, 
 another wire than the library (the patch took effect); the dot variant's codes are within one
 step of the library's (the count of moved codes is printed, not recorded). The variants replace
 `tahquant_kernel._tile_pairs`, `tahquant.uniform_noise` and `tahquant_kernel._encode_pivot`
-while the kernel is traced and timed; the library is not changed. TIMING ONLY for the variants
+(the dot: `tahquant.pivot_forward`, inside the library's tile skip) while the kernel is traced
+and timed; the library is not changed. TIMING ONLY for the variants
 that change the codes.
 
     PYTHONPATH=. python benchmarks/noise_ablation.py --size-mib 64 \
@@ -102,10 +103,6 @@ def _constant_noise(seeds, elements):
     return jnp.full(elements.shape, 0.5, jnp.float32)
 
 
-def _no_transform(codec):
-    return lambda groups, flag, index: groups
-
-
 def _front_signs(g: int) -> jax.Array:
     """diag(S_32, 0) [G, G] bf16: the first block's +-1 Hadamard, zeros elsewhere."""
     i = lax.broadcasted_iota(jnp.int32, (g, g), 0)
@@ -114,64 +111,61 @@ def _front_signs(g: int) -> jax.Array:
     return jnp.where(front, 1 - 2 * codecs.sylvester_parity(i, j), 0).astype(jnp.bfloat16)
 
 
-def _dot_transform(interpret: bool = False):
-    """The pivot's transform with the swap as selects and the first block's H_32 as one
-    tensor-core dot of the swapped group by diag(S_32, 0) (bf16 inputs: exact operands)."""
-
-    def transform(codec):
-        def pivot(groups, flag, index):
-            swapped = tahquant.swap_to_front(groups, index)
-            z = _tile._block_dot(swapped, _front_signs(groups.shape[1]), exact_bf16=True,
-                                 interpret=interpret)  # fmt: skip
-            k = lax.broadcasted_iota(jnp.int32, groups.shape, 1)
-            keep = flag[:, None] & (k < tahquant.PIVOT_BLOCK)
-            return jnp.where(keep, z * tahquant.PIVOT_UNIT, swapped)
-
-        if codec.group_size not in tk.SKIP_PIVOT_GROUP_SIZES:
-            return pivot
-
-        def tile_pivot(groups, flag, index):
-            any_flag = jnp.max(flag.astype(jnp.int32)) > 0
-            return lax.cond(any_flag, pivot, lambda g, f, i: g, groups, flag, index)
-
-        return tile_pivot
-
-    return transform
+def _dot_pivot(groups, flag, index):
+    """`tahquant.pivot_forward` with the swap as selects and the first block's H_32 as one
+    tensor-core dot of the swapped group by diag(S_32, 0) (bf16 inputs: exact operands). It
+    replaces `pivot_forward` itself, so the library's tile skip (`tk._encode_pivot`) wraps it."""
+    swapped = tahquant.swap_to_front(groups, index)
+    z = _tile._block_dot(swapped, _front_signs(groups.shape[1]), exact_bf16=True,
+                         interpret=False)  # fmt: skip
+    k = lax.broadcasted_iota(jnp.int32, groups.shape, 1)
+    keep = flag[:, None] & (k < tahquant.PIVOT_BLOCK)
+    return jnp.where(keep, z * tahquant.PIVOT_UNIT, swapped)
 
 
-# label: (counters, noise, stochastic, pivot transform: kept (True), left out (False) or a
-# replacement of `tk._encode_pivot`)
+def _encode_pivot(transform):
+    """A replacement of `tk._encode_pivot`: `transform` on every tile (no tile skip)."""
+    return "_encode_pivot", lambda codec: transform
+
+
+# The pivot patches: (name in `tk` or `tahquant`, replacement); None keeps the library's.
+RULE_ONLY = _encode_pivot(lambda groups, flag, index: groups)
+SWAP_ONLY = _encode_pivot(lambda groups, flag, index: tahquant.swap_to_front(groups, index))
+H32_ONLY = _encode_pivot(lambda groups, flag, index: tahquant.hadamard_front(groups, flag))
+DOT = ("pivot_forward", _dot_pivot)
+
+# label: (counters, noise, stochastic, pivot patch)
 VARIANTS = {
-    "pairs, 2 rounds": (None, None, True, True),
-    "elements, 2 rounds": (_element_counters, _elements_noise(2), True, True),
-    "pairs, 1 round": (None, _pairs_noise(1), True, True),
-    "elements, 1 round": (_element_counters, _elements_noise(1), True, True),
-    "constant 1/2": (_element_counters, _constant_noise, True, True),
-    "nearest": (None, None, False, True),
-    "rule only": (None, None, True, False),
-    "swap only": (None, None, True, lambda codec: lambda g, f, i: tahquant.swap_to_front(g, i)),
-    "H_32 only": (None, None, True, lambda codec: lambda g, f, i: tahquant.hadamard_front(g, f)),
-    "H_32 as one dot": (None, None, True, _dot_transform()),
-    "H_32 as one dot, 1 round": (None, _pairs_noise(1), True, _dot_transform()),
+    "pairs, 2 rounds": (None, None, True, None),
+    "elements, 2 rounds": (_element_counters, _elements_noise(2), True, None),
+    "pairs, 1 round": (None, _pairs_noise(1), True, None),
+    "elements, 1 round": (_element_counters, _elements_noise(1), True, None),
+    "constant 1/2": (_element_counters, _constant_noise, True, None),
+    "nearest": (None, None, False, None),
+    "rule only": (None, None, True, RULE_ONLY),
+    "swap only": (None, None, True, SWAP_ONLY),
+    "H_32 only": (None, None, True, H32_ONLY),
+    "H_32 as one dot": (None, None, True, DOT),
+    "H_32 as one dot, 1 round": (None, _pairs_noise(1), True, DOT),
 }
 
 
 @contextlib.contextmanager
 def _variant(label):
-    counters, noise, _, transform = VARIANTS[label]
-    saved = tk._tile_pairs, tahquant.uniform_noise, tk._encode_pivot
+    counters, noise, _, pivot = VARIANTS[label]
+    patches = [(tk, "_tile_pairs", counters), (tahquant, "uniform_noise", noise)]
+    if pivot is not None:
+        name, replacement = pivot
+        patches.append((tk if hasattr(tk, name) else tahquant, name, replacement))
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
     try:
-        if counters is not None:
-            tk._tile_pairs = counters
-        if noise is not None:
-            tahquant.uniform_noise = noise
-        if transform is False:
-            tk._encode_pivot = _no_transform
-        elif transform is not True:
-            tk._encode_pivot = transform
+        for module, name, replacement in patches:
+            if replacement is not None:
+                setattr(module, name, replacement)
         yield
     finally:
-        tk._tile_pairs, tahquant.uniform_noise, tk._encode_pivot = saved
+        for module, name, original in saved:
+            setattr(module, name, original)
 
 
 def _encoder(codec, label, interpret: bool = False):
@@ -186,7 +180,7 @@ def _check_equal_noise(codec, x, key, interpret: bool = False) -> dict:
     """Whether the per-element variants write the wires of the per-pair ones (same noise)."""
     wires = {}
     for label in VARIANTS:
-        if VARIANTS[label][2] and VARIANTS[label][3]:
+        if VARIANTS[label][2] and VARIANTS[label][3] in (None, DOT):
             with _variant(label):
                 wires[label] = np.asarray(_encoder(codec, label, interpret)(x, key))
     same = {
