@@ -33,9 +33,9 @@ byte for byte; "elements, 1 round" writes the wire of "pairs, 1 round"; "pairs, 
 another wire than the library (the patch took effect); the dot variant's codes are within one
 step of the library's (the count of moved codes is printed, not recorded). The variants replace
 `tahquant_kernel._tile_pairs`, `tahquant.uniform_noise` and `tahquant_kernel._encode_pivot`
-(the dot: `tahquant.pivot_forward`, inside the library's tile skip) while the kernel is traced
-and timed; the library is not changed. TIMING ONLY for the variants
-that change the codes.
+(the dot: `tahquant_kernel._pivot_forward`, inside the library's tile skip) while the kernel is
+traced and timed; the library is not changed. TIMING ONLY for the variants that change the
+codes.
 
     PYTHONPATH=. python benchmarks/noise_ablation.py --size-mib 64 \
         --data gaussian outlier_channels --out $OUT
@@ -112,9 +112,9 @@ def _front_signs(g: int) -> jax.Array:
 
 
 def _dot_pivot(groups, flag, index):
-    """`tahquant.pivot_forward` with the swap as selects and the first block's H_32 as one
+    """`tk._pivot_forward` with the swap as selects and the first block's H_32 as one
     tensor-core dot of the swapped group by diag(S_32, 0) (bf16 inputs: exact operands). It
-    replaces `pivot_forward` itself, so the library's tile skip (`tk._encode_pivot`) wraps it."""
+    replaces `_pivot_forward` itself, so the library's tile skip (`tk._encode_pivot`) wraps it."""
     swapped = tahquant.swap_to_front(groups, index)
     z = _tile._block_dot(swapped, _front_signs(groups.shape[1]), exact_bf16=True,
                          interpret=False)  # fmt: skip
@@ -131,8 +131,12 @@ def _encode_pivot(transform):
 # The pivot patches: (name in `tk` or `tahquant`, replacement); None keeps the library's.
 RULE_ONLY = _encode_pivot(lambda groups, flag, index: groups)
 SWAP_ONLY = _encode_pivot(lambda groups, flag, index: tahquant.swap_to_front(groups, index))
-H32_ONLY = _encode_pivot(lambda groups, flag, index: tahquant.hadamard_front(groups, flag))
-DOT = ("pivot_forward", _dot_pivot)
+H32_ONLY = _encode_pivot(
+    lambda groups, flag, index: tahquant.hadamard_front(
+        groups, flag, tahquant.butterflies_in_registers
+    )
+)
+DOT = ("_pivot_forward", _dot_pivot)
 
 # label: (counters, noise, stochastic, pivot patch)
 VARIANTS = {

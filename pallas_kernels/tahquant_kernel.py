@@ -49,16 +49,21 @@ def _tile_pairs(row, tile, t: int, g: int, n: int) -> jax.Array:
 SKIP_PIVOT_GROUP_SIZES = (128,)
 
 
+def _pivot_forward(groups, flag, index):
+    """`tahquant.pivot_forward` with the butterflies in the kernels' form."""
+    return tahquant.pivot_forward(groups, flag, index, tahquant.butterflies_in_registers)
+
+
 def _encode_pivot(codec: TahQuant):
-    """`tahquant.pivot_forward`, or for `SKIP_PIVOT_GROUP_SIZES` the same values computed only
-    where some group of the tile is flagged (unflagged groups have index 0, which the transform
-    leaves alone): a select would still compute the swap and H_32 of every group."""
+    """`_pivot_forward`, or for `SKIP_PIVOT_GROUP_SIZES` the same values computed only where
+    some group of the tile is flagged (unflagged groups have index 0, which the transform leaves
+    alone): a select would still compute the swap and H_32 of every group."""
     if codec.group_size not in SKIP_PIVOT_GROUP_SIZES:
-        return tahquant.pivot_forward
+        return _pivot_forward
 
     def tile_pivot(groups, flag, index):
         any_flag = jnp.max(flag.astype(jnp.int32)) > 0  # "any", as an integer max reduction
-        return lax.cond(any_flag, tahquant.pivot_forward, lambda g, f, i: g, groups, flag, index)
+        return lax.cond(any_flag, _pivot_forward, lambda g, f, i: g, groups, flag, index)
 
     return tile_pivot
 
@@ -119,7 +124,8 @@ def _decode_kernel(wire_ref, out_ref, *, codec: TahQuant, n: int, cfg: BlockConf
         widths = dict(codec.side_fields)
         sides = {f: codecs.side_from_bytes(b, widths[f]) for f, b in side_bytes.items()}
         codes = tahquant.unpack_codes(codec, packed).reshape(t, g)
-        x = tahquant.decode_groups(codec, codes, sides).reshape(t * g).astype(out_ref.dtype)
+        x = tahquant.decode_groups(codec, codes, sides, tahquant.butterflies_in_registers)
+        x = x.reshape(t * g).astype(out_ref.dtype)
         _tile.store_1d(out_ref, row, tile * t * g, x, n, masked=masked)
 
     _tile.for_each_tile(cfg, _pallas.program_id(1), load, decode_tile)

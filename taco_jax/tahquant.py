@@ -137,7 +137,9 @@ def get_stage_codec(name: str | TahQuant) -> TahQuant:
 # --------------------------------------------------------------------------------------------
 # Stages, on groups [M, G] (fp32). Written only with ops the Triton lowering of Pallas also
 # takes (reductions, `where`, splits of a last axis of size 2, integer shifts): the fused kernels
-# (`pallas_kernels.tahquant_kernel`) call these same functions on their tiles.
+# (`pallas_kernels.tahquant_kernel`) call these same functions on their tiles. The one exception
+# is the H_32's butterflies, which the kernels take in their own form (`butterflies_in_registers`,
+# the same arithmetic as the reference's `butterflies_by_axes`).
 
 
 _COUNT_UNIT = 1 << 14  # > the sum of all positions of a group of 128 (8128)
@@ -180,36 +182,55 @@ def swap_to_front(groups: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.where(is_first, at_index[:, None], jnp.where(is_index, first[:, None], groups))
 
 
-def _signed_hadamard_low_bits(x: jax.Array, bits: int) -> jax.Array:
+def butterflies_in_registers(x: jax.Array, bits: int) -> jax.Array:
     """(I (x) S_{2^bits}) x on the last axis of x [M, K]: the +-1 Sylvester transform over the
     low `bits` bits of the index, as butterflies (i = 2 i' + i1: y[2 j'] = S a + S b,
-    y[2 j' + 1] = S a - S b, with a, b the even and odd elements). The fp32 counterpart of the
-    TP kernels' `pallas_kernels._tile._split_low_bit`, which ends in tensor-core dots."""
+    y[2 j' + 1] = S a - S b, with a, b the even and odd elements), written with the splits of a
+    last axis of size 2 that the Triton lowering takes (the kernels' form; the fp32 counterpart
+    of the TP kernels' `pallas_kernels._tile._split_low_bit`, which ends in tensor-core dots).
+    Bit `bits - 1` is combined first, bit 0 last."""
     if bits == 0:
         return x
     m, k = x.shape
     even, odd = lax.unstack(x.reshape(m, k // 2, 2), axis=2)
-    a = _signed_hadamard_low_bits(even, bits - 1)
-    b = _signed_hadamard_low_bits(odd, bits - 1)
+    a = butterflies_in_registers(even, bits - 1)
+    b = butterflies_in_registers(odd, bits - 1)
     return lax.stack([a + b, a - b], axis=2).reshape(m, k)
+
+
+def butterflies_by_axes(x: jax.Array, bits: int) -> jax.Array:
+    """`butterflies_in_registers` as XLA compiles it best (the reference's form): the low `bits`
+    bits of the index as axes of size 2, one butterfly per axis, bit `bits - 1` first. The same
+    additions of the same operands in the same order, so the two agree bit for bit
+    (tests/taco_jax/test_tahquant.py); the recursion stages 2^bits - 1 splits and joins where
+    this stages `bits` butterflies, and a TAH-Quant train step compiled twice as fast on the CPU
+    (docs/development_history.md, 2026-12-01 "CPU suite")."""
+    m, k = x.shape
+    y = x.reshape(m, k >> bits, *(2,) * bits)  # axis 2 + level holds index bit bits - 1 - level
+    for axis in range(2, 2 + bits):
+        a, b = lax.index_in_dim(y, 0, axis), lax.index_in_dim(y, 1, axis)
+        y = lax.concatenate([a + b, a - b], axis)
+    return y.reshape(m, k)
 
 
 _PIVOT_BITS = PIVOT_BLOCK.bit_length() - 1
 PIVOT_UNIT = np.float32(1.0 / np.sqrt(PIVOT_BLOCK))  # H_32 = S_32 * PIVOT_UNIT
 
 
-def hadamard_front(groups: jax.Array, flag: jax.Array) -> jax.Array:
+def hadamard_front(groups: jax.Array, flag: jax.Array, butterflies=butterflies_by_axes
+                   ) -> jax.Array:  # fmt: skip
     """The orthonormal H_32 = S_32 / sqrt(32) (its own inverse up to fp32 rounding) applied to
     the first 32 elements of each flagged group.
 
-    Written without slicing, so the kernels run this very function on their tiles: the first
-    block of 32 is taken out as a masked sum over the blocks (one non-zero term: exact), goes
-    through the butterflies, and is put back with a `where`."""
+    Written without slicing, so the kernels run this very function on their tiles (with
+    `butterflies_in_registers`): the first block of 32 is taken out as a masked sum over the
+    blocks (one non-zero term: exact), goes through the butterflies, and is put back with a
+    `where`."""
     m, g = groups.shape
     blocks = groups.reshape(m, g // PIVOT_BLOCK, PIVOT_BLOCK)
     first_block = lax.broadcasted_iota(jnp.int32, blocks.shape, 1) == 0
     front = jnp.sum(jnp.where(first_block, blocks, 0.0), axis=1)  # [M, 32]
-    transformed = _signed_hadamard_low_bits(front, _PIVOT_BITS) * PIVOT_UNIT
+    transformed = butterflies(front, _PIVOT_BITS) * PIVOT_UNIT
     keep = first_block & flag[:, None, None]
     return jnp.where(keep, transformed[:, None, :], blocks).reshape(m, g)
 
@@ -322,15 +343,17 @@ def dequantize_groups(codec: TahQuant, codes: jax.Array, scale, lo) -> jax.Array
     return y + lo[:, None] if codec.asymmetric else y
 
 
-def pivot_forward(groups: jax.Array, flag: jax.Array, index: jax.Array) -> jax.Array:
+def pivot_forward(groups: jax.Array, flag: jax.Array, index: jax.Array,
+                  butterflies=butterflies_by_axes) -> jax.Array:  # fmt: skip
     """The pivot's transform of groups [M, G]: swap, then H_32 of the first block where flagged
     (the identity on groups with flag False and index 0, as `pivot_rule` gives them)."""
-    return hadamard_front(swap_to_front(groups, index), flag)
+    return hadamard_front(swap_to_front(groups, index), flag, butterflies)
 
 
-def pivot_inverse(groups: jax.Array, flag: jax.Array, index: jax.Array) -> jax.Array:
+def pivot_inverse(groups: jax.Array, flag: jax.Array, index: jax.Array,
+                  butterflies=butterflies_by_axes) -> jax.Array:  # fmt: skip
     """The decoder's inverse of `pivot_forward` (up to fp32 rounding)."""
-    return swap_to_front(hadamard_front(groups, flag), index)
+    return swap_to_front(hadamard_front(groups, flag, butterflies), index)
 
 
 def encode_groups(codec: TahQuant, groups: jax.Array, noise: jax.Array | None, *,
@@ -350,13 +373,15 @@ def encode_groups(codec: TahQuant, groups: jax.Array, noise: jax.Array | None, *
     return codes, {field: sides[field] for field, _ in codec.side_fields}
 
 
-def decode_groups(codec: TahQuant, codes: jax.Array, sides: dict[str, jax.Array]) -> jax.Array:
-    """Inverse of `encode_groups` up to the rounding: codes [M, G] int32 -> fp32 [M, G]."""
+def decode_groups(codec: TahQuant, codes: jax.Array, sides: dict[str, jax.Array],
+                  butterflies=butterflies_by_axes) -> jax.Array:  # fmt: skip
+    """Inverse of `encode_groups` up to the rounding: codes [M, G] int32 -> fp32 [M, G]
+    (`butterflies`: as `hadamard_front`)."""
     y = dequantize_groups(codec, codes, sides["scales"], sides.get("mins"))
     if not codec.pivot:
         return y
     flag, index = pivot_fields(sides["pivots"], PIVOT_FLAG - 1)
-    return pivot_inverse(y, flag, index)
+    return pivot_inverse(y, flag, index, butterflies)
 
 
 def pivot_fields(pivots: jax.Array, index_mask: int) -> tuple[jax.Array, jax.Array]:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from codec_testing import DECADES, group_errors, groups64, mixed_magnitudes
 
-from taco_jax import tahquant
+from taco_jax import codecs, tahquant
 from taco_jax.tahquant import get_stage_codec
 
 NAMES = tahquant.STAGE_CODEC_NAMES
@@ -150,6 +150,27 @@ def test_pivot_rule_at_its_edges():
     flag, index = tahquant.pivot_rule(jnp.asarray(wide))
     np.testing.assert_array_equal(np.asarray(flag), [True, True, False])
     np.testing.assert_array_equal(np.asarray(index), [127, 64, 0])
+
+
+@pytest.mark.parametrize("bits", [1, 3, 5, 7])
+def test_both_butterfly_forms_agree_bit_for_bit(bits):
+    """The reference's butterflies (`butterflies_by_axes`) and the kernels'
+    (`butterflies_in_registers`) add the same operands in the same order: the same bits, on
+    groups of mixed magnitudes with zeros, signed zeros and a NaN among them. Both equal
+    S x, the +-1 Sylvester matrix over the low `bits` bits, to within fp32 rounding: each output
+    a sum of 2^bits terms, |error| <= bits 2^-24 sum |x| (one rounding per level, relative)."""
+    x = np.array(mixed_magnitudes(jax.random.key(11), (24, 128), 128))
+    x[0, :7], x[1, 5], x[2, 64] = 0.0, -0.0, np.nan
+    by_axes = jax.jit(tahquant.butterflies_by_axes, static_argnums=1)(x, bits)
+    in_registers = jax.jit(tahquant.butterflies_in_registers, static_argnums=1)(x, bits)
+    np.testing.assert_array_equal(np.asarray(by_axes).view(np.uint32),
+                                  np.asarray(in_registers).view(np.uint32))  # fmt: skip
+    b = 1 << bits
+    blocks = np.asarray(x[3:], np.float64).reshape(21, 128 // b, b)
+    exact = blocks @ codecs.signs_matrix(b).astype(np.float64)
+    bound = bits * 2.0**-24 * (np.abs(blocks).sum(-1, keepdims=True))
+    got = np.asarray(by_axes[3:], np.float64).reshape(blocks.shape)
+    assert np.all(np.abs(got - exact) <= bound)
 
 
 @pytest.mark.parametrize("name", NAMES)
