@@ -128,12 +128,12 @@ def _encode_pivot(transform):
     return "_encode_pivot", lambda codec: transform
 
 
-# The pivot patches: (name in `tk` or `tahquant`, replacement); None keeps the library's.
+# The pivot patches: (name in `tk`, replacement); None keeps the library's.
 RULE_ONLY = _encode_pivot(lambda groups, flag, index: groups)
 SWAP_ONLY = _encode_pivot(lambda groups, flag, index: tahquant.swap_to_front(groups, index))
 H32_ONLY = _encode_pivot(
     lambda groups, flag, index: tahquant.hadamard_front(
-        groups, flag, tahquant.butterflies_in_registers
+        groups, flag, tahquant.butterflies_by_pair_splits
     )
 )
 DOT = ("_pivot_forward", _dot_pivot)
@@ -160,7 +160,7 @@ def _variant(label):
     patches = [(tk, "_tile_pairs", counters), (tahquant, "uniform_noise", noise)]
     if pivot is not None:
         name, replacement = pivot
-        patches.append((tk if hasattr(tk, name) else tahquant, name, replacement))
+        patches.append((tk, name, replacement))
     saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
     try:
         for module, name, replacement in patches:

@@ -51,7 +51,7 @@ SKIP_PIVOT_GROUP_SIZES = (128,)
 
 def _pivot_forward(groups, flag, index):
     """`tahquant.pivot_forward` with the butterflies in the kernels' form."""
-    return tahquant.pivot_forward(groups, flag, index, tahquant.butterflies_in_registers)
+    return tahquant.pivot_forward(groups, flag, index, tahquant.butterflies_by_pair_splits)
 
 
 def _encode_pivot(codec: TahQuant):
@@ -124,7 +124,7 @@ def _decode_kernel(wire_ref, out_ref, *, codec: TahQuant, n: int, cfg: BlockConf
         widths = dict(codec.side_fields)
         sides = {f: codecs.side_from_bytes(b, widths[f]) for f, b in side_bytes.items()}
         codes = tahquant.unpack_codes(codec, packed).reshape(t, g)
-        x = tahquant.decode_groups(codec, codes, sides, tahquant.butterflies_in_registers)
+        x = tahquant.decode_groups(codec, codes, sides, tahquant.butterflies_by_pair_splits)
         x = x.reshape(t * g).astype(out_ref.dtype)
         _tile.store_1d(out_ref, row, tile * t * g, x, n, masked=masked)
 

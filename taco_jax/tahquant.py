@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -138,7 +139,7 @@ def get_stage_codec(name: str | TahQuant) -> TahQuant:
 # Stages, on groups [M, G] (fp32). Written only with ops the Triton lowering of Pallas also
 # takes (reductions, `where`, splits of a last axis of size 2, integer shifts): the fused kernels
 # (`pallas_kernels.tahquant_kernel`) call these same functions on their tiles. The one exception
-# is the H_32's butterflies, which the kernels take in their own form (`butterflies_in_registers`,
+# is the H_32's butterflies, which the kernels take in their own form (`butterflies_by_pair_splits`,
 # the same arithmetic as the reference's `butterflies_by_axes`).
 
 
@@ -182,29 +183,33 @@ def swap_to_front(groups: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.where(is_first, at_index[:, None], jnp.where(is_index, first[:, None], groups))
 
 
-def butterflies_in_registers(x: jax.Array, bits: int) -> jax.Array:
-    """(I (x) S_{2^bits}) x on the last axis of x [M, K]: the +-1 Sylvester transform over the
-    low `bits` bits of the index, as butterflies (i = 2 i' + i1: y[2 j'] = S a + S b,
+def butterflies_by_pair_splits(x: jax.Array, bits: int) -> jax.Array:
+    """(I (x) S_{2^bits}) x on the last axis of x [M, K], the +-1 Sylvester transform over the
+    low `bits` bits of the index, as recursive butterflies (i = 2 i' + i1: y[2 j'] = S a + S b,
     y[2 j' + 1] = S a - S b, with a, b the even and odd elements), written with the splits of a
     last axis of size 2 that the Triton lowering takes (the kernels' form; the fp32 counterpart
     of the TP kernels' `pallas_kernels._tile._split_low_bit`, which ends in tensor-core dots).
-    Bit `bits - 1` is combined first, bit 0 last."""
+    Bit `bits - 1` is combined first, bit 0 last.
+
+    Plain JAX, up to rounding: (x.reshape(M, K >> bits, 2^bits) @ S_{2^bits}).reshape(M, K),
+    S = `codecs.signs_matrix`."""
     if bits == 0:
         return x
     m, k = x.shape
     even, odd = lax.unstack(x.reshape(m, k // 2, 2), axis=2)
-    a = butterflies_in_registers(even, bits - 1)
-    b = butterflies_in_registers(odd, bits - 1)
+    a = butterflies_by_pair_splits(even, bits - 1)
+    b = butterflies_by_pair_splits(odd, bits - 1)
     return lax.stack([a + b, a - b], axis=2).reshape(m, k)
 
 
 def butterflies_by_axes(x: jax.Array, bits: int) -> jax.Array:
-    """`butterflies_in_registers` as XLA compiles it best (the reference's form): the low `bits`
-    bits of the index as axes of size 2, one butterfly per axis, bit `bits - 1` first. The same
-    additions of the same operands in the same order, so the two agree bit for bit
+    """`butterflies_by_pair_splits` as XLA compiles it best (the reference's form): the low
+    `bits` bits of the index as axes of size 2, one butterfly per axis, bit `bits - 1` first.
+    The same additions of the same operands in the same order, so the two agree bit for bit
     (tests/taco_jax/test_tahquant.py); the recursion stages 2^bits - 1 splits and joins where
-    this stages `bits` butterflies, and a TAH-Quant train step compiled twice as fast on the CPU
-    (docs/development_history.md, 2026-12-01 "CPU suite")."""
+    this stages `bits` butterflies: a TAH-Quant train step compiled in half the time on the CPU,
+    and the reference ran 1.4-1.8x faster on the H200 (docs/development_history.md, 2026-12-01
+    "the TAH-Quant reference's butterflies")."""
     m, k = x.shape
     y = x.reshape(m, k >> bits, *(2,) * bits)  # axis 2 + level holds index bit bits - 1 - level
     for axis in range(2, 2 + bits):
@@ -213,17 +218,22 @@ def butterflies_by_axes(x: jax.Array, bits: int) -> jax.Array:
     return y.reshape(m, k)
 
 
+# A butterfly form: `butterflies_by_axes` (the reference's) or `butterflies_by_pair_splits`
+# (the kernels'), equal bit for bit.
+Butterflies = Callable[[jax.Array, int], jax.Array]
+
+
 _PIVOT_BITS = PIVOT_BLOCK.bit_length() - 1
 PIVOT_UNIT = np.float32(1.0 / np.sqrt(PIVOT_BLOCK))  # H_32 = S_32 * PIVOT_UNIT
 
 
-def hadamard_front(groups: jax.Array, flag: jax.Array, butterflies=butterflies_by_axes
-                   ) -> jax.Array:  # fmt: skip
+def hadamard_front(groups: jax.Array, flag: jax.Array,
+                   butterflies: Butterflies = butterflies_by_axes) -> jax.Array:  # fmt: skip
     """The orthonormal H_32 = S_32 / sqrt(32) (its own inverse up to fp32 rounding) applied to
-    the first 32 elements of each flagged group.
+    the first 32 elements of each flagged group, its butterflies in the form `butterflies`.
 
     Written without slicing, so the kernels run this very function on their tiles (with
-    `butterflies_in_registers`): the first block of 32 is taken out as a masked sum over the
+    `butterflies_by_pair_splits`): the first block of 32 is taken out as a masked sum over the
     blocks (one non-zero term: exact), goes through the butterflies, and is put back with a
     `where`."""
     m, g = groups.shape
@@ -344,15 +354,17 @@ def dequantize_groups(codec: TahQuant, codes: jax.Array, scale, lo) -> jax.Array
 
 
 def pivot_forward(groups: jax.Array, flag: jax.Array, index: jax.Array,
-                  butterflies=butterflies_by_axes) -> jax.Array:  # fmt: skip
+                  butterflies: Butterflies = butterflies_by_axes) -> jax.Array:  # fmt: skip
     """The pivot's transform of groups [M, G]: swap, then H_32 of the first block where flagged
-    (the identity on groups with flag False and index 0, as `pivot_rule` gives them)."""
+    (the identity on groups with flag False and index 0, as `pivot_rule` gives them);
+    `butterflies`: as `hadamard_front`."""
     return hadamard_front(swap_to_front(groups, index), flag, butterflies)
 
 
 def pivot_inverse(groups: jax.Array, flag: jax.Array, index: jax.Array,
-                  butterflies=butterflies_by_axes) -> jax.Array:  # fmt: skip
-    """The decoder's inverse of `pivot_forward` (up to fp32 rounding)."""
+                  butterflies: Butterflies = butterflies_by_axes) -> jax.Array:  # fmt: skip
+    """The decoder's inverse of `pivot_forward` (up to fp32 rounding; `butterflies`: as
+    `hadamard_front`)."""
     return swap_to_front(hadamard_front(groups, flag, butterflies), index)
 
 
@@ -374,7 +386,7 @@ def encode_groups(codec: TahQuant, groups: jax.Array, noise: jax.Array | None, *
 
 
 def decode_groups(codec: TahQuant, codes: jax.Array, sides: dict[str, jax.Array],
-                  butterflies=butterflies_by_axes) -> jax.Array:  # fmt: skip
+                  butterflies: Butterflies = butterflies_by_axes) -> jax.Array:  # fmt: skip
     """Inverse of `encode_groups` up to the rounding: codes [M, G] int32 -> fp32 [M, G]
     (`butterflies`: as `hadamard_front`)."""
     y = dequantize_groups(codec, codes, sides["scales"], sides.get("mins"))

@@ -1,7 +1,9 @@
 """Fused TAH-Quant kernels vs the jnp reference (interpret mode on the CPU; the GPU class on a GPU).
 
 Tolerances (derivations):
-- codes: the kernel runs the reference's own tile functions, so a code can differ only through
+- codes: the kernel runs the reference's own tile functions (but for the H_32's butterflies,
+  which it takes in the form `tahquant.butterflies_by_pair_splits`, bit for bit the reference's
+  `butterflies_by_axes`: tests/taco_jax/test_tahquant.py), so a code can differ only through
   fp32 rounding of the compiled arithmetic: the GPU may fuse a multiply and an add (one rounding
   fewer) and divides to within 2 ulp (the factor levels / span). The pre-rounding value v + u
   (v <= 2^b - 1 < 256) then moves by at most ~4 ulp, |dv| <= DV = 4 * 256 * 2^-24, and a code
@@ -9,7 +11,8 @@ Tolerances (derivations):
   boundary: probability <= 2 DV per element (u is uniform; v's fractional part is spread
   evenly over these data). Over E elements the count of moved codes is ~Poisson(2 DV E); we allow
   2 DV E + 5 sqrt(2 DV E) + 3, every moved code by exactly one step. In interpret mode the
-  kernel runs the same XLA operations on the CPU: the wire must be byte-for-byte equal where
+  kernel runs the same arithmetic as XLA operations on the CPU: the wire must be byte-for-byte
+  equal where
   every tile pivots (`_data` flags a group in each); a tile that skips the pivot
   (`tk.SKIP_PIVOT_GROUP_SIZES`) runs under a `cond` that XLA fuses differently, so there only
   the rule above holds.

@@ -155,20 +155,23 @@ def test_pivot_rule_at_its_edges():
 @pytest.mark.parametrize("bits", [1, 3, 5, 7])
 def test_both_butterfly_forms_agree_bit_for_bit(bits):
     """The reference's butterflies (`butterflies_by_axes`) and the kernels'
-    (`butterflies_in_registers`) add the same operands in the same order: the same bits, on
-    groups of mixed magnitudes with zeros, signed zeros and a NaN among them. Both equal
-    S x, the +-1 Sylvester matrix over the low `bits` bits, to within fp32 rounding: each output
-    a sum of 2^bits terms, |error| <= bits 2^-24 sum |x| (one rounding per level, relative)."""
+    (`butterflies_by_pair_splits`) add the same operands in the same order: the same bits, on
+    groups of mixed magnitudes with zeros, a block of -0.0 (whose sums are -0.0 and whose
+    differences are +0.0) and a NaN among them. Both equal S x, the +-1 Sylvester matrix over
+    the low `bits` bits, to within fp32 rounding: each output is a sum of 2^bits terms through
+    `bits` levels, each level rounding with relative error <= u = 2^-24 partial sums that
+    cover the inputs once, so |error| <= gamma_bits sum |x|, gamma_k = k u / (1 - k u)."""
     x = np.array(mixed_magnitudes(jax.random.key(11), (24, 128), 128))
-    x[0, :7], x[1, 5], x[2, 64] = 0.0, -0.0, np.nan
+    x[0, :7], x[1, 32:64], x[2, 64] = 0.0, -0.0, np.nan
     by_axes = jax.jit(tahquant.butterflies_by_axes, static_argnums=1)(x, bits)
-    in_registers = jax.jit(tahquant.butterflies_in_registers, static_argnums=1)(x, bits)
+    by_pairs = jax.jit(tahquant.butterflies_by_pair_splits, static_argnums=1)(x, bits)
     np.testing.assert_array_equal(np.asarray(by_axes).view(np.uint32),
-                                  np.asarray(in_registers).view(np.uint32))  # fmt: skip
+                                  np.asarray(by_pairs).view(np.uint32))  # fmt: skip
     b = 1 << bits
     blocks = np.asarray(x[3:], np.float64).reshape(21, 128 // b, b)
     exact = blocks @ codecs.signs_matrix(b).astype(np.float64)
-    bound = bits * 2.0**-24 * (np.abs(blocks).sum(-1, keepdims=True))
+    u = 2.0**-24
+    bound = bits * u / (1 - bits * u) * np.abs(blocks).sum(-1, keepdims=True)
     got = np.asarray(by_axes[3:], np.float64).reshape(blocks.shape)
     assert np.all(np.abs(got - exact) <= bound)
 
