@@ -28,12 +28,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import in_program_seconds, write_record
+from _common import in_program_seconds, run_study
 from jax import lax
 
 import pallas_kernels as pk
@@ -154,7 +153,8 @@ def run(args) -> dict:
         want = np.asarray(library(wires[0]))
         io_bytes = args.peers * CODEC.wire_bytes(n) + CODEC.wire_bytes(n)
         copy_inputs = [jnp.full((io_bytes // 4,), i, jnp.bfloat16) for i in (1, 2)]
-        copy_s = in_program_seconds(jax.jit(jnp.negative), [(c,) for c in copy_inputs], args.calls)
+        copy_s = in_program_seconds(jax.jit(jnp.negative), [(c,) for c in copy_inputs], args.calls,
+                                    reps=args.reps)  # fmt: skip
         variants = {"library, default launch": (library, default)}
         for groups in args.groups:
             cfg = dataclasses.replace(default, groups_per_tile=groups)
@@ -166,7 +166,7 @@ def run(args) -> dict:
             if not same:
                 raise SystemExit(f"{label}: {np.mean(got != want):.2e} of the bytes differ")
             seconds = None if args.interpret else in_program_seconds(
-                fn, [(w,) for w in wires], args.calls)  # fmt: skip
+                fn, [(w,) for w in wires], args.calls, reps=args.reps)  # fmt: skip
             row = dict(size_mib=size, variant=label, groups_per_tile=cfg.groups_per_tile,
                        num_warps=cfg.num_warps, equal_to_library=same, seconds=seconds,
                        copy_seconds=copy_s,
@@ -176,17 +176,15 @@ def run(args) -> dict:
     return {"codec": CODEC.name, "peers": args.peers, "rows": rows}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[64])
+def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", type=int, default=2)
     parser.add_argument("--groups", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--calls", type=int, default=8)
     parser.add_argument("--interpret", action="store_true", help="CPU check, no timing")
-    parser.add_argument("--suffix", default="")
-    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    args = parser.parse_args()
-    write_record("plane_order", args.out, suffix=args.suffix, **run(args))
+
+
+def main() -> None:
+    run_study("plane_order", __doc__, run, _options, sizes_mib=(64,))
 
 
 if __name__ == "__main__":
