@@ -12,8 +12,7 @@ Tolerances (derivations):
   evenly over these data). Over E elements the count of moved codes is ~Poisson(2 DV E); we allow
   2 DV E + 5 sqrt(2 DV E) + 3, every moved code by exactly one step. In interpret mode the
   kernel runs the same arithmetic as XLA operations on the CPU: the wire must be byte-for-byte
-  equal where
-  every tile pivots (`_data` flags a group in each); a tile that skips the pivot
+  equal where every tile pivots (`_data` flags a group in each); a tile that skips the pivot
   (`tk.SKIP_PIVOT_GROUP_SIZES`) runs under a `cond` that XLA fuses differently, so there only
   the rule above holds.
 - side values (fp32 scale, min): the same arithmetic on the same group; the reductions are
