@@ -29,8 +29,7 @@ import numpy as np
 from _common import activation_like, batched_seconds, write_record
 
 from pallas_kernels import tahquant_kernel as tk
-from pallas_kernels import tahquant_mosaic
-from pallas_kernels.config import BlockConfig, MosaicLaunch
+from pallas_kernels.config import BlockConfig
 from taco_jax import sdp4bit, tahquant
 
 MiB = 1 << 20
@@ -67,39 +66,30 @@ def _pivoted_tiles(codec, wire, n: int) -> float:
     return float(jnp.mean(flagged))
 
 
-def _wire_check(codec, wire, ref, n: int) -> dict:
-    """Moved codes (count, largest step) and side values of an encoded wire against the
-    reference's wire."""
-    codes = tahquant.unpack_codes(codec, wire[:, : codec.code_bytes(n)])
-    ref_codes = tahquant.unpack_codes(codec, ref[:, : codec.code_bytes(n)])
-    sides, ref_sides = tahquant.unpack_sides(codec, wire, n), tahquant.unpack_sides(codec, ref, n)
-    out = {"moved_codes": int(jnp.sum(codes != ref_codes)),
-           "max_code_step": int(jnp.max(jnp.abs(codes - ref_codes)))}  # fmt: skip
-    for field, want in ref_sides.items():
-        if field == "pivots":
-            out["pivots_differing"] = int(jnp.sum(sides[field] != want))
-        else:
-            rel = jnp.abs(sides[field] - want) / jnp.maximum(jnp.abs(want), 1e-30)
-            out[f"{field}_max_rel"] = float(jnp.max(rel))
-    return out
-
-
 def _check(codec, x, key) -> dict:
-    """The fused kernels against the reference: each encode backend's wire (`_wire_check`), the
+    """The fused kernels against the reference: moved codes (count, largest step), side values
+    (largest relative difference of the fp32 ones, count of differing pivot bytes), the
     largest decode error."""
     n = x.shape[-1]
-    ref = tahquant.encode_wire(codec, x, key)
+    wire, ref = tk.encode(codec, x, key), tahquant.encode_wire(codec, x, key)
+    codes = tahquant.unpack_codes(codec, wire[:, : codec.code_bytes(n)])
+    ref_codes = tahquant.unpack_codes(codec, ref[:, : codec.code_bytes(n)])
     decoded = tk.decode(codec, ref, n, jnp.float32)
     want = tahquant.decode_wire(codec, ref, n)
     scale = float(jnp.max(jnp.abs(want)))
     out = {
         "pivoted_tiles": _pivoted_tiles(codec, ref, n) if codec.pivot else 0.0,
-        **_wire_check(codec, tk.encode(codec, x, key, backend="triton"), ref, n),
+        "moved_codes": int(jnp.sum(codes != ref_codes)),
+        "max_code_step": int(jnp.max(jnp.abs(codes - ref_codes))),
         "decode_max_err_rel": float(jnp.max(jnp.abs(decoded - want))) / scale,
     }
-    if tahquant_mosaic.unsupported(codec, x) is None:
-        wire = tk.encode(codec, x, key, backend="mosaic")
-        out["mosaic"] = _wire_check(codec, wire, ref, n)
+    sides, ref_sides = tahquant.unpack_sides(codec, wire, n), tahquant.unpack_sides(codec, ref, n)
+    for field, expected in ref_sides.items():
+        if field == "pivots":
+            out["pivots_differing"] = int(jnp.sum(sides[field] != expected))
+        else:
+            rel = jnp.abs(sides[field] - expected) / jnp.maximum(jnp.abs(expected), 1e-30)
+            out[f"{field}_max_rel"] = float(jnp.max(rel))
     return out
 
 
@@ -115,15 +105,12 @@ def bench(size: int, names, data: str = "gaussian") -> dict:
         enc_in = [(x, k) for (x,), k in zip(xs, keys, strict=True)]
         wires = [(tahquant.encode_wire(codec, x, k),) for x, k in enc_in]
         ops = {
-            "encode": (jax.jit(lambda x, k, c=codec: tk.encode(c, x, k, backend="triton")),
+            "encode": (jax.jit(lambda x, k, c=codec: tk.encode(c, x, k)),
                        jax.jit(lambda x, k, c=codec: tahquant.encode_wire(c, x, k)), enc_in),
             "decode": (jax.jit(lambda w, c=codec: tk.decode(c, w, elements, jnp.bfloat16)),
                        jax.jit(lambda w, c=codec: tahquant.decode_wire(c, w, elements,
                                                                         jnp.bfloat16)), wires),
         }  # fmt: skip
-        if tahquant_mosaic.unsupported(codec, xs[0][0]) is None:
-            mosaic = jax.jit(lambda x, k, c=codec: tk.encode(c, x, k, backend="mosaic"))
-            ops["encode_mosaic"] = (mosaic, ops["encode"][1], enc_in)
         entry = {"bits_per_element": codec.bits_per_element,
                  "check": _check(codec, xs[0][0], keys[0])}  # fmt: skip
         io = size + wire_bytes  # bf16 in, wire out (and the reverse)
@@ -173,42 +160,6 @@ def sweep(size: int, names) -> list[dict]:
     return out
 
 
-# Four loads in flight (32 KiB each) and the two 32 KiB operands exceed the 227 KiB of shared
-# memory; a launch that does not fit is recorded with its error.
-MOSAIC_SWEEP = [MosaicLaunch(steps, in_flight, slots) for steps in (1, 2, 4, 8, 16)
-                for in_flight in (1, 2, 3) for slots in (2, 3) if in_flight <= steps]  # fmt: skip
-
-
-def sweep_mosaic(size: int, names) -> list[dict]:
-    """Mosaic encode time of each launch (`MosaicLaunch`: steps of 128 groups per program, TMA
-    loads in flight, store slots) at `size`, for the codecs it takes."""
-    elements = size // 2
-    key, xs, t_copy = _messages(size, "outlier_channels")
-    out = []
-    for name in names:
-        codec = _codec(name)
-        if tahquant_mosaic.unsupported(codec, xs[0][0]) is not None:
-            continue
-        io = size + codec.wire_bytes(elements)
-        enc_in = [(x, jax.random.fold_in(key, i)) for i, (x,) in enumerate(xs)]
-        for launch in MOSAIC_SWEEP:
-            if elements // (128 * 128) % launch.tiles_per_program:
-                continue
-            fn = jax.jit(
-                lambda x, k, c=codec, la=launch: tahquant_mosaic.encode(c, x, k, launch=la)
-            )
-            row = {"codec": name, "backend": "mosaic", **dataclasses.asdict(launch)}
-            try:
-                t, _ = batched_seconds(fn, enc_in)
-            except ValueError as error:  # e.g. the launch exceeds shared memory
-                row["error"] = str(error).splitlines()[0]
-            else:
-                row.update(encode_s=t, encode_of_copy=(io / t) / (2 * size / t_copy))
-            print("SWEEP", json.dumps(row), flush=True)
-            out.append(row)
-    return out
-
-
 # label: the TahQuant fields switched off
 ABLATIONS = {
     "full": {},
@@ -246,8 +197,6 @@ def main() -> None:
                         help="message data (`_common.activation_like`)")  # fmt: skip
     parser.add_argument("--sweep-mib", type=float, default=None,
                         help="also time launch configurations at this size")  # fmt: skip
-    parser.add_argument("--mosaic-sweep-mib", type=float, default=None,
-                        help="also time the Mosaic encode's launches at this size")  # fmt: skip
     parser.add_argument("--ablate-mib", type=float, default=None,
                         help="also time the encode without pivot / noise at this size")  # fmt: skip
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -255,13 +204,10 @@ def main() -> None:
     if jax.default_backend() != "gpu":
         raise SystemExit("stage_kernels.py times compiled GPU kernels: run it on a GPU")
     rows = [bench(int(s * MiB), args.codecs, data) for s in args.sizes_mib for data in args.data]
-    checks = [row[n]["check"] for row in rows for n in args.codecs]
-    steps = [c["max_code_step"] for c in checks] + [c["mosaic"]["max_code_step"]
-                                                    for c in checks if "mosaic" in c]  # fmt: skip
-    np.testing.assert_array_less(steps, 2)  # checked before anything is recorded
+    np.testing.assert_array_less(  # checked before anything is recorded: a code moves by <= 1
+        [row[n]["check"]["max_code_step"] for row in rows for n in args.codecs], 2
+    )
     swept = sweep(int(args.sweep_mib * MiB), args.codecs) if args.sweep_mib else []
-    if args.mosaic_sweep_mib:
-        swept += sweep_mosaic(int(args.mosaic_sweep_mib * MiB), args.codecs)
     ablated = [row for data in args.data if args.ablate_mib
                for row in ablate(int(args.ablate_mib * MiB), args.codecs, data)]  # fmt: skip
     write_record("stage_kernels", args.out, results=rows, launch_sweep=swept, ablation=ablated)
@@ -273,11 +219,8 @@ def main() -> None:
     for row in rows:
         for name in args.codecs:
             e, d = row[name]["encode"], row[name]["decode"]
-            m = row[name].get("encode_mosaic")
-            mosaic = f" (Mosaic {100 * m['of_copy']:.0f}%)" if m else ""
             print(f"| {row['bytes'] / MiB:g} MiB | {row['data']} | {name} | "
-                  f"{100 * row[name]['check']['pivoted_tiles']:.0f}% | {100 * e['of_copy']:.0f}%"
-                  f"{mosaic} | "
+                  f"{100 * row[name]['check']['pivoted_tiles']:.0f}% | {100 * e['of_copy']:.0f}% | "
                   f"{100 * d['of_copy']:.0f}% | {e['speedup_over_ref']:.1f}x / "
                   f"{d['speedup_over_ref']:.1f}x |")  # fmt: skip
 

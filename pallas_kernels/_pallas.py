@@ -236,12 +236,6 @@ def wgmma(a_smem, b_smem, shape):
     return pl.run_scoped(dot, plgpu.ACC(shape, jnp.float32))
 
 
-def wgmma_layout(x):
-    """`x` (an array built in the kernel, e.g. an iota) in the wgmma accumulator's layout, so
-    that it combines with accumulators without a layout change."""
-    return plgpu.layout_cast(x, plgpu.Layout.WGMMA)
-
-
 def _retyped(out, like, replicated_along):
     """`out` typed as varying along the mesh axes `like` varies along, except `replicated_along`.
 

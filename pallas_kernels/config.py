@@ -227,7 +227,3 @@ def mosaic_launch(rows: int, tiles_per_row: int) -> MosaicLaunch:
     ):
         per_program //= 2
     return MosaicLaunch(per_program, min(MOSAIC_STEPS_IN_FLIGHT, per_program))
-
-
-# "auto" takes the Mosaic TAH-Quant encode (`tahquant_mosaic`) from this many elements.
-STAGE_MOSAIC_MIN_ELEMENTS = 32 << 20  # 64 MiB of bf16, as the taco encode; to be measured

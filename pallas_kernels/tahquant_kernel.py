@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels import _pallas, _tile, tahquant_mosaic
+from pallas_kernels import _pallas, _tile
 from pallas_kernels.config import (
     MIN_GROUPS_PER_TILE,
     STAGE_DECODE,
@@ -30,7 +30,6 @@ from pallas_kernels.config import (
     Launch,
     block_config,
 )
-from pallas_kernels.encode_kernel import BACKENDS
 from taco_jax import codecs, tahquant
 from taco_jax.tahquant import TahQuant
 
@@ -155,30 +154,16 @@ def encode_config(codec: TahQuant, rows: int, n: int) -> BlockConfig:
 
 
 def encode(codec: TahQuant, x: jax.Array, key: jax.Array | None = None, *,
-           interpret: bool = False, config: BlockConfig | None = None,
-           backend: str = "auto") -> jax.Array:  # fmt: skip
+           interpret: bool = False, config: BlockConfig | None = None) -> jax.Array:  # fmt: skip
     """x[R, n] -> wire[R, codec.wire_bytes(n)] (n a multiple of G).
 
     Equals `tahquant.encode_wire(codec, x, key)` up to rounding at code boundaries.
     key: the stochastic rounding's PRNG key (required when `codec.stochastic`).
-    config: the Triton launch (default: `block_config`).
-    backend: "triton" (Pallas, Triton lowering: every codec and shape, interpret mode), "mosaic"
-      (`tahquant_mosaic`: Hopper, 8-bit G = 128 codecs with the pivot, bf16, n a multiple of
-      `tahquant_mosaic.ROW_MULTIPLE`), or "auto": Mosaic where `tahquant_mosaic.preferred` and
-      no Triton option (interpret, config) is asked for, else Triton.
+    config: the launch (default: `block_config`).
     """
     tahquant.check_stage_encodable(codec, x)
     if codec.stochastic and key is None:
         raise ValueError(f"codec {codec.name!r} rounds stochastically: pass a PRNG key")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown encode {backend=}; choose one of {BACKENDS}")
-    triton_options = interpret or config is not None
-    if backend == "mosaic" and triton_options:
-        raise ValueError("backend='mosaic' takes no interpret or config")
-    if backend == "mosaic" or (
-        backend == "auto" and not triton_options and tahquant_mosaic.preferred(codec, x)
-    ):
-        return tahquant_mosaic.encode(codec, x, key)
     rows, n = x.shape
     cfg = config or encode_config(codec, rows, n)
     seeds = tahquant.noise_seeds(key) if codec.stochastic else jnp.zeros((2,), jnp.uint32)

@@ -430,17 +430,11 @@ def dequantize(codec: Codec, codes: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(codes, FLOAT8_DTYPES[codec.element]).astype(jnp.float32)
 
 
-def per_group(v: jax.Array, shape) -> jax.Array:
-    """Per-group values v [T] broadcast to groups of `shape` [T, G], in one broadcast (not
-    v[:, None]: the Mosaic GPU lowering has no layout for a [T, 1] array)."""
-    return lax.broadcast_in_dim(v, shape, (0,))
-
-
 def scale_rows(q: jax.Array, d) -> jax.Array:
     """q [T, G] times a per-group factor d [T] (or a Python float: 1.0 is nothing to do)."""
     if isinstance(d, float):
         return q if d == 1.0 else q * np.float32(d)
-    return q * per_group(d, q.shape)
+    return q * lax.broadcast_in_dim(d, q.shape, (0,))
 
 
 def encode_groups(codec: Codec, v, *, unit: float, magic_round: bool = False):

@@ -146,8 +146,7 @@ def get_stage_codec(name: str | TahQuant) -> TahQuant:
 _COUNT_UNIT = 1 << 14  # > the sum of all positions of a group of 128 (8128)
 
 
-def pivot_rule(groups: jax.Array, positions: jax.Array | None = None
-               ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+def pivot_rule(groups: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(flag [M] bool, index [M] int32): whether each group has a dominant outlier, and where it
     is (0 in groups without one; unspecified in a group holding a NaN, which decodes to NaN
     whatever its pivot byte says).
@@ -157,15 +156,11 @@ def pivot_rule(groups: jax.Array, positions: jax.Array | None = None
     elements and adds their positions, packed as count * 2^14 + positions: a flagged group's sum
     is its outlier's position plus 2^14. Two reductions (max, sum), where naming the largest
     element and the runner-up separately took three.
-
-    positions: the column index of each element (int32, groups' shape), for a kernel that
-    builds it in its registers' layout; default an iota.
     """
     magnitude = jnp.abs(groups)
-    if positions is None:
-        positions = lax.broadcasted_iota(jnp.int32, groups.shape, 1)
+    positions = lax.broadcasted_iota(jnp.int32, groups.shape, 1)
     m1 = jnp.max(magnitude, axis=-1)
-    above = 2.0 * magnitude >= codecs.per_group(m1, groups.shape)
+    above = 2.0 * magnitude >= m1[:, None]
     packed = jnp.sum(jnp.where(above, positions + _COUNT_UNIT, 0), axis=-1)
     flag = packed >> 14 == 1
     return flag, jnp.where(flag, packed & (_COUNT_UNIT - 1), 0)
@@ -286,17 +281,6 @@ def uniform_noise(seeds, pairs: jax.Array) -> jax.Array:
     return lax.stack(u, axis=-1).reshape(*pairs.shape[:-1], 2 * pairs.shape[-1])
 
 
-def element_noise(seeds, elements: jax.Array) -> jax.Array:
-    """`uniform_noise` for elements numbered `elements` (uint32, any shape) -> fp32, same shape:
-    element e takes half e & 1 of pair e >> 1's hash. For a kernel that cannot join pairs
-    (each element hashes its pair, so the hash runs twice per pair).
-
-    Plain JAX: uniform_noise(seeds, arange(E // 2)).reshape(-1)[elements]."""
-    h = _mix32(_mix32((elements >> 1) ^ seeds[0]) + seeds[1])
-    half = jnp.where((elements & 1) == 0, h & 0xFFFF, h >> 16)
-    return (half.astype(jnp.int32).astype(jnp.float32) + 0.5) * np.float32(2.0**-16)
-
-
 def message_key(x: jax.Array) -> jax.Array:
     """A PRNG key hashed from the bits of `x` and their positions: the stochastic rounding's key
     where no caller threads one (TAH-Quant on TP traffic, `taco_jax.collectives`).
@@ -324,29 +308,21 @@ def pair_counters(rows: int, n: int) -> jax.Array:
     return jnp.arange(rows * n // 2, dtype=jnp.uint32)
 
 
-def floor_by_truncation(v: jax.Array) -> jax.Array:
-    """floor(v) for fp32 |v| < 2^31, exactly, from a truncating conversion to int32 (for a
-    lowering without `floor`: Mosaic GPU's)."""
-    t = v.astype(jnp.int32).astype(jnp.float32)
-    return jnp.where(t > v, t - 1.0, t)
-
-
-def _rounded(v: jax.Array, noise: jax.Array | None, magic_round: bool, floor) -> jax.Array:
+def _rounded(v: jax.Array, noise: jax.Array | None, magic_round: bool) -> jax.Array:
     """floor(v + u) with u in (0, 1) (`uniform_noise`: stochastic), or round half to even."""
     if noise is not None:
-        return floor(v + noise)
+        return jnp.floor(v + noise)
     if magic_round:  # the Triton lowering has no `round` (see codecs.quantize)
         return (v + codecs.ROUND_MAGIC) - codecs.ROUND_MAGIC
     return jnp.round(v)
 
 
 def quantize_groups(codec: TahQuant, y: jax.Array, noise: jax.Array | None, *,
-                    magic_round: bool = False, floor=jnp.floor):  # fmt: skip
+                    magic_round: bool = False):  # fmt: skip
     """y [M, G] -> (codes [M, G] int32 on the codec's grid, scale [M], min [M] or None).
 
     The code arithmetic runs on y scaled into [1, 2) by a power of two (exact); only the stored
     scale and min carry the magnitude. `noise` [M, G]: stochastic rounding, else to nearest.
-    floor: `jnp.floor` or a function equal to it on the rounded values (`floor_by_truncation`).
     """
     if codec.asymmetric:
         # min and max of y give its absmax too; scaling by the power of two p is exact, so
@@ -357,8 +333,8 @@ def quantize_groups(codec: TahQuant, y: jax.Array, noise: jax.Array | None, *,
         lo, hi = low * p, high * p
         span = hi - lo
         to_code = jnp.where(span > 0, codec.levels / span, 0.0)  # a constant group: all code 0
-        v = codecs.scale_rows(w - codecs.per_group(lo, w.shape), to_code)
-        codes = jnp.clip(_rounded(v, noise, magic_round, floor), 0, codec.levels)
+        v = codecs.scale_rows(w - lo[:, None], to_code)
+        codes = jnp.clip(_rounded(v, noise, magic_round), 0, codec.levels)
         scale = codecs.mark_nonfinite(span / codec.levels / p, y)
         return codes.astype(jnp.int32), scale, low
     amax = jnp.max(jnp.abs(y), axis=-1)
@@ -367,7 +343,7 @@ def quantize_groups(codec: TahQuant, y: jax.Array, noise: jax.Array | None, *,
     amax_w = amax * p
     to_code = jnp.where(amax_w > 0, codec.qmax / amax_w, 0.0)
     v = codecs.scale_rows(w, to_code)
-    codes = jnp.clip(_rounded(v, noise, magic_round, floor), -codec.qmax, codec.qmax)
+    codes = jnp.clip(_rounded(v, noise, magic_round), -codec.qmax, codec.qmax)
     scale = codecs.mark_nonfinite(amax / codec.qmax, y)
     return codes.astype(jnp.int32), scale, None
 
