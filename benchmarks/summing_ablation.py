@@ -1,0 +1,141 @@
+"""Where the 6-bit decode-sum-reencode's time goes, against the 8-bit codecs' same op.
+
+`int6_hadamard`'s decode-sum-reencode (the middle of the two-shot all-reduce) runs at 44-54% of a
+copy of its bytes, where `taco`'s reaches 78-114% (BENCHMARKS.md, "Kernels"). Keeping codes in
+plane order did not help (`plane_order.py`); the candidates left were the per-group reductions
+and scale arithmetic. "% of a copy" divides by the bytes moved, and a 6-bit wire moves 24% fewer
+bytes than an 8-bit one for the same elements: an op bound by its work per element looks slower
+by that ratio. This times, for N = 2 rows of n elements, in one jitted program each beside an
+XLA pass over the op's bytes (`_common.in_program_seconds`):
+
+    int6 / int8_hadamard / taco   the library's op for each codec (default launch): the same
+                                  sum and re-encode, with and without bit planes
+    int6, copy                    the library's int6 op through the patches below, unchanged
+                                  (must write the library's wire byte for byte)
+    int6, fixed scale             the re-encode's absmax of every group fixed at 1: no per-group
+                                  reduction or scale arithmetic, the quantization kept
+    int6, nibble plane only       each peer's codes unpacked from the nibble plane alone (the
+                                  2-bit plane is loaded but not unpacked or merged)
+
+Checks before timing: "copy" equals the library byte for byte; the library ops equal their jnp
+references up to rounding ties (as the tests check; here: the fraction of differing bytes is
+recorded); each ablated variant writes other bytes than the library (its patch took effect).
+TIMING ONLY for the two ablated variants.
+
+    PYTHONPATH=. python benchmarks/summing_ablation.py --sizes-mib 64 512 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _common import in_program_seconds, run_study
+
+import pallas_kernels as pk
+from taco_jax import codecs
+
+MiB = 1 << 20
+_library_encode_groups = codecs.encode_groups
+_library_codes_from_planes = codecs.codes_from_planes
+
+
+def _fixed_scale(codec, v, *, unit, magic_round=False):
+    """`codecs.encode_groups` for a DS post-scale with fp32 scales, the absmax of every group
+    fixed at 1: no per-group reduction (neither the max nor the non-finite test) and no
+    per-group scale arithmetic, the per-element quantization kept."""
+    amax = jnp.ones(v.shape[:-1], jnp.float32)
+    codes = codecs.quantize(codec, v * np.float32(codec.qmax), magic_round=magic_round)
+    return codes, amax * np.float32(unit / codec.qmax), None
+
+
+def _nibble_plane_only(planes):
+    """`codecs.codes_from_planes` reading the first (nibble) plane alone."""
+    (plane, data), *_ = planes
+    return codecs.unpack_bits(data, plane.width)
+
+
+@contextlib.contextmanager
+def _patched(**replacements):
+    saved = {name: getattr(codecs, name) for name in replacements}
+    for name, value in replacements.items():
+        setattr(codecs, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(codecs, name, value)
+
+
+def _wires(codec, peers: int, n: int, count: int):
+    keys = jax.random.split(jax.random.key(n), count)
+    return [codecs.encode_wire(codec, jax.random.normal(k, (peers, n), jnp.bfloat16))
+            for k in keys]  # fmt: skip
+
+
+def _dsr(codec, n, interpret=False):
+    return jax.jit(lambda w: pk.decode_sum_reencode(codec, w, n, interpret=interpret))
+
+
+def run(args) -> dict:
+    rows = []
+    int6 = codecs.get_codec("int6_hadamard")
+    for size in args.sizes_mib:
+        n = int(size * MiB) // 2
+        library = np.asarray(_dsr(int6, n, args.interpret)(_wires(int6, args.peers, n, 1)[0]))
+        for label, codec, patches in (
+            ("int6_hadamard", int6, None),
+            ("int8_hadamard", codecs.get_codec("int8_hadamard"), None),
+            ("taco", codecs.get_codec("taco"), None),
+            ("int6, copy", int6, {}),
+            ("int6, fixed scale", int6, {"encode_groups": _fixed_scale}),
+            ("int6, nibble plane only", int6, {"codes_from_planes": _nibble_plane_only}),
+        ):
+            wires = _wires(codec, args.peers, n, 2)
+            fn = _dsr(codec, n, args.interpret)
+            io_bytes = (args.peers + 1) * codec.wire_bytes(n)
+            copy_inputs = [(jnp.full((io_bytes // 4,), i, jnp.bfloat16),) for i in (1, 2)]
+            copy_s = None if args.interpret else in_program_seconds(
+                jax.jit(jnp.negative), copy_inputs, args.calls, reps=args.reps)  # fmt: skip
+            row = {"size_mib": size, "variant": label, "codec": codec.name, "peers": args.peers,
+                   "io_bytes": io_bytes, "copy_seconds": copy_s}  # fmt: skip
+            with _patched(**(patches or {})):
+                got = np.asarray(fn(wires[0]))
+                if patches is None:
+                    ref = np.asarray(pk.decode_sum_reencode_reference(codec, wires[0], n))
+                    row["bytes_differing_from_reference"] = float(np.mean(got != ref))
+                elif np.array_equal(got, library) != (not patches):
+                    # the copy must equal the library, an ablation must not (it took effect)
+                    raise SystemExit(f"{label}: the patch did not act as it should")
+                if args.interpret:
+                    print("CHECKED", label, row.get("bytes_differing_from_reference"), flush=True)
+                    continue
+                seconds = in_program_seconds(fn, [(w,) for w in wires], args.calls,
+                                             reps=args.reps)  # fmt: skip
+            row.update(seconds=seconds, ns_per_element=seconds / n * 1e9,
+                       of_copy=copy_s / seconds)  # fmt: skip
+            rows.append(row)
+            print("ROW", row, flush=True)
+    return {"rows": rows}
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--peers", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=8)
+    parser.add_argument(
+        "--interpret", action="store_true", help="CPU check of the patches, no timing"
+    )
+
+
+def main() -> None:
+    if jax.default_backend() != "gpu" and "--interpret" not in sys.argv:
+        raise SystemExit("summing_ablation.py times compiled GPU kernels: run it on a GPU")
+    run_study("summing_ablation", __doc__, run, _options, sizes_mib=(64, 512))
+
+
+if __name__ == "__main__":
+    main()
