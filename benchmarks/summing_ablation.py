@@ -177,8 +177,9 @@ def _plane_read(read: str):
 def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", type=int, default=2)
     parser.add_argument("--calls", type=int, default=8)
-    parser.add_argument("--plane-reads", action="store_true",
-                        help="also time the decoding ops each way `_tile` reads planes")  # fmt: skip
+    parser.add_argument(
+        "--plane-reads", action="store_true", help="also time the ops each way planes are read"
+    )
     parser.add_argument(
         "--interpret", action="store_true", help="CPU check of the patches, no timing"
     )
