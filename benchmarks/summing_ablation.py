@@ -17,25 +17,18 @@ XLA pass over the op's bytes (`_common.in_program_seconds`):
     int6, nibble plane only       each peer's codes unpacked from the nibble plane alone (the
                                   2-bit plane is loaded but not unpacked or merged)
 
-With --plane-reads, also each decoding op of the sub-byte codecs (decode of one row,
-decode-sum and decode-sum-reencode of N rows) with each way the kernels read bit planes
-(`pallas_kernels._tile.PLANE_READS`: interleaves of pairs, or a gather load of each value's
-byte), their outputs compared byte for byte first.
-
 Checks before timing: "copy" equals the library byte for byte; the library ops equal their jnp
 references up to rounding ties (as the tests check; here: the fraction of differing bytes is
 recorded); each ablated variant writes other bytes than the library (its patch took effect).
 TIMING ONLY for the two ablated variants.
 
-    PYTHONPATH=. python benchmarks/summing_ablation.py --sizes-mib 64 512 [--plane-reads] \
-        --out $OUT
+    PYTHONPATH=. python benchmarks/summing_ablation.py --sizes-mib 64 512 --out $OUT
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import sys
 
 import jax
@@ -44,7 +37,6 @@ import numpy as np
 from _common import in_program_seconds, run_study
 
 import pallas_kernels as pk
-from pallas_kernels import _tile
 from taco_jax import codecs
 
 MiB = 1 << 20
@@ -128,58 +120,12 @@ def run(args) -> dict:
                        of_copy=copy_s / seconds)  # fmt: skip
             rows.append(row)
             print("ROW", row, flush=True)
-    return {"rows": rows, "plane_reads": plane_reads(args) if args.plane_reads else []}
-
-
-OPS = {
-    "decode": lambda c, w, n, i: pk.decode(c, w[:1], n, jnp.bfloat16, interpret=i),
-    "decode_sum": lambda c, w, n, i: pk.decode_sum(c, w, n, jnp.bfloat16, interpret=i),
-    "decode_sum_reencode": lambda c, w, n, i: pk.decode_sum_reencode(c, w, n, interpret=i),
-}
-
-
-def plane_reads(args) -> list[dict]:
-    """Each decoding op of the sub-byte codecs with each way of reading bit planes
-    (`_tile.PLANE_READS`), outputs compared byte for byte between them before timing."""
-    rows = []
-    for size in args.sizes_mib:
-        n = int(size * MiB) // 2
-        for name in ("int6_hadamard", "int5_hadamard", "int4_hadamard"):
-            codec = codecs.get_codec(name)
-            wires = _wires(codec, args.peers, n, 2)
-            outs = {}
-            for op, call in OPS.items():
-                for read in _tile.PLANE_READS:
-                    fn = jax.jit(functools.partial(call, codec, n=n, i=args.interpret))
-                    with _plane_read(read):
-                        outs[read] = np.asarray(fn(wires[0]))
-                        seconds = None if args.interpret else in_program_seconds(
-                            fn, [(w,) for w in wires], args.calls, reps=args.reps)  # fmt: skip
-                    row = {"size_mib": size, "codec": name, "op": op, "plane_read": read,
-                           "seconds": seconds}  # fmt: skip
-                    rows.append(row)
-                    print("READ", row, flush=True)
-                first, *others = outs.values()
-                if not all(np.array_equal(first, other) for other in others):
-                    raise SystemExit(f"{name} {op}: the plane reads disagree")
-    return rows
-
-
-@contextlib.contextmanager
-def _plane_read(read: str):
-    saved, _tile.PLANE_READ = _tile.PLANE_READ, read
-    try:
-        yield
-    finally:
-        _tile.PLANE_READ = saved
+    return {"rows": rows}
 
 
 def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", type=int, default=2)
     parser.add_argument("--calls", type=int, default=8)
-    parser.add_argument(
-        "--plane-reads", action="store_true", help="also time the ops each way planes are read"
-    )
     parser.add_argument(
         "--interpret", action="store_true", help="CPU check of the patches, no timing"
     )

@@ -199,19 +199,9 @@ def load_side(ref, row, offset: int, width: int, tile, t: int, groups: int, *, m
     )
 
 
-# How the decoding kernels read codes split over bit planes (sub-byte codecs): "interleave"
-# loads each plane's bytes and puts their fields in element order with pairwise interleaves
-# (`codecs.codes_from_planes`); "gather" loads, for each value, the byte of each plane that
-# holds it (the 8 / width values of a byte read one address) and shifts its field out, with no
-# interleave.
-PLANE_READS = ("interleave", "gather")
-PLANE_READ = "interleave"
-
-
 def load_wire_tile(codec: Codec, ref, row, tile, n: int, cfg: BlockConfig):
     """The raw bytes of one tile of wire row `row`: ([bytes of each `codecs.code_planes`],
-    {field: side bytes}); arrays only, so a tile loop can carry them. With `PLANE_READ`
-    "gather", a sub-byte plane's bytes come as one byte per value (`_gather_plane`).
+    {field: side bytes}); arrays only, so a tile loop can carry them.
 
     Split from `unpack_wire_tile` so a tile loop can issue the next tile's loads early."""
     g, t = codec.group_size, cfg.groups_per_tile
@@ -220,9 +210,6 @@ def load_wire_tile(codec: Codec, ref, row, tile, n: int, cfg: BlockConfig):
     codes = []
     for plane in codecs.code_planes(codec, n):
         start, size, limit = _plane_span(codec, plane, tile, t, n)
-        if plane.width < 8 and PLANE_READ == "gather":
-            codes.append(_gather_plane(ref, row, plane, start, t * g, limit, masked=masked))
-            continue
         codes.append(load_1d(ref, row, start, size, limit, offset=plane.offset, masked=masked))
     sides = {}
     for section in codecs.wire_sections(codec, n):
@@ -238,33 +225,6 @@ def load_wire_tile(codec: Codec, ref, row, tile, n: int, cfg: BlockConfig):
             other=_masked_side_byte(section),
         )
     return codes, sides
-
-
-def _gather_plane(ref, row, plane: codecs.CodePlane, start, values: int, limit: int, *,
-                  masked: bool):  # fmt: skip
-    """For each of `values` consecutive codes from the plane's byte `start`, the byte of
-    `plane` that holds its field [values] (uint8); bytes at or past `limit` read as 0."""
-    per_byte = 8 // plane.width
-    index = start + lax.broadcasted_iota(jnp.int32, (values,), 0) // per_byte
-    mask = index < limit if masked else None
-    return _pallas.load(ref.at[_row(row), plane.offset + index], mask=mask,
-                        other=None if mask is None else 0)  # fmt: skip
-
-
-def _fields_of_gathered(planes, values: int) -> jnp.ndarray:
-    """The codes [values] from `_gather_plane`'s bytes (value k's field sits at bit
-    (k mod 8 / width) * width of its byte), [(plane, bytes)]."""
-    k = lax.broadcasted_iota(jnp.int32, (values,), 0)
-    codes = None
-    for plane, data in planes:
-        if plane.width == 8:
-            part = data
-        else:
-            at = ((k % (8 // plane.width)) * plane.width).astype(jnp.uint8)
-            part = (data >> at) & ((1 << plane.width) - 1)
-        part = part << plane.shift if plane.shift else part
-        codes = part if codes is None else codes | part
-    return codes
 
 
 def _masked_side_byte(section: codecs.WireSection) -> int:
@@ -285,9 +245,7 @@ def unpack_wire_tile(codec: Codec, raw, tile, n: int, cfg: BlockConfig, unit: fl
         # masked groups read alpha = 0; keep their (unstored) values finite.
         prescale = jnp.where(_mask(tile * t, t, n // g), prescale, 1.0)
     planes = list(zip(codecs.code_planes(codec, n), codes, strict=True))
-    gathered = codec.bits < 8 and PLANE_READ == "gather"
-    values = _fields_of_gathered(planes, t * g) if gathered else codecs.codes_from_planes(planes)
-    q = codecs.dequantize(codec, values.reshape(t, g))
+    q = codecs.dequantize(codec, codecs.codes_from_planes(planes).reshape(t, g))
     return q, codecs.decode_factor(codec, sides.get("scales"), prescale, unit)
 
 
