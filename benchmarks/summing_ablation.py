@@ -40,8 +40,6 @@ import pallas_kernels as pk
 from taco_jax import codecs
 
 MiB = 1 << 20
-_library_encode_groups = codecs.encode_groups
-_library_codes_from_planes = codecs.codes_from_planes
 
 
 def _fixed_scale(codec, v, *, unit, magic_round=False):
