@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from taco_jax import codecs
+
 ENV_PREFIXES = ("NCCL_", "XLA_", "CUDA_VISIBLE_DEVICES", "JAX_")
 
 
@@ -102,6 +104,21 @@ def in_program_seconds(fn, inputs: Sequence[tuple], calls: int, *, reps: int = 7
         return outs
 
     return batched_seconds(jax.jit(program), [tuple(args)], reps=reps)[0] / calls
+
+
+def copy_seconds_in_program(nbytes: int, calls: int, *, reps: int = 7) -> float:
+    """`in_program_seconds` of an XLA negate that reads and writes `nbytes` in all: the copy
+    an op moving that many bytes is compared with."""
+    inputs = [(jnp.full((nbytes // 4,), i, jnp.bfloat16),) for i in (1, 2)]
+    return in_program_seconds(jax.jit(jnp.negative), inputs, calls, reps=reps)
+
+
+def encoded_rows(codec, rows: int, n: int, count: int) -> list[jax.Array]:
+    """`count` wires [rows, B] of `codec` (a `taco_jax.codecs.Codec`), each of N(0, 1) bf16 rows
+    [rows, n] drawn from keys split off `jax.random.key(n)`: the inputs of a summing op."""
+    keys = jax.random.split(jax.random.key(n), count)
+    return [codecs.encode_wire(codec, jax.random.normal(k, (rows, n), jnp.bfloat16))
+            for k in keys]  # fmt: skip
 
 
 def tp_message(size_mib: float, ranks: int = 2):

@@ -32,7 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import in_program_seconds, run_study
+from _common import copy_seconds_in_program, encoded_rows, in_program_seconds, run_study
 from jax import lax
 
 import pallas_kernels as pk
@@ -135,26 +135,18 @@ def plane_order_dsr(wire, n, cfg, interpret=False):
     )[0]
 
 
-def _wires(peers: int, n: int, count: int):
-    keys = jax.random.split(jax.random.key(n), count)
-    x = [jax.random.normal(k, (peers, n), jnp.bfloat16) for k in keys]
-    return [codecs.encode_wire(CODEC, xi) for xi in x]
-
-
 def run(args) -> dict:
     rows = []
     for size in args.sizes_mib:
         n = int(size * MiB) // 2
-        wires = _wires(args.peers, n, 2)
+        wires = encoded_rows(CODEC, args.peers, n, 2)
         default = decode_sum_kernel.default_config(CODEC, args.peers, n, reencode=True)
         library = jax.jit(
             lambda w, n=n: pk.decode_sum_reencode(CODEC, w, n, interpret=args.interpret)
         )
         want = np.asarray(library(wires[0]))
         io_bytes = args.peers * CODEC.wire_bytes(n) + CODEC.wire_bytes(n)
-        copy_inputs = [jnp.full((io_bytes // 4,), i, jnp.bfloat16) for i in (1, 2)]
-        copy_s = in_program_seconds(jax.jit(jnp.negative), [(c,) for c in copy_inputs], args.calls,
-                                    reps=args.reps)  # fmt: skip
+        copy_s = copy_seconds_in_program(io_bytes, args.calls, reps=args.reps)
         variants = {"library, default launch": (library, default)}
         for groups in args.groups:
             cfg = dataclasses.replace(default, groups_per_tile=groups)

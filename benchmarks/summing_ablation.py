@@ -39,7 +39,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import in_program_seconds, run_study
+from _common import copy_seconds_in_program, encoded_rows, in_program_seconds, run_study
 from jax import lax
 
 import pallas_kernels as pk
@@ -95,12 +95,6 @@ def _patched(**replacements):
             setattr(codecs, name, value)
 
 
-def _wires(codec, peers: int, n: int, count: int):
-    keys = jax.random.split(jax.random.key(n), count)
-    return [codecs.encode_wire(codec, jax.random.normal(k, (peers, n), jnp.bfloat16))
-            for k in keys]  # fmt: skip
-
-
 INT6 = codecs.get_codec("int6_hadamard")
 # (label, codec, patches of `codecs` or None for the library op, whether the bytes must equal
 # the library's int6 op: the copy and exact rewrites must, an ablation must not)
@@ -123,16 +117,15 @@ def run(args) -> dict:
     rows = []
     for size in args.sizes_mib:
         n = int(size * MiB) // 2
-        library = np.asarray(_dsr(INT6, n, args.interpret)(_wires(INT6, args.peers, n, 1)[0]))
+        library = np.asarray(_dsr(INT6, n, args.interpret)(encoded_rows(INT6, args.peers, n, 1)[0]))
         for label, codec, patches, same_bytes in VARIANTS:
             if args.variants and label not in args.variants:
                 continue
-            wires = _wires(codec, args.peers, n, 2)
+            wires = encoded_rows(codec, args.peers, n, 2)
             fn = _dsr(codec, n, args.interpret)
             io_bytes = (args.peers + 1) * codec.wire_bytes(n)
-            copy_inputs = [(jnp.full((io_bytes // 4,), i, jnp.bfloat16),) for i in (1, 2)]
-            copy_s = None if args.interpret else in_program_seconds(
-                jax.jit(jnp.negative), copy_inputs, args.calls, reps=args.reps)  # fmt: skip
+            copy_s = None if args.interpret else copy_seconds_in_program(
+                io_bytes, args.calls, reps=args.reps)  # fmt: skip
             row = {"size_mib": size, "variant": label, "codec": codec.name, "peers": args.peers,
                    "io_bytes": io_bytes, "copy_seconds": copy_s}  # fmt: skip
             with _patched(**(patches or {})) as calls:
