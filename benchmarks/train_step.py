@@ -25,7 +25,9 @@ Cases (`--only TEXT [TEXT ...]` keeps those whose label contains one of them):
      runs at different M (BENCHMARKS.md, "Pipelined training step").
   5. With >= 2 devices, data parallelism over all of them (`--dp-preset`, default GPT-350M,
      `--dp-batch` sequences): replicated AdamW (an fp32 all-reduce of the gradients), ZeRO-1
-     uncompressed, and ZeRO-1 with SDP4Bit (TLq-HS gradients, qWD weights; `taco_train.zero`).
+     uncompressed, and ZeRO-1 with SDP4Bit (TLq-HS gradients, qWD weights; `taco_train.zero`),
+     the ZeRO-1 rows with their collectives per bucket of leaves (the default) and per leaf
+     ("per-leaf"). With `--dp-emulate N`, the same with dp = N emulated on one device.
 Each configuration: compile, `--warmup` steps, then `--steps` timed steps (default 10), each
 ended by `jax.block_until_ready` (`_common.sample_seconds`); the median is reported. Tokens are
 random (speed does not depend on them). A configuration that fails (e.g. out of memory) is recorded
@@ -160,6 +162,8 @@ def default_cases(args) -> list[Case]:
     if n_devices >= 2:
         cases += pipeline_cases(args, n_devices)  # case 4
         cases += data_parallel_cases(args, n_devices)  # case 5
+    if args.dp_emulate:
+        cases += data_parallel_cases(args, args.dp_emulate, mode="emulate")
     if args.impl == "auto" and jax.default_backend() == "gpu":
         # The XLA (pure jnp) codec next to the Pallas kernels that "auto" picks on a GPU.
         cases.append(
@@ -173,20 +177,20 @@ def default_cases(args) -> list[Case]:
 PIPELINE_CODECS = ("none", "tahquant", "taco")
 
 
-def data_parallel_cases(args, n_devices: int) -> list[Case]:
-    """Case 5: dp = n_devices, replicated AdamW, then ZeRO-1 without and with SDP4Bit."""
-    parallel = ParallelConfig(dp=n_devices, remat=args.remat, scan_layers=not args.unroll)
-    label = f"{args.dp_preset} dp={n_devices}"
+def data_parallel_cases(args, n_devices: int, mode: str = "shard_map") -> list[Case]:
+    """Case 5: dp = n_devices (emulated on one device with mode="emulate"), replicated AdamW,
+    then ZeRO-1 without and with SDP4Bit, each with its collectives per bucket of leaves (the
+    default) and per leaf (`ZeroConfig.bucket_elements=1`)."""
+    parallel = ParallelConfig(dp=n_devices, remat=args.remat, scan_layers=not args.unroll,
+                              mode=mode)  # fmt: skip
+    label = f"{args.dp_preset} dp={n_devices}" + (" (vmap)" if mode == "emulate" else "")
     run = dict(preset=args.dp_preset, batch=args.dp_batch, parallel=parallel)
-    return [
-        Case(f"{label} replicated", **run),
-        Case(f"{label} zero1 none", sharded=ZeroConfig(), **run),
-        Case(
-            f"{label} zero1 sdp4bit",
-            **run,
-            sharded=ZeroConfig(grad_codec="tlq_hs", param_codec="qwd"),
-        ),  # fmt: skip
-    ]
+    cases = [Case(f"{label} replicated", **run)]
+    for name, codecs in (("none", {}), ("sdp4bit", dict(grad_codec="tlq_hs", param_codec="qwd"))):
+        cases += [Case(f"{label} zero1 {name}", sharded=ZeroConfig(**codecs), **run),
+                  Case(f"{label} zero1 {name} per-leaf",
+                       sharded=ZeroConfig(**codecs, bucket_elements=1), **run)]  # fmt: skip
+    return cases
 
 
 def pipeline_cases(args, n_devices: int, preset: str = "gpt_1p3b", overrides=()) -> list[Case]:
@@ -381,6 +385,8 @@ def main() -> None:
                         "(the policy, on the link NCCL's switches name)")  # fmt: skip
     parser.add_argument("--dp-preset", default="gpt_350m", help="model of the data-parallel runs")
     parser.add_argument("--dp-batch", type=int, default=8, help="batch of the data-parallel runs")
+    parser.add_argument("--dp-emulate", type=int, default=0,
+                        help="also case 5 with dp = N emulated on the first device (vmap)")  # fmt: skip
     parser.add_argument("--suffix", default="", help="appended to the record's file name")
     parser.add_argument("--tp-codecs", nargs="*", default=[],
                         help="codecs beside taco in the real-TP cases")  # fmt: skip

@@ -128,10 +128,13 @@ class CompressionConfig:
             forward=self.pp, backward=self.pp_bwd, telemetry=self.telemetry, shared_grads=shared
         )
 
-    def zero_config(self, grad_clip: float, dp_axis: str | tuple[str, ...]) -> zero.ZeroConfig:
+    def zero_config(
+        self, grad_clip: float, dp_axis: str | tuple[str, ...], bucket_elements: int
+    ) -> zero.ZeroConfig:
         return zero.ZeroConfig(
-            dp_axis, self.dp_grad, self.dp_param, grad_clip, self.impl, self.telemetry
-        )
+            dp_axis, self.dp_grad, self.dp_param, grad_clip, self.impl, self.telemetry,
+            bucket_elements,
+        )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +144,9 @@ class OptimizerConfig:
     sharded: ZeRO-1 over the dp ranks (`taco_train.zero`): fp32 master weights and Adam moments
     split over dp, a replica of the parameters in the compute dtype on every rank; compressible
     with compression.dp_grad / dp_param. With TP and PP under shard_map (or emulated) each
-    rank's stage and TP slice is what is split over dp."""
+    rank's stage and TP slice is what is split over dp.
+    bucket_elements: the sharded optimizer's communication buckets, in padded elements (one
+    reduce-scatter and one all-gather per bucket of leaves; 1: one per leaf)."""
 
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
@@ -152,6 +157,7 @@ class OptimizerConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     sharded: bool = False
+    bucket_elements: int = zero.BUCKET_ELEMENTS
 
     def __post_init__(self):
         _check(self.lr > 0, f"optimizer.lr={self.lr} must be > 0")
@@ -167,6 +173,10 @@ class OptimizerConfig:
         )
         _check(self.eps > 0, f"optimizer.eps={self.eps} must be > 0")
         _check(self.grad_clip > 0, f"optimizer.grad_clip={self.grad_clip} must be > 0")
+        _check(
+            self.bucket_elements >= 1,
+            f"optimizer.bucket_elements={self.bucket_elements} must be >= 1",
+        )
 
 
 @dataclasses.dataclass(frozen=True)

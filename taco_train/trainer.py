@@ -71,7 +71,9 @@ class _Run:
         mask = weight_decay_mask(cfg.model)
         sharded = None
         if cfg.optimizer.sharded:  # ZeRO-1: the sharded step clips over its shards itself
-            sharded = cfg.compression.zero_config(cfg.optimizer.grad_clip, cfg.parallel.dp_axis)
+            sharded = cfg.compression.zero_config(
+                cfg.optimizer.grad_clip, cfg.parallel.dp_axis, cfg.optimizer.bucket_elements
+            )
         make_optimizer = optim.make_adamw if sharded else optim.make_optimizer
         optimizer = make_optimizer(cfg.optimizer, cfg.run.steps, mask)
         self.schedule = optim.lr_schedule(cfg.optimizer, cfg.run.steps)

@@ -12,7 +12,9 @@ reduce-scatter, qWD for the all-gather; docs/method.md, "Data-parallel codecs").
 Every parameter leaf is sharded on its own: flattened, zero-padded to a multiple of
 dp x 2048 (`sdp4bit.padded_size`), and split into dp equal shards, so the optimizer sees a
 pytree of shards with the parameters' structure (per-leaf options such as AdamW's decay mask
-apply unchanged). `update` runs per rank, inside `shard_map` or `vmap` over the dp axes.
+apply unchanged). The collectives move buckets of leaves, not single leaves (`_Buckets`: one
+reduce-scatter and one all-gather per bucket, `ZeroConfig.bucket_elements`). `update` runs per
+rank, inside `shard_map` or `vmap` over the dp axes.
 
 With model parallelism every rank of a (dp, tp) or (dp, pp, tp) mesh holds its slice of each
 leaf (a contiguous block along the axis each model axis splits, the whole leaf where it
@@ -25,6 +27,7 @@ Uncompressed, its master weights equal the replicated-DP AdamW update of the mea
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -38,6 +41,9 @@ from taco_jax import sdp4bit, telemetry
 from taco_jax.collectives import axis_size
 
 GRAD_CODECS = ("none", "tlq_hs")
+# Elements (padded, summed over the dp ranks' shards) of one communication bucket: Megatron-LM's
+# default bucket of its distributed optimizer (40 M).
+BUCKET_ELEMENTS = 40_000_000
 PARAM_CODECS = ("none", "qwd")
 
 
@@ -55,7 +61,9 @@ class ZeroConfig:
     collective, the global-norm clipping threshold (None: no clipping), the codec kernels
     (`impl`, as `taco_jax.CommConfig.impl`), and `telemetry`: also run each compressed
     collective exactly and record the relative error (`taco_jax.telemetry`, tags
-    "dp_grad:<codec>" and "dp_param:<codec>"; a debugging and study tool)."""
+    "dp_grad:<codec>" and "dp_param:<codec>"; a debugging and study tool), and
+    `bucket_elements`, the padded elements of one communication bucket (None: one bucket per
+    kind of leaf; 1: one per leaf; `_Buckets`)."""
 
     dp_axes: str | tuple[str, ...] = "dp"
     grad_codec: str = "none"
@@ -63,12 +71,16 @@ class ZeroConfig:
     grad_clip: float | None = None
     impl: str = "auto"
     telemetry: bool = False
+    bucket_elements: int | None = BUCKET_ELEMENTS
 
     def __post_init__(self):
         if self.grad_codec not in GRAD_CODECS:
             raise ValueError(f"grad_codec={self.grad_codec!r}: choose one of {GRAD_CODECS}")
         if self.param_codec not in PARAM_CODECS:
             raise ValueError(f"param_codec={self.param_codec!r}: choose one of {PARAM_CODECS}")
+        if self.bucket_elements is not None and self.bucket_elements < 1:
+            raise ValueError(f"bucket_elements={self.bucket_elements} must be >= 1 (or None: "
+                             "one bucket per kind of leaf)")  # fmt: skip
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -167,16 +179,6 @@ def _reduce_scatter(g: jax.Array, cfg: ZeroConfig, key: jax.Array) -> jax.Array:
     return sdp4bit.scatter_over(g, cfg.axes)
 
 
-def _all_gather(shard: jax.Array, replica: jax.Array, cfg: ZeroConfig, key: jax.Array):
-    """The new replica leaf (replica's shape and dtype) from every rank's new master shard."""
-    if cfg.param_codec == "qwd":
-        flat = _padded_flat(replica, axis_size(cfg.axes), replica.dtype)
-        new = sdp4bit.qwd_all_gather(shard, flat, cfg.axes, key=key, impl=cfg.impl)
-    else:
-        new = sdp4bit.gather_over(shard.astype(replica.dtype), cfg.axes)
-    return new[: replica.size].reshape(replica.shape)
-
-
 def _valid(shard: jax.Array, size: int, cfg: ZeroConfig) -> jax.Array:
     """The shard with its padding zeroed: TLq-HS's Hadamard spreads rounding error into the
     padded tail of the last block, and the optimizer must not move padding."""
@@ -186,21 +188,95 @@ def _valid(shard: jax.Array, size: int, cfg: ZeroConfig) -> jax.Array:
     return jnp.where(index < size, shard, 0.0)
 
 
-def _leaf_keys(key: jax.Array, tree: Any, split: Any) -> Any:
-    """A key per leaf, folded with this rank's index along each mesh axis the leaf's slices
-    differ over (`split`): the slices of one leaf round independently, while its copies (over
-    the other axes) draw alike and so stay identical."""
-    leaves, treedef = jax.tree.flatten(tree)
-    keys = jax.tree.unflatten(treedef, list(jax.random.split(key, len(leaves))))
-    if split is None:
-        return keys
-    return jax.tree.map(_fold_axis_indices, keys, split)
+class _Buckets:
+    """The leaves grouped into communication buckets: one collective per bucket instead of one
+    per leaf (as Megatron-LM's distributed optimizer buckets its gradients). A bucket holds
+    leaves in tree order that share the mesh axes their slices differ over (so one key, folded
+    with those ranks' indices, serves all of them) and the replica's dtype, up to
+    `limit` padded elements (a larger leaf has a bucket of its own).
+
+    A bucket's rows are [ranks, S_1 + S_2 + ...]: row r is rank r's shard of every leaf, side
+    by side, so one reduce-scatter of the flattened rows hands each rank exactly its per-leaf
+    shards, and one all-gather of its shards side by side gives back the rows. Each S_i is a
+    multiple of 2048 (`sdp4bit.padded_size`), so no codec group or Hadamard block of 32
+    straddles two leaves: each element is coded as it would be alone, only the noise differs.
+    """
+
+    def __init__(self, like: Any, split: Any, ranks: int, limit: int | None):
+        leaves, self.treedef = jax.tree.flatten(like)
+        is_axes = lambda a: isinstance(a, tuple)  # noqa: E731
+        axes = [()] * len(leaves) if split is None else jax.tree.leaves(split, is_leaf=is_axes)
+        self.ranks, self.axes = ranks, axes
+        self.sizes = [leaf.size for leaf in leaves]
+        self.shards = [shard_size(leaf.size, ranks) for leaf in leaves]
+        self.groups: list[list[int]] = []
+        open_groups: dict[tuple, list[int]] = {}
+        for i, leaf in enumerate(leaves):
+            kind = (axes[i], jnp.dtype(leaf.dtype))
+            group = open_groups.get(kind)
+            used = 0 if group is None else sum(self.shards[j] for j in group) * ranks
+            if group is None or (limit is not None and used + self.shards[i] * ranks > limit):
+                group = open_groups[kind] = []
+                self.groups.append(group)
+            group.append(i)
+
+    def keys(self, key: jax.Array) -> list[jax.Array]:
+        """A key per bucket, folded with this rank's index along each mesh axis its leaves'
+        slices differ over: the slices of a leaf round independently, while its copies (over
+        the other axes) draw alike and so stay identical."""
+        keys = list(jax.random.split(key, len(self.groups)))
+        return [_fold_axis_indices(k, self.axes[group[0]]) for k, group in
+                zip(keys, self.groups, strict=True)]  # fmt: skip
+
+    def rows(self, leaves: list[jax.Array], group: list[int], dtype) -> jax.Array:
+        """The bucket's flat rows [ranks x sum S_i] of full leaves (zero-padded, cast)."""
+        parts = [_padded_flat(leaves[i], self.ranks, dtype).reshape(self.ranks, -1) for i in group]
+        return jnp.concatenate(parts, axis=1).reshape(-1)
+
+    def split_shard(self, shard: jax.Array, group: list[int]) -> list[jax.Array]:
+        """A rank's shard of the bucket -> its shard of each leaf."""
+        return jnp.split(shard, self._offsets(group))
+
+    def split_rows(self, flat: jax.Array, group: list[int], like: list[jax.Array]):
+        """The gathered rows [ranks x sum S_i] -> each full leaf, shaped like `like`'s."""
+        rows = jnp.split(flat.reshape(self.ranks, -1), self._offsets(group), axis=1)
+        return [r.reshape(-1)[: self.sizes[i]].reshape(like[i].shape)
+                for r, i in zip(rows, group, strict=True)]  # fmt: skip
+
+    def _offsets(self, group: list[int]) -> list[int]:
+        return list(itertools.accumulate(self.shards[i] for i in group[:-1]))
 
 
 def _fold_axis_indices(key: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     for axis in axes:
         key = jax.random.fold_in(key, lax.axis_index(axis))
     return key
+
+
+def _mean_shards(grads: list, buckets: _Buckets, cfg: ZeroConfig, key: jax.Array) -> list:
+    """Per leaf this rank's shard of the dp-mean gradient, padding zeroed."""
+    shards = [None] * len(grads)
+    for group, k in zip(buckets.groups, buckets.keys(key), strict=True):
+        total = _reduce_scatter(buckets.rows(grads, group, jnp.float32), cfg, k)
+        for i, s in zip(group, buckets.split_shard(total / buckets.ranks, group), strict=True):
+            shards[i] = _valid(s, buckets.sizes[i], cfg)
+    return shards
+
+
+def _new_replica(master: list, replica: list, buckets: _Buckets, cfg: ZeroConfig, key) -> list:
+    """Per leaf the new replica (its shape and dtype) from every rank's new master shards."""
+    out = [None] * len(replica)
+    for group, k in zip(buckets.groups, buckets.keys(key), strict=True):
+        shard = jnp.concatenate([master[i] for i in group])
+        dtype = replica[group[0]].dtype
+        if cfg.param_codec == "qwd":
+            rows = buckets.rows(replica, group, dtype)
+            new = sdp4bit.qwd_all_gather(shard, rows, cfg.axes, key=k, impl=cfg.impl)
+        else:
+            new = sdp4bit.gather_over(shard.astype(dtype), cfg.axes)
+        for i, leaf in zip(group, buckets.split_rows(new, group, replica), strict=True):
+            out[i] = leaf
+    return out
 
 
 def _global_norm(shards: Any, cfg: ZeroConfig, split: Any):
@@ -241,31 +317,24 @@ def update(
     """
     ranks = axis_size(cfg.axes)
     grad_key, param_key = jax.random.split(key)
-    mean_shard = lambda g, rs: _valid(rs(_padded_flat(g, ranks)) / ranks, g.size, cfg)  # noqa: E731
-    shards = jax.tree.map(
-        lambda g, k: mean_shard(g, lambda flat: _reduce_scatter(flat, cfg, k)),
-        grads,
-        _leaf_keys(grad_key, grads, split),
-    )
+    buckets = _Buckets(replica, split, ranks, cfg.bucket_elements)
+    leaves = lambda tree: jax.tree.leaves(tree)  # noqa: E731
+    tree = lambda flat: jax.tree.unflatten(buckets.treedef, flat)  # noqa: E731
+    shards = tree(_mean_shards(leaves(grads), buckets, cfg, grad_key))
     if cfg.telemetry and cfg.grad_codec != "none":
-        exact = jax.tree.map(lambda g: mean_shard(g, lambda f: sdp4bit.scatter_over(f, cfg.axes)),
-                             grads)  # fmt: skip
-        _record(f"dp_grad:{cfg.grad_codec}", shards, exact)
+        plain = dataclasses.replace(cfg, grad_codec="none")
+        _record(f"dp_grad:{cfg.grad_codec}", shards,
+                _mean_shards(leaves(grads), buckets, plain, grad_key))  # fmt: skip
     norm = _global_norm(shards, cfg, split)
     if cfg.grad_clip is not None:  # optax.clip_by_global_norm's rule, on the global norm
         clip = cfg.grad_clip
         shards = jax.tree.map(lambda s: jnp.where(norm < clip, s, (s / norm) * clip), shards)
     updates, opt_state = optimizer.update(shards, state.opt_state, state.master)
     master = optax.apply_updates(state.master, updates)
-    new_replica = jax.tree.map(
-        lambda s, r, k: _all_gather(s, r, cfg, k),
-        master,
-        replica,
-        _leaf_keys(param_key, master, split),
-    )
+    new_replica = tree(_new_replica(leaves(master), leaves(replica), buckets, cfg, param_key))
     if cfg.telemetry and cfg.param_codec != "none":
         plain = dataclasses.replace(cfg, param_codec="none")
-        exact = jax.tree.map(lambda s, r: _all_gather(s, r, plain, key), master, replica)
+        exact = _new_replica(leaves(master), leaves(replica), buckets, plain, param_key)
         _record(f"dp_param:{cfg.param_codec}", new_replica, exact)
     return ShardState(master, opt_state), new_replica, norm
 

@@ -99,6 +99,7 @@ def test_tp_takes_tahquant_grids_with_their_own_group_size():
         ("compression.dp_grad=fp8", "compression.dp_grad='fp8'"),
         ("compression.dp_param=tlq_hs", "compression.dp_param='tlq_hs'"),
         ("compression.dp_grad=tlq_hs", "needs optimizer.sharded=true"),
+        ("optimizer.bucket_elements=0", "optimizer.bucket_elements=0 must be >= 1"),
     ],
 )
 def test_validation_errors_name_the_value(override, message):

@@ -172,11 +172,60 @@ def test_sdp4bit_replicas_stay_bit_identical_near_the_master(mode):
         np.testing.assert_array_equal(padding, 0)  # the optimizer never moves padding
 
 
+def test_buckets_hold_leaves_of_one_kind_in_tree_order_up_to_the_limit():
+    """Shards at dp = 2: a 2048, b 2048 (bf16), c 4096, d 2048 (split over tp): a and c share
+    a bucket (same axes and dtype, 2 x 6144 padded elements) unless the limit is below that;
+    b and d never join them."""
+    like = {"a": jnp.zeros(3000), "b": jnp.zeros(10, jnp.bfloat16), "c": jnp.zeros(5000),
+            "d": jnp.zeros(100)}  # fmt: skip
+    split = {"a": (), "b": (), "c": (), "d": ("tp",)}
+    assert zero._Buckets(like, split, 2, None).groups == [[0, 2], [1], [3]]
+    assert zero._Buckets(like, split, 2, 2 * 6144).groups == [[0, 2], [1], [3]]
+    assert zero._Buckets(like, split, 2, 2 * 6144 - 1).groups == [[0], [1], [2], [3]]
+    assert zero._Buckets(like, None, 2, None).groups == [[0, 2, 3], [1]]
+
+
+@pytest.mark.parametrize("codecs", [("none", "none"), ("tlq_hs", "qwd")], ids=["plain", "sdp4bit"])
+def test_buckets_move_what_one_collective_per_leaf_moves(codecs):
+    """dp = 4, three steps with clipping: one bucket for every leaf against one bucket per
+    leaf. Uncompressed, the same bits: a reduce-scatter or all-gather moves each element
+    alone, and the bucket puts every element of a leaf's shard in the same rank's row. With
+    SDP4Bit the noise differs (one key per bucket), so only the guarantees are compared:
+    replicas identical over the ranks, and the same distance from the uncompressed master (no
+    codec group or Hadamard block straddles two leaves, so each element's rounding has the
+    distribution it has alone)."""
+    params, clip = _params(), 40.0
+    runs = {}
+    for name, limit in (("one", None), ("per_leaf", 1)):
+        cfg = zero.ZeroConfig(grad_codec=codecs[0], param_codec=codecs[1], grad_clip=clip,
+                              bucket_elements=limit)  # fmt: skip
+        runs[name] = _sharded(params, cfg, "shard_map", (4,), jnp.bfloat16)
+    if codecs == ("none", "none"):
+        for got, want in zip(runs["one"][:2], runs["per_leaf"][:2], strict=True):
+            for name in SHAPES:
+                np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]))
+        return
+    plain = _sharded(params, zero.ZeroConfig(grad_clip=clip), "shard_map", (4,), jnp.bfloat16)[0]
+    distance = {}
+    for run, (master, replica, _, _) in runs.items():
+        for name in SHAPES:
+            for rank in range(1, 4):
+                np.testing.assert_array_equal(replica[name][rank], replica[name][0])
+        diff = [np.asarray(master[n], np.float64) - np.asarray(plain[n]) for n in SHAPES]
+        distance[run] = np.sqrt(sum(np.sum(d**2) for d in diff))
+    # Each distance is the norm of ~N_PARAMS independent errors of one distribution: its
+    # relative spread is about sqrt(2 / N_PARAMS) / 2 = 1% (for roughly Gaussian errors,
+    # Var(e^2) = 2 E(e^2)^2), so the ratio of two is 1 within ~1.4%; 10% is 7 of those.
+    assert 0.9 < distance["one"] / distance["per_leaf"] < 1.1, distance
+
+
 def test_errors_name_the_offending_value():
     with pytest.raises(ValueError, match="grad_codec='fp8'"):
         zero.ZeroConfig(grad_codec="fp8")
     with pytest.raises(ValueError, match="param_codec='int4'"):
         zero.ZeroConfig(param_codec="int4")
+    with pytest.raises(ValueError, match="bucket_elements=0 must be >= 1"):
+        zero.ZeroConfig(bucket_elements=0)
     assert zero.shard_size(5000, 4) == 2048 and zero.shard_size(8192, 4) == 2048
 
 
