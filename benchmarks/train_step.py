@@ -26,8 +26,9 @@ Cases (`--only TEXT [TEXT ...]` keeps those whose label contains one of them):
   5. With >= 2 devices, data parallelism over all of them (`--dp-preset`, default GPT-350M,
      `--dp-batch` sequences): replicated AdamW (an fp32 all-reduce of the gradients), ZeRO-1
      uncompressed, and ZeRO-1 with SDP4Bit (TLq-HS gradients, qWD weights; `taco_train.zero`),
-     the ZeRO-1 rows with their collectives per bucket of leaves (the default) and per leaf
-     ("per-leaf"). With `--dp-emulate N`, the same with dp = N emulated on one device.
+     the ZeRO-1 rows with their collectives per bucket of leaves (`--dp-bucket-elements`:
+     40 M, the default, and 1, "per-leaf"). With `--dp-emulate N`, the same with dp = N
+     emulated on one device.
 Each configuration: compile, `--warmup` steps, then `--steps` timed steps (default 10), each
 ended by `jax.block_until_ready` (`_common.sample_seconds`); the median is reported. Tokens are
 random (speed does not depend on them). A configuration that fails (e.g. out of memory) is recorded
@@ -63,7 +64,7 @@ from models import ModelConfig, ParallelConfig, layers  # noqa: E402
 from models.pipeline import StageCodecs  # noqa: E402
 from taco_train import metrics as run_metrics  # noqa: E402
 from taco_train.steps import make_steps  # noqa: E402
-from taco_train.zero import ZeroConfig  # noqa: E402
+from taco_train.zero import BUCKET_ELEMENTS, ZeroConfig  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -179,17 +180,19 @@ PIPELINE_CODECS = ("none", "tahquant", "taco")
 
 def data_parallel_cases(args, n_devices: int, mode: str = "shard_map") -> list[Case]:
     """Case 5: dp = n_devices (emulated on one device with mode="emulate"), replicated AdamW,
-    then ZeRO-1 without and with SDP4Bit, each with its collectives per bucket of leaves (the
-    default) and per leaf (`ZeroConfig.bucket_elements=1`)."""
+    then ZeRO-1 without and with SDP4Bit, each with its collectives in buckets of each of
+    `--dp-bucket-elements` (default: 40 M, and 1, a bucket per leaf)."""
     parallel = ParallelConfig(dp=n_devices, remat=args.remat, scan_layers=not args.unroll,
                               mode=mode)  # fmt: skip
     label = f"{args.dp_preset} dp={n_devices}" + (" (vmap)" if mode == "emulate" else "")
     run = dict(preset=args.dp_preset, batch=args.dp_batch, parallel=parallel)
     cases = [Case(f"{label} replicated", **run)]
     for name, codecs in (("none", {}), ("sdp4bit", dict(grad_codec="tlq_hs", param_codec="qwd"))):
-        cases += [Case(f"{label} zero1 {name}", sharded=ZeroConfig(**codecs), **run),
-                  Case(f"{label} zero1 {name} per-leaf",
-                       sharded=ZeroConfig(**codecs, bucket_elements=1), **run)]  # fmt: skip
+        for limit in args.dp_bucket_elements:
+            suffix = " per-leaf" if limit == 1 else ("" if limit == BUCKET_ELEMENTS else
+                                                      f" buckets={limit}")  # fmt: skip
+            sharded = ZeroConfig(**codecs, bucket_elements=limit)
+            cases.append(Case(f"{label} zero1 {name}{suffix}", sharded=sharded, **run))
     return cases
 
 
@@ -386,7 +389,9 @@ def main() -> None:
     parser.add_argument("--dp-preset", default="gpt_350m", help="model of the data-parallel runs")
     parser.add_argument("--dp-batch", type=int, default=8, help="batch of the data-parallel runs")
     parser.add_argument("--dp-emulate", type=int, default=0,
-                        help="also case 5 with dp = N emulated on the first device (vmap)")  # fmt: skip
+                        help="also case 5, dp = N emulated on the first device (vmap)")  # fmt: skip
+    parser.add_argument("--dp-bucket-elements", type=int, nargs="+", default=[BUCKET_ELEMENTS, 1],
+                        help="ZeRO-1 rows with these bucket sizes (1: per leaf)")  # fmt: skip
     parser.add_argument("--suffix", default="", help="appended to the record's file name")
     parser.add_argument("--tp-codecs", nargs="*", default=[],
                         help="codecs beside taco in the real-TP cases")  # fmt: skip
