@@ -184,13 +184,12 @@ def data_parallel_cases(args, n_devices: int, mode: str = "shard_map") -> list[C
     `--dp-bucket-elements` (default: 4 M, the library's default, and 1, a bucket per leaf)."""
     parallel = ParallelConfig(dp=n_devices, remat=args.remat, scan_layers=not args.unroll,
                               mode=mode)  # fmt: skip
-    label = f"{args.dp_preset} dp={n_devices}" + (" (vmap)" if mode == "emulate" else "")
+    label = f"{args.dp_preset} dp={n_devices}" + (" (emulate)" if mode == "emulate" else "")
     run = dict(preset=args.dp_preset, batch=args.dp_batch, parallel=parallel)
     cases = [Case(f"{label} replicated", **run)]
     for name, codecs in (("none", {}), ("sdp4bit", dict(grad_codec="tlq_hs", param_codec="qwd"))):
         for limit in args.dp_bucket_elements:
-            suffix = " per-leaf" if limit == 1 else ("" if limit == BUCKET_ELEMENTS else
-                                                      f" buckets={limit}")  # fmt: skip
+            suffix = " per-leaf" if limit == 1 else f" buckets={limit / 1e6:g}M"
             sharded = ZeroConfig(**codecs, bucket_elements=limit)
             cases.append(Case(f"{label} zero1 {name}{suffix}", sharded=sharded, **run))
     return cases
@@ -389,7 +388,7 @@ def main() -> None:
     parser.add_argument("--dp-preset", default="gpt_350m", help="model of the data-parallel runs")
     parser.add_argument("--dp-batch", type=int, default=8, help="batch of the data-parallel runs")
     parser.add_argument("--dp-emulate", type=int, default=0,
-                        help="also case 5, dp = N emulated on the first device (vmap)")  # fmt: skip
+                        help="also case 5, dp = N emulated on the first device")  # fmt: skip
     parser.add_argument("--dp-bucket-elements", type=int, nargs="+", default=[BUCKET_ELEMENTS, 1],
                         help="ZeRO-1 rows with these bucket sizes (1: per leaf)")  # fmt: skip
     parser.add_argument("--suffix", default="", help="appended to the record's file name")

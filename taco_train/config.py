@@ -145,8 +145,10 @@ class OptimizerConfig:
     split over dp, a replica of the parameters in the compute dtype on every rank; compressible
     with compression.dp_grad / dp_param. With TP and PP under shard_map (or emulated) each
     rank's stage and TP slice is what is split over dp.
-    bucket_elements: the sharded optimizer's communication buckets, in padded elements (one
-    reduce-scatter and one all-gather per bucket of leaves; 1: one per leaf)."""
+    bucket_elements: the most padded elements of one communication bucket of the sharded
+    optimizer (one reduce-scatter and one all-gather per bucket of leaves, a larger leaf having
+    its own; 1: one per leaf; `taco_train.zero.ZeroConfig`'s None, one bucket per kind of
+    leaf, has no form here)."""
 
     lr: float = 3e-4
     min_lr_ratio: float = 0.1

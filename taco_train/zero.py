@@ -41,12 +41,13 @@ from taco_jax import sdp4bit, telemetry
 from taco_jax.collectives import axis_size
 
 GRAD_CODECS = ("none", "tlq_hs")
-# Elements (padded, summed over the dp ranks' shards) of one communication bucket. Megatron-LM's
-# distributed optimizer buckets 40 M parameters; with SDP4Bit a 40 M bucket measured 1.4% slower
-# than one collective per leaf on one H200, and 4 M as fast (a GPT-350M step, BENCHMARKS.md,
-# "The sharded optimizer's buckets"): the small leaves share buckets, the large ones stay alone.
-BUCKET_ELEMENTS = 4_000_000
 PARAM_CODECS = ("none", "qwd")
+# The most padded elements (summed over the dp ranks' shards) of one communication bucket: the
+# small leaves (biases, norms) share buckets, a leaf above it has one of its own. Megatron-LM's
+# distributed optimizer buckets 40 M parameters; on one H200 a GPT-350M step with SDP4Bit ran
+# 1.4-1.5% slower when a 25 M leaf shared a bucket with two biases (the 40 M grouping), and as
+# fast as per leaf with 4 M (BENCHMARKS.md, "The sharded optimizer's buckets").
+BUCKET_ELEMENTS = 4_000_000
 
 
 class ShardState(flax.struct.PyTreeNode):
@@ -64,8 +65,8 @@ class ZeroConfig:
     (`impl`, as `taco_jax.CommConfig.impl`), and `telemetry`: also run each compressed
     collective exactly and record the relative error (`taco_jax.telemetry`, tags
     "dp_grad:<codec>" and "dp_param:<codec>"; a debugging and study tool), and
-    `bucket_elements`, the padded elements of one communication bucket (None: one bucket per
-    kind of leaf; 1: one per leaf; `_Buckets`)."""
+    `bucket_elements`, the most padded elements of one communication bucket, a larger leaf
+    having one of its own (None: one bucket per kind of leaf; 1: one per leaf; `_Buckets`)."""
 
     dp_axes: str | tuple[str, ...] = "dp"
     grad_codec: str = "none"
@@ -206,21 +207,25 @@ class _Buckets:
 
     def __init__(self, like: Any, split: Any, ranks: int, limit: int | None):
         leaves, self.treedef = jax.tree.flatten(like)
-        is_axes = lambda a: isinstance(a, tuple)  # noqa: E731
-        axes = [()] * len(leaves) if split is None else jax.tree.leaves(split, is_leaf=is_axes)
-        self.ranks, self.axes = ranks, axes
-        self.sizes = [leaf.size for leaf in leaves]
+        self.ranks, self.axes = ranks, _split_axes(split, len(leaves))
+        self.shapes = [leaf.shape for leaf in leaves]
         self.shards = [shard_size(leaf.size, ranks) for leaf in leaves]
         self.groups: list[list[int]] = []
-        open_groups: dict[tuple, list[int]] = {}
+        open_groups: dict[tuple, tuple[list[int], int]] = {}  # kind -> (group, its elements)
         for i, leaf in enumerate(leaves):
-            kind = (axes[i], jnp.dtype(leaf.dtype))
-            group = open_groups.get(kind)
-            used = 0 if group is None else sum(self.shards[j] for j in group) * ranks
-            if group is None or (limit is not None and used + self.shards[i] * ranks > limit):
-                group = open_groups[kind] = []
+            kind = (self.axes[i], jnp.dtype(leaf.dtype))
+            group, used = open_groups.get(kind, (None, 0))
+            size = self.shards[i] * ranks
+            if group is None or (limit is not None and used + size > limit):
+                group, used = [], 0
                 self.groups.append(group)
             group.append(i)
+            open_groups[kind] = (group, used + size)
+
+    def check(self, name: str, tree: Any) -> None:
+        if jax.tree.structure(tree) != self.treedef:
+            raise ValueError(f"{name} has the tree {jax.tree.structure(tree)}, the replica "
+                             f"{self.treedef}")  # fmt: skip
 
     def keys(self, key: jax.Array) -> list[jax.Array]:
         """A key per bucket, folded with this rank's index along each mesh axis its leaves'
@@ -239,14 +244,24 @@ class _Buckets:
         """A rank's shard of the bucket -> its shard of each leaf."""
         return jnp.split(shard, self._offsets(group))
 
-    def split_rows(self, flat: jax.Array, group: list[int], like: list[jax.Array]):
-        """The gathered rows [ranks x sum S_i] -> each full leaf, shaped like `like`'s."""
+    def split_rows(self, flat: jax.Array, group: list[int]) -> list[jax.Array]:
+        """The gathered rows [ranks x sum S_i] -> each full leaf."""
         rows = jnp.split(flat.reshape(self.ranks, -1), self._offsets(group), axis=1)
-        return [r.reshape(-1)[: self.sizes[i]].reshape(like[i].shape)
+        return [r.reshape(-1)[: math.prod(self.shapes[i])].reshape(self.shapes[i])
                 for r, i in zip(rows, group, strict=True)]  # fmt: skip
 
     def _offsets(self, group: list[int]) -> list[int]:
         return list(itertools.accumulate(self.shards[i] for i in group[:-1]))
+
+
+def _split_axes(split: Any, count: int) -> list[tuple[str, ...]]:
+    """`update`'s split as a list, per leaf in tree order (() for every leaf without one)."""
+    if split is None:
+        return [()] * count
+    axes = jax.tree.leaves(split, is_leaf=lambda a: isinstance(a, tuple))
+    if len(axes) != count:
+        raise ValueError(f"split names {len(axes)} leaves' axes, the replica has {count} leaves")
+    return axes
 
 
 def _fold_axis_indices(key: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -261,7 +276,7 @@ def _mean_shards(grads: list, buckets: _Buckets, cfg: ZeroConfig, key: jax.Array
     for group, k in zip(buckets.groups, buckets.keys(key), strict=True):
         total = _reduce_scatter(buckets.rows(grads, group, jnp.float32), cfg, k)
         for i, s in zip(group, buckets.split_shard(total / buckets.ranks, group), strict=True):
-            shards[i] = _valid(s, buckets.sizes[i], cfg)
+            shards[i] = _valid(s, math.prod(buckets.shapes[i]), cfg)
     return shards
 
 
@@ -276,7 +291,7 @@ def _new_replica(master: list, replica: list, buckets: _Buckets, cfg: ZeroConfig
             new = sdp4bit.qwd_all_gather(shard, rows, cfg.axes, key=k, impl=cfg.impl)
         else:
             new = sdp4bit.gather_over(shard.astype(dtype), cfg.axes)
-        for i, leaf in zip(group, buckets.split_rows(new, group, replica), strict=True):
+        for i, leaf in zip(group, buckets.split_rows(new, group), strict=True):
             out[i] = leaf
     return out
 
@@ -285,13 +300,11 @@ def _global_norm(shards: Any, cfg: ZeroConfig, split: Any):
     """sqrt of the sum of squares of every rank's shards: over the dp axes, and for each leaf
     over the mesh axes `split` names for it (its slices differ between their ranks; over the
     other axes it is the same on every rank, so counted once)."""
-    squares = jax.tree.map(lambda s: jnp.sum(jnp.square(s)), shards)
+    squares = [jnp.sum(jnp.square(s)) for s in jax.tree.leaves(shards)]
     if split is None:
-        return jnp.sqrt(lax.psum(sum(jax.tree.leaves(squares)), cfg.axes))
+        return jnp.sqrt(lax.psum(sum(squares), cfg.axes))
     groups: dict[tuple, jax.Array] = {}
-    is_axes = lambda a: isinstance(a, tuple)  # noqa: E731
-    for square, axes in zip(jax.tree.leaves(squares), jax.tree.leaves(split, is_leaf=is_axes),
-                            strict=True):  # fmt: skip
+    for square, axes in zip(squares, _split_axes(split, len(squares)), strict=True):
         groups[axes] = groups.get(axes, 0.0) + square
     return jnp.sqrt(sum(lax.psum(q, (*cfg.axes, *axes)) for axes, q in sorted(groups.items())))
 
@@ -320,7 +333,9 @@ def update(
     ranks = axis_size(cfg.axes)
     grad_key, param_key = jax.random.split(key)
     buckets = _Buckets(replica, split, ranks, cfg.bucket_elements)
-    leaves = lambda tree: jax.tree.leaves(tree)  # noqa: E731
+    buckets.check("grads", grads)
+    buckets.check("state.master", state.master)
+    leaves = jax.tree.leaves
     tree = lambda flat: jax.tree.unflatten(buckets.treedef, flat)  # noqa: E731
     shards = tree(_mean_shards(leaves(grads), buckets, cfg, grad_key))
     if cfg.telemetry and cfg.grad_codec != "none":

@@ -20,6 +20,8 @@ Tolerances (derivations):
   ulp: 2^-8 of the value): |replica - master| <= s + 2^-8 (|master| + s).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,23 +41,24 @@ N_PARAMS = sum(int(np.prod(s)) for s in SHAPES.values())
 MODES = ("shard_map", "vmap")
 
 
-def _params():
-    keys = jax.random.split(jax.random.key(0), len(SHAPES))
-    return {n: jax.random.normal(k, s) for k, (n, s) in zip(keys, SHAPES.items(), strict=True)}
+def _params(shapes=SHAPES):
+    keys = jax.random.split(jax.random.key(0), len(shapes))
+    return {n: jax.random.normal(k, s) for k, (n, s) in zip(keys, shapes.items(), strict=True)}
 
 
-def _grads(ranks, step):
+def _grads(ranks, step, shapes=SHAPES):
     """Per-rank gradients [ranks, *shape] of step `step`; their mean's norm grows with the step
     (about 1, 2, 3 x sqrt(N_PARAMS / ranks))."""
     out = {}
-    for i, (name, shape) in enumerate(SHAPES.items()):
+    for i, (name, shape) in enumerate(shapes.items()):
         key = jax.random.fold_in(jax.random.key(100 + step), i)
         out[name] = jax.random.normal(key, (ranks, *shape)) * (1 + step)
     return out
 
 
-def _adamw():
-    return optax.adamw(LR, weight_decay=0.1, mask=DECAY)
+def _adamw(params=None):
+    mask = DECAY if params is None else {n: DECAY.get(n, True) for n in params}
+    return optax.adamw(LR, weight_decay=0.1, mask=mask)
 
 
 def _replicated(params, ranks, clip):
@@ -74,7 +77,8 @@ def _replicated(params, ranks, clip):
 def _sharded(params, cfg, mode, shape, replica_dtype=jnp.float32):
     """STEPS sharded updates on a dp mesh of `shape` (names: cfg.axes). Returns (master shards
     [ranks, S] per leaf, replicas [ranks, ...], the replicas before the last step, the norms)."""
-    opt, names = _adamw(), cfg.axes
+    opt, names = _adamw(params), cfg.axes
+    shapes = {n: p.shape for n, p in params.items()}
     ranks = int(np.prod(shape))
     stack = lambda tree: jax.tree.map(lambda x: x.reshape(*shape, *x.shape[1:]), tree)  # noqa: E731
     flat = lambda tree: jax.tree.map(lambda x: x.reshape(ranks, *x.shape[len(shape) :]), tree)  # noqa: E731
@@ -91,8 +95,8 @@ def _sharded(params, cfg, mode, shape, replica_dtype=jnp.float32):
             key = jax.random.fold_in(jax.random.key(7), step)  # the same on every rank
             return zero.update(opt, cfg, grads, state, replica, key)
 
-        state, replica, norm = run_on_mesh(step_fn, (stack(_grads(ranks, step)), state, replica),
-                                           shape, names, mode)  # fmt: skip
+        grads = stack(_grads(ranks, step, shapes))
+        state, replica, norm = run_on_mesh(step_fn, (grads, state, replica), shape, names, mode)
         norms.append(np.asarray(norm).reshape(-1))
     return flat(state.master), flat(replica), flat(before), norms
 
@@ -185,38 +189,61 @@ def test_buckets_hold_leaves_of_one_kind_in_tree_order_up_to_the_limit():
     assert zero._Buckets(like, None, 2, None).groups == [[0, 2, 3], [1]]
 
 
-@pytest.mark.parametrize("codecs", [("none", "none"), ("tlq_hs", "qwd")], ids=["plain", "sdp4bit"])
-def test_buckets_move_what_one_collective_per_leaf_moves(codecs):
-    """dp = 4, three steps with clipping: one bucket for every leaf against one bucket per
-    leaf. Uncompressed, the same bits: a reduce-scatter or all-gather moves each element
-    alone, and the bucket puts every element of a leaf's shard in the same rank's row. With
-    SDP4Bit the noise differs (one key per bucket), so only the guarantees are compared:
-    replicas identical over the ranks, and the same distance from the uncompressed master (no
-    codec group or Hadamard block straddles two leaves, so each element's rounding has the
-    distribution it has alone)."""
-    params, clip = _params(), 40.0
-    runs = {}
-    for name, limit in (("one", None), ("per_leaf", 1)):
-        cfg = zero.ZeroConfig(grad_codec=codecs[0], param_codec=codecs[1], grad_clip=clip,
+# "odd" pads to another shard size than the other leaves (4096 at dp = 4, not 2048), so a
+# bucket's offsets differ from a multiple of one shard.
+BUCKET_SHAPES = SHAPES | {"odd": (9000,)}
+
+
+@pytest.mark.parametrize(
+    "shape,axes", [((4,), "dp"), ((2, 2), ("outer", "inner"))], ids=["dp4", "outer2-inner2"]
+)
+def test_buckets_move_the_bits_one_collective_per_leaf_moves(shape, axes):
+    """Uncompressed, three steps with clipping: one bucket for every leaf against one bucket
+    per leaf give the same bits, since a reduce-scatter or all-gather moves each element alone
+    and the bucket puts every element of a leaf's shard in its rank's row (over two dp axes
+    too: outer-major rows)."""
+    params = _params(BUCKET_SHAPES)
+    runs = [_sharded(params, zero.ZeroConfig(dp_axes=axes, grad_clip=40.0, bucket_elements=limit),
+                     "shard_map", shape, jnp.bfloat16)[:2] for limit in (None, 1)]  # fmt: skip
+    for got, want in zip(*runs, strict=True):
+        for name in BUCKET_SHAPES:
+            np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]))
+
+
+def test_buckets_round_as_one_collective_per_leaf_rounds():
+    """SDP4Bit at dp = 4: the noise differs between one bucket and one per leaf (a key per
+    bucket), so the guarantees are compared: replicas identical over the ranks, and the same
+    distance of the master and of the replica from the uncompressed master (no codec group or
+    Hadamard block straddles two leaves, so each element's rounding has the distribution it
+    has alone; a misplaced leaf in the gradient or the replica rows would move it)."""
+    params, clip, ranks = _params(BUCKET_SHAPES), 40.0, 4
+    plain = _sharded(params, zero.ZeroConfig(grad_clip=clip), "shard_map", (ranks,),
+                     jnp.bfloat16)[0]  # fmt: skip
+    plain = zero.unshard_leaves(plain, params)
+    distances = {}
+    for limit in (None, 1):
+        cfg = zero.ZeroConfig(grad_codec="tlq_hs", param_codec="qwd", grad_clip=clip,
                               bucket_elements=limit)  # fmt: skip
-        runs[name] = _sharded(params, cfg, "shard_map", (4,), jnp.bfloat16)
-    if codecs == ("none", "none"):
-        for got, want in zip(runs["one"][:2], runs["per_leaf"][:2], strict=True):
-            for name in SHAPES:
-                np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]))
-        return
-    plain = _sharded(params, zero.ZeroConfig(grad_clip=clip), "shard_map", (4,), jnp.bfloat16)[0]
-    distance = {}
-    for run, (master, replica, _, _) in runs.items():
-        for name in SHAPES:
-            for rank in range(1, 4):
+        master, replica, _, _ = _sharded(params, cfg, "shard_map", (ranks,), jnp.bfloat16)
+        for name in BUCKET_SHAPES:
+            for rank in range(1, ranks):
                 np.testing.assert_array_equal(replica[name][rank], replica[name][0])
-        diff = [np.asarray(master[n], np.float64) - np.asarray(plain[n]) for n in SHAPES]
-        distance[run] = np.sqrt(sum(np.sum(d**2) for d in diff))
-    # Each distance is the norm of ~N_PARAMS independent errors of one distribution: its
-    # relative spread is about sqrt(2 / N_PARAMS) / 2 = 1% (for roughly Gaussian errors,
-    # Var(e^2) = 2 E(e^2)^2), so the ratio of two is 1 within ~1.4%; 10% is 7 of those.
-    assert 0.9 < distance["one"] / distance["per_leaf"] < 1.1, distance
+        master = zero.unshard_leaves(master, params)
+        distances[limit] = [
+            _distance({n: master[n] for n in BUCKET_SHAPES}, plain),
+            _distance({n: replica[n][0] for n in BUCKET_SHAPES}, plain),
+        ]
+    # Each distance is the norm of ~N independent errors of one distribution (N = 14222
+    # values): its relative spread is about sqrt(2 / N) / 2 = 0.6% (for roughly Gaussian
+    # errors, Var(e^2) = 2 E(e^2)^2), so the ratio of two is 1 within ~0.8%; 10% is 12 of those.
+    # The replica's distance adds bf16 rounding of the same size both ways.
+    for one, per_leaf in zip(distances[None], distances[1], strict=True):
+        assert 0.9 < one / per_leaf < 1.1, distances
+
+
+def _distance(tree, reference):
+    return np.sqrt(sum(np.sum((np.asarray(tree[n], np.float64) - np.asarray(reference[n])) ** 2)
+                       for n in tree))  # fmt: skip
 
 
 def test_errors_name_the_offending_value():
@@ -227,6 +254,23 @@ def test_errors_name_the_offending_value():
     with pytest.raises(ValueError, match="bucket_elements=0 must be >= 1"):
         zero.ZeroConfig(bucket_elements=0)
     assert zero.shard_size(5000, 4) == 2048 and zero.shard_size(8192, 4) == 2048
+
+
+def test_a_gradient_tree_unlike_the_replica_is_refused():
+    params, ranks, opt = _params(), 2, _adamw()
+    state = jax.vmap(lambda m: zero.init(opt, m))(zero.shard_leaves(params, ranks))
+    replica = jax.tree.map(lambda p: jnp.broadcast_to(p, (ranks, *p.shape)), params)
+    grads = {n: r for n, r in replica.items() if n != "b"}
+
+    def step_with_split(grads, state, replica, split=None):
+        return zero.update(opt, zero.ZeroConfig(), grads, state, replica, jax.random.key(0),
+                           split=split)  # fmt: skip
+
+    with pytest.raises(ValueError, match="grads has the tree"):
+        jax.vmap(step_with_split, axis_name="dp")(grads, state, replica)
+    one_split = functools.partial(step_with_split, split={"w": ()})
+    with pytest.raises(ValueError, match="split names 1 leaves' axes, the replica has 4"):
+        jax.vmap(one_split, axis_name="dp")(replica, state, replica)
 
 
 def test_model_slices_round_trip_through_the_shards():
