@@ -29,19 +29,18 @@ from _common import in_program_seconds, write_record  # noqa: E402
 from taco_train import zero  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-LEAVES = {"bo": (24, 1024), "bqkv": (24, 16, 3, 64), "wo": (24, 16, 64, 1024)}
-# A CPU check: TACO_SMALL=1 shrinks the layers.
-if os.environ.get("TACO_SMALL"):
-    LEAVES = {n: (2, *s[1:]) for n, s in LEAVES.items()}
+# GPT-350M's leaves per layer; `--layers` stacks them (24 in the model).
+LAYER_SHAPES = {"bo": (1024,), "bqkv": (16, 3, 64), "wo": (16, 64, 1024)}
 CALLS = 8
 
 
-def inputs(dp: int, seed: int) -> dict:
+def inputs(dp: int, layers: int, seed: int) -> dict:
     """Per emulated rank: fp32 gradients, the bf16 replica, the master shards, AdamW's state."""
-    keys = jax.random.split(jax.random.key(seed), 2 * len(LEAVES))
-    params = {n: jax.random.normal(k, s) for k, (n, s) in zip(keys, LEAVES.items(), strict=False)}
+    shapes = {n: (layers, *s) for n, s in LAYER_SHAPES.items()}
+    keys = jax.random.split(jax.random.key(seed), 2 * len(shapes))
+    params = {n: jax.random.normal(k, s) for k, (n, s) in zip(keys, shapes.items(), strict=False)}
     grads = {n: 1e-2 * jax.random.normal(k, (dp, *s))
-             for k, (n, s) in zip(keys[len(LEAVES):], LEAVES.items(), strict=True)}  # fmt: skip
+             for k, (n, s) in zip(keys[len(shapes):], shapes.items(), strict=True)}  # fmt: skip
     master = zero.shard_leaves(params, dp)
     state = jax.vmap(lambda m: zero.init(optax.adamw(1e-4), m))(master)
     replica = jax.tree.map(lambda p: jnp.broadcast_to(p.astype(jnp.bfloat16), (dp, *p.shape)),
@@ -72,11 +71,12 @@ def ops(cfg: zero.ZeroConfig, dp: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=24, help="stacked layers (CPU check: 2)")
     parser.add_argument("--bucket-elements", type=int, nargs="+", default=[40_000_000, 1])
     parser.add_argument("--out", default=os.environ.get("OUT") or str(RESULTS))
     args = parser.parse_args()
 
-    data = [inputs(args.dp, seed) for seed in (0, 1)]
+    data = [inputs(args.dp, args.layers, seed) for seed in (0, 1)]
     rows = []
     for limit in args.bucket_elements:
         cfg = zero.ZeroConfig(grad_codec="tlq_hs", param_codec="qwd", bucket_elements=limit)
@@ -87,7 +87,8 @@ def main() -> None:
             rows.append({"bucket_elements": limit, "buckets": buckets.groups, "op": name,
                          "us": 1e6 * seconds})  # fmt: skip
             print(f"buckets {limit:>10} {name:15s} {rows[-1]['us']:9.1f} us", flush=True)
-    write_record("zero_buckets", args.out, dp=args.dp, leaves=LEAVES, calls=CALLS, results=rows)
+    write_record("zero_buckets", args.out, dp=args.dp, layers=args.layers,
+                 layer_shapes=LAYER_SHAPES, calls=CALLS, results=rows)  # fmt: skip
 
 
 if __name__ == "__main__":
