@@ -223,6 +223,7 @@ class _Buckets:
             open_groups[kind] = (group, used + size)
 
     def check(self, name: str, tree: Any) -> None:
+        """Refuses a tree not shaped as the replica's (its leaves would pair up wrongly)."""
         if jax.tree.structure(tree) != self.treedef:
             raise ValueError(f"{name} has the tree {jax.tree.structure(tree)}, the replica "
                              f"{self.treedef}")  # fmt: skip
