@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
 import os
 import pathlib
@@ -18,6 +19,7 @@ import platform
 import re
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 
@@ -155,6 +157,35 @@ def looped_on_tp(mesh, op, inner: int):
 def seconds_per_op(mesh, op, x, *, inner: int, reps: int) -> float:
     """Median seconds of one `op` over "tp", from `looped_on_tp` calls of `inner` ops."""
     return median_seconds(looped_on_tp(mesh, op, inner), x, reps=reps) / inner
+
+
+def device_time_by_kernel(call: Callable[[], object], steps: int, top: int = 30) -> dict:
+    """Device time of `steps` calls of `call()` under `jax.profiler`, per step: in total and per
+    kind of kernel (its name without trailing numbering), from the kernel events of the GPU
+    streams in the perfetto trace; also each trace thread's total, to see what was counted."""
+    with tempfile.TemporaryDirectory() as log_dir:
+        jax.profiler.start_trace(log_dir, create_perfetto_trace=True)
+        for _ in range(steps):
+            jax.block_until_ready(call())
+        jax.profiler.stop_trace()
+        (path,) = pathlib.Path(log_dir).glob("plugins/profile/*/perfetto_trace.json.gz")
+        events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}  # fmt: skip
+    processes = {e["pid"]: e["args"]["name"] for e in events
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}  # fmt: skip
+    threads: dict[str, float] = {}
+    kinds: dict[str, float] = {}
+    for e in events:
+        if e.get("ph") != "X" or "GPU" not in processes.get(e["pid"], ""):
+            continue
+        thread = names.get((e["pid"], e.get("tid")), "?")
+        threads[thread] = threads.get(thread, 0.0) + e.get("dur", 0.0) / steps
+        if thread.startswith("Stream"):
+            kind = re.sub(r"([._]\d+)+$", "", e["name"])
+            kinds[kind] = kinds.get(kind, 0.0) + e.get("dur", 0.0) / steps
+    ranked = dict(sorted(kinds.items(), key=lambda kv: -kv[1])[:top])
+    return {"us_per_step": sum(kinds.values()), "by_kind_us": ranked, "by_thread_us": threads}
 
 
 def write_record(

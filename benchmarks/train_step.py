@@ -30,7 +30,9 @@ Cases (`--only TEXT [TEXT ...]` keeps those whose label contains one of them):
      4 M, the default, and 1, "per-leaf"). With `--dp-emulate N`, the same with dp = N
      emulated on one device.
 Each configuration: compile, `--warmup` steps, then `--steps` timed steps (default 10), each
-ended by `jax.block_until_ready` (`_common.sample_seconds`); the median is reported. Tokens are
+ended by `jax.block_until_ready` (`_common.sample_seconds`); the median is reported. With
+`--profile-steps N`, N more steps run under `jax.profiler` and the record gets their GPU
+kernels' time per kind (`_common.device_time_by_kernel`). Tokens are
 random (speed does not depend on them). A configuration that fails (e.g. out of memory) is recorded
 with its error and the run goes on. Writes `train_step-<date>.json` to `--out` (default `$OUT`,
 else benchmarks/results/) and prints a table.
@@ -57,7 +59,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _common import collective_windows, sample_seconds, write_record  # noqa: E402
+from _common import (  # noqa: E402
+    collective_windows,
+    device_time_by_kernel,
+    sample_seconds,
+    write_record,
+)
 
 import taco_jax  # noqa: E402
 from models import ModelConfig, ParallelConfig, layers  # noqa: E402
@@ -234,7 +241,7 @@ def peak_flops() -> float | None:
     return run_metrics.peak_flops(jax.devices()[0].device_kind)
 
 
-def run_case(case: Case, steps: int, warmup: int) -> dict:
+def run_case(case: Case, steps: int, warmup: int, profile_steps: int = 0) -> dict:
     cfg = case.model()
     comm = taco_jax.TPComm.create(
         "tp",
@@ -262,6 +269,7 @@ def run_case(case: Case, steps: int, warmup: int) -> dict:
         return carry["state"], carry["metrics"]
 
     times = sample_seconds(step, reps=steps, warmup=warmup)
+    profile = device_time_by_kernel(step, profile_steps) if profile_steps else None
     metrics = carry["metrics"]
     median = statistics.median(times)
     tokens_per_step = case.batch * cfg.seq_len
@@ -295,6 +303,7 @@ def run_case(case: Case, steps: int, warmup: int) -> dict:
         "final_loss": float(metrics["loss"]),
         # The allocator's peak since the process started: an upper bound for this config.
         "peak_bytes_in_use_so_far": memory.get("peak_bytes_in_use"),
+        "device_time": profile,
     }
 
 
@@ -402,6 +411,9 @@ def main() -> None:
                         "option set (off: no option passed, XLA's default)")  # fmt: skip
     parser.add_argument("--overlap-chunks", type=int, nargs="+", default=[1],
                         help="real-TP cases with these ParallelConfig.overlap_chunks")  # fmt: skip
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after timing, profile this many steps: device time per kind of "
+                        "kernel (_common.device_time_by_kernel)")  # fmt: skip
     parser.add_argument("--only", nargs="+", default=None,
                         help="run only configs whose label contains one of these")  # fmt: skip
     parser.add_argument("--out", default=os.environ.get("OUT") or str(RESULTS))
@@ -422,7 +434,7 @@ def main() -> None:
             )
         print(f"running {case.label} ...", flush=True)
         try:
-            rows.append(run_case(case, steps, warmup))
+            rows.append(run_case(case, steps, warmup, args.profile_steps))
             print(f"  {1e3 * rows[-1]['median_step_s']:.1f} ms per step", flush=True)
         except Exception as err:  # noqa: BLE001 - record (e.g. OOM) and go on
             traceback.print_exc()
