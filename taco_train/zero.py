@@ -237,8 +237,16 @@ class _Buckets:
                 zip(keys, self.groups, strict=True)]  # fmt: skip
 
     def rows(self, leaves: list[jax.Array], group: list[int], dtype) -> jax.Array:
-        """The bucket's flat rows [ranks x sum S_i] of full leaves (zero-padded, cast)."""
-        parts = [_padded_flat(leaves[i], self.ranks, dtype).reshape(self.ranks, -1) for i in group]
+        """The bucket's flat rows [ranks x sum S_i] of full leaves (zero-padded, cast).
+
+        Several leaves pass an optimization barrier first: in a training step XLA otherwise
+        fuses their producers (the biases' gradient reductions) into the concatenation, and on
+        an H200 that one fusion took 4.2 ms where a copy of its bytes takes ~0.1 ms
+        (BENCHMARKS.md, "The sharded optimizer's buckets")."""
+        parts = [leaves[i] for i in group]
+        if len(parts) > 1:
+            parts = lax.optimization_barrier(parts)
+        parts = [_padded_flat(p, self.ranks, dtype).reshape(self.ranks, -1) for p in parts]
         return jnp.concatenate(parts, axis=1).reshape(-1)
 
     def split_shard(self, shard: jax.Array, group: list[int]) -> list[jax.Array]:
