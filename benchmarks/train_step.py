@@ -27,7 +27,7 @@ Cases (`--only TEXT [TEXT ...]` keeps those whose label contains one of them):
      `--dp-batch` sequences): replicated AdamW (an fp32 all-reduce of the gradients), ZeRO-1
      uncompressed, and ZeRO-1 with SDP4Bit (TLq-HS gradients, qWD weights; `taco_train.zero`),
      the ZeRO-1 rows with their collectives per bucket of leaves (`--dp-bucket-elements`:
-     4 M, the default, and 1, "per-leaf"). With `--dp-emulate N`, the same with dp = N
+     40 M, the default, and 1, "per-leaf"). With `--dp-emulate N`, the same with dp = N
      emulated on one device.
 Each configuration: compile, `--warmup` steps, then `--steps` timed steps (default 10), each
 ended by `jax.block_until_ready` (`_common.sample_seconds`); the median is reported. With
@@ -188,7 +188,7 @@ PIPELINE_CODECS = ("none", "tahquant", "taco")
 def data_parallel_cases(args, n_devices: int, mode: str = "shard_map") -> list[Case]:
     """Case 5: dp = n_devices (emulated on one device with mode="emulate"), replicated AdamW,
     then ZeRO-1 without and with SDP4Bit, each with its collectives in buckets of each of
-    `--dp-bucket-elements` (default: 4 M, the library's default, and 1, a bucket per leaf)."""
+    `--dp-bucket-elements` (default: 40 M, the library's default, and 1, a bucket per leaf)."""
     parallel = ParallelConfig(dp=n_devices, remat=args.remat, scan_layers=not args.unroll,
                               mode=mode)  # fmt: skip
     label = f"{args.dp_preset} dp={n_devices}" + (" (emulate)" if mode == "emulate" else "")

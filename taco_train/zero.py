@@ -42,12 +42,11 @@ from taco_jax.collectives import axis_size
 
 GRAD_CODECS = ("none", "tlq_hs")
 PARAM_CODECS = ("none", "qwd")
-# The most padded elements (summed over the dp ranks' shards) of one communication bucket: the
-# small leaves (biases, norms) share buckets, a leaf above it has one of its own. Megatron-LM's
-# distributed optimizer buckets 40 M parameters; on one H200 a GPT-350M step with SDP4Bit ran
-# 1.4-1.5% slower when a 25 M leaf shared a bucket with two biases (the 40 M grouping), and as
-# fast as per leaf with 4 M (BENCHMARKS.md, "The sharded optimizer's buckets").
-BUCKET_ELEMENTS = 4_000_000
+# The most padded elements (summed over the dp ranks' shards) of one communication bucket, a
+# larger leaf having one of its own: Megatron-LM's distributed optimizer's 40 M parameters. On
+# one H200 a GPT-350M step with SDP4Bit runs as fast with them as with one collective per leaf
+# (BENCHMARKS.md, "The sharded optimizer's buckets").
+BUCKET_ELEMENTS = 40_000_000
 
 
 class ShardState(flax.struct.PyTreeNode):
