@@ -159,10 +159,11 @@ def seconds_per_op(mesh, op, x, *, inner: int, reps: int) -> float:
     return median_seconds(looped_on_tp(mesh, op, inner), x, reps=reps) / inner
 
 
-def device_time_by_kernel(call: Callable[[], object], steps: int, top: int = 30) -> dict:
+def device_time_by_kernel(call: Callable[[], object], steps: int, top: int = 100) -> dict:
     """Device time of `steps` calls of `call()` under `jax.profiler`, per step: in total and per
-    kind of kernel (its name without trailing numbering), from the kernel events of the GPU
-    streams in the perfetto trace; also each trace thread's total, to see what was counted."""
+    kind of kernel (its name without trailing numbering; the `top` largest), from the kernel
+    events of the GPU streams in the perfetto trace; also each trace thread's total, to see
+    what was counted."""
     with tempfile.TemporaryDirectory() as log_dir:
         jax.profiler.start_trace(log_dir, create_perfetto_trace=True)
         for _ in range(steps):

@@ -240,7 +240,7 @@ class _Buckets:
 
         Several leaves pass an optimization barrier first: in a training step XLA otherwise
         fuses their producers (the biases' gradient reductions) into the concatenation, and on
-        an H200 that one fusion took 4.2 ms where a copy of its bytes takes ~0.1 ms
+        an H200 that one fusion took 4.4 ms a step where a copy of its bytes takes ~0.1 ms
         (BENCHMARKS.md, "The sharded optimizer's buckets")."""
         parts = [leaves[i] for i in group]
         if len(parts) > 1:
