@@ -32,8 +32,8 @@ Cases (`--only TEXT [TEXT ...]` keeps those whose label contains one of them):
 Each configuration: compile, `--warmup` steps, then `--steps` timed steps (default 10), each
 ended by `jax.block_until_ready` (`_common.sample_seconds`); the median is reported. With
 `--profile-steps N`, N more steps run under `jax.profiler` and the record gets their GPU
-kernels' time per kind (`_common.device_time_by_kernel`). Tokens are
-random (speed does not depend on them). A configuration that fails (e.g. out of memory) is recorded
+kernels' time per kind (`_common.device_time_by_kernel`). Tokens are random (speed does not
+depend on them). A configuration that fails (e.g. out of memory) is recorded
 with its error and the run goes on. Writes `train_step-<date>.json` to `--out` (default `$OUT`,
 else benchmarks/results/) and prints a table.
 
