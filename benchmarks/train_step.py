@@ -5,9 +5,11 @@ Cases (`--only TEXT [TEXT ...]` keeps those whose label contains one of them):
      step time, tokens/s and MFU = flops_per_token x tokens/s / peak, with flops_per_token
      = 6 N + 12 L H Q T (PaLM appendix B, nanoGPT's `estimate_mfu`; `ModelConfig.flops_per_token`)
      and peak the device's dense bf16 rate (H100 / H200 SXM: 989.4 TFLOP/s).
-  2. GPT-125M with TP = 4 emulated on the same device (`jax.vmap(axis_name="tp")`): the step time
-     with every TP collective uncompressed ("none") and compressed ("taco"), and the ratio; on a
-     GPU with `--impl auto` also "taco" through the XLA reference codec.
+  2. GPT-125M with TP = 4 emulated on the same device (`jax.vmap(axis_name="tp")`; other
+     models and TP with `--emulate-preset`, `--emulate-tp`): the step time with every TP
+     collective uncompressed ("none") and compressed ("taco", and each of `--tp-codecs`, with
+     each of `--emulate-algorithms`), and the ratio; on a GPU with `--impl auto` also "taco"
+     through the XLA reference codec.
   3. With >= 2 devices, GPT-1.3B with real TP over all of them (`shard_map`, NCCL): "none",
      "taco auto" (the defaults: `taco_jax.policy` compresses where it measured a gain on this
      link) and "taco ... forced" (every collective compressed, `min_compress_bytes=0`); the
@@ -99,7 +101,8 @@ class Case:
 def default_cases(args) -> list[Case]:
     remat = args.remat
     one = ParallelConfig(remat=remat, scan_layers=not args.unroll)
-    emulated = ParallelConfig(tp=4, mode="vmap", remat=remat, scan_layers=not args.unroll)
+    emulated = ParallelConfig(tp=args.emulate_tp, mode="vmap", remat=remat,
+                              scan_layers=not args.unroll)  # fmt: skip
     if args.smoke:
         tiny = ParallelConfig(tp=2, mode="vmap", scan_layers=not args.unroll)
         return [
@@ -119,8 +122,7 @@ def default_cases(args) -> list[Case]:
         # 8 x 2048 tokens: ~2 MB of saved activations per token without remat (24 layers x
         # ~40 D bytes), ~35 GB, plus 21 GB of fp32 weights, gradients and Adam moments.
         Case("gpt_1p3b", "gpt_1p3b", args.batch_1p3b, one),
-        Case("gpt_125m tp=4 (vmap) none", "gpt_125m", args.batch_tp, emulated, "none"),
-        Case("gpt_125m tp=4 (vmap) taco", "gpt_125m", args.batch_tp, emulated, "taco", args.impl),
+        *emulated_tp_cases(args, emulated),
     ]
     n_devices = jax.device_count()
     if n_devices >= 2:
@@ -174,11 +176,23 @@ def default_cases(args) -> list[Case]:
         cases += data_parallel_cases(args, args.dp_emulate, mode="emulate")
     if args.impl == "auto" and jax.default_backend() == "gpu":
         # The XLA (pure jnp) codec next to the Pallas kernels that "auto" picks on a GPU.
-        cases.append(
-            Case(
-                "gpt_125m tp=4 (vmap) taco xla", "gpt_125m", args.batch_tp, emulated, "taco", "xla"
-            )
-        )
+        label = f"{args.emulate_preset} tp={args.emulate_tp} (vmap) taco xla"
+        cases.append(Case(label, args.emulate_preset, args.batch_tp, emulated, "taco", "xla"))
+    return cases
+
+
+def emulated_tp_cases(args, emulated: ParallelConfig) -> list[Case]:
+    """Case 2: `--emulate-preset` with TP = `--emulate-tp` under vmap, uncompressed, then `taco`
+    and each of `--tp-codecs` with each of `--emulate-algorithms` (all-reduces only; "auto"
+    runs two-shot where no bytes move, `taco_jax.policy`)."""
+    label = f"{args.emulate_preset} tp={args.emulate_tp} (vmap)"
+    run = dict(preset=args.emulate_preset, batch=args.batch_tp, parallel=emulated)
+    cases = [Case(f"{label} none", codec="none", **run)]
+    for codec in ("taco", *(c for c in args.tp_codecs if c != "taco")):
+        for algorithm in args.emulate_algorithms:
+            tag = "" if algorithm == "auto" else f" {algorithm}"
+            cases.append(Case(f"{label} {codec}{tag}", codec=codec, impl=args.impl,
+                              algorithm=algorithm, **run))  # fmt: skip
     return cases
 
 
@@ -388,6 +402,11 @@ def main() -> None:
     parser.add_argument("--batch-125m", type=int, default=16)
     parser.add_argument("--batch-1p3b", type=int, default=8)
     parser.add_argument("--batch-tp", type=int, default=8, help="batch of the emulated-TP runs")
+    parser.add_argument("--emulate-tp", type=int, default=4, help="TP of the emulated-TP runs")
+    parser.add_argument("--emulate-preset", default="gpt_125m", help="model of the emulated-TP runs")
+    parser.add_argument("--emulate-algorithms", nargs="+", default=["auto"],
+                        help="all-reduce algorithms of the compressed emulated-TP runs "
+                        "(auto: two-shot under vmap)")  # fmt: skip
     parser.add_argument("--pp-batch", type=int, default=8, help="batch of the pipelined runs")
     parser.add_argument("--microbatches", type=int, default=8, help="of the pipelined runs")
     parser.add_argument("--pp-grads", nargs="*", default=[],
