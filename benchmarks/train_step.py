@@ -8,8 +8,8 @@ Cases (`--only TEXT [TEXT ...]` keeps those whose label contains one of them):
   2. GPT-125M with TP = 4 emulated on the same device (`jax.vmap(axis_name="tp")`; other
      models and TP with `--emulate-preset`, `--emulate-tp`): the step time with every TP
      collective uncompressed ("none") and compressed ("taco", and each of `--tp-codecs`, with
-     each of `--emulate-algorithms`), and the ratio; on a GPU with `--impl auto` also "taco"
-     through the XLA reference codec.
+     each of `--emulate-algorithms`; with `--emulate-attention`, each attention), and the
+     ratio; on a GPU with `--impl auto` also "taco" through the XLA reference codec.
   3. With >= 2 devices, GPT-1.3B with real TP over all of them (`shard_map`, NCCL): "none",
      "taco auto" (the defaults: `taco_jax.policy` compresses where it measured a gain on this
      link) and "taco ... forced" (every collective compressed, `min_compress_bytes=0`); the
@@ -185,14 +185,18 @@ def emulated_tp_cases(args, emulated: ParallelConfig) -> list[Case]:
     """Case 2: `--emulate-preset` with TP = `--emulate-tp` under vmap, uncompressed, then `taco`
     and each of `--tp-codecs` with each of `--emulate-algorithms` (all-reduces only; "auto"
     runs two-shot where no bytes move, `taco_jax.policy`)."""
-    label = f"{args.emulate_preset} tp={args.emulate_tp} (vmap)"
-    run = dict(preset=args.emulate_preset, batch=args.batch_tp, parallel=emulated)
-    cases = [Case(f"{label} none", codec="none", **run)]
-    for codec in ("taco", *(c for c in args.tp_codecs if c != "taco")):
-        for algorithm in args.emulate_algorithms:
-            tag = "" if algorithm == "auto" else f" {algorithm}"
-            cases.append(Case(f"{label} {codec}{tag}", codec=codec, impl=args.impl,
-                              algorithm=algorithm, **run))  # fmt: skip
+    cases = []
+    for attention in args.emulate_attention:
+        label = f"{args.emulate_preset} tp={args.emulate_tp} (vmap)"
+        label += "" if attention == "auto" else f" attention={attention}"
+        parallel = dataclasses.replace(emulated, attention=attention)
+        run = dict(preset=args.emulate_preset, batch=args.batch_tp, parallel=parallel)
+        cases.append(Case(f"{label} none", codec="none", **run))
+        for codec in ("taco", *(c for c in args.tp_codecs if c != "taco")):
+            for algorithm in args.emulate_algorithms:
+                tag = "" if algorithm == "auto" else f" {algorithm}"
+                cases.append(Case(f"{label} {codec}{tag}", codec=codec, impl=args.impl,
+                                  algorithm=algorithm, **run))  # fmt: skip
     return cases
 
 
@@ -403,7 +407,10 @@ def main() -> None:
     parser.add_argument("--batch-1p3b", type=int, default=8)
     parser.add_argument("--batch-tp", type=int, default=8, help="batch of the emulated-TP runs")
     parser.add_argument("--emulate-tp", type=int, default=4, help="TP of the emulated-TP runs")
-    parser.add_argument("--emulate-preset", default="gpt_125m", help="model of the emulated-TP runs")
+    parser.add_argument("--emulate-preset", default="gpt_125m", help="emulated-TP runs' model")
+    parser.add_argument("--emulate-attention", nargs="+", default=["auto"],
+                        choices=("auto", "xla", "cudnn"),
+                        help="emulated-TP runs' ParallelConfig.attention")  # fmt: skip
     parser.add_argument("--emulate-algorithms", nargs="+", default=["auto"],
                         help="all-reduce algorithms of the compressed emulated-TP runs "
                         "(auto: two-shot under vmap)")  # fmt: skip

@@ -13,6 +13,7 @@ heads, H head size, F MLP width, V vocabulary; local sizes are per TP rank.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,7 @@ class TPContext:
     sequence_parallel: activations outside the column/row-parallel pairs are split along T.
     dtype: compute dtype of matmuls and activations (parameters stay fp32).
     overlap_chunks: independent batch chunks through the blocks (`ParallelConfig.overlap_chunks`).
+    ranks_vmapped: the ranks run under `jax.vmap` (emulated TP, `models.spmd`).
     """
 
     comm: TPComm | None = None
@@ -37,6 +39,7 @@ class TPContext:
     dtype: jnp.dtype = jnp.bfloat16
     attention: str = "auto"  # "auto" | "xla" | "cudnn", see `attention`
     overlap_chunks: int = 1
+    ranks_vmapped: bool = False  # the ranks are emulated under jax.vmap, see `attention`
 
     @property
     def sharded(self) -> bool:
@@ -138,14 +141,76 @@ def uses_cudnn(q: jax.Array, implementation: str = "auto") -> bool:
     return jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str = "auto") -> jax.Array:
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    implementation: str = "auto",
+    ranks_vmapped: bool = False,
+) -> jax.Array:
     """Causal (grouped-query) attention: q [B, T, N, H], k / v [B, T, K, H] -> [B, T, N, H].
 
     Query head n reads KV head n // (N / K) (the layout of `jax.nn.dot_product_attention`).
     "auto": cuDNN's fused flash attention on GPU with bf16, XLA's reference elsewhere.
+    ranks_vmapped: the caller runs under `jax.vmap` over emulated ranks; cuDNN then runs through
+    `attention_over_vmapped_axes`, whose values are the same.
     """
     implementation = "cudnn" if uses_cudnn(q, implementation) else "xla"
+    if ranks_vmapped and implementation == "cudnn":
+        return attention_over_vmapped_axes(q, k, v, implementation)
+    return _causal_attention(q, k, v, implementation)
+
+
+def _causal_attention(q, k, v, implementation):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+
+def _fold_vmapped_axes(fn):
+    """`fn` (arrays with a leading batch axis in, a pytree of such arrays out) under `jax.vmap`
+    as one call of `fn` with each vmapped axis merged into the leading batch axis, so that `fn`
+    never sees a batching tracer. cuDNN's attention primitives batch only over axis 0, which
+    the backward of a vmapped model does not keep (their batching rule raises)."""
+
+    @jax.custom_batching.custom_vmap
+    def folded(*args):
+        return fn(*args)
+
+    @folded.def_vmap
+    def _merge_into_batch(axis_size, in_batched, *args):
+        args = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+                for a, batched in zip(args, in_batched, strict=True)]  # fmt: skip
+        out = folded(*(a.reshape(-1, *a.shape[2:]) for a in args))  # nested vmaps fold again
+        unfold = lambda o: o.reshape(axis_size, -1, *o.shape[1:])  # noqa: E731
+        return jax.tree.map(unfold, out), jax.tree.map(lambda _: True, out)
+
+    return folded
+
+
+def _attention_grads(q, k, v, g, implementation):
+    return jax.vjp(lambda *qkv: _causal_attention(*qkv, implementation), q, k, v)[1](g)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def attention_over_vmapped_axes(q, k, v, implementation: str):
+    """`_causal_attention(q, k, v, implementation)`, the same values, for callers under
+    `jax.vmap`: forward and backward each run as one call over every vmapped rank's batch
+    (`_fold_vmapped_axes`). The backward recomputes the forward (one more attention forward
+    per layer) rather than carry cuDNN's residuals through the fold."""
+    return _fold_vmapped_axes(functools.partial(_causal_attention, implementation=implementation))(
+        q, k, v
+    )
+
+
+def _attention_fwd(q, k, v, implementation):
+    return attention_over_vmapped_axes(q, k, v, implementation), (q, k, v)
+
+
+def _attention_bwd(implementation, residuals, g):
+    grads = functools.partial(_attention_grads, implementation=implementation)
+    return _fold_vmapped_axes(grads)(*residuals, g)
+
+
+attention_over_vmapped_axes.defvjp(_attention_fwd, _attention_bwd)
 
 
 def vocab_parallel_embed(

@@ -70,7 +70,7 @@ class Attention(nnx.Module):
         key, value = qkv[:, :, :, r - 2], qkv[:, :, :, r - 1]  # [B, T, K, H]
         if self.rope_theta is not None:
             q, key = layers.rotary(q, self.rope_theta), layers.rotary(key, self.rope_theta)
-        o = layers.attention(q, key, value, ctx.attention)  # [B, T, N, H]
+        o = layers.attention(q, key, value, ctx.attention, ctx.ranks_vmapped)  # [B, T, N, H]
         out = jnp.einsum("BTNH,NHD->BTD", o, self.wo[...].astype(ctx.dtype))  # partial sum
         out = ctx.exit(out)
         return out if self.bo is None else out + self.bo[...].astype(ctx.dtype)

@@ -59,8 +59,8 @@ class ParallelConfig:
     mesh axis), for studying layouts with more ranks than devices. remat:
     recompute each block in the backward pass, keeping the TP collective outputs. scan_layers:
     one compiled block under `lax.scan` (fast compiles) or an unrolled loop. attention: "auto"
-    (cuDNN flash attention for bf16 on GPU, XLA elsewhere and under vmap emulation, where cuDNN's
-    backward cannot batch), "xla" or "cudnn".
+    (cuDNN flash attention for bf16 on GPU, XLA elsewhere; under vmap emulation cuDNN runs over
+    the emulated ranks' batches merged, `layers.attention_over_vmapped_axes`), "xla" or "cudnn".
     pp, microbatches, schedule, repeats: pipeline stages along a "pp" mesh axis
     (`models.pipeline`; shard_map or emulate), microbatches per dp rank and step, "gpipe" or
     "circular" with `repeats` chunks per stage.
@@ -306,16 +306,14 @@ def vmap_out_axes(model: ModelConfig) -> dict:
 
 
 def _context(parallel: ParallelConfig, comm: taco_jax.TPComm | None) -> TPContext:
-    attention = parallel.attention
     emulated = parallel.mode == "emulate" or (parallel.mode == "vmap" and parallel.tp > 1)
-    if attention == "auto" and emulated:
-        attention = "xla"  # cuDNN attention's backward does not batch over vmapped ranks
     return TPContext(
         comm,
         parallel.sequence_parallel,
         jnp.dtype(parallel.compute_dtype),
-        attention,
+        parallel.attention,
         parallel.overlap_chunks,
+        ranks_vmapped=emulated,
     )
 
 
