@@ -20,7 +20,8 @@ Cases (`--only TEXT [TEXT ...]` keeps those whose label contains one of them):
      (`taco_jax.compressed_ppermute`), and with `--pp-grads CODEC` the stages' sum of the
      pp-replicated gradients compressed too ("grads=CODEC", `StageCodecs.shared_grads`, with
      bf16 and "tahquant" sends); beside them the same batch unpipelined on one device
-     ("pp-ref"). Printed and recorded per pipelined row: its overhead over an even split,
+     ("pp-ref"); with `--pp-emulate N`, pp = N emulated on one device ("(emulate)"). Printed
+     and recorded per pipelined row: its overhead over an even split,
      1 - t_ref / (P t_pp) (the share of the step beyond the one-device step divided over P
      stages: idle steps, smaller microbatches, stage sends, the circular schedule's regroup),
      next to the schedule's bubble (P - 1) / (M V + P - 1). The bubble itself comes from two
@@ -170,10 +171,13 @@ def default_cases(args) -> list[Case]:
                            min_compress_bytes=0, **run)
                       for codec in args.tp_codecs if codec != "taco"]  # fmt: skip
     if n_devices >= 2:
-        cases += pipeline_cases(args, n_devices)  # case 4
+        cases += pipeline_cases(args, n_devices, args.pp_preset)  # case 4
         cases += data_parallel_cases(args, n_devices)  # case 5
     if args.dp_emulate:
         cases += data_parallel_cases(args, args.dp_emulate, mode="emulate")
+    if args.pp_emulate:
+        emulated_pp = pipeline_cases(args, args.pp_emulate, args.pp_preset, mode="emulate")
+        cases += emulated_pp if n_devices < 2 else emulated_pp[1:]  # one pp-ref row
     if args.impl == "auto" and jax.default_backend() == "gpu":
         # The XLA (pure jnp) codec next to the Pallas kernels that "auto" picks on a GPU.
         label = f"{args.emulate_preset} tp={args.emulate_tp} (vmap) taco xla"
@@ -220,15 +224,18 @@ def data_parallel_cases(args, n_devices: int, mode: str = "shard_map") -> list[C
     return cases
 
 
-def pipeline_cases(args, n_devices: int, preset: str = "gpt_1p3b", overrides=()) -> list[Case]:
-    """Case 4: the one-device reference, then each schedule x stage codec at pp = n_devices."""
+def pipeline_cases(args, n_devices: int, preset: str = "gpt_1p3b", overrides=(),
+                   mode: str = "shard_map") -> list[Case]:  # fmt: skip
+    """Case 4: the one-device reference, then each schedule x stage codec at pp = n_devices
+    (with mode="emulate", the stages emulated on one device)."""
     base = ParallelConfig(remat=args.remat, scan_layers=not args.unroll)
     run = dict(preset=preset, batch=args.pp_batch, overrides=overrides)
     cases = [Case(f"{preset} pp-ref (1 device)", parallel=base, **run)]
     for schedule, repeats in (("gpipe", 1), ("circular", 2)):
         parallel = dataclasses.replace(base, pp=n_devices, microbatches=args.microbatches,
-                                       schedule=schedule, repeats=repeats)  # fmt: skip
+                                       schedule=schedule, repeats=repeats, mode=mode)  # fmt: skip
         label = f"{preset} pp={n_devices} {schedule} M={args.microbatches}"
+        label += " (emulate)" if mode == "emulate" else ""
         cases += [Case(f"{label} {codec}", parallel=parallel, stage_codec=codec, **run)
                   for codec in PIPELINE_CODECS]  # fmt: skip
         # The stages' shared-gradient sum compressed too (0.4 GB of fp32 for GPT-1.3B's tied
@@ -247,6 +254,8 @@ def split_overheads(rows: list[dict]) -> dict[str, dict]:
     out = {}
     for r in rows:
         if ref is None or "error" in r or r["parallel"]["pp"] == 1:
+            continue
+        if r["parallel"]["mode"] == "emulate":  # every stage on one device: no split to judge
             continue
         parallel = ParallelConfig(**r["parallel"])
         measured = 1 - ref["median_step_s"] / (parallel.pp * r["median_step_s"])
@@ -415,6 +424,7 @@ def main() -> None:
                         help="all-reduce algorithms of the compressed emulated-TP runs "
                         "(auto: two-shot under vmap)")  # fmt: skip
     parser.add_argument("--pp-batch", type=int, default=8, help="batch of the pipelined runs")
+    parser.add_argument("--pp-preset", default="gpt_1p3b", help="model of the pipelined runs")
     parser.add_argument("--microbatches", type=int, default=8, help="of the pipelined runs")
     parser.add_argument("--pp-grads", nargs="*", default=[],
                         help="pipelined cases with the shared-gradient sum compressed by these "
@@ -422,6 +432,8 @@ def main() -> None:
                         "(the policy, on the link NCCL's switches name)")  # fmt: skip
     parser.add_argument("--dp-preset", default="gpt_350m", help="model of the data-parallel runs")
     parser.add_argument("--dp-batch", type=int, default=8, help="batch of the data-parallel runs")
+    parser.add_argument("--pp-emulate", type=int, default=0,
+                        help="also case 4, pp = N emulated on the first device")  # fmt: skip
     parser.add_argument("--dp-emulate", type=int, default=0,
                         help="also case 5, dp = N emulated on the first device")  # fmt: skip
     parser.add_argument("--dp-bucket-elements", type=int, nargs="+", default=[BUCKET_ELEMENTS, 1],
