@@ -145,15 +145,20 @@ def _send_forward(y, parallel: ParallelConfig, codecs: StageCodecs, key, step):
     )  # fmt: skip
 
 
-def _chunk(params: dict, model: ModelConfig, repeat) -> dict:
-    """The local parameters with the blocks of chunk `repeat` of this stage ([L / (P V), ...])."""
-    return _map_axes(
-        lambda axes, x: (
-            lax.dynamic_index_in_dim(x[:, 0], repeat, keepdims=False) if axes[0] == "layers" else x
-        ),
-        model,
-        params,
-    )
+def _chunk(params: dict, model: ModelConfig, repeat, repeats: int) -> dict:
+    """The local parameters with the blocks of chunk `repeat` of this stage ([L / (P V), ...]).
+
+    With one chunk per stage (GPipe) a static index: differentiated inside the schedule's scan,
+    a dynamic index becomes, at every step, a zero gradient of all the stage's blocks with the
+    chunk's gradient written into it (docs/development_history.md, "The pipelined step's fixed
+    cost")."""
+
+    def pick(x):
+        if repeats == 1:
+            return x[0, 0]
+        return lax.dynamic_index_in_dim(x[:, 0], repeat, keepdims=False)
+
+    return _map_axes(lambda axes, x: pick(x) if axes[0] == "layers" else x, model, params)
 
 
 def _stage_loss(model, parallel, codecs, ctx, params, tokens, key):
@@ -184,7 +189,7 @@ def _stage_loss(model, parallel, codecs, ctx, params, tokens, key):
             store = store.at[slot].set(jnp.where(keep, received, store[slot]))
         work = i - stage  # this stage's work item: microbatch work mod M, chunk work // M
         micro_index, repeat = jnp.mod(work, m), jnp.clip(work // m, 0, v - 1)
-        net = nnx.merge(graphdef(model), _chunk(params, model, repeat))
+        net = nnx.merge(graphdef(model), _chunk(params, model, repeat, v))
 
         def first_pass():
             return net.embed(micro[micro_index, :, :-1], branch_ctx).astype(ctx.dtype)
