@@ -21,7 +21,7 @@ Cases (`--only TEXT [TEXT ...]` keeps those whose label contains one of them):
      pp-replicated gradients compressed too ("grads=CODEC", `StageCodecs.shared_grads`, with
      bf16 and "tahquant" sends); beside them the same batch unpipelined on one device
      ("pp-ref"); with `--pp-emulate N`, pp = N emulated on one device ("(emulate)"). Printed
-     and recorded per pipelined row: its overhead over an even split,
+     and recorded per pipelined row on real devices: its overhead over an even split,
      1 - t_ref / (P t_pp) (the share of the step beyond the one-device step divided over P
      stages: idle steps, smaller microbatches, stage sends, the circular schedule's regroup),
      next to the schedule's bubble (P - 1) / (M V + P - 1). The bubble itself comes from two
@@ -177,7 +177,7 @@ def default_cases(args) -> list[Case]:
         cases += data_parallel_cases(args, args.dp_emulate, mode="emulate")
     if args.pp_emulate:
         emulated_pp = pipeline_cases(args, args.pp_emulate, args.pp_preset, mode="emulate")
-        cases += emulated_pp if n_devices < 2 else emulated_pp[1:]  # one pp-ref row
+        cases += [c for c in emulated_pp if n_devices < 2 or "pp-ref" not in c.label]
     if args.impl == "auto" and jax.default_backend() == "gpu":
         # The XLA (pure jnp) codec next to the Pallas kernels that "auto" picks on a GPU.
         label = f"{args.emulate_preset} tp={args.emulate_tp} (vmap) taco xla"
@@ -421,6 +421,7 @@ def main() -> None:
                         choices=("auto", "xla", "cudnn"),
                         help="emulated-TP runs' ParallelConfig.attention")  # fmt: skip
     parser.add_argument("--emulate-algorithms", nargs="+", default=["auto"],
+                        choices=("auto", "one_shot", "two_shot"),
                         help="all-reduce algorithms of the compressed emulated-TP runs "
                         "(auto: two-shot under vmap)")  # fmt: skip
     parser.add_argument("--pp-batch", type=int, default=8, help="batch of the pipelined runs")
@@ -440,7 +441,7 @@ def main() -> None:
                         help="ZeRO-1 rows with these bucket sizes (1: per leaf)")  # fmt: skip
     parser.add_argument("--suffix", default="", help="appended to the record's file name")
     parser.add_argument("--tp-codecs", nargs="*", default=[],
-                        help="codecs beside taco in the real-TP cases")  # fmt: skip
+                        help="codecs beside taco in the real- and emulated-TP cases")  # fmt: skip
     parser.add_argument("--impl", default="auto", help="codec kernels for taco: auto|xla|pallas")
     parser.add_argument("--remat", action="store_true")
     parser.add_argument("--unroll", action="store_true", help="unrolled layers instead of scan")

@@ -39,7 +39,7 @@ class TPContext:
     dtype: jnp.dtype = jnp.bfloat16
     attention: str = "auto"  # "auto" | "xla" | "cudnn", see `attention`
     overlap_chunks: int = 1
-    ranks_vmapped: bool = False  # the ranks are emulated under jax.vmap, see `attention`
+    ranks_vmapped: bool = False
 
     @property
     def sharded(self) -> bool:
@@ -180,7 +180,7 @@ def _fold_vmapped_axes(fn):
         args = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
                 for a, batched in zip(args, in_batched, strict=True)]  # fmt: skip
         out = folded(*(a.reshape(-1, *a.shape[2:]) for a in args))  # nested vmaps fold again
-        unfold = lambda o: o.reshape(axis_size, -1, *o.shape[1:])  # noqa: E731
+        unfold = lambda o: o.reshape(axis_size, -1, *o.shape[1:])
         return jax.tree.map(unfold, out), jax.tree.map(lambda _: True, out)
 
     return folded
@@ -192,10 +192,12 @@ def _attention_grads(q, k, v, g, implementation):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def attention_over_vmapped_axes(q, k, v, implementation: str):
-    """`_causal_attention(q, k, v, implementation)`, the same values, for callers under
-    `jax.vmap`: forward and backward each run as one call over every vmapped rank's batch
+    """`jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)`
+    (implementation "xla" or "cudnn"), the same values, for callers under `jax.vmap`: forward
+    and backward each run as one call over every vmapped rank's batch
     (`_fold_vmapped_axes`). The backward recomputes the forward (one more attention forward
-    per layer) rather than carry cuDNN's residuals through the fold."""
+    per layer) rather than carry cuDNN's residuals through the fold; without a vmap it is the
+    plain call with that recomputation."""
     return _fold_vmapped_axes(functools.partial(_causal_attention, implementation=implementation))(
         q, k, v
     )

@@ -306,7 +306,7 @@ def vmap_out_axes(model: ModelConfig) -> dict:
 
 
 def _context(parallel: ParallelConfig, comm: taco_jax.TPComm | None) -> TPContext:
-    emulated = parallel.mode == "emulate" or (parallel.mode == "vmap" and parallel.tp > 1)
+    emulated = parallel.mode in ("emulate", "vmap")  # "vmap" wraps the ranks even at tp = 1
     return TPContext(
         comm,
         parallel.sequence_parallel,

@@ -145,7 +145,7 @@ def _send_forward(y, parallel: ParallelConfig, codecs: StageCodecs, key, step):
     )  # fmt: skip
 
 
-def _chunk(params: dict, model: ModelConfig, repeat, repeats: int) -> dict:
+def _chunk(params: dict, model: ModelConfig, repeat, chunks_per_stage: int) -> dict:
     """The local parameters with the blocks of chunk `repeat` of this stage ([L / (P V), ...]).
 
     With one chunk per stage (GPipe) a static index: differentiated inside the schedule's scan,
@@ -154,7 +154,7 @@ def _chunk(params: dict, model: ModelConfig, repeat, repeats: int) -> dict:
     cost")."""
 
     def pick(x):
-        if repeats == 1:
+        if chunks_per_stage == 1:
             return x[0, 0]
         return lax.dynamic_index_in_dim(x[:, 0], repeat, keepdims=False)
 

@@ -4,7 +4,8 @@ into the batch, forward and backward, and must give what plain vmapped attention
 On the CPU it runs with XLA's attention inside (cuDNN, what it exists for, needs a GPU:
 the `gpu` test below), which exercises the folding itself: custom_vmap rules nested once per
 vmap, the custom_vjp around them, unbatched operands broadcast, and grad inside and outside
-the vmaps.
+the vmaps. XLA's attention batches under vmap where cuDNN's does not, so one test swaps in an
+XLA attention that refuses to be batched, as cuDNN's does: only the fold can run it.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def _loss(attend):
     # A weighted sum, so that every output element has its own cotangent.
     def loss(q, k, v):
         out = attend(q, k, v)
-        weights = jnp.cos(jnp.arange(out.size, dtype=out.dtype)).reshape(out.shape)
-        return jnp.sum(out * weights)
+        weights = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
+        return jnp.sum(out * weights.astype(out.dtype))
 
     return loss
 
@@ -43,10 +44,10 @@ def _folded(q, k, v, implementation="xla"):
     return layers.attention_over_vmapped_axes(q, k, v, implementation)
 
 
-def _values_and_grads(attend, q, k, v, vmaps, in_axes=0):
+def _values_and_grads(attend, q, k, v, vmaps):
     fn = jax.value_and_grad(_loss(attend), argnums=(0, 1, 2))
     for _ in range(vmaps):
-        fn = jax.vmap(fn, in_axes=in_axes)
+        fn = jax.vmap(fn)
     return jax.jit(fn)(q, k, v)
 
 
@@ -96,6 +97,49 @@ def test_grad_outside_the_vmap_inside_a_scan():
     got = jax.jit(jax.value_and_grad(lambda *a: loss(_folded, *a), (0, 1, 2)))(q, k, v)
     want = jax.jit(jax.value_and_grad(lambda *a: loss(_plain, *a), (0, 1, 2)))(q, k, v)
     _assert_close(got, want)
+
+
+def _refusing_vmap(fn):
+    """`fn`, but under jax.vmap it raises, as cuDNN's attention batching rule does for the
+    batch axes a vmapped backward hands it."""
+    refusing = jax.custom_batching.custom_vmap(fn)
+
+    @refusing.def_vmap
+    def _refuse(axis_size, in_batched, *args):
+        raise NotImplementedError("this attention does not batch (as cuDNN's)")
+
+    return refusing
+
+
+def _unbatchable_attention(q, k, v, implementation):
+    """XLA's causal attention, forward and backward, each refusing to run under vmap."""
+
+    def attend(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+    def grads(q, k, v, g):
+        return jax.vjp(attend, q, k, v)[1](g)
+
+    forward = jax.custom_vjp(_refusing_vmap(attend))
+    forward.defvjp(lambda q, k, v: (forward(q, k, v), (q, k, v)),
+                   lambda res, g: _refusing_vmap(grads)(*res, g))  # fmt: skip
+    return forward(q, k, v)
+
+
+def test_the_fold_runs_an_attention_that_refuses_vmap(monkeypatch):
+    """With the attention underneath refusing vmap (as cuDNN's does), plain vmapped attention
+    fails and the fold runs it, equal to XLA's own vmapped attention: grad inside and outside
+    two vmaps, and under remat."""
+    q, k, v = _qkv((3, 2))
+    want = _values_and_grads(_plain, q, k, v, vmaps=2)
+    remat_loss = jax.checkpoint(lambda *a: jax.vmap(jax.vmap(_loss(_folded)))(*a).sum())
+    want_remat = jax.jit(jax.grad(lambda *a: jax.vmap(jax.vmap(_loss(_plain)))(*a).sum(),
+                                  (0, 1, 2)))(q, k, v)  # fmt: skip
+    monkeypatch.setattr(layers, "_causal_attention", _unbatchable_attention)
+    with pytest.raises(NotImplementedError, match="does not batch"):
+        _values_and_grads(_plain, q, k, v, vmaps=2)
+    _assert_close(_values_and_grads(_folded, q, k, v, vmaps=2), want)
+    _assert_close(jax.jit(jax.grad(remat_loss, (0, 1, 2)))(q, k, v), want_remat)
 
 
 @pytest.mark.gpu
