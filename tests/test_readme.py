@@ -63,7 +63,9 @@ def test_readme_example_matches_plain_jax(capsys):
         _norm(h, 2) * dc,
         dc + _norm(w_in, 2) * dh + ALLREDUCE_BOUND * (_norm(s) + _norm(w_in, 2) * dh),
     )
-    for name, got, want, bound in zip(("g_in", "g_out", "g_x"), grads, exact_grads, bounds):
+    for name, got, want, bound in zip(
+        ("g_in", "g_out", "g_x"), grads, exact_grads, bounds, strict=True
+    ):
         assert _norm(np.asarray(got) - np.asarray(want)) <= bound, name
     # ... and the compression is real: the outputs are not the exact ones.
     assert float(loss) != float(exact_loss)
