@@ -9,7 +9,6 @@ time without JAX's per-call dispatch). Record: `write_record` writes one JSON fi
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import gzip
 import json
@@ -26,8 +25,6 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-from taco_jax import codecs
 
 ENV_PREFIXES = ("NCCL_", "XLA_", "CUDA_VISIBLE_DEVICES", "JAX_")
 
@@ -106,41 +103,6 @@ def in_program_seconds(fn, inputs: Sequence[tuple], calls: int, *, reps: int = 7
         return outs
 
     return batched_seconds(jax.jit(program), [tuple(args)], reps=reps)[0] / calls
-
-
-def copy_seconds_in_program(nbytes: int, calls: int, *, reps: int = 7) -> float:
-    """`in_program_seconds` of an XLA negate that reads and writes `nbytes` in all: the copy
-    an op moving that many bytes is compared with."""
-    inputs = [(jnp.full((nbytes // 4,), i, jnp.bfloat16),) for i in (1, 2)]
-    return in_program_seconds(jax.jit(jnp.negative), inputs, calls, reps=reps)
-
-
-def encoded_rows(codec, rows: int, n: int, count: int) -> list[jax.Array]:
-    """`count` wires [rows, B] of `codec` (a `taco_jax.codecs.Codec`), each of N(0, 1) bf16 rows
-    [rows, n] drawn from keys split off `jax.random.key(n)`: the inputs of a summing op."""
-    keys = jax.random.split(jax.random.key(n), count)
-    return [codecs.encode_wire(codec, jax.random.normal(k, (rows, n), jnp.bfloat16))
-            for k in keys]  # fmt: skip
-
-
-def tp_message(size_mib: float, ranks: int = 2):
-    """(mesh, x): a 1-D mesh "tp" over the first `ranks` devices, and a bf16 N(0, 1) message of
-    `size_mib` MiB on each rank (global [ranks n], split over "tp")."""
-    mesh = jax.make_mesh((ranks,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
-                         devices=jax.devices()[:ranks])  # fmt: skip
-    n = int(size_mib * (1 << 20)) // 2
-    x = jax.random.normal(jax.random.key(n), (ranks * n,), jnp.bfloat16)
-    return mesh, jax.device_put(
-        x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("tp"))
-    )
-
-
-def message_and_psum(size_mib: float, *, inner: int, reps: int):
-    """(mesh, x, timing, psum seconds): `tp_message(size_mib)` on 2 ranks, the timing options of
-    `seconds_per_op`, and `lax.psum`'s time per op on x, the baseline of a study's run."""
-    mesh, x = tp_message(size_mib)
-    timing = dict(inner=inner, reps=reps)
-    return mesh, x, timing, seconds_per_op(mesh, lambda v: lax.psum(v, "tp"), x, **timing)
 
 
 def looped_on_tp(mesh, op, inner: int):
@@ -259,17 +221,3 @@ def collective_windows(compiled_text: str) -> dict:
             for window in open_windows.values():
                 window[1] += 1
     return kinds
-
-
-def run_study(name: str, doc: str, run, options, *, sizes_mib=(64, 1024)) -> None:
-    """The command line of a one-question study: `--sizes-mib`, the study's own `options(parser)`,
-    `--reps` (median of that many timed calls), `--suffix` and `--out`; writes `run(args)` as the
-    record `<name>-<date><suffix>.json`."""
-    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
-    parser.add_argument("--sizes-mib", type=float, nargs="+", default=list(sizes_mib))
-    options(parser)
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--suffix", default="")
-    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    args = parser.parse_args()
-    write_record(name, args.out, suffix=args.suffix, **run(args))

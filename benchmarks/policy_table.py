@@ -7,7 +7,7 @@ message size, with the commands and dates of the records it came from (`taco_jax
 it; docs/method.md "The auto policy" says how).
 
     python benchmarks/policy_table.py \\
-        nvlink=benchmarks/results/collectives-2026-11-30-x2-nvlink.json \\
+        nvlink=benchmarks/results/collectives-2026-11-30-x2-nvlink-fused.json \\
         shm=benchmarks/results/collectives-2026-11-30-x2-shm.json \\
         socket=benchmarks/results/collectives-2026-11-30-x2-socket.json
 """

@@ -58,7 +58,7 @@ PLANES_ENCODE_DECODE = Launch(
 PEERS_DOT = Launch(elements_per_tile=2048, num_warps=4, dot_columns=64, tiles_per_program=4)
 # decode-sum of two peers (the one-shot and fused all-reduces and the reduce-scatter at N = 2, a
 # full-size output): decode's tile fits, and one tile per program measured fastest
-# (`decode_sum_launch-2026-11-30.json`: 73% of the copy for 2 rows of 1 GiB of bf16 each,
+# (2026-11-30, docs/development_history.md: 73% of the copy for 2 rows of 1 GiB of bf16 each,
 # against 51% with PEERS_DOT); each peer's exact codes through their own Hadamard rather than
 # the fp32 sum's three bf16 pieces (`launch_sweep-2026-12-01-decode_sum-per-peer-p2.json`, 2
 # rows of 512 MiB: 0.458 -> 0.401 ms, 75% -> 86% of the copy; measured for `taco` and the

@@ -373,8 +373,8 @@ def test_default_launches_follow_the_measured_table(name, encode_loop, decode_lo
 @pytest.mark.parametrize("peers,per_peer", [(2, True), (4, False), (8, False)])
 def test_decode_sum_takes_the_hadamard_per_peer_where_measured_faster(peers, per_peer):
     """Two peers decode each peer's codes (config.TWO_PEERS_DOT); at 4 and 8 peers the kernel
-    sums in the Hadamard domain (1.7-2.9x faster there, BENCHMARKS.md "The decode-sum: one
-    Hadamard on the sum, or one per peer"); decode-sum-reencode never applies the Hadamard."""
+    sums in the Hadamard domain (1.7-2.9x faster there, BENCHMARKS.md "Kernel launches");
+    decode-sum-reencode never applies the Hadamard."""
     codec = codecs.get_codec("taco")
     n = 1 << 20
     assert decode_sum_kernel.default_config(codec, peers, n).hadamard_per_peer == per_peer
