@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from taco_jax import _backends, codecs, policy, tahquant, telemetry
+from taco_jax import _backends, _local, codecs, policy, tahquant, telemetry
 from taco_jax.codecs import Codec
 
 MAX_SLICES = 16
@@ -228,6 +228,13 @@ def varies_along(x: jax.Array, axis_name: AxisName) -> bool:
     return all(name in varying for name in names)
 
 
+def type_carrier(x: jax.Array) -> jax.Array:
+    """An empty slice of x: a custom_vjp residual that carries only x's type (its varying axes
+    and sharding), for the backward's casts. Slicing keeps every dimension, so it needs no
+    out_sharding on a mesh of `Explicit` axes, where a reshape of a sharded array may."""
+    return x[(slice(0, 0),) * x.ndim]
+
+
 def cast_varying(ct: jax.Array, axis_name: AxisName, like: jax.Array) -> jax.Array:
     """Types a cotangent as varying when the primal input `like` was (check_vma=True)."""
     if varies_along(like, axis_name) and not varies_along(ct, axis_name):
@@ -327,9 +334,22 @@ def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) ->
     choice = cfg.choice("all_reduce", x, axis_name, n_ranks, fused=may_fuse)
     if n_ranks == 1 or not choice.compress:
         return lax.psum(x, axis_name)  # N = 1 moves nothing, so nothing is compressed
+    compressed = functools.partial(_compressed_all_reduce, axis_name=axis_name, cfg=cfg,
+                                   algorithm=choice.algorithm, n_ranks=n_ranks)  # fmt: skip
+    out = _local.on_local_blocks(compressed, x)
+    if cfg.telemetry:
+        telemetry.record(f"{tag}:{cfg.codec.name}", out, lax.psum(x, axis_name))
+    return out
+
+
+def _compressed_all_reduce(
+    x: jax.Array, *, axis_name: AxisName, cfg: CommConfig, algorithm: str, n_ranks: int
+) -> jax.Array:
+    """The compressed all-reduce of this device's x with `algorithm` (one-shot, two-shot or
+    fused)."""
     invariant = varies_along(x, axis_name)
-    fused = choice.algorithm == "fused"
-    one_row = choice.algorithm in ("one_shot", "fused")  # else two-shot: a row per rank
+    fused = algorithm == "fused"
+    one_row = algorithm in ("one_shot", "fused")  # else two-shot: a row per rank
     rows_of = 1 if one_row else n_ranks
     cfg = _addressable(cfg, x, n_ranks, rows=rows_of)
     ops = _backends.codec_ops(cfg.impl, cfg.codec)
@@ -351,10 +371,7 @@ def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) ->
 
     rows, size = _rows_for(x.reshape(-1), rows_of, cfg, fused=fused)
     out = _sliced(one_shot if one_row else two_shot, rows, cfg.slices)
-    out = out.reshape(-1)[:size].reshape(x.shape)
-    if cfg.telemetry:
-        telemetry.record(f"{tag}:{cfg.codec.name}", out, lax.psum(x, axis_name))
-    return out
+    return out.reshape(-1)[:size].reshape(x.shape)
 
 
 def _reduce_scatter(
@@ -378,6 +395,26 @@ def _reduce_scatter(
     fused = _exchange_fused(x, axis_name, cfg, n_ranks)
     if not cfg.choice("reduce_scatter", x, axis_name, n_ranks, fused=fused).compress:
         return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
+    compressed = functools.partial(_compressed_reduce_scatter, axis_name=axis_name, dim=dim,
+                                   tiled=tiled, cfg=cfg, fused=fused, n_ranks=n_ranks)  # fmt: skip
+    out = _local.on_local_blocks(compressed, x, dim=dim, change="keep" if tiled else "drop")
+    if cfg.telemetry:
+        exact = lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
+        telemetry.record(f"{tag}:{cfg.codec.name}", out, exact)
+    return out
+
+
+def _compressed_reduce_scatter(
+    x: jax.Array,
+    *,
+    axis_name: AxisName,
+    dim: int,
+    tiled: bool,
+    cfg: CommConfig,
+    fused: bool,
+    n_ranks: int,
+) -> jax.Array:
+    """The compressed reduce-scatter of this device's x: encode, all-to-all, decode-sum."""
     cfg = _addressable(cfg, x, n_ranks, rows=n_ranks)
     moved = jnp.moveaxis(x, dim, 0)
     block_shape = (moved.shape[0] // n_ranks,) + moved.shape[1:]
@@ -391,11 +428,7 @@ def _reduce_scatter(
         return ops.decode_sum(cfg.codec, exchange(piece), piece.shape[-1], x.dtype)
 
     block = _sliced(reduce_scatter, rows, cfg.slices)[:size].reshape(block_shape)
-    out = jnp.moveaxis(block, 0, dim) if tiled else block[0]
-    if cfg.telemetry:
-        exact = lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
-        telemetry.record(f"{tag}:{cfg.codec.name}", out, exact)
-    return out
+    return jnp.moveaxis(block, 0, dim) if tiled else block[0]
 
 
 def _all_gather(
@@ -413,6 +446,26 @@ def _all_gather(
     if n_ranks == 1 or not choice.compress:
         # N = 1 moves nothing; the lax op then only adds or keeps the gathered axis.
         return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+    compressed = functools.partial(_compressed_all_gather, axis_name=axis_name, axis=axis,
+                                   tiled=tiled, cfg=cfg, fused=fused, n_ranks=n_ranks)  # fmt: skip
+    out = _local.on_local_blocks(compressed, x, dim=axis, change="keep" if tiled else "insert")
+    if cfg.telemetry:
+        exact = lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+        telemetry.record(f"{tag}:{cfg.codec.name}", out, exact)
+    return out
+
+
+def _compressed_all_gather(
+    x: jax.Array,
+    *,
+    axis_name: AxisName,
+    axis: int,
+    tiled: bool,
+    cfg: CommConfig,
+    fused: bool,
+    n_ranks: int,
+) -> jax.Array:
+    """The compressed all-gather of this device's x: encode, all-gather the wire, decode."""
     cfg = _addressable(cfg, x, n_ranks, rows=1, gathers=True)
     ops = _backends.codec_ops(cfg.impl, cfg.codec)
     row, size = codecs.pad_to_multiple(x.reshape(1, -1), _row_multiple(cfg, fused))
@@ -428,9 +481,6 @@ def _all_gather(
     out = jnp.moveaxis(stacked, 0, axis)
     if tiled:
         out = out.reshape(x.shape[:axis] + (n_ranks * x.shape[axis],) + x.shape[axis + 1 :])
-    if cfg.telemetry:
-        exact = lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
-        telemetry.record(f"{tag}:{cfg.codec.name}", out, exact)
     return out
 
 
@@ -445,8 +495,7 @@ def _psum(x, axis_name, cfg, tag, bwd_cfg):
 
 
 def _psum_fwd(x, axis_name, cfg, tag, bwd_cfg):
-    # The empty residual carries only x's sharding type, for the backward's cast.
-    return _all_reduce(x, axis_name, cfg, tag), x.reshape(-1)[:0]
+    return _all_reduce(x, axis_name, cfg, tag), type_carrier(x)
 
 
 def _psum_bwd(axis_name, cfg, tag, bwd_cfg, like, ct):

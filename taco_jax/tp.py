@@ -30,6 +30,7 @@ from taco_jax.collectives import (
     compressed_psum,
     compressed_psum_scatter,
     fwd_bwd_configs,
+    type_carrier,
 )
 
 
@@ -64,8 +65,7 @@ def _copy(x, comm: TPComm):
 
 
 def _copy_fwd(x, comm):
-    # The empty residual carries only x's sharding type, for the backward's cast.
-    return x, x.reshape(-1)[:0]
+    return x, type_carrier(x)
 
 
 def _copy_bwd(comm, like, ct):
@@ -82,7 +82,7 @@ def _reduce(x, comm: TPComm):
 
 
 def _reduce_fwd(x, comm):
-    return _reduce(x, comm), x.reshape(-1)[:0]
+    return _reduce(x, comm), type_carrier(x)
 
 
 def _reduce_bwd(comm, like, ct):
