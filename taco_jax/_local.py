@@ -68,6 +68,13 @@ def block_spec(x: jax.Array, *, skip_dim: int | None = None) -> tuple:
     return tuple(entry or None for entry in spec)
 
 
+def typed_sharded(x: jax.Array) -> bool:
+    """Whether x's type splits it over a free axis (one of `Explicit` type)."""
+    free = free_axes()
+    spec = getattr(jax.typeof(x).sharding, "spec", None) or P()
+    return any(axis in free for entry in spec for axis in _as_tuple(entry))
+
+
 def out_spec(spec: tuple, dim: int | None, change: str) -> P:
     """The output's spec from the input's: the collective's dimension holds no free axis."""
     if change == "drop":
@@ -78,24 +85,25 @@ def out_spec(spec: tuple, dim: int | None, change: str) -> P:
 
 
 def on_local_blocks(
-    fn: Callable[[jax.Array], jax.Array],
+    fn: Callable[..., jax.Array],
     x: jax.Array,
-    *,
+    *replicated,
     dim: int | None = None,
     change: str = "keep",
 ) -> jax.Array:
     """`fn(x)` run on each device's own block of x (module doc); `fn` itself where no free
     axis is left. `dim`: the dimension the collective scatters or gathers along (never split
     over an `Auto` axis here; on an `Explicit` one the blocks are gathered or scattered
-    within each device's block, as the lax collective does); `change`: `SHAPE_CHANGES`."""
+    within each device's block, as the lax collective does); `change`: `SHAPE_CHANGES`;
+    `replicated`: further arguments of `fn`, the same on every block."""
     axes = free_axes()
     if not axes:
-        return fn(x)
+        return fn(x, *replicated)
     spec = block_spec(x, skip_dim=dim)
     return jax.shard_map(
         fn,
         mesh=jax.sharding.get_abstract_mesh(),
-        in_specs=P(*spec),
+        in_specs=(P(*spec),) + (P(),) * len(replicated),
         out_specs=out_spec(spec, dim, change),
         axis_names=set(axes),
-    )(x)
+    )(x, *replicated)

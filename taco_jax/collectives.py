@@ -235,6 +235,16 @@ def type_carrier(x: jax.Array) -> jax.Array:
     return x[(slice(0, 0),) * x.ndim]
 
 
+def as_varying(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """x typed as varying along `axis_name` where shard_map tracks it (check_vma=True): each rank
+    now holds its own copy. Elsewhere (`check_vma=False`, `vmap`) x itself."""
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    if varies_along(x, axis_name) or not all(name in manual for name in names):
+        return x
+    return lax.pcast(x, axis_name, to="varying")
+
+
 def cast_varying(ct: jax.Array, axis_name: AxisName, like: jax.Array) -> jax.Array:
     """Types a cotangent as varying when the primal input `like` was (check_vma=True)."""
     if varies_along(like, axis_name) and not varies_along(ct, axis_name):
@@ -393,15 +403,26 @@ def _reduce_scatter(
     if n_ranks == 1:
         return x if tiled else jnp.squeeze(x, dim)
     fused = _exchange_fused(x, axis_name, cfg, n_ranks)
+    exact = functools.partial(_lax_psum_scatter, axis_name=axis_name, dim=dim, tiled=tiled)
     if not cfg.choice("reduce_scatter", x, axis_name, n_ranks, fused=fused).compress:
-        return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
+        return exact(x)
     compressed = functools.partial(_compressed_reduce_scatter, axis_name=axis_name, dim=dim,
                                    tiled=tiled, cfg=cfg, fused=fused, n_ranks=n_ranks)  # fmt: skip
     out = _local.on_local_blocks(compressed, x, dim=dim, change="keep" if tiled else "drop")
     if cfg.telemetry:
-        exact = lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
-        telemetry.record(f"{tag}:{cfg.codec.name}", out, exact)
+        telemetry.record(f"{tag}:{cfg.codec.name}", out, exact(x))
     return out
+
+
+def _lax_psum_scatter(x: jax.Array, *, axis_name: AxisName, dim: int, tiled: bool) -> jax.Array:
+    """`lax.psum_scatter`; on each device's block where x's type is sharded over an axis left
+    to the compiler, where jax 0.11.2 cannot lower it (`_reduce_scatter_lowering` types a
+    scalar with x's sharding: "Length of sharding.spec (3) must be equal to aval's ndim (0)")."""
+    scatter = functools.partial(lax.psum_scatter, axis_name=axis_name, scatter_dimension=dim,
+                                tiled=tiled)  # fmt: skip
+    if not _local.typed_sharded(x):
+        return scatter(x)
+    return _local.on_local_blocks(scatter, x, dim=dim, change="keep" if tiled else "drop")
 
 
 def _compressed_reduce_scatter(

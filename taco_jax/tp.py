@@ -25,6 +25,7 @@ from taco_jax.codecs import DEFAULT_CODEC
 from taco_jax.collectives import (
     CodecLike,
     CommConfig,
+    as_varying,
     cast_varying,
     compressed_all_gather,
     compressed_psum,
@@ -61,11 +62,13 @@ class TPComm:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _copy(x, comm: TPComm):
-    return x
+    # Typed varying where shard_map tracks it: otherwise the column-parallel layer's implicit
+    # pcast would transpose to an uncompressed psum of the cotangent before this one's.
+    return as_varying(x, comm.axis_name)
 
 
 def _copy_fwd(x, comm):
-    return x, type_carrier(x)
+    return _copy(x, comm), type_carrier(x)
 
 
 def _copy_bwd(comm, like, ct):
