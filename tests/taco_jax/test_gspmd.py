@@ -9,14 +9,13 @@ sum_r ||x_{r,b}|| + ||s_b|| combine, in quadrature over the blocks b, to at most
 written with the whole arrays, sum_r ||x_r|| + ||s||; so the bounds below use whole arrays.
 """
 
-import functools
 import math
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hlo_testing import collectives
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -152,18 +151,17 @@ def _collective_vjps(mesh, codec, xs, cts):
             ct = lax.psum(jnp.where(lax.axis_index("tp") == 0, ct, 0), "tp")
         return out[None], vjp(ct)[0][None]
 
-    outs = []
-    for op, x, ct in zip(_collectives(codec, tp), xs, cts, strict=True):
-        body = functools.partial(per_rank, op)
-        spec = P("tp")  # manual over tp; the batch's dp sharding is the compiler's
-        mapped = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec),
-                               axis_names={"tp"})  # fmt: skip
-        sharding = NamedSharding(mesh, P("tp", "dp"))
-        step = jax.jit(mapped, in_shardings=(sharding, sharding), out_shardings=sharding)
-        with jax.set_mesh(mesh):
-            out = step(*jax.device_put((x, ct), sharding))
-        outs.append(tuple(np.asarray(a) for a in out))
-    return outs
+    def body(xs, cts):
+        ops = _collectives(codec, tp)
+        return tuple(per_rank(*args) for args in zip(ops, xs, cts, strict=True))
+
+    spec = P("tp")  # manual over tp; the batch's dp sharding is the compiler's
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, axis_names={"tp"})
+    sharding = NamedSharding(mesh, P("tp", "dp"))
+    step = jax.jit(mapped, in_shardings=sharding, out_shardings=sharding)
+    with jax.set_mesh(mesh):
+        outs = step(*jax.device_put((tuple(xs), tuple(cts)), sharding))
+    return [tuple(np.asarray(a) for a in out) for out in outs]
 
 
 def _collective_problem(tp, batch=8, d=24):
@@ -227,33 +225,6 @@ def test_every_collective_taco_within_bound(dp, tp, axis_type):
 # ------------------------------------------------------------------------ the compiled program
 
 
-def _groups(line: str, mesh) -> str:
-    """The mesh axis a collective's replica groups span ("tp", "dp" or the groups as text)."""
-    named = re.search(r"replica_groups=mesh\[[^\]]*\] \{'(\w+)'\}", line)
-    if named:
-        return named.group(1)
-    ids = np.vectorize(lambda d: d.id)(mesh.devices)  # [dp, tp]
-    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    if iota:
-        n, size, dims, perm = iota.groups()
-        grid = np.arange(int(n) * int(size)).reshape([int(d) for d in dims.split(",")])
-        if perm:
-            grid = grid.transpose([int(p) for p in perm.split(",")])
-        groups = {frozenset(row) for row in grid.reshape(int(n), int(size)).tolist()}
-    else:
-        listed = re.search(r"replica_groups=\{(\{[\d,]+\}(?:,\{[\d,]+\})*)\}", line)
-        if not listed:
-            return line
-        groups = {frozenset(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", listed[1])}
-    for axis, rows in (("tp", ids), ("dp", ids.T)):
-        if groups == {frozenset(row) for row in rows.tolist()}:
-            return axis
-    return str(sorted(map(sorted, groups)))
-
-
-OPS = r"(all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)(?:-start)?\("
-
-
 @pytest.mark.parametrize("axis_type", [EXPLICIT, pytest.param(AUTO, marks=slow)])
 def test_hlo_u8_over_tp_and_the_compilers_own_over_dp(axis_type):
     """The MLP's step moves u8 wire over tp only (TACO) and lets the compiler reduce the
@@ -263,12 +234,7 @@ def test_hlo_u8_over_tp_and_the_compilers_own_over_dp(axis_type):
     step, shardings = _mlp_step(mesh, "taco")
     with jax.set_mesh(mesh):
         hlo = step.lower(*jax.device_put(_mlp_problem(), shardings)).compile().as_text()
-    found = set()
-    for line in hlo.splitlines():
-        op = re.match(r"\s*(?:ROOT )?\S+ = (.*?) " + OPS, line)
-        if op:
-            types = frozenset(re.findall(r"(\w+)\[", op.group(1)))
-            found.add((op.group(2), _groups(line, mesh), types))
+    found = collectives(hlo, mesh)
     assert found == {
         ("all-to-all", "tp", frozenset({"u8"})),
         ("all-gather", "tp", frozenset({"u8"})),
