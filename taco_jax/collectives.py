@@ -338,6 +338,21 @@ def _addressable(
     )
 
 
+def _recorded(compressed, exact, cfg: CommConfig, tag: str):
+    """`compressed`, also recording its relative error to `exact` where `cfg.telemetry`; on each
+    device's block (`_local`), where jax 0.11.2 cannot lower a `jax.debug.callback` of a value
+    typed over `Explicit` axes inside a partial shard_map."""
+    if not cfg.telemetry:
+        return compressed
+
+    def recorded(x):
+        out = compressed(x)
+        telemetry.record(f"{tag}:{cfg.codec.name}", out, exact(x))
+        return out
+
+    return recorded
+
+
 def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) -> jax.Array:
     n_ranks = axis_size(axis_name)
     may_fuse = _exchange_fused(x, axis_name, cfg, n_ranks)
@@ -346,10 +361,8 @@ def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) ->
         return lax.psum(x, axis_name)  # N = 1 moves nothing, so nothing is compressed
     compressed = functools.partial(_compressed_all_reduce, axis_name=axis_name, cfg=cfg,
                                    algorithm=choice.algorithm, n_ranks=n_ranks)  # fmt: skip
-    out = _local.on_local_blocks(compressed, x)
-    if cfg.telemetry:
-        telemetry.record(f"{tag}:{cfg.codec.name}", out, lax.psum(x, axis_name))
-    return out
+    exact = functools.partial(lax.psum, axis_name=axis_name)
+    return _local.on_local_blocks(_recorded(compressed, exact, cfg, tag), x)
 
 
 def _compressed_all_reduce(
@@ -408,10 +421,8 @@ def _reduce_scatter(
         return exact(x)
     compressed = functools.partial(_compressed_reduce_scatter, axis_name=axis_name, dim=dim,
                                    tiled=tiled, cfg=cfg, fused=fused, n_ranks=n_ranks)  # fmt: skip
-    out = _local.on_local_blocks(compressed, x, dim=dim, change="keep" if tiled else "drop")
-    if cfg.telemetry:
-        telemetry.record(f"{tag}:{cfg.codec.name}", out, exact(x))
-    return out
+    change = "keep" if tiled else "drop"
+    return _local.on_local_blocks(_recorded(compressed, exact, cfg, tag), x, dim=dim, change=change)
 
 
 def _lax_psum_scatter(x: jax.Array, *, axis_name: AxisName, dim: int, tiled: bool) -> jax.Array:
@@ -469,11 +480,9 @@ def _all_gather(
         return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
     compressed = functools.partial(_compressed_all_gather, axis_name=axis_name, axis=axis,
                                    tiled=tiled, cfg=cfg, fused=fused, n_ranks=n_ranks)  # fmt: skip
-    out = _local.on_local_blocks(compressed, x, dim=axis, change="keep" if tiled else "insert")
-    if cfg.telemetry:
-        exact = lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
-        telemetry.record(f"{tag}:{cfg.codec.name}", out, exact)
-    return out
+    exact = functools.partial(lax.all_gather, axis_name=axis_name, axis=axis, tiled=tiled)
+    recorded = _recorded(compressed, exact, cfg, tag)
+    return _local.on_local_blocks(recorded, x, dim=axis, change="keep" if tiled else "insert")
 
 
 def _compressed_all_gather(
