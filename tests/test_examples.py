@@ -2,6 +2,7 @@
 
 import importlib.util
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -54,6 +55,13 @@ def test_gspmd_gpt_moves_u8_over_tp_only():
     assert over_tp == {frozenset({"u8"})}, found
     assert {axis for _, axis, _ in found} == {"tp", "dp"}, found
     assert {op for op, axis, _ in found if axis == "dp"} == {"all-reduce"}, found
+
+
+def test_gspmd_doc_example_runs(capsys):
+    """docs/gspmd.md's example runs as written (docs that match the code)."""
+    doc = (EXAMPLES.parent / "docs" / "gspmd.md").read_text()
+    exec(compile(re.findall(r"```python\n(.*?)```", doc, flags=re.S)[0], "gspmd.md", "exec"), {})
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "PartitionSpec('dp', None)"
 
 
 @pytest.mark.slow
