@@ -61,7 +61,7 @@ def test_gspmd_doc_example_runs(capsys):
     """docs/gspmd.md's example runs as written (docs that match the code)."""
     doc = (EXAMPLES.parent / "docs" / "gspmd.md").read_text()
     exec(compile(re.findall(r"```python\n(.*?)```", doc, flags=re.S)[0], "gspmd.md", "exec"), {})
-    assert capsys.readouterr().out.strip().splitlines()[-1] == "PartitionSpec('dp', None)"
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "P('dp', None)"
 
 
 @pytest.mark.slow

@@ -297,6 +297,7 @@ def test_dense_layers_name_bad_shapes():
         tj.gspmd.row_parallel_dense(jnp.ones((2, 3)), jnp.ones((4, 8)), comm)
 
 
+@slow
 def test_telemetry_records_on_an_explicit_mesh():
     """telemetry=True runs the exact psum beside the compressed one and records their relative
     error (its norms need no reshape of the dp-sharded arrays); two-shot's bound over its size."""
