@@ -33,10 +33,10 @@ SHAPE_CHANGES = ("keep", "drop", "insert")
 
 
 def free_axes() -> tuple[str, ...]:
-    """The context mesh's axes of size > 1 that are not manual (empty outside a mesh, under
-    `vmap` emulation and in a `shard_map` manual over every axis)."""
+    """Inside a `shard_map`, the context mesh's axes of size > 1 that are not manual (none in a
+    `shard_map` manual over every axis, and none outside `shard_map`)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if mesh.empty or not mesh.manual_axes:  # outside shard_map (e.g. `vmap` under a set mesh)
         return ()
     return tuple(
         name
