@@ -3,7 +3,8 @@
 Each runs inside `jax.shard_map` (one program per device), including a partial one of a GSPMD
 program (manual over the collective's axis only: the codec then works on each device's block,
 `_local`, docs/gspmd.md), or inside `jax.vmap(..., axis_name=...)` (a TP group emulated on one
-device), under `jit`, `grad`, `remat` and `lax.scan`. All of them move uint8 wire buffers (codes + scale bytes) and sum in fp32.
+device), under `jit`, `grad`, `remat` and `lax.scan`. All of them move uint8 wire buffers (codes
++ scale bytes) and sum in fp32.
 
 The all-reduce is TACO's two-shot scheme (docs/method.md, "Collectives"): split into N chunks,
 encode, all-to-all, decode + fp32 sum + re-encode, all-gather, decode; or, on request, the
