@@ -5,6 +5,7 @@ Public API:
   compressed_ppermute: pipeline stage-to-stage sends                 (ppermute.py)
   CommConfig, comm_config: the collective options and their defaults
   TPComm, copy_to_tp, reduce_from_tp, gather_from_sp, scatter_to_sp (tp.py: Megatron f / g)
+  gspmd: column_parallel_dense, row_parallel_dense for GSPMD (pjit-style) models
   Codec, Payload, get_codec, CODEC_NAMES, roundtrip                 (codecs.py)
   tahquant: TAH-Quant, the stage codecs (get_stage_codec, STAGE_CODEC_NAMES)
   sdp4bit: SDP4Bit's data-parallel compressors (tlq_hs_psum_scatter, qwd_all_gather)
@@ -15,7 +16,7 @@ The library needs JAX and NumPy only; the fused GPU kernels (`pallas_kernels`) a
 first use, and nothing here imports the models or the training application.
 """
 
-from taco_jax import policy, sdp4bit, tahquant, telemetry
+from taco_jax import gspmd, policy, sdp4bit, tahquant, telemetry
 from taco_jax.codecs import CODEC_NAMES, Codec, Payload, get_codec, roundtrip
 from taco_jax.collectives import (
     CommConfig,
@@ -42,6 +43,7 @@ __all__ = [
     "copy_to_tp",
     "gather_from_sp",
     "get_codec",
+    "gspmd",
     "policy",
     "reduce_from_tp",
     "roundtrip",

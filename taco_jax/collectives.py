@@ -1,8 +1,10 @@
 """Compressed collectives over a named axis: all-reduce, reduce-scatter and all-gather.
 
-Each runs inside `jax.shard_map` (one program per device) or inside
-`jax.vmap(..., axis_name=...)` (a TP group emulated on one device), under `jit`, `grad`, `remat`
-and `lax.scan`. All of them move uint8 wire buffers (codes + scale bytes) and sum in fp32.
+Each runs inside `jax.shard_map` (one program per device), including a partial one of a GSPMD
+program (manual over the collective's axis only: the codec then works on each device's block,
+`_local`, docs/gspmd.md), or inside `jax.vmap(..., axis_name=...)` (a TP group emulated on one
+device), under `jit`, `grad`, `remat` and `lax.scan`. All of them move uint8 wire buffers (codes
++ scale bytes) and sum in fp32.
 
 The all-reduce is TACO's two-shot scheme (docs/method.md, "Collectives"): split into N chunks,
 encode, all-to-all, decode + fp32 sum + re-encode, all-gather, decode; or, on request, the
@@ -21,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from taco_jax import _backends, codecs, policy, tahquant, telemetry
+from taco_jax import _backends, _local, codecs, policy, tahquant, telemetry
 from taco_jax.codecs import Codec
 
 MAX_SLICES = 16
@@ -228,6 +230,23 @@ def varies_along(x: jax.Array, axis_name: AxisName) -> bool:
     return all(name in varying for name in names)
 
 
+def type_carrier(x: jax.Array) -> jax.Array:
+    """An empty slice of x: a custom_vjp residual that carries only x's type (its varying axes
+    and sharding), for the backward's casts. Slicing keeps every dimension, so it needs no
+    out_sharding on a mesh of `Explicit` axes, where a reshape of a sharded array may."""
+    return x[(slice(0, 0),) * x.ndim]
+
+
+def as_varying(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """x typed as varying along `axis_name` where shard_map tracks it (check_vma=True): each rank
+    now holds its own copy. Elsewhere (`check_vma=False`, `vmap`) x itself."""
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    if varies_along(x, axis_name) or not all(name in manual for name in names):
+        return x
+    return lax.pcast(x, axis_name, to="varying")
+
+
 def cast_varying(ct: jax.Array, axis_name: AxisName, like: jax.Array) -> jax.Array:
     """Types a cotangent as varying when the primal input `like` was (check_vma=True)."""
     if varies_along(like, axis_name) and not varies_along(ct, axis_name):
@@ -321,15 +340,41 @@ def _addressable(
     )
 
 
+def _recorded(compressed, exact, cfg: CommConfig, tag: str):
+    """`compressed`, also recording its relative error to `exact` where `cfg.telemetry`; on each
+    device's block (`_local`), where jax 0.11.2 cannot lower a `jax.debug.callback` of a value
+    typed over `Explicit` axes inside a partial shard_map."""
+    if not cfg.telemetry:
+        return compressed
+
+    def recorded(x):
+        out = compressed(x)
+        telemetry.record(f"{tag}:{cfg.codec.name}", out, exact(x))
+        return out
+
+    return recorded
+
+
 def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) -> jax.Array:
     n_ranks = axis_size(axis_name)
     may_fuse = _exchange_fused(x, axis_name, cfg, n_ranks)
     choice = cfg.choice("all_reduce", x, axis_name, n_ranks, fused=may_fuse)
     if n_ranks == 1 or not choice.compress:
         return lax.psum(x, axis_name)  # N = 1 moves nothing, so nothing is compressed
+    compressed = functools.partial(_compressed_all_reduce, axis_name=axis_name, cfg=cfg,
+                                   algorithm=choice.algorithm, n_ranks=n_ranks)  # fmt: skip
+    exact = functools.partial(lax.psum, axis_name=axis_name)
+    return _local.on_local_blocks(_recorded(compressed, exact, cfg, tag), x)
+
+
+def _compressed_all_reduce(
+    x: jax.Array, *, axis_name: AxisName, cfg: CommConfig, algorithm: str, n_ranks: int
+) -> jax.Array:
+    """The compressed all-reduce of this device's x with `algorithm` (one-shot, two-shot or
+    fused)."""
     invariant = varies_along(x, axis_name)
-    fused = choice.algorithm == "fused"
-    one_row = choice.algorithm in ("one_shot", "fused")  # else two-shot: a row per rank
+    fused = algorithm == "fused"
+    one_row = algorithm in ("one_shot", "fused")  # else two-shot: a row per rank
     rows_of = 1 if one_row else n_ranks
     cfg = _addressable(cfg, x, n_ranks, rows=rows_of)
     ops = _backends.codec_ops(cfg.impl, cfg.codec)
@@ -351,10 +396,7 @@ def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) ->
 
     rows, size = _rows_for(x.reshape(-1), rows_of, cfg, fused=fused)
     out = _sliced(one_shot if one_row else two_shot, rows, cfg.slices)
-    out = out.reshape(-1)[:size].reshape(x.shape)
-    if cfg.telemetry:
-        telemetry.record(f"{tag}:{cfg.codec.name}", out, lax.psum(x, axis_name))
-    return out
+    return out.reshape(-1)[:size].reshape(x.shape)
 
 
 def _reduce_scatter(
@@ -376,8 +418,37 @@ def _reduce_scatter(
     if n_ranks == 1:
         return x if tiled else jnp.squeeze(x, dim)
     fused = _exchange_fused(x, axis_name, cfg, n_ranks)
+    exact = functools.partial(_lax_psum_scatter, axis_name=axis_name, dim=dim, tiled=tiled)
     if not cfg.choice("reduce_scatter", x, axis_name, n_ranks, fused=fused).compress:
-        return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
+        return exact(x)
+    compressed = functools.partial(_compressed_reduce_scatter, axis_name=axis_name, dim=dim,
+                                   tiled=tiled, cfg=cfg, fused=fused, n_ranks=n_ranks)  # fmt: skip
+    change = "keep" if tiled else "drop"
+    return _local.on_local_blocks(_recorded(compressed, exact, cfg, tag), x, dim=dim, change=change)
+
+
+def _lax_psum_scatter(x: jax.Array, *, axis_name: AxisName, dim: int, tiled: bool) -> jax.Array:
+    """`lax.psum_scatter`; on each device's block where x's type is sharded over an axis left
+    to the compiler, where jax 0.11.2 cannot lower it (`_reduce_scatter_lowering` types a
+    scalar with x's sharding: "Length of sharding.spec (3) must be equal to aval's ndim (0)")."""
+    scatter = functools.partial(lax.psum_scatter, axis_name=axis_name, scatter_dimension=dim,
+                                tiled=tiled)  # fmt: skip
+    if not _local.typed_sharded(x):
+        return scatter(x)
+    return _local.on_local_blocks(scatter, x, dim=dim, change="keep" if tiled else "drop")
+
+
+def _compressed_reduce_scatter(
+    x: jax.Array,
+    *,
+    axis_name: AxisName,
+    dim: int,
+    tiled: bool,
+    cfg: CommConfig,
+    fused: bool,
+    n_ranks: int,
+) -> jax.Array:
+    """The compressed reduce-scatter of this device's x: encode, all-to-all, decode-sum."""
     cfg = _addressable(cfg, x, n_ranks, rows=n_ranks)
     moved = jnp.moveaxis(x, dim, 0)
     block_shape = (moved.shape[0] // n_ranks,) + moved.shape[1:]
@@ -391,11 +462,7 @@ def _reduce_scatter(
         return ops.decode_sum(cfg.codec, exchange(piece), piece.shape[-1], x.dtype)
 
     block = _sliced(reduce_scatter, rows, cfg.slices)[:size].reshape(block_shape)
-    out = jnp.moveaxis(block, 0, dim) if tiled else block[0]
-    if cfg.telemetry:
-        exact = lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
-        telemetry.record(f"{tag}:{cfg.codec.name}", out, exact)
-    return out
+    return jnp.moveaxis(block, 0, dim) if tiled else block[0]
 
 
 def _all_gather(
@@ -413,6 +480,24 @@ def _all_gather(
     if n_ranks == 1 or not choice.compress:
         # N = 1 moves nothing; the lax op then only adds or keeps the gathered axis.
         return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+    compressed = functools.partial(_compressed_all_gather, axis_name=axis_name, axis=axis,
+                                   tiled=tiled, cfg=cfg, fused=fused, n_ranks=n_ranks)  # fmt: skip
+    exact = functools.partial(lax.all_gather, axis_name=axis_name, axis=axis, tiled=tiled)
+    recorded = _recorded(compressed, exact, cfg, tag)
+    return _local.on_local_blocks(recorded, x, dim=axis, change="keep" if tiled else "insert")
+
+
+def _compressed_all_gather(
+    x: jax.Array,
+    *,
+    axis_name: AxisName,
+    axis: int,
+    tiled: bool,
+    cfg: CommConfig,
+    fused: bool,
+    n_ranks: int,
+) -> jax.Array:
+    """The compressed all-gather of this device's x: encode, all-gather the wire, decode."""
     cfg = _addressable(cfg, x, n_ranks, rows=1, gathers=True)
     ops = _backends.codec_ops(cfg.impl, cfg.codec)
     row, size = codecs.pad_to_multiple(x.reshape(1, -1), _row_multiple(cfg, fused))
@@ -428,9 +513,6 @@ def _all_gather(
     out = jnp.moveaxis(stacked, 0, axis)
     if tiled:
         out = out.reshape(x.shape[:axis] + (n_ranks * x.shape[axis],) + x.shape[axis + 1 :])
-    if cfg.telemetry:
-        exact = lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
-        telemetry.record(f"{tag}:{cfg.codec.name}", out, exact)
     return out
 
 
@@ -445,8 +527,7 @@ def _psum(x, axis_name, cfg, tag, bwd_cfg):
 
 
 def _psum_fwd(x, axis_name, cfg, tag, bwd_cfg):
-    # The empty residual carries only x's sharding type, for the backward's cast.
-    return _all_reduce(x, axis_name, cfg, tag), x.reshape(-1)[:0]
+    return _all_reduce(x, axis_name, cfg, tag), type_carrier(x)
 
 
 def _psum_bwd(axis_name, cfg, tag, bwd_cfg, like, ct):

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from taco_jax import _backends, codecs, tahquant, tahquant_adaptive, telemetry
+from taco_jax import _backends, _local, codecs, tahquant, tahquant_adaptive, telemetry
 from taco_jax.collectives import AxisName, axis_size
 from taco_jax.tahquant import TahQuant
 from taco_jax.tahquant_adaptive import AdaptiveTahQuant
@@ -117,17 +117,26 @@ def _send(x, axis_name, pairs, full, partial: bool, direction: _Direction, key, 
     encode, decode = _wire_ops(direction)
     if key is not None:  # ranks draw independent rounding noise
         key = jax.random.fold_in(key, lax.axis_index(axis_name))
-    row, size = codecs.pad_to_multiple(x.reshape(1, -1), direction.codec.group_size)
-    wire = lax.ppermute(encode(row, key), axis_name, full)
-    out = decode(wire, row.shape[-1], x.dtype)[0, :size].reshape(x.shape)
-    if partial:  # a rank that receives nothing decoded a filler's message or a zero wire (which
-        # need not decode to 0: a TP codec's zero pre-scale): it returns zeros
-        out = jnp.where(_receives(axis_name, pairs), out, jnp.zeros_like(out))
-    if direction.telemetry:
-        receives = _receives(axis_name, pairs)  # only receivers count: the others hold zeros
-        exact = _moved(x, axis_name, pairs, full)
-        telemetry.record(f"{tag}:{direction.codec.name}", out, exact, counted=receives)
-    return out
+
+    blocks = _local.free_axes()  # the axes along which each device keeps its own block
+
+    def compressed(x, *key):  # on this device's own block (`_local`)
+        key = key[0] if key else None
+        if key is not None and blocks:  # blocks draw independent noise
+            key = jax.random.fold_in(key, lax.axis_index(blocks))
+        row, size = codecs.pad_to_multiple(x.reshape(1, -1), direction.codec.group_size)
+        wire = lax.ppermute(encode(row, key), axis_name, full)
+        out = decode(wire, row.shape[-1], x.dtype)[0, :size].reshape(x.shape)
+        if partial:  # a rank that receives nothing decoded a filler's message or a zero wire
+            # (which need not decode to 0: a TP codec's zero pre-scale): it returns zeros
+            out = jnp.where(_receives(axis_name, pairs), out, jnp.zeros_like(out))
+        if direction.telemetry:  # here, not outside: as in collectives._recorded
+            receives = _receives(axis_name, pairs)  # only receivers count: the others hold 0
+            exact = _moved(x, axis_name, pairs, full)
+            telemetry.record(f"{tag}:{direction.codec.name}", out, exact, counted=receives)
+        return out
+
+    return _local.on_local_blocks(compressed, x, *(() if key is None else (key,)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))

@@ -19,19 +19,19 @@ import dataclasses
 import functools
 
 import jax
-from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from taco_jax.codecs import DEFAULT_CODEC
 from taco_jax.collectives import (
     CodecLike,
     CommConfig,
+    as_varying,
     cast_varying,
     compressed_all_gather,
     compressed_psum,
     compressed_psum_scatter,
     fwd_bwd_configs,
-    varies_along,
+    type_carrier,
 )
 
 
@@ -60,32 +60,18 @@ class TPComm:
         return cls(axis_name, fwd_cfg, bwd_cfg)
 
 
-def _as_varying(x: jax.Array, axis_name) -> jax.Array:
-    """x typed varying along the axis under shard_map, where x may be replicated (invariant).
-
-    A replicated x feeding a column-parallel matmul gets a `pvary` from JAX otherwise, whose
-    transpose is an uncompressed `psum` of the cotangent ahead of f's own backward.
-    """
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    manual = jax.sharding.get_abstract_mesh().manual_axes
-    if all(name in manual for name in names) and not varies_along(x, axis_name):
-        return lax.pcast(x, axis_name, to="varying")
-    return x  # vmap has no varying types; a varying x is typed already
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _copy(x, comm: TPComm):
-    return _as_varying(x, comm.axis_name)
+    # Typed varying where shard_map tracks it: otherwise the column-parallel layer's implicit
+    # pcast would transpose to an uncompressed psum of the cotangent before this one's.
+    return as_varying(x, comm.axis_name)
 
 
 def _copy_fwd(x, comm):
-    # The empty residual carries only x's sharding type, for the backward's cast.
-    return _copy(x, comm), x.reshape(-1)[:0]
+    return _copy(x, comm), type_carrier(x)
 
 
 def _copy_bwd(comm, like, ct):
-    # ct is varying (per-rank partial gradients): the psum's output is typed replicated, as
-    # a replicated x's cotangent must be; a varying x gets it back typed varying.
     reduced = compressed_psum(ct, comm.axis_name, codec=comm.bwd, name="tp_copy_bwd")
     return (cast_varying(reduced, comm.axis_name, like),)
 
@@ -99,7 +85,7 @@ def _reduce(x, comm: TPComm):
 
 
 def _reduce_fwd(x, comm):
-    return _reduce(x, comm), x.reshape(-1)[:0]
+    return _reduce(x, comm), type_carrier(x)
 
 
 def _reduce_bwd(comm, like, ct):
@@ -112,8 +98,7 @@ _reduce.defvjp(_reduce_fwd, _reduce_bwd)
 def copy_to_tp(x: jax.Array, comm: TPComm) -> jax.Array:
     """Megatron f: identity forward; backward `compressed_psum` of the cotangent (`comm.bwd`).
 
-    Sharding: `x[B, T, D]` replicated -> the same values, typed varying under shard_map (they
-    feed a column-parallel layer, whose per-rank gradients the backward sums).
+    Sharding: `x[B, T, D]` replicated -> the same, now feeding a column-parallel layer.
     """
     return checkpoint_name(_copy(x, comm), "tp_copy")
 
