@@ -46,7 +46,10 @@ def expected_rows() -> dict[str, tuple[str, str]]:
     for section, cls in config._SECTION_CLASSES.items():
         hints = typing.get_type_hints(cls)
         for field in dataclasses.fields(cls):
-            rows[f"{section}.{field.name}"] = (render_type(hints[field.name]), render_default(field))
+            rows[f"{section}.{field.name}"] = (
+                render_type(hints[field.name]),
+                render_default(field),
+            )
         for name, row in EXTRA_KEYS.get(section, {}).items():
             rows[f"{section}.{name}"] = row
     return rows
