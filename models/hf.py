@@ -505,6 +505,8 @@ def save(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = to_hf_tensors(cfg, params)
+    for stale in [*path.glob("model*.safetensors"), path / INDEX_FILE]:  # an earlier save's
+        stale.unlink(missing_ok=True)
     (path / CONFIG_FILE).write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
     metadata = {"format": "pt"}  # transformers refuses safetensors files without it
     if max_shard_bytes is None:

@@ -52,8 +52,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def _byte_tokenizer() -> Tokenizer:
-    """A byte-level tokenizer of exactly the 256 byte symbols (ids 0..255), id 0 doubling as
-    "<|endoftext|>"'s place is avoided: the end-of-text token replaces byte 255's slot."""
+    """A byte-level tokenizer of 256 ids for the 256-entry fixture vocabulary: 255 of the byte
+    symbols (the last in sorted order, a non-ASCII byte, left out) and "<|endoftext|>" (id 255),
+    which the trainer ends documents with."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {symbol: i for i, symbol in enumerate(alphabet[:255])}
     vocab["<|endoftext|>"] = 255
