@@ -244,6 +244,30 @@ def test_tp4_load_reads_only_each_devices_slices(name, monkeypatch):
         (*wqkv.shape[:2], wqkv.shape[2] // 4, *wqkv.shape[3:])}  # fmt: skip
 
 
+def test_pipeline_stages_read_only_their_layers(monkeypatch):
+    """pp = 2 x tp = 2 (`full_layout_specs`): stage s reads layer s's tensors only."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
+    from models.pipeline import full_layout_specs
+
+    parallel = ParallelConfig(dp=2, pp=2, tp=2)
+    mesh = make_mesh(parallel)
+    cfg = hf.load_config(FIXTURES / "qwen2_untied")
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), full_layout_specs(cfg))
+    full = hf.load(FIXTURES / "qwen2_untied")[1]
+    reads = _record_reads(monkeypatch)
+    _, sharded = hf.load(FIXTURES / "qwen2_untied", shardings=shardings)
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), sharded, full))
+    # o_proj.weight [D, N H] of layer l: the 4 devices of stage l (dp 2 x tp 2) read it, each
+    # all D rows and its half of the heads' columns; no device reads the other stage's layer.
+    o_reads = [(name, index) for name, index, _ in reads if "o_proj" in name]
+    layers = sorted(name.split(".")[2] for name, _ in o_reads)
+    assert layers == ["0"] * 4 + ["1"] * 4
+    half = cfg.d_model // 2
+    assert {(i[0].stop - i[0].start, i[1].stop - i[1].start) for _, i in o_reads} == {
+        (cfg.d_model, half)}  # fmt: skip
+
+
 def test_tp4_loaded_model_runs_as_the_full_one():
     """The TP-sharded load fed to the shard_map model (codec "none") gives the full model's
     logits: the slices are where the TP ranks expect them."""

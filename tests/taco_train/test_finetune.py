@@ -141,7 +141,13 @@ def _final_params(out_dir: Path, step: int) -> dict:
 LAYOUTS = {
     "vmap_tp2": ["parallel.tp=2", 'parallel.mode="vmap"'],
     "shard_map_tp2_dp2": ["parallel.tp=2", "parallel.dp=2", 'parallel.mode="shard_map"'],
-}
+    "pipeline_pp2_tp2": ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2",
+                         'parallel.mode="shard_map"'],
+    # The sharded optimizer: the export gathers its fp32 master shards (which the fp32
+    # replica in the checkpoint's params equals, dp_param being "none").
+    "zero_dp2_tp2": ["parallel.tp=2", "parallel.dp=2", 'parallel.mode="shard_map"',
+                     "optimizer.sharded=true"],
+}  # fmt: skip
 
 
 @pytest.mark.slow
