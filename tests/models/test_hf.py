@@ -183,6 +183,48 @@ def test_missing_tensor_and_wrong_shape_are_all_named(tmp_path):
                           "shape (64, 190), expected (64, 192)")  # fmt: skip
 
 
+def test_a_tensor_the_model_has_no_place_for(tmp_path):
+    directory = tmp_path / "gpt2"
+    shutil.copytree(FIXTURES / "gpt2", directory)
+    extra = "transformer.h.2.ln_1.weight"  # a third layer in a two-layer config
+
+    _rewrite_tensors(directory, lambda t: t.update({extra: t["transformer.ln_f.weight"]}))
+    with pytest.raises(hf.CheckpointError) as info:
+        hf.load(directory)
+    assert str(info.value).endswith(f"model.safetensors: tensor {extra!r} has no place in the "
+                                    "model")  # fmt: skip
+
+
+def test_bf16_checkpoint_loads_as_its_fp32_values(tmp_path):
+    """Qwen2.5's published checkpoints are bf16: read through ml_dtypes, widened exactly."""
+    import ml_dtypes
+
+    directory = tmp_path / "qwen2_untied"
+    shutil.copytree(FIXTURES / "qwen2_untied", directory)
+    _rewrite_tensors(directory, lambda t: t.update({k: v.astype(ml_dtypes.bfloat16)
+                                                    for k, v in t.items()}))  # fmt: skip
+    _, params = hf.load(directory)
+    _, full = hf.load(FIXTURES / "qwen2_untied")
+    rounded = jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32), full)
+    assert jax.tree.all(jax.tree.map(np.array_equal, params, rounded))
+    assert params["wte"].dtype == np.float32
+
+
+def test_hub_gpt2_names_without_the_transformer_prefix(tmp_path):
+    """The original GPT-2 checkpoints on the Hub name `h.0.attn...`, not
+    `transformer.h.0.attn...`."""
+    directory = tmp_path / "gpt2"
+    shutil.copytree(FIXTURES / "gpt2", directory)
+
+    def strip(tensors):
+        for name in list(tensors):
+            tensors[name.removeprefix("transformer.")] = tensors.pop(name)
+
+    _rewrite_tensors(directory, strip)
+    _, params = hf.load(directory)
+    assert jax.tree.all(jax.tree.map(np.array_equal, params, hf.load(FIXTURES / "gpt2")[1]))
+
+
 def test_geometry_that_disagrees_with_the_tensors(tmp_path):
     directory = _edited(tmp_path, "qwen2_untied", lambda c: c.update(intermediate_size=80))
     with pytest.raises(hf.CheckpointError, match=r"mlp\.gate_proj\.weight' has shape"):

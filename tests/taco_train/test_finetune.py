@@ -66,6 +66,11 @@ def test_geometry_beside_init_from_is_refused(tmp_path, cache):
         _config(tmp_path, cache, "model.d_model=128")
 
 
+def test_gpt2_sequence_length_is_the_checkpoints(tmp_path, cache):
+    with pytest.raises(ConfigError, match=r"model\.seq_len=16 differs from the n_positions=32"):
+        _config(tmp_path, cache, "model.seq_len=16", init_from=str(FIXTURES / "gpt2"))
+
+
 def test_hf_tokenizer_needs_init_from():
     with pytest.raises(ConfigError, match="data.tokenizer='hf' reads the tokenizer.json of"):
         load_config(TINY, ['data.tokenizer="hf"'])
