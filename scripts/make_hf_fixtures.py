@@ -3,9 +3,12 @@
 Each fixture directory holds a randomly initialized model saved with `save_pretrained`
 (safetensors), `tokens.npy` (a fixed [2, 16] batch) and `logits.npy` (transformers' fp32
 logits of that batch), against which tests/models/test_hf.py checks `models.hf.load`.
-Needs torch and transformers, which the project does not depend on:
+Needs torch and transformers, which the project does not depend on. Run it under transformers
+4.x (the committed fixtures: 4.57.6, torch 2.11) for gpt2, qwen2_untied and qwen2_tied, whose
+config.json holds `rope_theta`, and under 5.x (5.24.0) for qwen2_untied_v5, the same model as
+5.x writes it (`rope_parameters`):
 
-    python -m venv /tmp/hf && /tmp/hf/bin/pip install torch transformers safetensors numpy
+    python -m venv /tmp/hf && /tmp/hf/bin/pip install torch "transformers<5" safetensors numpy
     /tmp/hf/bin/python scripts/make_hf_fixtures.py [OUT_DIR]
 """
 
@@ -83,6 +86,9 @@ def make(name: str, model: transformers.PreTrainedModel, seed: int, out: Path, *
 def main() -> None:
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else OUT
     torch.manual_seed(0)
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        make("qwen2_untied_v5", _qwen2(tied=False), 2, out)
+        return
     make("gpt2", _gpt2(), 1, out)
     make("qwen2_untied", _qwen2(tied=False), 2, out)
     # Tied like Qwen2.5-0.5B, sharded (model.safetensors.index.json), with a tokenizer.json.

@@ -32,7 +32,7 @@ from models.parallel import (  # noqa: E402
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-NAMES = ("gpt2", "qwen2_untied", "qwen2_tied")
+NAMES = ("gpt2", "qwen2_untied", "qwen2_tied", "qwen2_untied_v5")
 # A Python with torch and transformers (not project dependencies), for the test that
 # transformers loads what we save; unset, that test is skipped.
 HF_PYTHON = os.environ.get("TACO_HF_PYTHON")
@@ -72,6 +72,11 @@ def test_fixture_geometry():
     assert (untied.n_heads, untied.n_kv_heads, untied.rope_theta) == (8, 4, 1e6)  # GQA, tp <= 4
     assert not untied.tied_embeddings and tied.tied_embeddings
     assert (FIXTURES / "qwen2_tied" / hf.INDEX_FILE).is_file()
+    v4, v5 = (json.loads((FIXTURES / n / hf.CONFIG_FILE).read_text())
+              for n in ("qwen2_untied", "qwen2_untied_v5"))  # fmt: skip
+    assert v4["rope_theta"] == 1e6 and "rope_parameters" not in v4  # transformers 4.x
+    assert v5["rope_parameters"]["rope_theta"] == 1e6 and "rope_theta" not in v5  # 5.x
+    assert hf.load_config(FIXTURES / "qwen2_untied_v5") == untied
 
 
 @pytest.mark.parametrize("name", NAMES)
