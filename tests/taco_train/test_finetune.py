@@ -39,7 +39,10 @@ def _config(tmp_path, cache, *extra, init_from=QWEN):
 
 def _tiny_toml(tmp_path: Path) -> Path:
     """configs/tiny.toml without its model section (a preset beside init_from is an error)."""
-    text = Path(TINY).read_text().replace('[model]\npreset = "gpt_tiny"\n', "")
+    section = '[model]\npreset = "gpt_tiny"\n'
+    text = Path(TINY).read_text()
+    assert section in text, "configs/tiny.toml's model section changed: update this helper"
+    text = text.replace(section, "")
     path = tmp_path / "tiny_no_preset.toml"
     path.write_text(text)
     return path
