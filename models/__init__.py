@@ -6,6 +6,8 @@ ParallelConfig, init_params,
 make_loss_and_grads, ...            (parallel.py: shard_map / vmap / unsharded runners)
 StageCodecs,
 make_pipeline_loss_and_grads        (pipeline.py: GPipe / circular stages over "pp", with TP, DP)
+hf.load, hf.save                    (hf.py: Hugging Face GPT-2 / Qwen2 checkpoints, safetensors;
+                                     `from models import hf`, needs the train extra)
 
 The optimizer side (train state, jitted steps) lives in the training application, `taco_train`.
 """

@@ -20,9 +20,12 @@ VOCAB_MULTIPLE = 128
 class ModelConfig:
     """A decoder-only transformer.
 
-    arch "gpt": LayerNorm, GELU MLP, learned positions, tied input/output embeddings, biases on
-    every linear layer (GPT-2 / Megatron GPT). arch "qwen2": RMSNorm, SwiGLU MLP, rotary positions,
-    grouped-query attention, bias on QKV only, untied output embedding (Qwen2.5).
+    arch "gpt": LayerNorm, GELU MLP (tanh approximation, GPT-2's "gelu_new"), learned
+    positions, tied input/output embeddings, biases on every linear layer (GPT-2 / Megatron GPT).
+    arch "qwen2": RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention, bias on QKV
+    only, untied output embedding (Qwen2.5-7B; the smaller Qwen2.5 models tie it).
+    tie_embeddings: the output head is the input embedding; None is the arch's default (gpt
+    tied, qwen2 untied).
     """
 
     vocab_size: int
@@ -36,6 +39,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10_000.0
     init_std: float = 0.02
+    tie_embeddings: bool | None = None
 
     def __post_init__(self):
         if self.arch not in ("gpt", "qwen2"):
@@ -79,7 +83,7 @@ class ModelConfig:
 
     @property
     def tied_embeddings(self) -> bool:
-        return self.arch == "gpt"
+        return self.arch == "gpt" if self.tie_embeddings is None else self.tie_embeddings
 
     @classmethod
     def preset(cls, name: str, **overrides) -> ModelConfig:
@@ -97,23 +101,23 @@ class ModelConfig:
             attn = d * qkv_heads * hd + qkv_heads * hd + self.n_heads * hd * d + d
             mlp = d * f + f + f * d + d
             norms = 2 * 2 * d
-            embed = v * d + self.seq_len * d
+            embed = self.seq_len * d
             final = 2 * d
         else:
             attn = d * qkv_heads * hd + qkv_heads * hd + self.n_heads * hd * d
             mlp = 3 * d * f
             norms = 2 * d
-            embed = 2 * v * d
+            embed = 0
             final = d
+        embed += v * d if self.tied_embeddings else 2 * v * d
         return embed + self.n_layers * (attn + mlp + norms) + final
 
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul: all but the input-embedding table (a gather)
         and the learned positions; the output projection counts (tied or not)."""
-        gathered = self.padded_vocab * self.d_model
-        if self.arch == "gpt":
-            return self.num_params() - self.seq_len * self.d_model  # tied: wte is the head too
-        return self.num_params() - gathered
+        positions = self.seq_len * self.d_model if self.arch == "gpt" else 0
+        gathered = 0 if self.tied_embeddings else self.padded_vocab * self.d_model  # tied: the head
+        return self.num_params() - positions - gathered
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token, forward + backward: 6 N + 12 L H Q T.

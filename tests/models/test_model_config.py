@@ -28,6 +28,28 @@ def test_num_params_counts_abstract_leaves(name):
     assert _count(abstract_params(cfg)) == cfg.num_params()
 
 
+@pytest.mark.parametrize(("name", "tied"), [("qwen2_tiny", True), ("gpt_tiny", False)])
+def test_tie_embeddings_overrides_the_arch_default(name, tied):
+    """Qwen2.5 up to 3B ties its head, GPT-2 checkpoints may untie theirs: the head exists
+    exactly when untied, and the counts follow the leaves."""
+    cfg = ModelConfig.preset(name, tie_embeddings=tied)
+    params = init_params(cfg, jax.random.key(0))
+    assert ("lm_head" in params) == (not tied) and cfg.tied_embeddings == tied
+    assert _count(params) == cfg.num_params()
+    head = 0 if tied else cfg.padded_vocab * cfg.d_model
+    positions = cfg.seq_len * cfg.d_model if cfg.arch == "gpt" else 0
+    assert cfg.matmul_params() == cfg.num_params() - positions - head
+
+
+def test_qwen25_0p5b_counts_as_published():
+    """Qwen2.5-0.5B's config.json geometry (tied): 494M parameters as its model card says
+    (0.49B); its vocabulary 151936 is a multiple of 128, so nothing is padded."""
+    cfg = ModelConfig(vocab_size=151936, seq_len=32768, d_model=896, n_layers=24, n_heads=14,
+                      n_kv_heads=2, d_ff=4864, arch="qwen2", tie_embeddings=True)  # fmt: skip
+    assert cfg.padded_vocab == cfg.vocab_size
+    assert round(cfg.num_params() / 1e6) == 494
+
+
 @pytest.mark.parametrize(
     ("name", "billions"),
     # Nominal sizes (GPT-3 table 2.1; Qwen2.5-7B reports 7.61B with its 152064-entry vocab).

@@ -1,0 +1,100 @@
+"""Makes the tiny Hugging Face checkpoints of tests/models/fixtures/hf/ with transformers.
+
+Each fixture directory holds a randomly initialized model saved with `save_pretrained`
+(safetensors), `tokens.npy` (a fixed [2, 16] batch) and `logits.npy` (transformers' fp32
+logits of that batch), against which tests/models/test_hf.py checks `models.hf.load`.
+Needs torch and transformers, which the project does not depend on. Run it under transformers
+4.x (the committed fixtures: 4.57.6, torch 2.11) for gpt2, qwen2_untied and qwen2_tied, whose
+config.json holds `rope_theta`, and under 5.x (5.24.0) for qwen2_untied_v5, the same model as
+5.x writes it (`rope_parameters`):
+
+    python -m venv /tmp/hf && /tmp/hf/bin/pip install torch "transformers<5" safetensors numpy
+    /tmp/hf/bin/python scripts/make_hf_fixtures.py [OUT_DIR]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+OUT = Path(__file__).resolve().parents[1] / "tests" / "models" / "fixtures" / "hf"
+BATCH, LENGTH = 2, 16
+
+
+def _gpt2() -> transformers.PreTrainedModel:
+    # vocab 250: not a multiple of 128, so our padded vocabulary is exercised.
+    config = transformers.GPT2Config(
+        vocab_size=250, n_positions=32, n_embd=64, n_layer=2, n_head=4, n_inner=128,
+        activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _qwen2(tied: bool) -> transformers.PreTrainedModel:
+    config = transformers.Qwen2Config(
+        vocab_size=256, max_position_embeddings=64, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, intermediate_size=96, rms_norm_eps=1e-6,
+        rope_theta=1e6, tie_word_embeddings=tied, use_sliding_window=False,
+    )  # fmt: skip
+    return transformers.Qwen2ForCausalLM(config)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter ~ N(0, 0.1^2), norms ~ 1 + N(0, 0.1^2): nothing left at an initial
+    value (zero biases, unit norms) that would hide a wrong mapping."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = 0.1 * torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + noise if "ln" in name or "norm" in name else noise)
+
+
+def _byte_tokenizer() -> Tokenizer:
+    """A byte-level tokenizer of 256 ids for the 256-entry fixture vocabulary: 255 of the byte
+    symbols (the last in sorted order, a non-ASCII byte, left out) and "<|endoftext|>" (id 255),
+    which the trainer ends documents with."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {symbol: i for i, symbol in enumerate(alphabet[:255])}
+    vocab["<|endoftext|>"] = 255
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    return tok
+
+
+def make(name: str, model: transformers.PreTrainedModel, seed: int, out: Path, **save) -> None:
+    _randomize(model, seed)
+    model.eval()
+    directory = out / name
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True, **save)
+    vocab = model.config.vocab_size
+    tokens = np.random.default_rng(seed).integers(0, vocab, (BATCH, LENGTH), dtype=np.int32)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(tokens).long()).logits.float().numpy()
+    np.save(directory / "tokens.npy", tokens)
+    np.save(directory / "logits.npy", logits)
+    print(f"{directory}: {sorted(p.name for p in directory.iterdir())}")
+
+
+def main() -> None:
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else OUT
+    torch.manual_seed(0)
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        make("qwen2_untied_v5", _qwen2(tied=False), 2, out)
+        return
+    make("gpt2", _gpt2(), 1, out)
+    make("qwen2_untied", _qwen2(tied=False), 2, out)
+    # Tied like Qwen2.5-0.5B, sharded (model.safetensors.index.json), with a tokenizer.json.
+    make("qwen2_tied", _qwen2(tied=True), 3, out, max_shard_size="100KB")
+    _byte_tokenizer().save(str(out / "qwen2_tied" / "tokenizer.json"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,361 @@
+"""models.hf: Hugging Face checkpoints in and out, against transformers' own logits.
+
+The fixtures (tests/models/fixtures/hf/, made by scripts/make_hf_fixtures.py with transformers)
+are tiny random GPT-2 and Qwen2 models (tied and untied heads, GQA, one sharded checkpoint) with
+transformers' fp32 logits of a fixed batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+pytest.importorskip("safetensors")
+
+from models import hf  # noqa: E402
+from models.parallel import (  # noqa: E402
+    ParallelConfig,
+    make_logits,
+    make_mesh,
+    param_specs,
+    reference_logits,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+NAMES = ("gpt2", "qwen2_untied", "qwen2_tied", "qwen2_untied_v5")
+# A Python with torch and transformers (not project dependencies), for the test that
+# transformers loads what we save; unset, that test is skipped.
+HF_PYTHON = os.environ.get("TACO_HF_PYTHON")
+
+# Our fp32 logits against transformers' (torch, fp32): the same arithmetic in different matmul
+# and reduction orders (einsum vs torch.matmul, attention as XLA fuses it vs torch's SDPA), so
+# each dot product of length n <= 128 differs by reassociation, ~ sqrt(n) eps_fp32 ~ 1e-6
+# relative per layer, compounding over 2 layers, a norm and the head to a few 1e-6. 1e-4
+# relative to the largest logit leaves a margin of > 10x for that and still fails on any wrong
+# mapping (a transposed or misplaced tensor changes logits by O(1) relative).
+LOGITS_RTOL = 1e-4
+
+
+def _relative_max_diff(ours: np.ndarray, theirs: np.ndarray) -> float:
+    return float(np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)))
+
+
+def _ours(cfg, params, tokens) -> np.ndarray:
+    logits = reference_logits(cfg, params, jnp.asarray(tokens), dtype="float32")
+    return np.asarray(logits)[..., : cfg.vocab_size]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_equal_transformers(name):
+    cfg, params = hf.load(FIXTURES / name)
+    tokens = np.load(FIXTURES / name / "tokens.npy")
+    theirs = np.load(FIXTURES / name / "logits.npy")
+    assert _relative_max_diff(_ours(cfg, params, tokens), theirs) <= LOGITS_RTOL
+
+
+def test_fixture_geometry():
+    """What each fixture exercises: padding, GQA, the two heads, sharding, the 4.x config."""
+    gpt2 = hf.load_config(FIXTURES / "gpt2")
+    assert (gpt2.arch, gpt2.vocab_size, gpt2.padded_vocab, gpt2.tied_embeddings) == (
+        "gpt", 250, 256, True)  # fmt: skip
+    untied, tied = (hf.load_config(FIXTURES / n) for n in ("qwen2_untied", "qwen2_tied"))
+    assert (untied.n_heads, untied.n_kv_heads, untied.rope_theta) == (8, 4, 1e6)  # GQA, tp <= 4
+    assert not untied.tied_embeddings and tied.tied_embeddings
+    assert (FIXTURES / "qwen2_tied" / hf.INDEX_FILE).is_file()
+    v4, v5 = (json.loads((FIXTURES / n / hf.CONFIG_FILE).read_text())
+              for n in ("qwen2_untied", "qwen2_untied_v5"))  # fmt: skip
+    assert v4["rope_theta"] == 1e6 and "rope_parameters" not in v4  # transformers 4.x
+    assert v5["rope_parameters"]["rope_theta"] == 1e6 and "rope_theta" not in v5  # 5.x
+    assert hf.load_config(FIXTURES / "qwen2_untied_v5") == untied
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_save_load_round_trip_is_exact(name, tmp_path):
+    cfg, params = hf.load(FIXTURES / name)
+    hf.save(cfg, params, tmp_path)
+    cfg2, params2 = hf.load(tmp_path)
+    assert cfg2 == cfg
+    same = jax.tree.map(lambda a, b: a.shape == b.shape and np.array_equal(a, b), params, params2)
+    assert jax.tree.all(same)
+
+
+def _tensor_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in directory.glob("*.safetensors"):
+        with safe_open(file, framework="numpy") as f:
+            names = f.keys()
+            shapes |= {k: tuple(f.get_slice(k).get_shape()) for k in names}
+    return shapes
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_save_writes_the_hugging_face_names_and_shapes(name, tmp_path):
+    cfg, params = hf.load(FIXTURES / name)
+    hf.save(cfg, params, tmp_path, max_shard_bytes=50_000)
+    assert _tensor_shapes(tmp_path) == _tensor_shapes(FIXTURES / name)
+    assert (tmp_path / hf.INDEX_FILE).is_file()
+    assert hf.load_config(tmp_path) == cfg
+
+
+def test_padded_vocabulary_rows_are_zero_and_dropped_on_save(tmp_path):
+    cfg, params = hf.load(FIXTURES / "gpt2")
+    assert params["wte"].shape == (256, 64) and not params["wte"][250:].any()
+    params["wte"][250:] = 1.0  # training may move padding rows; they are not the model's
+    hf.save(cfg, params, tmp_path)
+    assert _tensor_shapes(tmp_path)["transformer.wte.weight"] == (250, 64)
+
+
+def _edited(tmp_path: Path, name: str, edit) -> Path:
+    directory = tmp_path / name
+    shutil.copytree(FIXTURES / name, directory)
+    config = json.loads((directory / hf.CONFIG_FILE).read_text())
+    edit(config)
+    (directory / hf.CONFIG_FILE).write_text(json.dumps(config))
+    return directory
+
+
+def test_rope_theta_from_transformers_4_and_5_configs(tmp_path):
+    def as_v5(config):  # transformers 5.x writes rope_parameters
+        config["rope_parameters"] = {"rope_theta": 12345.0, "rope_type": "default"}
+        config.pop("rope_theta", None)
+
+    def as_v4(config):
+        config.pop("rope_parameters", None)
+        config["rope_theta"] = 54321.0
+
+    assert hf.load_config(_edited(tmp_path, "qwen2_untied", as_v5)).rope_theta == 12345.0
+    shutil.rmtree(tmp_path / "qwen2_untied")
+    assert hf.load_config(_edited(tmp_path, "qwen2_untied", as_v4)).rope_theta == 54321.0
+
+
+def test_scaled_rope_is_refused(tmp_path):
+    def yarn(config):
+        config["rope_parameters"] = {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}
+
+    with pytest.raises(hf.CheckpointError, match="rope_type='yarn'"):
+        hf.load_config(_edited(tmp_path, "qwen2_untied", yarn))
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one line naming the file and the key.
+
+
+def test_no_config_json(tmp_path):
+    with pytest.raises(hf.CheckpointError, match=r"config\.json: no such file") as info:
+        hf.load(tmp_path)
+    assert str(tmp_path) in str(info.value)
+
+
+def test_unknown_architecture(tmp_path):
+    directory = _edited(tmp_path, "gpt2", lambda c: c.update(architectures=["LlamaForCausalLM"]))
+    with pytest.raises(hf.CheckpointError, match=r"config\.json: architectures=\['Llama"):
+        hf.load(directory)
+
+
+def _rewrite_tensors(directory: Path, edit) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    file = directory / hf.SINGLE_FILE
+    tensors = load_file(str(file))
+    edit(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def test_missing_tensor_and_wrong_shape_are_all_named(tmp_path):
+    directory = tmp_path / "gpt2"
+    shutil.copytree(FIXTURES / "gpt2", directory)
+
+    def break_two(tensors):
+        del tensors["transformer.h.1.mlp.c_fc.bias"]
+        tensors["transformer.h.0.attn.c_attn.weight"] = np.zeros((64, 190), np.float32)
+
+    _rewrite_tensors(directory, break_two)
+    with pytest.raises(hf.CheckpointError) as info:
+        hf.load(directory)
+    shape, missing = str(info.value).splitlines()  # both, in the table's order
+    assert f"{directory}: tensor 'transformer.h.1.mlp.c_fc.bias' is missing" in missing
+    assert shape.endswith("model.safetensors: tensor 'transformer.h.0.attn.c_attn.weight' has "
+                          "shape (64, 190), expected (64, 192)")  # fmt: skip
+
+
+def test_a_tensor_the_model_has_no_place_for(tmp_path):
+    directory = tmp_path / "gpt2"
+    shutil.copytree(FIXTURES / "gpt2", directory)
+    extra = "transformer.h.2.ln_1.weight"  # a third layer in a two-layer config
+
+    _rewrite_tensors(directory, lambda t: t.update({extra: t["transformer.ln_f.weight"]}))
+    with pytest.raises(hf.CheckpointError) as info:
+        hf.load(directory)
+    assert str(info.value).endswith(f"model.safetensors: tensor {extra!r} has no place in the "
+                                    "model")  # fmt: skip
+
+
+def test_bf16_checkpoint_loads_as_its_fp32_values(tmp_path):
+    """Qwen2.5's published checkpoints are bf16: read through ml_dtypes, widened exactly."""
+    import ml_dtypes
+
+    directory = tmp_path / "qwen2_untied"
+    shutil.copytree(FIXTURES / "qwen2_untied", directory)
+    _rewrite_tensors(directory, lambda t: t.update({k: v.astype(ml_dtypes.bfloat16)
+                                                    for k, v in t.items()}))  # fmt: skip
+    _, params = hf.load(directory)
+    _, full = hf.load(FIXTURES / "qwen2_untied")
+    rounded = jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32), full)
+    assert jax.tree.all(jax.tree.map(np.array_equal, params, rounded))
+    assert params["wte"].dtype == np.float32
+
+
+def test_hub_gpt2_names_without_the_transformer_prefix(tmp_path):
+    """The original GPT-2 checkpoints on the Hub name `h.0.attn...`, not
+    `transformer.h.0.attn...`."""
+    directory = tmp_path / "gpt2"
+    shutil.copytree(FIXTURES / "gpt2", directory)
+
+    def strip(tensors):
+        for name in list(tensors):
+            tensors[name.removeprefix("transformer.")] = tensors.pop(name)
+
+    _rewrite_tensors(directory, strip)
+    _, params = hf.load(directory)
+    assert jax.tree.all(jax.tree.map(np.array_equal, params, hf.load(FIXTURES / "gpt2")[1]))
+
+
+def test_geometry_that_disagrees_with_the_tensors(tmp_path):
+    directory = _edited(tmp_path, "qwen2_untied", lambda c: c.update(intermediate_size=80))
+    with pytest.raises(hf.CheckpointError, match=r"mlp\.gate_proj\.weight' has shape"):
+        hf.load(directory)
+
+
+def test_index_naming_an_absent_shard(tmp_path):
+    directory = tmp_path / "qwen2_tied"
+    shutil.copytree(FIXTURES / "qwen2_tied", directory)
+    shard = sorted(directory.glob("model-*.safetensors"))[0]
+    shard.unlink()
+    with pytest.raises(hf.CheckpointError, match=f"{shard.name}: no such file"):
+        hf.load(directory)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded loading: each device reads only its slices.
+
+
+def _record_reads(monkeypatch) -> list[tuple[str, tuple[slice, ...], int]]:
+    reads = []
+    original = hf._Files.read
+
+    def read(self, name, index):
+        block = original(self, name, index)
+        reads.append((name, index, block.size))
+        return block
+
+    monkeypatch.setattr(hf._Files, "read", read)
+    return reads
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen2_tied"])
+def test_tp4_load_reads_only_each_devices_slices(name, monkeypatch):
+    """tp = 4 on a (dp 2, tp 4) mesh of 8 CPU devices: the arrays equal the full load, every
+    device's shard of a TP-split parameter is a quarter, and the bytes read are exactly the
+    shards' (no device reads another's slice; padding rows are not read)."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    parallel = ParallelConfig(dp=2, tp=4)
+    mesh = make_mesh(parallel)
+    cfg = hf.load_config(FIXTURES / name)
+    full = hf.load(FIXTURES / name)[1]
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg))
+    reads = _record_reads(monkeypatch)
+    _, sharded = hf.load(FIXTURES / name, shardings=shardings)
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), sharded, full))
+    # jax.make_array_from_callback calls back once for a fully replicated array, else once per
+    # device; the dp = 2 devices holding the last vocabulary shard read none of its padding.
+    held = sum(
+        leaf.size if leaf.sharding.is_fully_replicated
+        else sum(shard.data.size for shard in leaf.addressable_shards)
+        for leaf in jax.tree.leaves(sharded)
+    )  # fmt: skip
+    padding = parallel.dp * (cfg.padded_vocab - cfg.vocab_size) * cfg.d_model
+    assert sum(size for *_, size in reads) == held - padding
+    wqkv = sharded["blocks"]["attn"]["wqkv"]
+    assert {s.data.shape for s in wqkv.addressable_shards} == {
+        (*wqkv.shape[:2], wqkv.shape[2] // 4, *wqkv.shape[3:])}  # fmt: skip
+
+
+def test_pipeline_stages_read_only_their_layers(monkeypatch):
+    """pp = 2 x tp = 2 (`full_layout_specs`): stage s reads layer s's tensors only."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
+    from models.pipeline import full_layout_specs
+
+    parallel = ParallelConfig(dp=2, pp=2, tp=2)
+    mesh = make_mesh(parallel)
+    cfg = hf.load_config(FIXTURES / "qwen2_untied")
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), full_layout_specs(cfg))
+    full = hf.load(FIXTURES / "qwen2_untied")[1]
+    reads = _record_reads(monkeypatch)
+    _, sharded = hf.load(FIXTURES / "qwen2_untied", shardings=shardings)
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), sharded, full))
+    # o_proj.weight [D, N H] of layer l: the 4 devices of stage l (dp 2 x tp 2) read it, each
+    # all D rows and its half of the heads' columns; no device reads the other stage's layer.
+    o_reads = [(name, index) for name, index, _ in reads if "o_proj" in name]
+    layers = sorted(name.split(".")[2] for name, _ in o_reads)
+    assert layers == ["0"] * 4 + ["1"] * 4
+    half = cfg.d_model // 2
+    assert {(i[0].stop - i[0].start, i[1].stop - i[1].start) for _, i in o_reads} == {
+        (cfg.d_model, half)}  # fmt: skip
+
+
+def test_tp4_loaded_model_runs_as_the_full_one():
+    """The TP-sharded load fed to the shard_map model (codec "none") gives the full model's
+    logits: the slices are where the TP ranks expect them."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices")
+    import taco_jax
+
+    parallel = ParallelConfig(tp=4, compute_dtype="float32")
+    mesh = make_mesh(parallel)
+    cfg = hf.load_config(FIXTURES / "qwen2_untied")
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg))
+    _, params = hf.load(FIXTURES / "qwen2_untied", shardings=shardings)
+    tokens = np.load(FIXTURES / "qwen2_untied" / "tokens.npy")
+    logits = make_logits(cfg, parallel, taco_jax.TPComm.create("tp", fwd="none"), mesh)
+    ours = np.asarray(jax.jit(logits)(params, jax.device_put(tokens, NamedSharding(mesh, P()))))
+    theirs = np.load(FIXTURES / "qwen2_untied" / "logits.npy")
+    assert _relative_max_diff(ours[..., : cfg.vocab_size], theirs) <= LOGITS_RTOL
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers reads what we write (where a Python with torch and transformers is at hand).
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_transformers_loads_our_save(name, tmp_path):
+    if not HF_PYTHON:
+        pytest.skip("TACO_HF_PYTHON (a Python with torch and transformers) is not set")
+    cfg, params = hf.load(FIXTURES / name)
+    hf.save(cfg, params, tmp_path / "ours", max_shard_bytes=50_000)
+    script = (
+        "import sys, numpy as np, torch, transformers\n"
+        "m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
+        "t = torch.from_numpy(np.load(sys.argv[2])).long()\n"
+        "with torch.no_grad(): np.save(sys.argv[3], m(t).logits.float().numpy())\n"
+    )
+    out = tmp_path / "logits.npy"
+    subprocess.run([HF_PYTHON, "-c", script, str(tmp_path / "ours"),
+                    str(FIXTURES / name / "tokens.npy"), str(out)], check=True)  # fmt: skip
+    # transformers on our save against transformers on the original: the same weights, the
+    # same code, so equal up to nothing but run-to-run noise (none on CPU): bit-equal.
+    np.testing.assert_array_equal(np.load(out), np.load(FIXTURES / name / "logits.npy"))
