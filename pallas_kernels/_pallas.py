@@ -7,9 +7,9 @@ behind the choice: docs/development_history.md):
   decode, decode-sum, decode-sum-reencode and every encode the Mosaic kernel does not take. These
   are streaming passes over HBM with a small per-group reduction and small dots; the lowering
   streams at HBM speed, works under `jax.vmap` and `shard_map`, and runs the same bodies on the
-  CPU in interpret mode (CI). jax 0.11 deprecates this lowering (a DeprecationWarning at
-  lowering time); it is kept while it is the fastest path for these kernels and the only one
-  whose CPU interpret mode runs them.
+  CPU in interpret mode (CI). jax 0.11 deprecates this lowering (a DeprecationWarning when
+  lowered for a GPU; 0.12 still warns, and interpret mode does not); it is kept while it is the
+  fastest path for these kernels and the only one whose CPU interpret mode runs them.
 - Mosaic GPU (`plgpu.kernel`, below) for the `taco` encode of bf16 on Hopper from 64 MiB
   (`encode_mosaic`): there the Triton lowering spends a fifth of the time moving each tile
   between the dot's register and shared-memory layouts, while TMA-staged tiles that wgmma reads

@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
 # Creates .venv with a Python >= 3.12 (jax 0.11.2 needs it) and installs the project with the
 # extras given as the first argument, e.g. `bash scripts/venv.sh test,train`.
+# VENV names the venv (default .venv) and CONSTRAINTS the pins (default constraints.txt, the GPU
+# machine's versions); the newest versions the ranges allow (JAX 0.12):
+#   CONSTRAINTS=constraints-latest.txt VENV=.venv-latest bash scripts/venv.sh test,train
 # Finds python3.12 / python3.13 / python3 on the PATH, else a pyenv 3.12 (the CPU machines
 # default to 3.11 and carry 3.12.1 in pyenv, whose bare shim cannot run without PYENV_VERSION).
 set -euo pipefail
 extras=${1:-train}
 venv=${VENV:-.venv}
+constraints=${CONSTRAINTS:-constraints.txt}
+if [ ! -f "$constraints" ]; then
+  echo "CONSTRAINTS=$constraints: no such file (run from the repository root)" >&2
+  exit 2
+fi
 
 find_python() {
   for candidate in python3.12 python3.13 python3; do
@@ -24,10 +32,11 @@ find_python() {
 }
 
 python=$(find_python)
-echo "creating $venv with $($python --version) ($python)"
+echo "creating $venv ($constraints) with $($python --version) ($python)"
 $python -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
-# Exact versions from constraints.txt (those of the GPU machine), so CPU and GPU run the same code.
+# Exact versions from $constraints (constraints.txt: those of the GPU machine, so that CPU and GPU
+# run the same code).
 # PYTHONWARNINGS=ignore quiets setuptools' boxed "editable installation" notice, which every
 # editable mode prints and no option turns off; pip's own errors still show.
-PYTHONWARNINGS=ignore "$venv/bin/python" -m pip install -q -c constraints.txt -e ".[$extras]"
+PYTHONWARNINGS=ignore "$venv/bin/python" -m pip install -q -c "$constraints" -e ".[$extras]"

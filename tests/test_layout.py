@@ -155,3 +155,39 @@ def test_declared_dependencies():
     assert names(project["dependencies"]) == {"jax", "numpy"}
     assert {"flax", "optax", "orbax-checkpoint"} <= names(project["optional-dependencies"]["train"])
     assert not any("==" in r for r in project["dependencies"])
+
+
+def _pins(constraints: Path) -> dict[str, str]:
+    """{canonical name: version} of a constraints file's `name==version` lines."""
+    from packaging.utils import canonicalize_name
+
+    pins = {}
+    for line in constraints.read_text().splitlines():
+        requirement = line.split("#")[0].strip()
+        if requirement:
+            name, version = requirement.split("==")
+            pins[canonicalize_name(name)] = version.strip()
+    return pins
+
+
+@pytest.mark.parametrize("constraints", ["constraints.txt", "constraints-latest.txt"])
+def test_constraints_within_declared_ranges(constraints):
+    """Both files CI installs with (the GPU machine's versions, and the newest the ranges allow)
+    pin the JAX stack at versions that the declared ranges admit, so that each resolves."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = list(project["dependencies"])
+    for extra in ("train", "test"):
+        declared += project["optional-dependencies"][extra]
+    pins = _pins(REPO / constraints)
+    assert {"jax", "jaxlib", "numpy", "flax", "optax", "orbax-checkpoint"} <= pins.keys()
+    # jax requires the jaxlib of its own version (its metadata: jaxlib<=its version).
+    assert pins["jaxlib"] == pins["jax"], pins
+    outside = {}
+    for requirement in map(Requirement, declared):
+        name = canonicalize_name(requirement.name)
+        if name in pins and not requirement.specifier.contains(pins[name], prereleases=True):
+            outside[name] = (pins[name], str(requirement.specifier))
+    assert not outside, f"{constraints}: pinned outside the declared ranges: {outside}"
