@@ -13,8 +13,14 @@ from taco_train import config
 
 DOC = pathlib.Path(__file__).parents[2] / "docs" / "training.md"
 ROW = re.compile(r"^\| `(\w+)\.(\w+)` \| ([^|]+) \| ([^|]+) \| (.+) \|$")
-# Keys of a section that are no dataclass field (the model section's preset name).
-EXTRA_KEYS = {"model": {"preset": ("str", f'"{config.DEFAULT_PRESET}"')}}
+# Keys of a section that are no field of its dataclass (the model section's preset name and
+# the Hugging Face checkpoint a run starts from, `TrainConfig.init_from`).
+EXTRA_KEYS = {
+    "model": {
+        "preset": ("str", f'"{config.DEFAULT_PRESET}"'),
+        "init_from": ("str, optional", "unset"),
+    }
+}
 
 
 def render_type(hint) -> str:
