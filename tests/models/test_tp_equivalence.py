@@ -101,29 +101,29 @@ GPT = ModelConfig.preset("gpt_tiny")
 QWEN = ModelConfig.preset("qwen2_tiny")  # GQA: 8 query heads over 4 KV heads
 
 # Every TP size under both runners, SP on and off under both, and GQA under both.
+SLOW = pytest.mark.slow  # > ~10 s each on the 2-core CPU: the slow tier
+# The fast tier keeps one shard_map case (with sequence parallelism) and one vmap case.
 EXACT_CASES = [
-    ("shard_map", 2, False, GPT),
-    ("shard_map", 4, True, GPT),
-    ("shard_map", 8, False, GPT_VOCAB_200),
-    ("vmap", 2, True, GPT_VOCAB_200),
-    ("vmap", 4, False, GPT),
-    ("vmap", 8, True, GPT),
-    ("shard_map", 4, False, QWEN),
-    ("vmap", 2, True, QWEN),
+    pytest.param("shard_map", 2, False, GPT, {}, marks=SLOW),
+    ("shard_map", 4, True, GPT, {}),
+    pytest.param("shard_map", 8, False, GPT_VOCAB_200, {}, marks=SLOW),
+    pytest.param("vmap", 2, True, GPT_VOCAB_200, {}, marks=SLOW),
+    ("vmap", 4, False, GPT, {}),
+    pytest.param("vmap", 8, True, GPT, {}, marks=SLOW),
+    pytest.param("shard_map", 4, False, QWEN, {}, marks=SLOW),
+    pytest.param("vmap", 2, True, QWEN, {}, marks=SLOW),
 ]
 
 
 # The batch split into independent chunks through the blocks (compute / communication overlap):
 # the same function, so the same tolerance; with and without scanned layers.
 CHUNKED_CASES = [
-    ("shard_map", 2, True, GPT, dict(overlap_chunks=2)),
-    ("vmap", 4, False, QWEN, dict(overlap_chunks=2, scan_layers=False)),
+    pytest.param("shard_map", 2, True, GPT, dict(overlap_chunks=2), marks=SLOW),
+    pytest.param("vmap", 4, False, QWEN, dict(overlap_chunks=2, scan_layers=False), marks=SLOW),
 ]
 
 
-@pytest.mark.parametrize(
-    ("mode", "tp", "sp", "cfg", "layout"), [(*case, {}) for case in EXACT_CASES] + CHUNKED_CASES
-)
+@pytest.mark.parametrize(("mode", "tp", "sp", "cfg", "layout"), EXACT_CASES + CHUNKED_CASES)
 def test_uncompressed_tp_equals_unsharded(reference_cache, mode, tp, sp, cfg, layout):
     _needs_devices(tp if mode == "shard_map" else 1)
     params, tokens, (ref_logits, ref_loss, ref_grads) = _reference(reference_cache, cfg)
@@ -150,7 +150,11 @@ def test_reference_loss_is_cross_entropy_over_unpadded_vocab(reference_cache):
 
 @pytest.mark.parametrize(
     ("mode", "sp", "cfg", "chunks"),
-    [("shard_map", False, GPT, 1), ("vmap", True, QWEN, 1), ("shard_map", False, GPT, 2)],
+    [
+        ("shard_map", False, GPT, 1),
+        pytest.param("vmap", True, QWEN, 1, marks=SLOW),
+        pytest.param("shard_map", False, GPT, 2, marks=SLOW),
+    ],
 )
 def test_taco_tp_close_to_unsharded(reference_cache, mode, sp, cfg, chunks):
     _needs_devices(4 if mode == "shard_map" else 1)

@@ -102,8 +102,9 @@ def test_mosaic_launch_divides_rows_and_fills_the_gpu(rows, tiles_per_row):
     [
         (1, 2, None),
         (2, 8, MosaicLaunch(4, 3)),
-        (3, 4, MosaicLaunch(2, 2)),
-        (1, 8, MosaicLaunch(8, 3, store_slots=3)),  # slots that do not divide the tiles
+        pytest.param(3, 4, MosaicLaunch(2, 2), marks=pytest.mark.slow),
+        # slots that do not divide the tiles
+        pytest.param(1, 8, MosaicLaunch(8, 3, store_slots=3), marks=pytest.mark.slow),
     ],
 )
 def test_codes_in_the_cpu_interpreter(rows, tiles, launch):

@@ -137,6 +137,7 @@ class TahQuantKernelTest:
             err = np.abs(np.asarray(got, np.float64).reshape(groups.shape) - groups)
             assert np.all(err <= bound), f"decode error {err.max():.3g} beyond its bound"
 
+    @pytest.mark.slow
     @pytest.mark.parametrize("name", NAMES)
     def test_nonfinite_groups_stay_nonfinite(self, name):
         """A NaN, an Inf and a -Inf (the asymmetric grid's min) each mark exactly their group:
@@ -150,6 +151,7 @@ class TahQuantKernelTest:
         nan_groups = np.isnan(np.asarray(out)).reshape(2, 4, g).all(axis=-1)
         np.testing.assert_array_equal(nan_groups, [[1, 0, 0, 0], [0, 0, 1, 1]])
 
+    @pytest.mark.slow
     @pytest.mark.parametrize("name", NAMES)
     def test_tiles_without_outliers_skip_the_pivot(self, name):
         """The encode skips the swap and H_32 on a tile with no flagged group (G = 128,

@@ -566,7 +566,9 @@ def test_gradient_under_vmap_matches_lax():
     )
 
 
-@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize(
+    "tp", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)]
+)
 def test_two_shot_matches_a_host_side_replay(tp):
     """Replays docs/method.md "Collectives" chunk by chunk with the codec itself. `fp8` has no
     Hadamard, so each output element depends on its own inputs and its group's two scales only:
@@ -648,6 +650,7 @@ KERNEL_OPS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", sorted(KERNEL_OPS))
 def test_messages_past_the_kernel_buffer_limit_are_sliced_not_changed(monkeypatch, op):
     """A message whose kernel buffers would pass the kernels' 32-bit offsets is cut into slices
@@ -722,6 +725,7 @@ def _stage_replay(codec, x):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", tahquant.NEAREST_CODEC_NAMES)
 def test_tahquant_grids_on_tp_match_a_host_side_replay(name):
     """TAH-Quant on TP traffic (the TACO paper's baseline) runs the TP codecs' exchanges with
@@ -810,6 +814,7 @@ def _kernels_against_reference(name, x, **options):
     return diff, level
 
 
+@pytest.mark.slow
 def test_tahquant_grids_on_tp_run_the_stage_kernels():
     """impl="pallas_interpret" runs the fused stage kernels (`pallas_kernels.tahquant_kernel`)
     inside the collectives: equal to the reference path within the replay test's rule."""
@@ -889,6 +894,7 @@ def test_stochastic_tahquant_on_tp_rounds_without_bias(name):
     np.testing.assert_allclose(nearest, -0.3, atol=1e-4)  # what the test tells apart
 
 
+@pytest.mark.slow
 def test_stochastic_tahquant_on_tp_noise_follows_the_message():
     """The same message rounds the same way every time (a resumed run reproduces it); changing
     one element changes the noise of every group (for the round-to-nearest grid, nothing
@@ -934,6 +940,7 @@ def _stochastic_bound(codec, rows):
     return _steps(codec, rows) * factor.reshape(rows.shape)
 
 
+@pytest.mark.slow
 def test_stochastic_tahquant_on_tp_stays_within_a_step_per_encode():
     """On Gaussian data (some groups of 32 pivot), every rank holds the same sum, within
     `_stochastic_bound` of each encode plus the fp32 level (`_sum_level`) of the exact sum:
@@ -964,6 +971,7 @@ def test_stochastic_tahquant_on_tp_stays_within_a_step_per_encode():
         assert bool(np.all(err <= bound)), algorithm
 
 
+@pytest.mark.slow
 def test_stochastic_tahquant_on_tp_runs_the_stage_kernels():
     """impl="pallas_interpret" draws the noise of the reference path (the same messages, so
     the same keys): one-shot's outputs agree but where fp32 rounding moved a code across a

@@ -48,16 +48,22 @@ def _expected(codec_name, x, perm, key=KEY):
 
 # Every codec over the cycle; over the chain (a partial permutation) one codec per kind:
 # none, a fixed-bit stage codec, the adaptive one, a TP codec.
-RECEIVER_CASES = [(name, CYCLE4) for name in (
-    "none", "tahquant", "tahquant_sym", "tahquant4", "tahquant_adaptive", "taco")] + [
-    (name, CHAIN4) for name in ("none", "tahquant", "tahquant_adaptive", "taco")]  # fmt: skip
+def _receiver_case(name, perm):
+    # The adaptive codec's host-side grouping makes its cases the slowest of this file.
+    marks = pytest.mark.slow if name == "tahquant_adaptive" else ()
+    route = "cycle" if perm is CYCLE4 else "chain"
+    return pytest.param(name, perm, id=f"{name}-{route}", marks=marks)
+
+
+CYCLE_CODECS = ("none", "tahquant", "tahquant_sym", "tahquant4", "tahquant_adaptive", "taco")
+CHAIN_CODECS = ("none", "tahquant", "tahquant_adaptive", "taco")
+RECEIVER_CASES = [_receiver_case(name, CYCLE4) for name in CYCLE_CODECS] + [
+    _receiver_case(name, CHAIN4) for name in CHAIN_CODECS
+]
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(
-    "name,perm", RECEIVER_CASES,
-    ids=[f"{n}-{'cycle' if p is CYCLE4 else 'chain'}" for n, p in RECEIVER_CASES],
-)  # fmt: skip
+@pytest.mark.parametrize("name,perm", RECEIVER_CASES)
 def test_receivers_hold_the_decoded_message(mode, perm, name):
     x = _ranks(4, (3, 100), seed=1)  # 300 elements: not a multiple of any group size
     fn = lambda v: tj.compressed_ppermute(v, "pp", perm, codec=name, key=KEY)  # noqa: E731
@@ -65,6 +71,7 @@ def test_receivers_hold_the_decoded_message(mode, perm, name):
     np.testing.assert_array_equal(out, _expected(name, x, perm))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ["tahquant"])  # the other codecs: test_tahquant_kernel.py
 def test_fused_kernels_carry_the_same_message(mode, name):

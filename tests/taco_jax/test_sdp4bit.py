@@ -24,6 +24,7 @@ from taco_jax import codecs, sdp4bit
 
 KEY = jax.random.key(3)
 MODES = ("shard_map", "vmap")
+MODES_SHARD_MAP_SLOW = [pytest.param("shard_map", marks=pytest.mark.slow), "vmap"]
 
 
 def _gradients(ranks, n, seed=0):
@@ -57,7 +58,7 @@ def _assert_block_bound(out, exact, per_value_bound):
     assert np.all(err <= 1.01 * bound), f"worst block at {np.argmax(err / bound)}"
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES_SHARD_MAP_SLOW)
 def test_one_level_is_the_reduce_scatter_within_its_bound(mode):
     ranks, n = 8, 8 * 1024
     x = _gradients(ranks, n)
@@ -69,7 +70,7 @@ def test_one_level_is_the_reduce_scatter_within_its_bound(mode):
     _assert_block_bound(np.asarray(out, np.float64).reshape(-1), exact, bound)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES_SHARD_MAP_SLOW)
 def test_two_levels_are_the_reduce_scatter_within_their_bound(mode):
     outer, inner, n = 2, 4, 8 * 1024
     x = _gradients(outer * inner, n, seed=1)
@@ -156,6 +157,7 @@ def test_qwd_replicas_stay_bit_identical_and_near_the_new_weights(mode, shape, n
     assert not np.array_equal(out[0], np.asarray(replica, np.float32))  # the replica moved
 
 
+@pytest.mark.slow
 def test_qwd_runs_the_stage_kernels():
     """impl="pallas_interpret" runs qWD's groups of 2048 through the fused stage kernels (one
     group per encode tile): the replicas stay bit-identical across ranks and equal the

@@ -25,6 +25,9 @@ EMULATED_3D = ParallelConfig(  # dp x pp x tp on one device (models/spmd.py)
 )  # fmt: skip
 
 
+SLOW = pytest.mark.slow  # > ~10 s on the 2-core CPU: the slow tier
+
+
 def _batch(global_batch: int) -> np.ndarray:
     rng = np.random.default_rng(0)
     return rng.integers(0, CFG.vocab_size, (global_batch, CFG.seq_len + 1), dtype=np.int32)
@@ -33,11 +36,13 @@ def _batch(global_batch: int) -> np.ndarray:
 @pytest.mark.parametrize(
     "parallel,codec",
     [
-        (ParallelConfig(dp=2, tp=4, sequence_parallel=True, remat=True), "taco"),
+        pytest.param(
+            ParallelConfig(dp=2, tp=4, sequence_parallel=True, remat=True), "taco", marks=SLOW
+        ),
         (ParallelConfig(dp=2, tp=2, mode="vmap"), "taco"),
         # TAH-Quant on TP, stochastic (80 s on the CPU; the round-to-nearest grid shares every
         # path but the key and is tested inside the collectives, tests/taco_jax)
-        (ParallelConfig(dp=2, tp=2, mode="vmap"), "tahquant4"),
+        pytest.param(ParallelConfig(dp=2, tp=2, mode="vmap"), "tahquant4", marks=SLOW),
     ],
     ids=[
         "shard_map-dp2-tp4-sp-remat",
@@ -127,6 +132,7 @@ def test_state_is_portable_across_tp_sizes():
 SDP4BIT = zero.ZeroConfig(grad_codec="tlq_hs", param_codec="qwd", grad_clip=1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "parallel,sharded",
     [(ParallelConfig(tp=2, mode="vmap"), None), (ParallelConfig(dp=2, tp=2, mode="vmap"), SDP4BIT)],
@@ -175,6 +181,7 @@ def _slice_dims(parallel: ParallelConfig):
     return jax.tree.map(lambda t: (t,), tp) if parallel.tp > 1 else None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "parallel",
     [
@@ -231,6 +238,7 @@ def test_sharded_optimizer_is_the_replicated_one(parallel, monkeypatch):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(replica))  # fp32 replica
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["shard_map", "emulate"])
 def test_two_level_dp_compresses_in_two_levels(mode, monkeypatch):
     """dp = 4 as 2 groups of 2 (`dp_intra=2`): the mesh names both levels, the batch and every

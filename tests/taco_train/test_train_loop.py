@@ -85,6 +85,7 @@ def test_tensorboard_holds_the_metrics(full_run):
         np.testing.assert_allclose([v for _, v in got], [v for _, v in expected], rtol=2**-23)
 
 
+@pytest.mark.slow
 def test_profile_steps_write_a_trace(cache, tmp_path):
     _cli(tmp_path, cache, "run.profile_steps=2", "run.profile_start=2", "run.steps=4")
     traces = list((tmp_path / "profile").rglob("*.xplane.pb"))
@@ -104,6 +105,7 @@ def test_resume_reproduces_the_uninterrupted_run(full_run, cache, tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
 def test_divergence_stops_in_one_line_and_saves_no_nonfinite_state(cache, tmp_path, capsys):
     """optimizer.lr=1e3 diverges within a few steps: the run stops with one line that names the
     steps and what to try, and every checkpoint it left is finite (a rerun never resumes into
@@ -144,6 +146,7 @@ PIPELINED = (
 )
 
 
+@pytest.mark.slow
 def test_pipelined_run_trains_and_resumes_exactly(cache, tmp_path):
     """pp = 2 x tp = 2 on 4 fake devices, stochastic stage codec: the loss falls, the stage
     traffic's error is logged, and a run interrupted at its step-3 checkpoint resumes into the
@@ -210,6 +213,7 @@ TELEMETRY_BOUNDS = {
 }
 
 
+@pytest.mark.slow
 def test_3d_compressed_run_trains_and_resumes_exactly(cache, tmp_path, capsys):
     """dp = 2 x pp = 2 x tp = 2 on 8 fake devices, every dimension compressed: TACO on the TP
     traffic, TAH-Quant on the stage sends, TACO on the stages' sum of the shared parameters'
@@ -234,6 +238,7 @@ def test_3d_compressed_run_trains_and_resumes_exactly(cache, tmp_path, capsys):
     assert "(dp, pp, tp) slices (2, 2, 2) -> (2, 2, 1)" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_paper_layout_emulated_on_one_device_trains_and_resumes_exactly(
     cache, tmp_path, monkeypatch
 ):

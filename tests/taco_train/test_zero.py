@@ -38,7 +38,6 @@ STEPS = 3
 SHAPES = {"w": (37, 19), "b": (19,), "emb": (300, 8), "long": (2100,)}
 DECAY = {"w": True, "b": False, "emb": True, "long": True}
 N_PARAMS = sum(int(np.prod(s)) for s in SHAPES.values())
-MODES = ("shard_map", "vmap")
 
 
 def _params(shapes=SHAPES):
@@ -116,7 +115,7 @@ def _assert_norms(norms, want):
         np.testing.assert_allclose(got, ref, rtol=N_PARAMS * 2.0**-24)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [pytest.param("shard_map", marks=pytest.mark.slow), "vmap"])
 def test_uncompressed_equals_replicated_adamw(mode):
     params = _params()
     want, want_norms = _replicated(params, 2, clip=1e9)
@@ -130,7 +129,9 @@ def test_uncompressed_equals_replicated_adamw(mode):
 
 
 @pytest.mark.parametrize(
-    "shape,axes", [((4,), "dp"), ((2, 2), ("outer", "inner"))], ids=["dp4", "outer2-inner2"]
+    "shape,axes",
+    [pytest.param((4,), "dp", marks=pytest.mark.slow), ((2, 2), ("outer", "inner"))],
+    ids=["dp4", "outer2-inner2"],
 )
 def test_clipping_uses_the_global_norm_of_the_mean_gradient(shape, axes):
     """The mean gradient's norm is ~ 36, 72, 108 over the three steps at dp = 4: a threshold of
@@ -145,6 +146,7 @@ def test_clipping_uses_the_global_norm_of_the_mean_gradient(shape, axes):
     _assert_norms(norms, want_norms)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["shard_map"])  # vmap: test_sdp4bit.py runs both under it
 def test_sdp4bit_replicas_stay_bit_identical_near_the_master(mode):
     ranks = 4
@@ -195,7 +197,9 @@ BUCKET_SHAPES = SHAPES | {"odd": (9000,)}
 
 
 @pytest.mark.parametrize(
-    "shape,axes", [((4,), "dp"), ((2, 2), ("outer", "inner"))], ids=["dp4", "outer2-inner2"]
+    "shape,axes",
+    [((4,), "dp"), pytest.param((2, 2), ("outer", "inner"), marks=pytest.mark.slow)],
+    ids=["dp4", "outer2-inner2"],
 )
 def test_buckets_move_the_bits_one_collective_per_leaf_moves(shape, axes):
     """Uncompressed, three steps with clipping: one bucket for every leaf against one bucket
@@ -210,6 +214,7 @@ def test_buckets_move_the_bits_one_collective_per_leaf_moves(shape, axes):
             np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]))
 
 
+@pytest.mark.slow
 def test_buckets_round_as_one_collective_per_leaf_rounds():
     """SDP4Bit at dp = 4: the noise differs between one bucket and one per leaf (a key per
     bucket), so the guarantees are compared: replicas identical over the ranks, and the same
