@@ -33,6 +33,7 @@ gradients are returned: `make_pipeline_loss_and_local_grads`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -145,74 +146,139 @@ def _send_forward(y, parallel: ParallelConfig, codecs: StageCodecs, key, step):
     )  # fmt: skip
 
 
-def _chunk(params: dict, model: ModelConfig, repeat, chunks_per_stage: int) -> dict:
-    """The local parameters with the blocks of chunk `repeat` of this stage ([L / (P V), ...]).
+def _segments(parallel: ParallelConfig) -> list[tuple[int, int, int, bool]]:
+    """The schedule's steps cut into runs that use one chunk per stage: (first step, steps,
+    chunk v, mixed). Stage s's chunk at step i is (i - s) // M clipped to [0, V - 1]; it is the
+    same on every stage except in the P - 1 steps after stage 0 moves to chunk v >= 1, where
+    stages s <= i - v M run chunk v and the others still v - 1 ("mixed": a select between the
+    two). Each run is one `lax.scan` over a static slice of the stage's blocks, so the scan's
+    backward accumulates one chunk's gradient instead of filling all V chunks' at every step."""
+    p, m, v = parallel.pp, parallel.microbatches, parallel.repeats
+    runs = [(0, m, 0, False)]
+    for chunk in range(1, v):
+        runs += [(chunk * m, p - 1, chunk, True), (chunk * m + p - 1, m - p + 1, chunk, False)]
+    runs.append((v * m, p - 1, v - 1, False))
+    merged = []
+    for run in runs:
+        if run[1] == 0:
+            continue
+        if merged and not run[3] and not merged[-1][3] and merged[-1][2] == run[2]:
+            first, count, chunk, _ = merged[-1]
+            merged[-1] = (first, count + run[1], chunk, False)
+        else:
+            merged.append(run)
+    return merged
 
-    With one chunk per stage (GPipe) a static index: differentiated inside the schedule's scan,
-    a dynamic index becomes, at every step, a zero gradient of all the stage's blocks with the
-    chunk's gradient written into it (docs/development_history.md, "The pipelined step's fixed
-    cost")."""
 
-    def pick(x):
-        if chunks_per_stage == 1:
-            return x[0, 0]
-        return lax.dynamic_index_in_dim(x[:, 0], repeat, keepdims=False)
-
+def _with_blocks(params: dict, model: ModelConfig, pick) -> dict:
+    """The local parameters with the staged blocks [V, 1, L / (P V), ...] replaced by
+    `pick(leaf)` (one chunk's [L / (P V), ...])."""
     return _map_axes(lambda axes, x: pick(x) if axes[0] == "layers" else x, model, params)
 
 
+def _run_chunk(params, model, run, stage, step, m):
+    """The blocks of a run's chunk on this stage (`_segments`): a static slice, or in a mixed
+    run the select between chunk v (stages that reached it) and v - 1."""
+    _, _, chunk, mixed = run
+    if not mixed:
+        return _with_blocks(params, model, lambda x: x[chunk, 0])
+    reached = stage <= step - chunk * m
+    return _with_blocks(params, model, lambda x: jnp.where(reached, x[chunk, 0], x[chunk - 1, 0]))
+
+
+def _branch_ctx(ctx, parallel):
+    """The context of the embedding and head, which run under `lax.cond` on the stage. Under
+    emulation a cond on the stage runs both branches (vmap makes it a select): their
+    collectives then also run where shard_map skips them, on values no stage uses, so they
+    record no telemetry."""
+    return ctx.untracked() if parallel.mode == "emulate" else ctx
+
+
+def _dp_key(key, parallel):
+    """dp ranks draw their own noise; tp ranks the same (replicated values)."""
+    return None if key is None else jax.random.fold_in(key, lax.axis_index(parallel.dp_axis))
+
+
+def _microbatches(tokens, parallel: ParallelConfig):
+    m = parallel.microbatches
+    return tokens.reshape(m, tokens.shape[0] // m, tokens.shape[1])  # [M, b, T + 1]
+
+
+def _embed_all(net, micro, ctx, branch_ctx):
+    """Every microbatch's input embedded at once: [M, b, T + 1] -> [M, b, T(_sp), D]."""
+    m, b = micro.shape[:2]
+    x = net.embed(micro[:, :, :-1].reshape(m * b, -1), branch_ctx).astype(ctx.dtype)
+    return x.reshape(m, b, *x.shape[1:])
+
+
+def _on_stage(stage_index, fn, *args):
+    """fn(*args) on one stage, zeros of its shape on the others (`lax.cond`)."""
+    shape = jax.eval_shape(fn, *args)
+    zeros = lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape)  # noqa: E731
+    return lax.cond(lax.axis_index(PP_AXIS) == stage_index, fn, zeros, *args)
+
+
+def _head_loss(net, y, micro, model, branch_ctx):
+    """Mean token cross-entropy of finished microbatches y [n, b, T(_sp), D] against their
+    targets micro [n, b, T + 1]: the final norm and output projection over all n at once."""
+    n, b = y.shape[:2]
+    logits = net.head(y.reshape(n * b, *y.shape[2:]), branch_ctx)
+    targets = micro[:, :, 1:].reshape(n * b, -1)
+    return layers.vocab_parallel_cross_entropy(logits, targets, branch_ctx, model.vocab_size)
+
+
 def _stage_loss(model, parallel, codecs, ctx, params, tokens, key):
-    """This stage's share of the loss: the mean microbatch loss on the last stage, 0 on the
-    others (their part of the gradient arrives through the sends). params: the staged local
-    parameters (blocks [V, 1, L / (P V), ...])."""
+    """This stage's share of the loss: the mean token loss on the last stage, 0 on the others
+    (their part of the gradient arrives through the sends). params: the staged local
+    parameters (blocks [V, 1, L / (P V), ...]).
+
+    The embedding runs once before the schedule's steps (first stage) and the head once after
+    them (last stage), over all M microbatches, as in the unpipelined model: differentiated,
+    the tied table's gradient is then one matmul over the batch, not a fill and a sum at each
+    of the M V + P - 1 steps. The head's logits are those of the whole batch, as unpipelined."""
     stages, m, v = parallel.pp, parallel.microbatches, parallel.repeats
     stage = lax.axis_index(PP_AXIS)
-    # Under emulation a `lax.cond` on the stage runs both branches (vmap makes it a select):
-    # the embedding's and the head's collectives then also run where shard_map skips them, on
-    # values no stage uses, so they record no telemetry.
-    branch_ctx = ctx.untracked() if parallel.mode == "emulate" else ctx
-    if key is not None:  # dp ranks draw their own noise; tp ranks the same (replicated values)
-        key = jax.random.fold_in(key, lax.axis_index(parallel.dp_axis))
-    micro = tokens.reshape(m, tokens.shape[0] // m, tokens.shape[1])  # [M, b, T + 1]
-    t = micro.shape[-1] - 1
-    t_local = t // ctx.size() if (ctx.sharded and ctx.sequence_parallel) else t
-    blank = jnp.zeros((micro.shape[1], t_local, model.d_model), ctx.dtype)
+    branch_ctx = _branch_ctx(ctx, parallel)
+    key = _dp_key(key, parallel)
+    micro = _microbatches(tokens, parallel)
+    net = nnx.merge(graphdef(model), params)  # its blocks unused: the embedding and the head
+    embedded = _on_stage(0, lambda: _embed_all(net, micro, ctx, branch_ctx))
+    blank = jnp.zeros(embedded.shape[1:], ctx.dtype)
     # The first stage's store of returning microbatches (circular: unused by GPipe).
     store = jnp.zeros((m, *blank.shape), ctx.dtype) if v > 1 else None
+    # The last stage finishes microbatch u's last pass at step (V - 1) M + u + P - 1.
+    done_from = (v - 1) * m + stages - 1
 
-    def step(carry, i):
-        received, store, total = carry
+    def step(run, carry, xs):
+        received, store = carry
+        i, fresh = xs
         if v > 1:  # what the last stage finished a step ago, kept for its next pass
             back = i - stages
             slot = jnp.mod(back, m)
             keep = (stage == 0) & (back >= 0)
             store = store.at[slot].set(jnp.where(keep, received, store[slot]))
-        work = i - stage  # this stage's work item: microbatch work mod M, chunk work // M
-        micro_index, repeat = jnp.mod(work, m), jnp.clip(work // m, 0, v - 1)
-        net = nnx.merge(graphdef(model), _chunk(params, model, repeat, v))
+        x = received
+        if fresh is not None:  # steps [0, M): the first stage starts microbatch i
+            x = jnp.where(stage == 0, fresh, x)
+        elif v > 1:  # later: the first stage's work item i is microbatch i mod M's next pass
+            x = jnp.where(stage == 0, store[jnp.mod(i, m)], x)
+        chunk = nnx.merge(graphdef(model), _run_chunk(params, model, run, stage, i, m))
+        y = chunk.run_blocks(x, ctx, remat=parallel.remat, scan_layers=parallel.scan_layers)
+        keep_y = y if run[0] + run[1] > done_from else None
+        return (_send_forward(y, parallel, codecs, key, i), store), keep_y
 
-        def first_pass():
-            return net.embed(micro[micro_index, :, :-1], branch_ctx).astype(ctx.dtype)
-
-        x = lax.cond(stage == 0, first_pass, lambda: received)
-        if v > 1:
-            x = jnp.where((stage == 0) & (repeat > 0), store[micro_index], x)
-        y = net.run_blocks(x, ctx, remat=parallel.remat, scan_layers=parallel.scan_layers)
-
-        def loss():
-            logits = net.head(y, branch_ctx)
-            targets = micro[micro_index, :, 1:]
-            return layers.vocab_parallel_cross_entropy(logits, targets, branch_ctx,
-                                                       model.vocab_size)  # fmt: skip
-
-        # The head runs only where a microbatch finishes (the same on every TP rank of a stage).
-        last = (stage == stages - 1) & (work >= (v - 1) * m) & (work < v * m)
-        total = total + lax.cond(last, loss, lambda: jnp.zeros((), jnp.float32))
-        return (_send_forward(y, parallel, codecs, key, i), store, total), None
-
-    init = (blank, store, jnp.zeros((), jnp.float32))
-    (_, _, total), _ = lax.scan(step, init, jnp.arange(parallel.pipeline_steps))
-    return total / m
+    carry, finished = (blank, store), []
+    for run in _segments(parallel):
+        first, count = run[0], run[1]
+        steps = jnp.arange(first, first + count)
+        fresh = None
+        if first == 0:  # stage 0's inputs: the M microbatches, then bubble steps' zeros
+            fresh = jnp.pad(embedded, [(0, count - m)] + [(0, 0)] * (embedded.ndim - 1))
+        carry, ys = lax.scan(functools.partial(step, run), carry, (steps, fresh))
+        if ys is not None:
+            finished.append(ys[max(done_from - first, 0) :])
+    finished = jnp.concatenate(finished) if len(finished) > 1 else finished[0]  # [M, b, ...]
+    return _on_stage(stages - 1, lambda: _head_loss(net, finished, micro, model, branch_ctx))
 
 
 def _stage_loss_and_grads(model, parallel, codecs, ctx, params, tokens, key, local=False):
