@@ -45,7 +45,7 @@ COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
 
 
 PP_AXIS = "pp"
-SCHEDULES = ("gpipe", "circular")
+SCHEDULES = ("gpipe", "circular", "1f1b")
 MODES = ("shard_map", "vmap", "emulate")
 
 
@@ -85,7 +85,7 @@ class ParallelConfig:
     attention: Literal["auto", "xla", "cudnn"] = "auto"
     pp: int = 1
     microbatches: int = 1
-    schedule: Literal["gpipe", "circular"] = "gpipe"
+    schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"
     repeats: int = 1
     overlap_chunks: int = 1
     dp_intra: int = 1
@@ -114,7 +114,7 @@ class ParallelConfig:
             )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not one of {SCHEDULES}")
-        if self.schedule == "gpipe" and self.repeats != 1:
+        if self.schedule != "circular" and self.repeats != 1:
             raise ValueError(f"repeats={self.repeats} needs schedule='circular'")
         if self.schedule == "circular" and (self.repeats < 2 or self.microbatches < self.pp):
             raise ValueError(

@@ -57,6 +57,7 @@ from models.parallel import (
     replicated_mask,
     spmd_map,
 )
+from taco_jax import ppermute
 
 
 def check_pipeline(model: ModelConfig, parallel: ParallelConfig) -> None:
@@ -281,12 +282,205 @@ def _stage_loss(model, parallel, codecs, ctx, params, tokens, key):
     return _on_stage(stages - 1, lambda: _head_loss(net, finished, micro, model, branch_ctx))
 
 
+@dataclasses.dataclass(frozen=True)
+class _SavedForward:
+    """What a stage keeps of one microbatch's forward for its backward: the leaves of
+    `jax.vjp`'s pullback (its residuals) less those that are the parameters themselves, which
+    every microbatch shares and the backward takes from the parameters again. tree: the
+    pullback's structure (its jaxpr is static, so one trace's structure rebuilds another's);
+    param_index: per leaf, the index of the parameter leaf it is, or None (kept); kept: the
+    shapes of the kept leaves."""
+
+    tree: jax.tree_util.PyTreeDef
+    param_index: tuple[int | None, ...]
+    kept: tuple[jax.ShapeDtypeStruct, ...]
+
+    @classmethod
+    def of(cls, pullback_of, params, x) -> _SavedForward:
+        """The structure of `pullback_of(params, x)[1]`, traced once without computing."""
+        found = {}
+
+        def probe(params, x):
+            _, pullback = pullback_of(params, x)
+            leaves, found["tree"] = jax.tree.flatten(pullback)
+            found["index"] = tuple(_param_index(leaf, params) for leaf in leaves)
+            return [leaf for leaf, i in zip(leaves, found["index"], strict=True) if i is None]
+
+        kept = jax.eval_shape(probe, params, x)
+        return cls(found["tree"], found["index"], tuple(kept))
+
+    def empty_ring(self, slots: int) -> list[jax.Array]:
+        return [jnp.zeros((slots, *s.shape), s.dtype) for s in self.kept]
+
+    def store(self, ring, slot, pullback) -> list[jax.Array]:
+        leaves = jax.tree.leaves(pullback)
+        kept = [leaf for leaf, i in zip(leaves, self.param_index, strict=True) if i is None]
+        pairs = zip(ring, kept, strict=True)
+        return [lax.dynamic_update_index_in_dim(r, k, slot, 0) for r, k in pairs]
+
+    def load(self, ring, slot, params):
+        kept = iter(lax.dynamic_index_in_dim(r, slot, 0, keepdims=False) for r in ring)
+        param_leaves = jax.tree.leaves(params)
+        leaves = [next(kept) if i is None else param_leaves[i] for i in self.param_index]
+        return jax.tree.unflatten(self.tree, leaves)
+
+
+def _keep_per_token(primitive, *_, **__) -> bool:
+    """The residuals 1F1B keeps per microbatch: everything but casts and broadcasts, which
+    are recomputed in the backward. Kept, they would hold a compute-dtype copy of the stage's
+    weights in every slot of the ring (their casts); recomputed, the backward casts the
+    weights again (cheap) and the activations' casts (elementwise)."""
+    return primitive not in (lax.convert_element_type_p, lax.broadcast_in_dim_p)
+
+
+def _param_index(leaf, params) -> int | None:
+    return next((i for i, p in enumerate(jax.tree.leaves(params)) if leaf is p), None)
+
+
+def one_f_one_b_slots(parallel: ParallelConfig) -> int:
+    """Microbatches whose forward residuals a stage holds at once under "1f1b": 2 P - 1 (the
+    first stage keeps microbatch u from its forward at tick u to its backward at u + 2 P - 2)."""
+    return 2 * parallel.pp - 1
+
+
+def _one_f_one_b(model, parallel, codecs, ctx, params, tokens, key):
+    """(this stage's share of the loss, its staged gradients) under the 1F1B schedule
+    (PipeDream-Flush, Narayanan et al. 2021, section 2.2; Megatron-LM's default).
+
+    Ticks t = 0 .. M + 2 P - 3: stage s runs the forward of microbatch t - s and then the
+    backward of microbatch t - (2 P - 2 - s), each where it is in [0, M); the last stage's
+    backward of a microbatch follows its forward and head in the same tick. Each forward is a
+    `jax.vjp` whose residuals go to slot u mod (2 P - 1) of a ring carried through the scan
+    until the backward of microbatch u calls the pullback: activations of at most 2 P - 1
+    microbatches are held, whatever M. Activations go forward and their gradients back with
+    `taco_jax.compressed_ppermute` (the stage codecs' forward and backward codecs). The ticks
+    run as three scans (forwards only, both, backwards only), so no tick computes a pass that
+    no stage needs. The embedding runs before the ticks (all microbatches at once, its
+    gradient after them from the first stage's input gradients); the head inside, per
+    microbatch, on the last stage."""
+    stages, m = parallel.pp, parallel.microbatches
+    slots = one_f_one_b_slots(parallel)
+    stage = lax.axis_index(PP_AXIS)
+    branch_ctx = _branch_ctx(ctx, parallel)
+    key = _dp_key(key, parallel)
+    micro = _microbatches(tokens, parallel)
+    gd = graphdef(model)
+    local = _with_blocks(params, model, lambda x: x[0, 0])
+    blocks = local["blocks"]
+    rest = {name: value for name, value in local.items() if name != "blocks"}
+    merge = lambda rest, blocks: nnx.merge(gd, {**rest, "blocks": blocks})  # noqa: E731
+
+    def embed(rest):
+        return _embed_all(merge(rest, blocks), micro, ctx, branch_ctx)
+
+    def forward(rest, blocks, x):
+        net = merge(rest, blocks)
+        return net.run_blocks(x, ctx, remat=parallel.remat, scan_layers=parallel.scan_layers)
+
+    def pullback_of(params, x):  # params: (blocks, rest); the pullback's cotangents: blocks, x
+        blocks, rest = params
+        return jax.vjp(jax.checkpoint(lambda b, x: forward(rest, b, x), policy=_keep_per_token),
+                       blocks, x)  # fmt: skip
+
+    def head_loss(rest, y, u):  # the last stage's loss of microbatch u, over M
+        return _head_loss(merge(rest, blocks), y[None], micro[u][None], model, branch_ctx) / m
+
+    embedded = _on_stage(0, embed, rest)  # [M, b, T(_sp), D]
+    blank = jnp.zeros(embedded.shape[1:], ctx.dtype)
+    saved = _SavedForward.of(pullback_of, (blocks, rest), blank)
+    zeros_like = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
+
+    def run_forward(t, received, ring, head_grads, loss):
+        u = t - stage
+        x = jnp.where(stage == 0, embedded[jnp.clip(t, 0, m - 1)], received)
+        y, pullback = pullback_of((blocks, rest), x)
+        ring = saved.store(ring, jnp.mod(u, slots), pullback)
+
+        def with_head(head_grads, loss):
+            value, (g_rest, g_y) = jax.value_and_grad(head_loss, argnums=(0, 1))(
+                rest, y, jnp.clip(u, 0, m - 1)
+            )
+            return jax.tree.map(jnp.add, head_grads, g_rest), loss + value, g_y
+
+        finishes = (stage == stages - 1) & (u >= 0) & (u < m)
+        head_grads, loss, g_y = lax.cond(
+            finishes, with_head, lambda h, loss: (h, loss, jnp.zeros_like(y)), head_grads, loss
+        )
+        sent = _send(y, parallel, codecs, key, 2 * t, backward=False)
+        return sent, ring, head_grads, loss, g_y
+
+    def run_backward(t, received, ring, grads, g_y):
+        u = t - (2 * stages - 2 - stage)
+        valid = (u >= 0) & (u < m)
+        cotangent = received if g_y is None else jnp.where(stage == stages - 1, g_y, received)
+        g_blocks, g_x = saved.load(ring, jnp.mod(u, slots), (blocks, rest))(cotangent)
+        # Bubble ticks run on stale slots: select (not multiply) so nothing of them survives.
+        grads = jax.tree.map(lambda a, g: a + jnp.where(valid, g, 0), grads, g_blocks)
+        g_x = jnp.where(valid, g_x, jnp.zeros_like(g_x))
+        return _send(g_x, parallel, codecs, key, 2 * t + 1, backward=True), grads, g_x
+
+    def tick(carry, t, *, forwards: bool, backwards: bool):
+        recv_x, recv_g, ring, grads, head_grads, loss = carry
+        g_y, g_x = None, None
+        if forwards:
+            recv_x, ring, head_grads, loss, g_y = run_forward(t, recv_x, ring, head_grads, loss)
+        if backwards:
+            recv_g, grads, g_x = run_backward(t, recv_g, ring, grads, g_y)
+        return (recv_x, recv_g, ring, grads, head_grads, loss), g_x
+
+    carry = (blank, blank, saved.empty_ring(slots), zeros_like(blocks), zeros_like(rest),
+             jnp.zeros((), jnp.float32))  # fmt: skip
+    input_grads = []
+    for first, count, forwards, backwards in (
+        (0, stages - 1, True, False),  # no backward yet on any stage
+        (stages - 1, m, True, True),
+        (m + stages - 1, stages - 1, False, True),  # no forward left on any stage
+    ):
+        body = functools.partial(tick, forwards=forwards, backwards=backwards)
+        carry, g_x = lax.scan(body, carry, jnp.arange(first, first + count))
+        if backwards:
+            input_grads.append(g_x)
+    _, _, _, grads, head_grads, loss = carry
+    # The first stage's backward of microbatch u ran at tick u + 2 P - 2.
+    input_grads = jnp.concatenate(input_grads)[stages - 1 : stages - 1 + m]
+    embed_grads = _on_stage(0, lambda: jax.vjp(embed, rest)[1](input_grads)[0])
+    rest_grads = jax.tree.map(jnp.add, head_grads, embed_grads)
+    return loss, {**rest_grads, "blocks": jax.tree.map(lambda g: g[None, None], grads)}
+
+
+def _backward_codec(codecs: StageCodecs):
+    """The codec of the gradients sent back: `StageCodecs.backward`, else the forward codec's
+    default backward (as `compressed_ppermute`'s transpose takes it)."""
+    if codecs.backward is not None or codecs.forward == "none":
+        return codecs.forward if codecs.backward is None else codecs.backward
+    return ppermute.backward_codec(ppermute.resolve_codec(codecs.forward))
+
+
+def _send(x, parallel: ParallelConfig, codecs: StageCodecs, key, draw: int, *, backward: bool):
+    """1F1B's sends: activations to the next stage with the forward codec, or gradients to
+    the previous stage with the backward codec (`taco_jax.compressed_ppermute`); `draw` picks
+    the stochastic codecs' noise (each send its own)."""
+    pairs = [(s, s + 1) for s in range(parallel.pp - 1)]
+    codec = codecs.forward
+    if backward:
+        pairs = [(d, s) for s, d in pairs]
+        codec = _backward_codec(codecs)
+    draw_key = None if key is None else jax.random.fold_in(key, draw)
+    return taco_jax.compressed_ppermute(
+        x, PP_AXIS, pairs, codec=codec, key=draw_key, telemetry=codecs.telemetry,
+        name="pp_bwd" if backward else "pp",
+    )  # fmt: skip
+
+
 def _stage_loss_and_grads(model, parallel, codecs, ctx, params, tokens, key, local=False):
     """The mean loss and the staged gradients: averaged over dp, or (local) this dp rank's own
     with a leading axis of 1 (for a sharded optimizer that averages them itself)."""
-    loss, grads = jax.value_and_grad(
-        lambda p: _stage_loss(model, parallel, codecs, ctx, p, tokens, key)
-    )(params)
+    if parallel.schedule == "1f1b":
+        loss, grads = _one_f_one_b(model, parallel, codecs, ctx, params, tokens, key)
+    else:
+        loss, grads = jax.value_and_grad(
+            lambda p: _stage_loss(model, parallel, codecs, ctx, p, tokens, key)
+        )(params)
     if ctx.sharded and ctx.sequence_parallel:
         tp = ctx.comm.axis_name
         grads = jax.tree.map(
