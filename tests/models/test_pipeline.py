@@ -327,3 +327,26 @@ def test_one_f_one_b_keeps_activations_not_weights(monkeypatch, remat):
     layer = GPT.d_model * (4 * GPT.d_model + 2 * GPT.d_ff) // 2  # one TP rank's share
     assert 0 <= constant < 2 * layer  # bf16: 2 bytes per weight
     assert two > one
+
+
+@pytest.mark.slow
+def test_one_f_one_b_memory_does_not_grow_with_microbatches():
+    """XLA's temporaries of the compiled 1F1B step (pp = 2, microbatches of one sequence, fp32)
+    at M = 2 and M = 8: beyond the ring, which holds 2P - 1 microbatches at any M, only the
+    first stage's embedded inputs [M, b, T, D] and their gradients may grow with M, 2 b T D
+    fp32 values per microbatch (plus a microbatch's tokens); 1.5x for XLA's buffer assignment.
+    Keeping every microbatch's residuals, as GPipe does, adds several times that per
+    microbatch (on this CPU: 4.1 MB from M = 2 to 8 for GPipe)."""
+    _needs_devices(2)
+    comm = taco_jax.TPComm.create("tp", fwd="none")
+    params = init_params(GPT, jax.random.key(0))
+
+    def temporaries(m: int) -> int:
+        parallel = ParallelConfig(pp=2, microbatches=m, schedule="1f1b", compute_dtype="float32")
+        tokens = jax.ShapeDtypeStruct((m, GPT.seq_len + 1), np.int32)
+        fn = jax.jit(make_pipeline_loss_and_grads(GPT, parallel, comm))
+        return fn.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
+
+    added = 8 - 2
+    per_microbatch = 2 * GPT.seq_len * GPT.d_model * 4 + 2 * (GPT.seq_len + 1) * 4
+    assert temporaries(8) - temporaries(2) <= 1.5 * added * per_microbatch
