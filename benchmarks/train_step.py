@@ -468,6 +468,27 @@ def overheads(rows: list[dict]) -> dict[str, float]:
     return out
 
 
+def save(rows: list[dict], args, steps: int, warmup: int, attention: str, note: str) -> None:
+    """Writes the record of the rows so far (again after each isolated case, so that a run cut
+    short by a time limit keeps what it measured)."""
+    write_record(
+        "train_step",
+        args.out,
+        suffix=("-smoke" if args.smoke else "") + args.suffix,
+        nccl_env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
+        attention=attention,
+        attention_note=note,
+        peak_bf16_flops=peak_flops(),
+        flops_formula="6 N + 12 L H Q T per token (PaLM app. B; N = matmul parameters)",
+        timing=f"median of {steps} steps after {warmup} warm-up steps, block_until_ready each",
+        results=rows,
+        taco_over_none_step_time=overheads(rows),
+        pipeline_over_even_split=split_overheads(rows),
+        pipeline_memory=pipeline_memory(rows),
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny preset, 2 steps (CPU check)")
@@ -550,6 +571,7 @@ def main() -> None:
         if args.isolate:
             print(f"running {case.label} (own process) ...", flush=True)
             rows.append(run_isolated(case))
+            save(rows, args, steps, warmup, attention, attention_note)
             continue
         if attention == "xla":  # cuDNN unavailable: every case runs XLA attention
             case = dataclasses.replace(
@@ -568,24 +590,9 @@ def main() -> None:
                                     "error": "no such case"}, default=str), flush=True)  # fmt: skip
         return
 
+    save(rows, args, steps, warmup, attention, attention_note)
     overhead = overheads(rows)
     bubbles = split_overheads(rows)
-    write_record(
-        "train_step",
-        args.out,
-        suffix=("-smoke" if args.smoke else "") + args.suffix,
-        nccl_env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
-        xla_flags=os.environ.get("XLA_FLAGS", ""),
-        attention=attention,
-        attention_note=attention_note,
-        peak_bf16_flops=peak_flops(),
-        flops_formula="6 N + 12 L H Q T per token (PaLM app. B; N = matmul parameters)",
-        timing=f"median of {steps} steps after {warmup} warm-up steps, block_until_ready each",
-        results=rows,
-        taco_over_none_step_time=overhead,
-        pipeline_over_even_split=bubbles,
-        pipeline_memory=pipeline_memory(rows),
-    )
     device = f"{jax.device_count()} x {jax.devices()[0].device_kind}"
     print(f"\n{device}, jax {jax.__version__}, attention: {attention}\n")
     print(table(rows))
