@@ -15,8 +15,9 @@ Cases (`--only TEXT [TEXT ...]` keeps those whose label contains one of them):
      link) and "taco ... forced" (every collective compressed, `min_compress_bytes=0`); the
      same with sequence parallelism ("sp").
   4. With >= 2 devices, GPT-1.3B pipelined over all of them (pp = devices, `--pp-batch` sequences
-     in `--microbatches` microbatches): the GPipe and circular (2 chunks per stage) schedules,
-     each with stage traffic uncompressed ("none"), "tahquant" and "taco"
+     in each of `--microbatches` microbatch counts, or `--pp-rows-per-microbatch` sequences per
+     microbatch): each of `--schedules` (GPipe, circular with 2 chunks per stage, 1F1B),
+     each with stage traffic uncompressed ("none"), "tahquant" and "taco" (`--pp-codecs`)
      (`taco_jax.compressed_ppermute`), and with `--pp-grads CODEC` the stages' sum of the
      pp-replicated gradients compressed too ("grads=CODEC", `StageCodecs.shared_grads`, with
      bf16 and "tahquant" sends); beside them the same batch unpipelined on one device
@@ -32,6 +33,9 @@ Cases (`--only TEXT [TEXT ...]` keeps those whose label contains one of them):
      the ZeRO-1 rows with their collectives per bucket of leaves (`--dp-bucket-elements`:
      40 M, the default, and 1, "per-leaf"). With `--dp-emulate N`, the same with dp = N
      emulated on one device.
+Memory per row: XLA's account of the compiled step (`memory_analysis`: temporaries, arguments,
+outputs) and the device's peak bytes in use, which is the row's own with `--isolate` (each case
+in a process of its own; the record is rewritten after each) and the process's so far without.
 Each configuration: compile, `--warmup` steps, then `--steps` timed steps (default 10), each
 ended by `jax.block_until_ready` (`_common.sample_seconds`); the median is reported. With
 `--profile-steps N`, N more steps run under `jax.profiler` and the record gets their GPU
@@ -279,6 +283,20 @@ def split_overheads(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
+def emulated_over_bubble(rows: list[dict]) -> dict[str, float]:
+    """Per emulated pipelined row: its step over the reference's (same batch, one device)
+    divided by 1 - bubble. Emulated, every stage runs on one device, the bubble steps too, so
+    a schedule that costs only its bubble gives 1."""
+    refs = {r["batch"]: r for r in rows if "pp-ref" in r["label"] and "error" not in r}
+    out = {}
+    for r in rows:
+        if "error" in r or r["parallel"]["mode"] != "emulate" or r["batch"] not in refs:
+            continue
+        bubble = ParallelConfig(**r["parallel"]).bubble_fraction
+        out[r["label"]] = r["median_step_s"] * (1 - bubble) / refs[r["batch"]]["median_step_s"]
+    return out
+
+
 def pipeline_memory(rows: list[dict]) -> dict[str, dict]:
     """Per pipelined or reference row: the device's peak bytes in use (its own with --isolate)
     and XLA's temporaries of the compiled step, in GiB."""
@@ -486,6 +504,7 @@ def save(rows: list[dict], args, steps: int, warmup: int, attention: str, note: 
         taco_over_none_step_time=overheads(rows),
         pipeline_over_even_split=split_overheads(rows),
         pipeline_memory=pipeline_memory(rows),
+        emulated_pipeline_over_bubble=emulated_over_bubble(rows),
     )
 
 
@@ -600,6 +619,8 @@ def main() -> None:
         print(f"{label}: {ratio:.3f} x the uncompressed step time")
     for label, memory in pipeline_memory(rows).items():
         print(f"{label}: peak {memory['peak_gib']} GiB, XLA temporaries {memory['temp_gib']} GiB")
+    for label, ratio in emulated_over_bubble(rows).items():
+        print(f"{label}: {ratio:.3f} x the reference step / (1 - bubble)")
     for label, bubble in bubbles.items():
         print(f"{label}: {bubble['over_even_split']:.3f} over an even split "
               f"(schedule bubble {bubble['schedule_bubble']:.3f})")  # fmt: skip
