@@ -350,9 +350,12 @@ def _one_f_one_b(model, parallel, codecs, ctx, params, tokens, key):
     Ticks t = 0 .. M + 2 P - 3: stage s runs the forward of microbatch t - s and then the
     backward of microbatch t - (2 P - 2 - s), each where it is in [0, M); the last stage's
     backward of a microbatch follows its forward and head in the same tick. Each forward is a
-    `jax.vjp` whose residuals go to slot u mod (2 P - 1) of a ring carried through the scan
-    until the backward of microbatch u calls the pullback: activations of at most 2 P - 1
-    microbatches are held, whatever M. Activations go forward and their gradients back with
+    `jax.vjp` whose residuals go to slot t mod (2 P - 1) of a ring carried through the scan
+    until the backward of that microbatch calls the pullback: activations of at most 2 P - 1
+    microbatches are held, whatever M. The slot a forward writes is the tick's, the same on
+    every stage, so that under emulation (stages vmapped) the write is an in-place
+    dynamic-update-slice, not a scatter; the backward's read is the stage's own. Activations
+    go forward and their gradients back with
     `taco_jax.compressed_ppermute` (the stage codecs' forward and backward codecs). The ticks
     run as three scans (forwards only, both, backwards only), so no tick computes a pass that
     no stage needs. The embedding runs before the ticks (all microbatches at once, its
@@ -394,7 +397,7 @@ def _one_f_one_b(model, parallel, codecs, ctx, params, tokens, key):
         u = t - stage
         x = jnp.where(stage == 0, embedded[jnp.clip(t, 0, m - 1)], received)
         y, pullback = pullback_of((blocks, rest), x)
-        ring = saved.store(ring, jnp.mod(u, slots), pullback)
+        ring = saved.store(ring, jnp.mod(t, slots), pullback)  # the same slot on every stage
 
         def with_head(head_grads, loss):
             value, (g_rest, g_y) = jax.value_and_grad(head_loss, argnums=(0, 1))(
@@ -413,7 +416,8 @@ def _one_f_one_b(model, parallel, codecs, ctx, params, tokens, key):
         u = t - (2 * stages - 2 - stage)
         valid = (u >= 0) & (u < m)
         cotangent = received if g_y is None else jnp.where(stage == stages - 1, g_y, received)
-        g_blocks, g_x = saved.load(ring, jnp.mod(u, slots), (blocks, rest))(cotangent)
+        forward_tick = u + stage  # the slot its forward wrote
+        g_blocks, g_x = saved.load(ring, jnp.mod(forward_tick, slots), (blocks, rest))(cotangent)
         # Bubble ticks run on stale slots: select (not multiply) so nothing of them survives.
         grads = jax.tree.map(lambda a, g: a + jnp.where(valid, g, 0), grads, g_blocks)
         g_x = jnp.where(valid, g_x, jnp.zeros_like(g_x))
