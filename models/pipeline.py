@@ -10,18 +10,23 @@ embeddings need nothing special (the embedding's gradient is the psum over stage
 stage's use contributed: the first stage's lookup, the last stage's projection; compressed with
 `StageCodecs.shared_grads`). Checkpoints keep the full layout, as for TP (`models.parallel`).
 
-Schedules, over the M microbatches of each dp rank's batch, as one `lax.scan` over steps in
-which every stage runs one chunk on one microbatch and sends the result on with
-`taco_jax.compressed_ppermute` (`StageCodecs`; "none" is `lax.ppermute`):
+Schedules, over the M microbatches of each dp rank's batch, in steps in which every stage
+runs one chunk on one microbatch and sends the result on with `taco_jax.compressed_ppermute`
+(`StageCodecs`; "none" is `lax.ppermute`):
 - "gpipe" (Huang et al. 2019): step t, stage s runs microbatch t - s; M + P - 1 steps.
 - "circular" (interleaved; MaxText's circular pipeline): stage s's u-th work item (u = t - s)
   is microbatch u mod M through its chunk u // M; the last stage sends back to the first, which
   keeps what arrives in a buffer until that microbatch's next pass (needs M >= P);
   M V + P - 1 steps, each 1 / V of a GPipe step.
+- "1f1b" (PipeDream-Flush; `_one_f_one_b`): tick t, stage s runs the forward of microbatch
+  t - s and the backward of microbatch t - (2 P - 2 - s), explicitly, keeping at most 2 P - 1
+  microbatches' residuals.
 Work items outside [0, M V) are bubble steps, computed and discarded. Bubble fraction
-(P - 1) / (M V + P - 1). Differentiating the scan gives the backward (all forwards, then all
+(P - 1) / (M V + P - 1). GPipe and circular are differentiated (all forwards, then all
 backwards in reverse), the activation gradients sent back by the ppermute's transpose
-(compressed with the stage codec's backward variant).
+(compressed with the stage codec's backward variant); their steps run as a few `lax.scan`s,
+each over a run of steps with a fixed chunk (`_segments`). Every schedule embeds all
+microbatches once before its steps; GPipe and circular apply the head once after them.
 
 Gradient convention as `models.parallel`: `value_and_grad` runs inside the per-device function
 on this stage's part of the loss (the last stage's microbatch losses, zero elsewhere; the chain
