@@ -1,4 +1,4 @@
-"""The pipelined model (GPipe and circular schedules over "pp", with TP and DP in one
+"""The pipelined model (GPipe, circular and 1F1B schedules over "pp", with TP and DP in one
 shard_map, or that mesh emulated on one device) equals the unsharded model: loss and every
 parameter gradient, uncompressed in fp32; within derived bounds with each stage codec. 8 fake
 CPU devices.
