@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import jax
 import numpy as np
@@ -350,3 +351,42 @@ def test_one_f_one_b_memory_does_not_grow_with_microbatches():
     added = 8 - 2
     per_microbatch = 2 * GPT.seq_len * GPT.d_model * 4 + 2 * (GPT.seq_len + 1) * 4
     assert temporaries(8) - temporaries(2) <= 1.5 * added * per_microbatch
+
+
+def _computations(hlo: str) -> dict[str, str]:
+    """The compiled HLO module's computations by name."""
+    blocks = re.split(r"\n(?=\S)", hlo)
+    return {m.group(1): b for b in blocks if (m := re.match(r"(?:ENTRY )?%?([\w.\-]+)", b))}
+
+
+def _called(name: str, computations: dict[str, str], seen: set[str]) -> set[str]:
+    """`name` and every computation it calls, transitively."""
+    if name in seen or name not in computations:
+        return seen
+    seen.add(name)
+    for callee in re.findall(r"%([\w.\-]+)", computations[name].split("\n", 1)[-1]):
+        _called(callee, computations, seen)
+    return seen
+
+
+@pytest.mark.parametrize("repeats", [1, 2], ids=["gpipe", "circular"])
+def test_the_tables_gradient_is_not_computed_inside_the_schedules_loops(repeats):
+    """The embedding runs before the schedule's steps and the head after them: no loop of the
+    compiled step computes a value of the table's shape (its gradient's zero fill, scatter,
+    matmul and sum at every step, as when both ran inside the steps). A vocabulary of 384 makes
+    that shape, [384, 64], no other parameter's."""
+    cfg = ModelConfig.preset("gpt_tiny", n_layers=4, vocab_size=384)
+    parallel = _parallel(1, 2, 1, 4, repeats=repeats)
+    _needs_devices(parallel.num_devices)
+    fn = jax.jit(make_pipeline_loss_and_grads(cfg, parallel, taco_jax.TPComm.create("tp")))
+    tokens = jax.ShapeDtypeStruct((4, cfg.seq_len + 1), np.int32)
+    hlo = fn.lower(init_params(cfg, jax.random.key(0)), tokens).compile().as_text()
+    computations = _computations(hlo)
+    shape = rf"f32\[{cfg.padded_vocab},{cfg.d_model}\](?:\{{[^}}]*\}})?"
+    passed_through = "parameter|get-tuple-element|tuple|copy"  # not computed: carried along
+    table = re.compile(rf"= {shape} (?!{passed_through})[\w-]+\(")
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
+    assert bodies  # the schedule's steps are loops
+    for body in bodies:
+        inside = _called(body, computations, set())
+        assert not any(table.search(computations[c]) for c in inside), body
