@@ -15,8 +15,9 @@ Cases (`--only TEXT [TEXT ...]` keeps those whose label contains one of them):
      link) and "taco ... forced" (every collective compressed, `min_compress_bytes=0`); the
      same with sequence parallelism ("sp").
   4. With >= 2 devices, GPT-1.3B pipelined over all of them (pp = devices, `--pp-batch` sequences
-     in `--microbatches` microbatches): the GPipe and circular (2 chunks per stage) schedules,
-     each with stage traffic uncompressed ("none"), "tahquant" and "taco"
+     in each of `--microbatches` microbatch counts, or `--pp-rows-per-microbatch` sequences per
+     microbatch): each of `--schedules` (GPipe, circular with 2 chunks per stage, 1F1B),
+     each with stage traffic uncompressed ("none"), "tahquant" and "taco" (`--pp-codecs`)
      (`taco_jax.compressed_ppermute`), and with `--pp-grads CODEC` the stages' sum of the
      pp-replicated gradients compressed too ("grads=CODEC", `StageCodecs.shared_grads`, with
      bf16 and "tahquant" sends); beside them the same batch unpipelined on one device
@@ -32,6 +33,9 @@ Cases (`--only TEXT [TEXT ...]` keeps those whose label contains one of them):
      the ZeRO-1 rows with their collectives per bucket of leaves (`--dp-bucket-elements`:
      40 M, the default, and 1, "per-leaf"). With `--dp-emulate N`, the same with dp = N
      emulated on one device.
+Memory per row: XLA's account of the compiled step (`memory_analysis`: temporaries, arguments,
+outputs) and the device's peak bytes in use, which is the row's own with `--isolate` (each case
+in a process of its own; the record is rewritten after each) and the process's so far without.
 Each configuration: compile, `--warmup` steps, then `--steps` timed steps (default 10), each
 ended by `jax.block_until_ready` (`_common.sample_seconds`); the median is reported. With
 `--profile-steps N`, N more steps run under `jax.profiler` and the record gets their GPU
@@ -49,9 +53,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import pathlib
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -71,6 +77,7 @@ from _common import (  # noqa: E402
 
 import taco_jax  # noqa: E402
 from models import ModelConfig, ParallelConfig, layers  # noqa: E402
+from models.parallel import SCHEDULES  # noqa: E402
 from models.pipeline import StageCodecs  # noqa: E402
 from taco_train import metrics as run_metrics  # noqa: E402
 from taco_train.steps import make_steps  # noqa: E402
@@ -226,40 +233,80 @@ def data_parallel_cases(args, n_devices: int, mode: str = "shard_map") -> list[C
 
 def pipeline_cases(args, n_devices: int, preset: str = "gpt_1p3b", overrides=(),
                    mode: str = "shard_map") -> list[Case]:  # fmt: skip
-    """Case 4: the one-device reference, then each schedule x stage codec at pp = n_devices
-    (with mode="emulate", the stages emulated on one device)."""
+    """Case 4: the one-device reference, then each schedule (`--schedules`) x M
+    (`--microbatches`) x stage codec at pp = n_devices (with mode="emulate", the stages
+    emulated on one device). The batch is `--pp-batch`, or with `--pp-rows-per-microbatch R`
+    R x M sequences (a reference per batch)."""
     base = ParallelConfig(remat=args.remat, scan_layers=not args.unroll)
-    run = dict(preset=preset, batch=args.pp_batch, overrides=overrides)
-    cases = [Case(f"{preset} pp-ref (1 device)", parallel=base, **run)]
-    for schedule, repeats in (("gpipe", 1), ("circular", 2)):
-        parallel = dataclasses.replace(base, pp=n_devices, microbatches=args.microbatches,
-                                       schedule=schedule, repeats=repeats, mode=mode)  # fmt: skip
-        label = f"{preset} pp={n_devices} {schedule} M={args.microbatches}"
-        label += " (emulate)" if mode == "emulate" else ""
-        cases += [Case(f"{label} {codec}", parallel=parallel, stage_codec=codec, **run)
-                  for codec in PIPELINE_CODECS]  # fmt: skip
-        # The stages' shared-gradient sum compressed too (0.4 GB of fp32 for GPT-1.3B's tied
-        # embedding), without and with compressed sends.
-        cases += [
-            Case(f"{label} {codec} grads={grads}", parallel=parallel, stage_codec=codec,
-                 shared_grads=grads, **run)
-            for grads in args.pp_grads for codec in ("none", "tahquant")
-        ]  # fmt: skip
+    cases, references = [], set()
+    for microbatches in args.microbatches:
+        batch = args.pp_rows_per_microbatch * microbatches if args.pp_rows_per_microbatch else (
+            args.pp_batch)  # fmt: skip
+        run = dict(preset=preset, batch=batch, overrides=overrides)
+        if batch not in references:
+            references.add(batch)
+            tag = f" batch={batch}" if args.pp_rows_per_microbatch else ""
+            cases.append(Case(f"{preset} pp-ref{tag} (1 device)", parallel=base, **run))
+        for schedule in args.schedules:
+            repeats = 2 if schedule == "circular" else 1
+            parallel = dataclasses.replace(
+                base, pp=n_devices, microbatches=microbatches, schedule=schedule,
+                repeats=repeats, mode=mode,
+            )  # fmt: skip
+            label = f"{preset} pp={n_devices} {schedule} M={microbatches}"
+            label += " (emulate)" if mode == "emulate" else ""
+            cases += [Case(f"{label} {codec}", parallel=parallel, stage_codec=codec, **run)
+                      for codec in args.pp_codecs]  # fmt: skip
+            # The stages' shared-gradient sum compressed too (0.4 GB of fp32 for GPT-1.3B's
+            # tied embedding), without and with compressed sends.
+            cases += [
+                Case(f"{label} {codec} grads={grads}", parallel=parallel, stage_codec=codec,
+                     shared_grads=grads, **run)
+                for grads in args.pp_grads for codec in ("none", "tahquant")
+            ]  # fmt: skip
     return cases
 
 
 def split_overheads(rows: list[dict]) -> dict[str, dict]:
     """Per pipelined row: 1 - t_ref / (P t_pp) beside the schedule's (P - 1) / (M V + P - 1)."""
-    ref = next((r for r in rows if "pp-ref" in r["label"] and "error" not in r), None)
+    refs = {r["batch"]: r for r in rows if "pp-ref" in r["label"] and "error" not in r}
     out = {}
     for r in rows:
-        if ref is None or "error" in r or r["parallel"]["pp"] == 1:
+        if "error" in r or r["parallel"]["pp"] == 1 or r["batch"] not in refs:
             continue
+        ref = refs[r["batch"]]
         if r["parallel"]["mode"] == "emulate":  # every stage on one device: no split to judge
             continue
         parallel = ParallelConfig(**r["parallel"])
         measured = 1 - ref["median_step_s"] / (parallel.pp * r["median_step_s"])
         out[r["label"]] = {"over_even_split": measured, "schedule_bubble": parallel.bubble_fraction}
+    return out
+
+
+def emulated_over_bubble(rows: list[dict]) -> dict[str, float]:
+    """Per emulated pipelined row: its step over the reference's (same batch, one device)
+    divided by 1 - bubble. Emulated, every stage runs on one device, the bubble steps too, so
+    a schedule that costs only its bubble gives 1."""
+    refs = {r["batch"]: r for r in rows if "pp-ref" in r["label"] and "error" not in r}
+    out = {}
+    for r in rows:
+        if "error" in r or r["parallel"]["mode"] != "emulate" or r["batch"] not in refs:
+            continue
+        bubble = ParallelConfig(**r["parallel"]).bubble_fraction
+        out[r["label"]] = r["median_step_s"] * (1 - bubble) / refs[r["batch"]]["median_step_s"]
+    return out
+
+
+def pipeline_memory(rows: list[dict]) -> dict[str, dict]:
+    """Per pipelined or reference row: the device's peak bytes in use (its own with --isolate)
+    and XLA's temporaries of the compiled step, in GiB."""
+    gib = lambda b: None if b is None else round(b / 2**30, 2)  # noqa: E731
+    out = {}
+    for r in rows:
+        if "error" in r or (r["parallel"]["pp"] == 1 and "pp-ref" not in r["label"]):
+            continue
+        temp = (r.get("memory_analysis") or {}).get("temp_size_in_bytes")
+        out[r["label"]] = {"peak_gib": gib(r["peak_bytes_in_use_so_far"]), "temp_gib": gib(temp)}
     return out
 
 
@@ -306,6 +353,7 @@ def run_case(case: Case, steps: int, warmup: int, profile_steps: int = 0) -> dic
     peak = peak_flops() * devices if peak_flops() else None
     memory = jax.devices()[0].memory_stats() or {}
     return {
+        **_compiled_memory(compiled),
         "label": case.label,
         "model": dataclasses.asdict(cfg),
         "parallel": dataclasses.asdict(case.parallel),
@@ -328,10 +376,41 @@ def run_case(case: Case, steps: int, warmup: int, profile_steps: int = 0) -> dic
         "model_tflops_per_s": flops_per_step / median / 1e12,
         "mfu": flops_per_step / median / peak if peak else None,
         "final_loss": float(metrics["loss"]),
-        # The allocator's peak since the process started: an upper bound for this config.
+        # The allocator's peak since the process started: this config's own peak when it ran
+        # in a process of its own (--isolate), else an upper bound for it.
         "peak_bytes_in_use_so_far": memory.get("peak_bytes_in_use"),
         "device_time": profile,
     }
+
+
+def _compiled_memory(compiled) -> dict:
+    """XLA's static account of the compiled step's device memory (bytes): its temporaries
+    (activations and what the backward keeps), arguments and outputs."""
+    try:
+        analysis = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        return {}
+    fields = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+              "alias_size_in_bytes")  # fmt: skip
+    return {"memory_analysis": {f: getattr(analysis, f, None) for f in fields}}
+
+
+ROW_MARK = "train_step row: "
+
+
+def run_isolated(case: Case) -> dict:
+    """`case` in a process of its own (this script, `--case-label`), so that the device's peak
+    memory (`memory_stats()["peak_bytes_in_use"]`) is this case's alone and an out-of-memory
+    failure leaves the other cases alone."""
+    argv = [a for a in sys.argv[1:] if a != "--isolate"]
+    child = subprocess.run([sys.executable, __file__, *argv, "--case-label", case.label],
+                           capture_output=True, text=True)  # fmt: skip
+    rows = [line for line in child.stdout.splitlines() if line.startswith(ROW_MARK)]
+    print("".join(line + "\n" for line in child.stdout.splitlines() if line not in rows), end="")
+    if rows:
+        return json.loads(rows[-1].removeprefix(ROW_MARK))
+    tail = (child.stderr or child.stdout).strip().splitlines()[-3:]
+    return {"label": case.label, "error": f"exit {child.returncode}: " + " | ".join(tail)}
 
 
 def attention_check() -> tuple[str, str]:
@@ -407,6 +486,28 @@ def overheads(rows: list[dict]) -> dict[str, float]:
     return out
 
 
+def save(rows: list[dict], args, steps: int, warmup: int, attention: str, note: str) -> None:
+    """Writes the record of the rows so far (again after each isolated case, so that a run cut
+    short by a time limit keeps what it measured)."""
+    write_record(
+        "train_step",
+        args.out,
+        suffix=("-smoke" if args.smoke else "") + args.suffix,
+        nccl_env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
+        attention=attention,
+        attention_note=note,
+        peak_bf16_flops=peak_flops(),
+        flops_formula="6 N + 12 L H Q T per token (PaLM app. B; N = matmul parameters)",
+        timing=f"median of {steps} steps after {warmup} warm-up steps, block_until_ready each",
+        results=rows,
+        taco_over_none_step_time=overheads(rows),
+        pipeline_over_even_split=split_overheads(rows),
+        pipeline_memory=pipeline_memory(rows),
+        emulated_pipeline_over_bubble=emulated_over_bubble(rows),
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny preset, 2 steps (CPU check)")
@@ -426,7 +527,24 @@ def main() -> None:
                         "(auto: two-shot under vmap)")  # fmt: skip
     parser.add_argument("--pp-batch", type=int, default=8, help="batch of the pipelined runs")
     parser.add_argument("--pp-preset", default="gpt_1p3b", help="model of the pipelined runs")
-    parser.add_argument("--microbatches", type=int, default=8, help="of the pipelined runs")
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[8],
+                        help="of the pipelined runs (each value its own rows)")  # fmt: skip
+    parser.add_argument("--pp-rows-per-microbatch", type=int, default=0,
+                        help="pipelined runs of this many sequences per microbatch (batch R x M, "
+                        "a reference per batch) instead of --pp-batch")  # fmt: skip
+    parser.add_argument(
+        "--schedules",
+        nargs="+",
+        default=["gpipe", "circular"],
+        choices=SCHEDULES,
+        help="of the pipelined runs (circular: 2 chunks)",
+    )
+    parser.add_argument("--pp-codecs", nargs="+", default=list(PIPELINE_CODECS),
+                        help="stage codecs of the pipelined runs")  # fmt: skip
+    parser.add_argument("--isolate", action="store_true",
+                        help="each case in a process of its own: its own peak memory, and an "
+                        "out-of-memory case cannot disturb the next")  # fmt: skip
+    parser.add_argument("--case-label", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--pp-grads", nargs="*", default=[],
                         help="pipelined cases with the shared-gradient sum compressed by these "
                         "TP codecs (compression.pp_grads), with the collective's defaults "
@@ -458,7 +576,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT") or str(RESULTS))
     args = parser.parse_args()
     if args.smoke:
-        args.pp_batch, args.microbatches = 4, 2
+        args.pp_batch, args.microbatches = 4, [2]
     steps = args.steps or (2 if args.smoke else 10)
     warmup = 1 if args.smoke else args.warmup
 
@@ -466,6 +584,13 @@ def main() -> None:
     rows = []
     for case in overlap_variants(default_cases(args), args):
         if args.only and not any(text in case.label for text in args.only):
+            continue
+        if args.case_label is not None and case.label != args.case_label:
+            continue
+        if args.isolate:
+            print(f"running {case.label} (own process) ...", flush=True)
+            rows.append(run_isolated(case))
+            save(rows, args, steps, warmup, attention, attention_note)
             continue
         if attention == "xla":  # cuDNN unavailable: every case runs XLA attention
             case = dataclasses.replace(
@@ -479,29 +604,23 @@ def main() -> None:
             traceback.print_exc()
             rows.append({"label": case.label, "error": f"{type(err).__name__}: {err}"})
         jax.clear_caches()
+    if args.case_label is not None:  # a case of an --isolate run: the row to its parent
+        print(ROW_MARK + json.dumps(rows[-1] if rows else {"label": args.case_label,
+                                    "error": "no such case"}, default=str), flush=True)  # fmt: skip
+        return
 
+    save(rows, args, steps, warmup, attention, attention_note)
     overhead = overheads(rows)
     bubbles = split_overheads(rows)
-    write_record(
-        "train_step",
-        args.out,
-        suffix=("-smoke" if args.smoke else "") + args.suffix,
-        nccl_env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
-        xla_flags=os.environ.get("XLA_FLAGS", ""),
-        attention=attention,
-        attention_note=attention_note,
-        peak_bf16_flops=peak_flops(),
-        flops_formula="6 N + 12 L H Q T per token (PaLM app. B; N = matmul parameters)",
-        timing=f"median of {steps} steps after {warmup} warm-up steps, block_until_ready each",
-        results=rows,
-        taco_over_none_step_time=overhead,
-        pipeline_over_even_split=bubbles,
-    )
     device = f"{jax.device_count()} x {jax.devices()[0].device_kind}"
     print(f"\n{device}, jax {jax.__version__}, attention: {attention}\n")
     print(table(rows))
     for label, ratio in overhead.items():
         print(f"{label}: {ratio:.3f} x the uncompressed step time")
+    for label, memory in pipeline_memory(rows).items():
+        print(f"{label}: peak {memory['peak_gib']} GiB, XLA temporaries {memory['temp_gib']} GiB")
+    for label, ratio in emulated_over_bubble(rows).items():
+        print(f"{label}: {ratio:.3f} x the reference step / (1 - bubble)")
     for label, bubble in bubbles.items():
         print(f"{label}: {bubble['over_even_split']:.3f} over an even split "
               f"(schedule bubble {bubble['schedule_bubble']:.3f})")  # fmt: skip

@@ -45,7 +45,7 @@ COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
 
 
 PP_AXIS = "pp"
-SCHEDULES = ("gpipe", "circular")
+SCHEDULES = ("gpipe", "circular", "1f1b")
 MODES = ("shard_map", "vmap", "emulate")
 
 
@@ -62,8 +62,9 @@ class ParallelConfig:
     (cuDNN flash attention for bf16 on GPU, XLA elsewhere; under vmap emulation cuDNN runs over
     the emulated ranks' batches merged, `layers.attention_over_vmapped_axes`), "xla" or "cudnn".
     pp, microbatches, schedule, repeats: pipeline stages along a "pp" mesh axis
-    (`models.pipeline`; shard_map or emulate), microbatches per dp rank and step, "gpipe" or
-    "circular" with `repeats` chunks per stage.
+    (`models.pipeline`; shard_map or emulate), microbatches per dp rank and step, "gpipe",
+    "circular" with `repeats` chunks per stage, or "1f1b" (activations of at most 2 pp - 1
+    microbatches held per stage, whatever `microbatches`).
     dp_intra: dp ranks of one inner data-parallel group; with pp and tp under shard_map the
     group spans dp_intra x pp x tp consecutive devices (for one node: its GPUs / (pp tp)). Above
     1 the mesh splits "dp" into ("dp_inter", "dp_intra") (`dp_axes`), and SDP4Bit's gradient
@@ -85,7 +86,7 @@ class ParallelConfig:
     attention: Literal["auto", "xla", "cudnn"] = "auto"
     pp: int = 1
     microbatches: int = 1
-    schedule: Literal["gpipe", "circular"] = "gpipe"
+    schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"
     repeats: int = 1
     overlap_chunks: int = 1
     dp_intra: int = 1
@@ -114,7 +115,7 @@ class ParallelConfig:
             )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not one of {SCHEDULES}")
-        if self.schedule == "gpipe" and self.repeats != 1:
+        if self.schedule != "circular" and self.repeats != 1:
             raise ValueError(f"repeats={self.repeats} needs schedule='circular'")
         if self.schedule == "circular" and (self.repeats < 2 or self.microbatches < self.pp):
             raise ValueError(
@@ -154,7 +155,8 @@ class ParallelConfig:
 
     @property
     def bubble_fraction(self) -> float:
-        """The idle share of each stage's steps: (P - 1) / (M V + P - 1)."""
+        """The idle share of each stage's steps: (P - 1) / (M V + P - 1); for 1F1B as for
+        GPipe (its P - 1 forward-only and P - 1 backward-only ticks cost P - 1 whole steps)."""
         return (self.pp - 1) / self.pipeline_steps
 
 

@@ -1,4 +1,4 @@
-"""The pipelined model (GPipe and circular schedules over "pp", with TP and DP in one
+"""The pipelined model (GPipe, circular and 1F1B schedules over "pp", with TP and DP in one
 shard_map, or that mesh emulated on one device) equals the unsharded model: loss and every
 parameter gradient, uncompressed in fp32; within derived bounds with each stage codec. 8 fake
 CPU devices.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import jax
 import numpy as np
@@ -18,6 +19,7 @@ import taco_jax
 from models import ModelConfig, ParallelConfig, init_params, reference_loss_and_grads, spmd
 from models.pipeline import (
     StageCodecs,
+    _SavedForward,
     from_stages,
     make_pipeline_loss,
     make_pipeline_loss_and_grads,
@@ -49,8 +51,8 @@ def _needs_devices(n):
         pytest.skip(f"needs {n} devices; set XLA_FLAGS=--xla_force_host_platform_device_count=8")
 
 
-def _parallel(dp, pp, tp, microbatches, sp=False, repeats=1, mode="shard_map"):
-    schedule = "circular" if repeats > 1 else "gpipe"
+def _parallel(dp, pp, tp, microbatches, sp=False, repeats=1, mode="shard_map", schedule=None):
+    schedule = schedule or ("circular" if repeats > 1 else "gpipe")
     return ParallelConfig(
         dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, repeats=repeats,
         sequence_parallel=sp, compute_dtype="float32", mode=mode,
@@ -58,16 +60,16 @@ def _parallel(dp, pp, tp, microbatches, sp=False, repeats=1, mode="shard_map"):
 
 
 def _run(cfg, dp, pp, tp, microbatches, codec="none", sp=False, key=None, repeats=1,
-         shared_grads="none", mode="shard_map"):  # fmt: skip
-    _needs_devices(_parallel(dp, pp, tp, microbatches, sp, repeats, mode).num_devices)
-    fn = _compiled(cfg, dp, pp, tp, microbatches, codec, sp, repeats, shared_grads, mode)
+         shared_grads="none", mode="shard_map", schedule=None):  # fmt: skip
+    _needs_devices(_parallel(dp, pp, tp, microbatches, sp, repeats, mode, schedule).num_devices)
+    fn = _compiled(cfg, dp, pp, tp, microbatches, codec, sp, repeats, shared_grads, mode, schedule)
     return fn(init_params(cfg, jax.random.key(0)), _tokens(cfg), key)
 
 
 @functools.cache
-def _compiled(cfg, dp, pp, tp, microbatches, codec, sp, repeats, shared_grads, mode):
+def _compiled(cfg, dp, pp, tp, microbatches, codec, sp, repeats, shared_grads, mode, schedule):
     """The jitted loss and gradients of one layout (tests that vary only the key share it)."""
-    parallel = _parallel(dp, pp, tp, microbatches, sp, repeats, mode)
+    parallel = _parallel(dp, pp, tp, microbatches, sp, repeats, mode, schedule)
     comm = taco_jax.TPComm.create("tp", fwd="none")
     codecs = StageCodecs(codec, shared_grads=shared_grads)
     return jax.jit(make_pipeline_loss_and_grads(cfg, parallel, comm, codecs))
@@ -233,10 +235,158 @@ def test_errors_name_the_offending_value():
         _parallel(1, 4, 1, 2, repeats=2)
     with pytest.raises(ValueError, match="repeats=2 needs schedule='circular'"):
         ParallelConfig(pp=2, repeats=2)
-    with pytest.raises(ValueError, match="schedule='1f1b'"):
-        ParallelConfig(pp=2, schedule="1f1b")
+    with pytest.raises(ValueError, match="schedule='zero_bubble'"):
+        ParallelConfig(pp=2, schedule="zero_bubble")
+    with pytest.raises(ValueError, match="repeats=2 needs schedule='circular'"):
+        ParallelConfig(pp=2, repeats=2, microbatches=2, schedule="1f1b")
     with pytest.raises(ValueError, match="mode='vmap'"):
         ParallelConfig(tp=2, pp=2, mode="vmap")
     with pytest.raises(ValueError, match="needs 32 devices"):
         make_pipeline_loss_and_grads(GPT, ParallelConfig(dp=4, tp=4, pp=2),
                                      taco_jax.TPComm.create("tp"))  # fmt: skip
+
+
+# 1F1B: each stage's forward and backward run explicitly (`jax.vjp` per microbatch, residuals in
+# a ring of 2 P - 1 slots), not by differentiating the schedule.
+@pytest.mark.parametrize(
+    "cfg,dp,pp,tp,microbatches,sp,mode",
+    [
+        (GPT, 1, 2, 4, 4, False, "shard_map"),  # M > 2 P - 1: slots are reused
+        pytest.param(QWEN, 1, 4, 2, 4, True, "shard_map", marks=pytest.mark.slow),  # untied
+        (GPT, 2, 2, 2, 2, True, "emulate"),
+    ],
+)
+def test_one_f_one_b_equals_unsharded(
+    references, cfg, dp, pp, tp, microbatches, sp, mode, monkeypatch
+):
+    """As test_uncompressed_pipeline_equals_unsharded: the same function with its reductions
+    reassociated (microbatch gradients summed in the schedule's order), the fp32 bound."""
+    monkeypatch.setattr(spmd, "CHECK_REPLICAS", mode == "emulate")
+    ref_loss, ref_grads = references[cfg]
+    loss, grads = _run(cfg, dp, pp, tp, microbatches, sp=sp, mode=mode, schedule="1f1b")
+    tol = exact_tolerance(cfg)
+    assert abs(float(loss) - float(ref_loss)) <= tol * abs(float(ref_loss))
+    errors = jax.tree.map(_normwise, grads, ref_grads)
+    worst = max(jax.tree_util.tree_leaves_with_path(errors), key=lambda kv: kv[1])
+    assert worst[1] <= tol, f"gradient {jax.tree_util.keystr(worst[0])}: {worst[1]:.3g} > {tol:.3g}"
+
+
+@pytest.mark.parametrize(
+    "codec,pp,mode",
+    [("tahquant", 2, "shard_map"), pytest.param("tahquant", 4, "emulate", marks=pytest.mark.slow)],
+)
+def test_one_f_one_b_stage_codecs_within_their_bound(references, codec, pp, mode):
+    """1F1B sends each microbatch through the same P - 1 boundaries each way as GPipe: the
+    bound of test_stage_codecs_within_their_bound."""
+    _, ref_grads = references[GPT]
+    _, grads = _run(GPT, 1, pp, 2, 4, codec=codec, key=KEY, mode=mode, schedule="1f1b")
+    eps = MARGIN * EPS_SEND[codec]
+    err = np.linalg.norm(_flat(grads) - _flat(ref_grads)) / np.linalg.norm(_flat(ref_grads))
+    assert 0 < err <= eps * math.sqrt(2 * (pp - 1))
+
+
+def test_one_f_one_b_stochastic_sends_are_reproducible_from_their_key():
+    first = _run(GPT, 1, 2, 2, 4, codec="tahquant", key=KEY, schedule="1f1b")
+    again = _run(GPT, 1, 2, 2, 4, codec="tahquant", key=KEY, schedule="1f1b")
+    other = _run(GPT, 1, 2, 2, 4, codec="tahquant", key=jax.random.key(4), schedule="1f1b")
+    np.testing.assert_array_equal(_flat(first), _flat(again))
+    assert not np.array_equal(_flat(first), _flat(other))
+
+
+def _kept_residuals(monkeypatch, rows: int, remat: bool) -> list[jax.ShapeDtypeStruct]:
+    """The leaves 1F1B keeps per microbatch in its ring, for microbatches of `rows` rows (bf16,
+    tp = 2), traced without running."""
+    found = []
+    original = _SavedForward.of.__func__
+
+    def record(cls, *args):
+        saved = original(cls, *args)
+        found.append(saved.kept)
+        return saved
+
+    monkeypatch.setattr(_SavedForward, "of", classmethod(record))
+    parallel = ParallelConfig(tp=2, pp=2, microbatches=2, schedule="1f1b", remat=remat)
+    _needs_devices(parallel.num_devices)
+    fn = make_pipeline_loss_and_grads(GPT, parallel, taco_jax.TPComm.create("tp", fwd="none"))
+    tokens = jax.ShapeDtypeStruct((2 * rows, GPT.seq_len + 1), np.int32)
+    jax.eval_shape(fn, init_params(GPT, jax.random.key(0)), tokens)
+    return found[0]
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_one_f_one_b_keeps_activations_not_weights(monkeypatch, remat):
+    """What a ring slot holds grows with the microbatch: bytes(rows) = a rows + c, where c is
+    what does not scale with it. c must stay below one layer's weights in bf16 (kept, the
+    forward's casts of the weights would put all the stage's there, per slot); what may sit in
+    c is the attention's causal mask, [layers, heads, T, T] booleans."""
+    size = lambda kept: sum(math.prod(s.shape) * s.dtype.itemsize for s in kept)  # noqa: E731
+    one, two = (
+        size(_kept_residuals(monkeypatch, 1, remat)),
+        size(_kept_residuals(monkeypatch, 2, remat)),
+    )
+    constant = 2 * one - two
+    layer = GPT.d_model * (4 * GPT.d_model + 2 * GPT.d_ff) // 2  # one TP rank's share
+    assert 0 <= constant < 2 * layer  # bf16: 2 bytes per weight
+    assert two > one
+
+
+@pytest.mark.slow
+def test_one_f_one_b_memory_does_not_grow_with_microbatches():
+    """XLA's temporaries of the compiled 1F1B step (pp = 2, microbatches of one sequence, fp32)
+    at M = 2 and M = 8: beyond the ring, which holds 2P - 1 microbatches at any M, only the
+    first stage's embedded inputs [M, b, T, D] and their gradients may grow with M, 2 b T D
+    fp32 values per microbatch (plus a microbatch's tokens); 1.5x for XLA's buffer assignment.
+    Keeping every microbatch's residuals, as GPipe does, adds several times that per
+    microbatch (on this CPU: 4.1 MB from M = 2 to 8 for GPipe)."""
+    _needs_devices(2)
+    comm = taco_jax.TPComm.create("tp", fwd="none")
+    params = init_params(GPT, jax.random.key(0))
+
+    def temporaries(m: int) -> int:
+        parallel = ParallelConfig(pp=2, microbatches=m, schedule="1f1b", compute_dtype="float32")
+        tokens = jax.ShapeDtypeStruct((m, GPT.seq_len + 1), np.int32)
+        fn = jax.jit(make_pipeline_loss_and_grads(GPT, parallel, comm))
+        return fn.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
+
+    added = 8 - 2
+    per_microbatch = 2 * GPT.seq_len * GPT.d_model * 4 + 2 * (GPT.seq_len + 1) * 4
+    assert temporaries(8) - temporaries(2) <= 1.5 * added * per_microbatch
+
+
+def _computations(hlo: str) -> dict[str, str]:
+    """The compiled HLO module's computations by name."""
+    blocks = re.split(r"\n(?=\S)", hlo)
+    return {m.group(1): b for b in blocks if (m := re.match(r"(?:ENTRY )?%?([\w.\-]+)", b))}
+
+
+def _called(name: str, computations: dict[str, str], seen: set[str]) -> set[str]:
+    """`name` and every computation it calls, transitively."""
+    if name in seen or name not in computations:
+        return seen
+    seen.add(name)
+    for callee in re.findall(r"%([\w.\-]+)", computations[name].split("\n", 1)[-1]):
+        _called(callee, computations, seen)
+    return seen
+
+
+@pytest.mark.parametrize("repeats", [1, 2], ids=["gpipe", "circular"])
+def test_the_tables_gradient_is_not_computed_inside_the_schedules_loops(repeats):
+    """The embedding runs before the schedule's steps and the head after them: no loop of the
+    compiled step computes a value of the table's shape (its gradient's zero fill, scatter,
+    matmul and sum at every step, as when both ran inside the steps). A vocabulary of 384 makes
+    that shape, [384, 64], no other parameter's."""
+    cfg = ModelConfig.preset("gpt_tiny", n_layers=4, vocab_size=384)
+    parallel = _parallel(1, 2, 1, 4, repeats=repeats)
+    _needs_devices(parallel.num_devices)
+    fn = jax.jit(make_pipeline_loss_and_grads(cfg, parallel, taco_jax.TPComm.create("tp")))
+    tokens = jax.ShapeDtypeStruct((4, cfg.seq_len + 1), np.int32)
+    hlo = fn.lower(init_params(cfg, jax.random.key(0)), tokens).compile().as_text()
+    computations = _computations(hlo)
+    shape = rf"f32\[{cfg.padded_vocab},{cfg.d_model}\](?:\{{[^}}]*\}})?"
+    passed_through = "parameter|get-tuple-element|tuple|copy"  # not computed: carried along
+    table = re.compile(rf"= {shape} (?!{passed_through})[\w-]+\(")
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
+    assert bodies  # the schedule's steps are loops
+    for body in bodies:
+        inside = _called(body, computations, set())
+        assert not any(table.search(computations[c]) for c in inside), body

@@ -115,6 +115,14 @@ def test_emulated_circular_schedule_with_telemetry_is_refused_before_the_data():
     assert load_config(None, circular).parallel.schedule == "circular"
 
 
+def test_one_f_one_b_schedule_is_accepted_and_takes_no_repeats():
+    one_f_one_b = ["parallel.mode='shard_map'", "parallel.pp=2", "parallel.microbatches=4",
+                   "parallel.schedule=1f1b", "compression.telemetry=true"]  # fmt: skip
+    assert load_config(None, one_f_one_b).parallel.schedule == "1f1b"
+    with pytest.raises(ValueError, match="repeats=2 needs schedule='circular'"):
+        load_config(None, [*one_f_one_b, "parallel.repeats=2"])
+
+
 def test_bpe_vocab_must_fit_uint16():
     with pytest.raises(ValueError, match="model.vocab_size=70000"):
         build_config({"model": {"preset": "gpt_tiny", "vocab_size": 70000}})
