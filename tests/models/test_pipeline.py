@@ -75,6 +75,9 @@ def _compiled(cfg, dp, pp, tp, microbatches, codec, sp, repeats, shared_grads, m
     return jax.jit(make_pipeline_loss_and_grads(cfg, parallel, comm, codecs))
 
 
+SLOW = pytest.mark.slow  # > ~10 s on the 2-core CPU: the slow tier
+
+
 @pytest.fixture(scope="module")
 def references():
     out = {}
@@ -97,18 +100,19 @@ def _flat(tree) -> np.ndarray:
     "cfg,dp,pp,tp,microbatches,sp,repeats,mode",
     [
         (GPT, 1, 2, 1, 1, False, 1, "shard_map"),
-        (GPT, 2, 2, 2, 2, False, 1, "shard_map"),
-        (GPT, 1, 4, 2, 4, False, 1, "shard_map"),
-        (GPT, 1, 4, 2, 1, True, 1, "shard_map"),
-        (QWEN, 2, 2, 2, 1, False, 1, "shard_map"),
-        (QWEN, 1, 2, 4, 4, True, 1, "shard_map"),
+        pytest.param(GPT, 2, 2, 2, 2, False, 1, "shard_map", marks=SLOW),
+        pytest.param(GPT, 1, 4, 2, 4, False, 1, "shard_map", marks=SLOW),
+        pytest.param(GPT, 1, 4, 2, 1, True, 1, "shard_map", marks=SLOW),
+        pytest.param(QWEN, 2, 2, 2, 1, False, 1, "shard_map", marks=SLOW),
+        pytest.param(QWEN, 1, 2, 4, 4, True, 1, "shard_map", marks=SLOW),
         (GPT8, 1, 2, 2, 2, False, 2, "shard_map"),  # circular
-        (GPT8, 1, 4, 2, 4, True, 2, "shard_map"),
-        (GPT8, 1, 2, 2, 4, False, 2, "shard_map"),  # M > P: microbatches wait in the store
-        (GPT8, 2, 2, 1, 2, False, 4, "shard_map"),
+        pytest.param(GPT8, 1, 4, 2, 4, True, 2, "shard_map", marks=SLOW),
+        # M > P: microbatches wait in the store
+        pytest.param(GPT8, 1, 2, 2, 4, False, 2, "shard_map", marks=SLOW),
+        pytest.param(GPT8, 2, 2, 1, 2, False, 4, "shard_map", marks=SLOW),
         # The mesh emulated on one device (models/spmd.py), up to the paper's 16 ranks.
-        (GPT, 2, 2, 4, 2, True, 1, "emulate"),
-        (GPT8, 1, 2, 2, 4, False, 2, "emulate"),
+        pytest.param(GPT, 2, 2, 4, 2, True, 1, "emulate", marks=SLOW),
+        pytest.param(GPT8, 1, 2, 2, 4, False, 2, "emulate", marks=SLOW),
     ],
 )
 def test_uncompressed_pipeline_equals_unsharded(
@@ -129,9 +133,18 @@ def test_uncompressed_pipeline_equals_unsharded(
 
 # Every codec at pp = 2; pp = 4 (three sends on each path) with the INT8 and INT4 stage codecs.
 # Emulated on one device too: the stochastic codec's noise keyed per rank under vmap.
-STAGE_CASES = [(codec, 2, "shard_map") for codec in sorted(EPS_SEND)] + [
-    ("tahquant", 4, "shard_map"), ("tahquant4", 4, "shard_map"), ("tahquant", 4, "emulate")
-]  # fmt: skip
+# The fast tier keeps `tahquant` at pp = 2.
+PP4_CASES = (
+    ("tahquant", 4, "shard_map"),
+    ("tahquant4", 4, "shard_map"),
+    ("tahquant", 4, "emulate"),
+)
+STAGE_CASES = [
+    (codec, 2, "shard_map")
+    if codec == "tahquant"
+    else pytest.param(codec, 2, "shard_map", marks=SLOW)
+    for codec in sorted(EPS_SEND)
+] + [pytest.param(*case, marks=SLOW) for case in PP4_CASES]
 
 
 @pytest.mark.parametrize("codec,pp,mode", STAGE_CASES)
@@ -154,6 +167,7 @@ def test_stochastic_stage_codec_is_reproducible_from_its_key():
     assert not np.array_equal(_flat(first), _flat(other))
 
 
+@pytest.mark.slow
 def test_circular_with_a_stage_codec_within_its_bound(references):
     """The circular schedule sends every microbatch through P V - 1 stage boundaries (the wrap
     included): the bound of test_stage_codecs_within_their_bound with that many sends."""
@@ -173,6 +187,7 @@ def test_circular_with_a_stage_codec_within_its_bound(references):
 EPS_SHARED_SUM = MARGIN * EPS_SEND["taco"] * math.sqrt(2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [GPT, QWEN], ids=["tied", "untied"])
 def test_compressed_shared_gradient_sum(cfg):
     """`shared_grads` compresses only the sum over stages of the pp-replicated parameters'
@@ -253,7 +268,7 @@ def test_errors_name_the_offending_value():
     [
         (GPT, 1, 2, 4, 4, False, "shard_map"),  # M > 2 P - 1: slots are reused
         pytest.param(QWEN, 1, 4, 2, 4, True, "shard_map", marks=pytest.mark.slow),  # untied
-        (GPT, 2, 2, 2, 2, True, "emulate"),
+        pytest.param(GPT, 2, 2, 2, 2, True, "emulate", marks=SLOW),
     ],
 )
 def test_one_f_one_b_equals_unsharded(
@@ -369,7 +384,7 @@ def _called(name: str, computations: dict[str, str], seen: set[str]) -> set[str]
     return seen
 
 
-@pytest.mark.parametrize("repeats", [1, 2], ids=["gpipe", "circular"])
+@pytest.mark.parametrize("repeats", [1, pytest.param(2, marks=SLOW)], ids=["gpipe", "circular"])
 def test_the_tables_gradient_is_not_computed_inside_the_schedules_loops(repeats):
     """The embedding runs before the schedule's steps and the head after them: no loop of the
     compiled step computes a value of the table's shape (its gradient's zero fill, scatter,
