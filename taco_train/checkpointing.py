@@ -96,9 +96,17 @@ class Checkpointer:
         if jax.process_index() == 0:
             hashes = _file_hashes(self._step_dir(step))
             (self._step_dir(step) / MANIFEST).write_text(json.dumps(hashes, indent=0))
-            for old in sorted(self.completed_steps())[: -self.keep]:
-                self._manager.delete(old)
         multihost_utils.sync_global_devices(f"checkpoint {step} verified")
+        self._prune(step)
+
+    def _prune(self, written: int) -> None:
+        """Deletes the oldest good checkpoints beyond `keep`, counting the one just `written` as
+        the newest whatever its number (a run started over in a directory that still held
+        higher steps must not delete what it just saved). Every process calls it (orbax's
+        delete waits for all of them)."""
+        others = sorted(s for s in self.completed_steps() if s != written)
+        for old in (others + [written])[: -self.keep]:
+            self._manager.delete(old)
 
     def restore_newest_good(self, target: Any) -> tuple[Any, int] | None:
         """The newest checkpoint that is good and restores, laid out like `target` (an

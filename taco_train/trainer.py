@@ -12,11 +12,13 @@ import json
 import os
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 import taco_jax
 from models.parallel import ParallelConfig, check_devices, weight_decay_mask
@@ -169,6 +171,48 @@ def _shard_layout(flat_config: dict[str, Any]) -> tuple[int, int, int]:
     return state_split(ParallelConfig(**fields))
 
 
+# What a run writes into run.out_dir (docs/training.md, "Outputs"): what `run.resume=false`
+# moves into the archive, so that the new run neither resumes nor mixes with the old one.
+RUN_OUTPUTS = (
+    "config.json",
+    "config_history.jsonl",
+    "metrics.jsonl",
+    "loss.png",
+    "checkpoints",
+    "tensorboard",
+    "profile",
+    "collectives_policy.txt",
+)
+
+
+def archive_previous_run(out: Path) -> Path | None:
+    """Moves the outputs of an earlier run in `out` (`RUN_OUTPUTS`) into
+    `out/archive/<UTC time>/`; returns that folder, or None when there was nothing to move."""
+    present = [out / name for name in RUN_OUTPUTS if (out / name).exists()]
+    if not present:
+        return None
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    target, n = out / "archive" / stamp, 1
+    while target.exists():  # two starts over within one second
+        target, n = out / "archive" / f"{stamp}-{n}", n + 1
+    target.mkdir(parents=True)
+    for path in present:
+        path.rename(target / path.name)
+    return target
+
+
+def _start_over(cfg: TrainConfig, out: Path) -> None:
+    """`run.resume=false`: the earlier run in `out` is archived, reported in one line."""
+    if cfg.run.resume:
+        return
+    if jax.process_index() == 0:
+        archived = archive_previous_run(out)
+        if archived is not None:
+            _say(f"run.resume=false: the earlier run in {out} was moved to {archived}")
+    if jax.process_count() > 1:  # nobody reads the directory before it is moved
+        multihost_utils.sync_global_devices("earlier run archived")
+
+
 def _write_config(cfg: TrainConfig, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(_config_json(cfg), indent=1))
@@ -197,6 +241,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
     except ValueError as error:
         raise ConfigError(str(error)) from error
     check_resumable(cfg, Path(cfg.run.out_dir))
+    _start_over(cfg, Path(cfg.run.out_dir))
     run = _Run(cfg)
     lead = jax.process_index() == 0
     if lead:

@@ -7,12 +7,13 @@ import subprocess
 import sys
 import time
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from train_testing import REPO, subprocess_env, tiny_args, untimed
 
 from taco_train import metrics
-from taco_train.checkpointing import MANIFEST, damage
+from taco_train.checkpointing import MANIFEST, Checkpointer, damage
 from taco_train.main import main
 
 _args = tiny_args
@@ -111,3 +112,44 @@ def test_kill_during_saves_never_loses_the_last_good_checkpoint(cache, tmp_path)
     assert untimed(metrics.read_jsonl(run / "metrics.jsonl")) == untimed(
         metrics.read_jsonl(reference / "metrics.jsonl")
     )
+
+
+def _checkpoint_steps(directory):
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
+    """keep=2 with good checkpoints 5 and 6 in the directory: saving step 1 keeps 1 and the
+    newest other one; the checkpoint just written counts as the newest whatever its number."""
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=2)
+    state = {"x": jnp.arange(4.0)}
+    for step in (5, 6, 1):
+        ckpt.save(step, state)
+    ckpt.close()
+    assert _checkpoint_steps(tmp_path / "checkpoints") == [1, 6]
+    assert damage(tmp_path / "checkpoints" / "1") is None
+
+
+def test_starting_over_archives_the_earlier_run_and_reruns_resume_the_new_one(
+    finished, cache, tmp_path, capsys
+):
+    """run.resume=false in a directory holding a finished 6-step run (checkpoints 3 and 6): the
+    old run moves whole into archive/<UTC time>/ (one line), the new one's checkpoints survive,
+    and the next plain rerun resumes the new run, not the old one."""
+    run = _copy(finished, tmp_path)
+    old_metrics = (run / "metrics.jsonl").read_text()
+    new = ("run.steps=2", "run.checkpoint_every=1")
+    main(_args(run, cache, *new, "run.resume=false"))
+    err = capsys.readouterr().err
+    moved = [line for line in err.splitlines() if "was moved to" in line]
+    assert len(moved) == 1 and moved[0].startswith("run.resume=false: the earlier run in"), err
+    (archived,) = (run / "archive").iterdir()
+    assert moved[0].endswith(str(archived))
+    assert _checkpoint_steps(archived / "checkpoints") == [3, 6]
+    assert (archived / "metrics.jsonl").read_text() == old_metrics
+    assert (archived / "config.json").exists() and (archived / "loss.png").exists()
+    assert _checkpoint_steps(run / "checkpoints") == [1, 2]
+    assert {r["step"] for r in metrics.read_jsonl(run / "metrics.jsonl")} <= {1, 2}
+    main(_args(run, cache, *new))  # the plain rerun
+    err = capsys.readouterr().err
+    assert "resuming from" in err and "at step 2" in err and "steps 2 -> 2" in err, err
