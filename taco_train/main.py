@@ -6,6 +6,7 @@ Parses the configuration and calls `taco_train.trainer.train_and_evaluate`; see 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -33,9 +34,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Configuration and usage errors print one line and exit with status 2 (as argparse does),
-    a diverged run one line and status 1; anything else keeps its traceback."""
+    a diverged run one line and status 1, a run stopped by SIGTERM or SIGINT one line and
+    128 + the signal's number; anything else keeps its traceback."""
     from taco_train.config import ConfigError
-    from taco_train.trainer import Diverged
+    from taco_train.trainer import Diverged, Stopped
 
     args = parse_args(argv)
     try:
@@ -43,6 +45,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (ConfigError, Diverged) as error:
         print(f"taco-train: error: {error}", file=sys.stderr)
         raise SystemExit(2 if isinstance(error, ConfigError) else 1) from None
+    except Stopped as stopped:
+        print(f"taco-train: {stopped}", file=sys.stderr)
+        raise SystemExit(stopped.exit_status) from None
+    except KeyboardInterrupt:  # Ctrl-C before the training loop: nothing was trained yet
+        print("taco-train: interrupted before training began; nothing saved", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
 
 
 def _run(args: argparse.Namespace) -> None:

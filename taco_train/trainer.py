@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -267,7 +269,8 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
     )
     _say_policy(cfg, run.out)
     try:
-        return _loop(run, state, start, ckpt, writer)
+        with StopRequests() as stops:
+            return _loop(run, state, start, ckpt, writer, stops)
     finally:  # Also after a non-finite loss: the plot shows where it went wrong.
         ckpt.close()
         writer.close()
@@ -276,19 +279,75 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
             metrics.plot_losses(records, run.out / "loss.png", str(run.out))
 
 
-def _loop(run: _Run, state, start: int, ckpt: Checkpointer, writer) -> dict[str, Any]:
+def _loop(run: _Run, state, start: int, ckpt: Checkpointer, writer, stops) -> dict[str, Any]:
     cfg = run.cfg.run
     bar = _progress_bar(start, cfg.steps, enabled=cfg.progress and jax.process_index() == 0)
     end = cfg.steps if cfg.stop_at is None else cfg.stop_at
     profiler = _StepProfiler(cfg.profile_start, cfg.profile_steps, run.out / "profile")
     try:
-        return _steps(run, state, start, end, ckpt, writer, bar, profiler)
+        return _steps(run, state, start, end, ckpt, writer, bar, profiler, stops)
     finally:
         profiler.close()
 
 
 class Diverged(RuntimeError):
     """Training cannot go on from the state it has (one line on the command line, exit 1)."""
+
+
+class Stopped(Exception):
+    """A SIGTERM or SIGINT stopped the run after a step, with a checkpoint of that step.
+
+    The command line prints it as one line and exits with 128 + the signal's number (143 for
+    SIGTERM, 130 for SIGINT), as a shell reports a process the signal ended."""
+
+    def __init__(self, signum: int, step: int):
+        name = signal.Signals(signum).name
+        super().__init__(f"{name}: stopped at step {step}; run the same command to resume")
+        self.exit_status = 128 + signum
+
+
+class StopRequests:
+    """While active (a context manager, in the main thread), SIGTERM and SIGINT ask the loop to
+    stop after the current step instead of ending the process: schedulers send SIGTERM before
+    they preempt a job, and Ctrl-C is SIGINT. A second signal ends the process at once (exit
+    128 + its number), without a checkpoint; the last complete one stays good."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequests:
+        if threading.current_thread() is threading.main_thread():  # where Python runs handlers
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            print(f"taco-train: {name} again: exiting at once, without a checkpoint",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            os._exit(128 + signum)
+            return  # (only where os._exit is replaced, as in a test)
+        self.received = signum
+        print(f"taco-train: {name}: stopping after this step with a checkpoint (again: exit at "
+              "once)", file=sys.stderr, flush=True)  # fmt: skip
+
+    def agreed(self, step: int, log_every: int) -> int | None:
+        """The signal every process stops for after `step`, or None. A single process stops
+        after any step; several agree at log steps (one small all-gather there, where the loop
+        waits for the device anyway), so that they stop after the same step."""
+        if jax.process_count() == 1:
+            return self.received
+        if step % log_every:
+            return None
+        signums = multihost_utils.process_allgather(np.int32(self.received or 0))
+        return int(np.max(signums)) or None
 
 
 class _SkipWatch:
@@ -316,7 +375,7 @@ class _SkipWatch:
                       f"{first}-{step}")  # fmt: skip
 
 
-def _steps(run: _Run, state, start, end, ckpt, writer, bar, profiler) -> dict[str, Any]:
+def _steps(run: _Run, state, start, end, ckpt, writer, bar, profiler, stops) -> dict[str, Any]:
     cfg = run.cfg.run
     last: dict[str, Any] = {}
     t_mark, steps_since = None, 0
@@ -346,11 +405,15 @@ def _steps(run: _Run, state, start, end, ckpt, writer, bar, profiler) -> dict[st
             last["eval"] = _emit(record, writer, bar)
             if not metrics.is_finite(record["val_loss"]):
                 raise Diverged(f"validation loss {record['val_loss']} at step {done}")
-        save = done % cfg.checkpoint_every == 0 or done in (cfg.steps, end)
+        stop = stops.agreed(done, cfg.log_every)
+        save = done % cfg.checkpoint_every == 0 or done in (cfg.steps, end) or stop is not None
         if save:
             if not bool(run.steps.is_finite(state)):  # never a checkpoint to resume into NaN
                 raise Diverged(f"the train state is not finite at step {done}; not saved")
             ckpt.save(done, state)
+        if stop is not None and done < end:
+            bar.close()
+            raise Stopped(stop, done)
         if evaluate or save:  # Evaluation and checkpointing are not training time.
             jax.block_until_ready(state)
             t_mark, steps_since = time.perf_counter(), 0
@@ -407,6 +470,7 @@ def _emit(record: dict[str, Any], writer, bar) -> dict[str, Any]:
     writer.write(record)
     if jax.process_index() == 0:
         bar.write(metrics.format_line(record))
+        sys.stdout.flush()  # a line per record also when the console is a pipe or a file
     return record
 
 

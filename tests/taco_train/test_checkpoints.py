@@ -1,18 +1,19 @@
 """Checkpoints that survive damage: a damaged newest checkpoint is reported in one line and the
 run resumes from the newest good one, which is never deleted for a newer one that is not."""
 
+import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from train_testing import REPO, subprocess_env, tiny_args, untimed
+from train_testing import REPO, assert_same_state, subprocess_env, tiny_args, untimed
 
-from taco_train import metrics
+from taco_train import metrics, trainer
 from taco_train.checkpointing import MANIFEST, Checkpointer, damage
 from taco_train.main import main
 
@@ -88,30 +89,138 @@ def test_no_usable_checkpoint_is_one_line(finished, cache, tmp_path, capsys):
     assert last.startswith("taco-train: error: no checkpoint in") and "is usable" in last
 
 
-def test_kill_during_saves_never_loses_the_last_good_checkpoint(cache, tmp_path):
-    """kill -9 at random moments of a run (its own process) that saves every step: afterwards
-    every checkpoint the directory offers as good is good, and a rerun finishes with the
-    uninterrupted metrics."""
-    run = tmp_path / "run"
+def _wait_for_step_line(process, after: int) -> int:
+    """Reads the run's console (stdout) until it logs a train step later than `after`; returns
+    that step. A condition, not a duration: how long start-up and compiling take varies."""
+    for line in process.stdout:
+        found = re.match(r"step\s+(\d+) \| loss", line)
+        if found and int(found[1]) > after:
+            return int(found[1])
+    raise AssertionError(f"the run ended (exit {process.wait()}) before logging a step > {after}")
+
+
+def _start_run(args, stderr_path):
+    """The run in a process of its own; its console's stdout is piped, its stderr goes to a
+    file (a pipe nobody reads could fill and stall it)."""
     env = subprocess_env(PYTHONPATH=str(REPO))
-    args = _args(run, cache, "run.checkpoint_every=1", "run.keep_checkpoints=1")
     command = [sys.executable, "-m", "taco_train", *args]
+    with open(stderr_path, "w") as stderr:
+        return subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True
+        )
+
+
+def _last_checkpoint(run) -> int:
+    steps = [int(p.name) for p in (run / "checkpoints").glob("[0-9]*") if p.name.isdigit()]
+    return max(steps, default=0)
+
+
+@pytest.mark.slow
+def test_kill_during_saves_never_loses_the_last_good_checkpoint(cache, tmp_path):
+    """kill -9 at moments of a run (its own process) that saves every step, each right after
+    the run logged its 1st to 3rd step since it (re)started: afterwards every checkpoint the
+    directory offers as good is good, and a rerun finishes with the uninterrupted metrics."""
+    run = tmp_path / "run"
+    steps = ("run.steps=12", "run.log_every=1")
+    args = _args(run, cache, "run.checkpoint_every=1", "run.keep_checkpoints=1", *steps)
     rng = np.random.default_rng(0)
     for _ in range(3):
-        process = subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.DEVNULL)
-        time.sleep(float(rng.uniform(4.0, 12.0)))  # start-up and compile take most of it
+        process = _start_run(args, tmp_path / "stderr.txt")
+        start = _last_checkpoint(run)  # where this process resumes
+        _wait_for_step_line(process, start + int(rng.integers(0, 3)))
         assert process.poll() is None, "the run ended before the kill: nothing was tested"
         process.send_signal(signal.SIGKILL)
-        process.wait()
+        process.communicate()
         for step_dir in (run / "checkpoints").glob("[0-9]*"):
             if step_dir.name.isdigit() and (step_dir / MANIFEST).exists():
                 assert damage(step_dir) is None
     main(args)  # the rerun resumes from what the kills left (in this process: compiled once)
     reference = tmp_path / "reference"
-    main(_args(reference, cache))
+    main(_args(reference, cache, *steps))
     assert untimed(metrics.read_jsonl(run / "metrics.jsonl")) == untimed(
         metrics.read_jsonl(reference / "metrics.jsonl")
     )
+
+
+def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resumes_exactly(
+    finished, cache, tmp_path, capsys, monkeypatch
+):
+    """SIGTERM delivered while the run writes its first train record (step 2 of 6): the run
+    finishes the step, saves a good checkpoint of it, says so in one line and exits with
+    128 + 15; the plain rerun ends with the uninterrupted run's metrics and state."""
+    write = metrics.MetricsWriter.write
+
+    def write_then_signal(self, record):
+        write(self, record)
+        if record["kind"] == "train" and record["step"] == 2:
+            signal.raise_signal(signal.SIGTERM)
+
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(metrics.MetricsWriter, "write", write_then_signal)
+        with pytest.raises(SystemExit) as exit_info:
+            main(_args(run, cache))
+    assert exit_info.value.code == 128 + signal.SIGTERM
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "taco-train: SIGTERM: stopped at step 2; run the same command to resume"
+    assert (
+        _checkpoint_steps(run / "checkpoints") == [2] and damage(run / "checkpoints" / "2") is None
+    )
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
+    main(_args(run, cache))
+    assert "at step 2" in capsys.readouterr().err
+    ours = untimed(metrics.read_jsonl(run / "metrics.jsonl"))
+    assert ours == untimed(metrics.read_jsonl(finished / "metrics.jsonl"))
+    assert_same_state(run, finished, 6)
+
+
+def test_a_second_signal_exits_at_once(monkeypatch, capsys):
+    """The first SIGINT asks for a stop after the step; the second ends the process at once
+    with 128 + 2 (os._exit, replaced here so that the test process survives)."""
+    exits = []
+
+    def fake_exit(status):
+        exits.append(status)
+
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    with trainer.StopRequests() as stops:
+        signal.raise_signal(signal.SIGINT)
+        assert stops.received == signal.SIGINT and exits == []
+        signal.raise_signal(signal.SIGINT)
+        assert exits == [128 + signal.SIGINT]
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "taco-train: SIGINT: stopping after this step with a checkpoint (again: exit at once)",
+        "taco-train: SIGINT again: exiting at once, without a checkpoint",
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signalled_process_stops_in_one_line_and_resumes_exactly(signum, cache, tmp_path):
+    """A scheduler's SIGTERM, or Ctrl-C, sent to the run's process once it logged its first
+    step: exit 128 + the signal, one line naming the step, a good checkpoint of it; resuming to
+    two steps later equals the uninterrupted run to that step, metrics and state."""
+    run, reference = tmp_path / "run", tmp_path / "reference"
+    common = ("run.steps=1000", "run.log_every=1", "run.eval_every=1000")
+    process = _start_run(_args(run, cache, *common), tmp_path / "stderr.txt")
+    _wait_for_step_line(process, 0)
+    process.send_signal(signum)
+    process.communicate()
+    err = (tmp_path / "stderr.txt").read_text()
+    assert process.returncode == 128 + signum, err
+    last = err.strip().splitlines()[-1]
+    stopped = re.fullmatch(r"taco-train: SIG\w+: stopped at step (\d+); run the same command "
+                           r"to resume", last)  # fmt: skip
+    assert stopped, err
+    step = int(stopped[1])
+    assert damage(run / "checkpoints" / str(step)) is None
+    end = f"run.stop_at={step + 2}"
+    main(_args(run, cache, *common, end))
+    main(_args(reference, cache, *common, end))
+    ours = untimed(metrics.read_jsonl(run / "metrics.jsonl"))
+    assert ours == untimed(metrics.read_jsonl(reference / "metrics.jsonl"))
+    assert_same_state(run, reference, step + 2)
 
 
 def _checkpoint_steps(directory):

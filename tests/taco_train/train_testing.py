@@ -13,6 +13,27 @@ def untimed(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in records]
 
 
+def final_state(out_dir: Path, step: int):
+    """The train state saved in `out_dir`'s checkpoint of `step`, as plain arrays."""
+    import orbax.checkpoint as ocp
+
+    manager = ocp.CheckpointManager((out_dir / "checkpoints").absolute())
+    restored = manager.restore(step, args=ocp.args.StandardRestore())
+    manager.close()
+    return restored
+
+
+def assert_same_state(out_a: Path, out_b: Path, step: int) -> None:
+    """The checkpoints of `step` in two run directories hold the same state, bit for bit."""
+    import jax
+    import numpy as np
+
+    a, b = final_state(out_a, step), final_state(out_b, step)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def tiny_args(out_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
     """Command-line arguments of a configs/tiny.toml run (see `tiny_overrides`)."""
     args = ["--config", TINY]
