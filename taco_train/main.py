@@ -37,14 +37,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     a diverged run one line and status 1, a run stopped by SIGTERM or SIGINT one line and
     128 + the signal's number; anything else keeps its traceback."""
     from taco_train.config import ConfigError
+    from taco_train.data import DataError
     from taco_train.trainer import Diverged, Stopped
 
     args = parse_args(argv)
     try:
         _run(args)
-    except (ConfigError, Diverged) as error:
+    except (ConfigError, DataError, Diverged) as error:
         print(f"taco-train: error: {error}", file=sys.stderr)
-        raise SystemExit(2 if isinstance(error, ConfigError) else 1) from None
+        raise SystemExit(1 if isinstance(error, Diverged) else 2) from None
     except Stopped as stopped:
         print(f"taco-train: {stopped}", file=sys.stderr)
         raise SystemExit(stopped.exit_status) from None

@@ -70,8 +70,9 @@ class _Run:
             cache_dir=cfg.data.cache_dir,
         )
         b, t = cfg.data.batch_size, cfg.model.seq_len
-        self.train_batches = data.Batches(self.dataset.train, b, t, seed=cfg.data.seed)
-        self.val_batches = data.Batches(self.dataset.val, b, t, seed=cfg.data.seed)
+        seed = cfg.data.seed
+        self.train_batches = data.Batches(self.dataset.train, b, t, seed, "training split")
+        self.val_batches = data.Batches(self.dataset.val, b, t, seed, "validation split")
         mask = weight_decay_mask(cfg.model)
         sharded = None
         if cfg.optimizer.sharded:  # ZeRO-1: the sharded step clips over its shards itself

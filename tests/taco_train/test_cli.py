@@ -43,6 +43,32 @@ def test_config_errors_are_one_line(args, message, capsys):
     assert message in err
 
 
+@pytest.mark.parametrize(
+    "corpus, overrides, message",
+    [
+        ("nowhere", [], "data.corpus='{}/nowhere' does not exist"),
+        ("short.txt", [], "the training split's n=8 tokens cannot fill one window of "
+         "model.seq_len + 1=33 tokens"),
+        ("long.txt", ["data.val_fraction=0.01"], "the validation split's n=3 tokens cannot fill "
+         "one window of model.seq_len + 1=33 tokens; give data.corpus more text, or lower "
+         "model.seq_len or raise data.val_fraction"),
+    ],
+)  # fmt: skip
+def test_data_errors_are_one_line(corpus, overrides, message, capsys, tmp_path):
+    (tmp_path / "short.txt").write_text("abcdefgh")  # train: 7 bytes + EOT; val: 1 + EOT
+    (tmp_path / "long.txt").write_text("x" * 200)  # val: the last 2 bytes + EOT
+    args = ["--config", TINY, "--set", f"data.cache_dir={str(tmp_path / 'cache')!r}"]
+    for override in [f"data.corpus={str(tmp_path / corpus)!r}", *overrides]:
+        args += ["--set", override]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("taco-train: error: ") and message.format(tmp_path) in last, err
+    assert "Traceback" not in err
+
+
 def test_missing_config_file_is_one_line(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         main(["--config", str(tmp_path / "nope.toml")])
