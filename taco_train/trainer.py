@@ -133,29 +133,34 @@ def _config_json(cfg: TrainConfig) -> dict[str, Any]:
 
 
 # What a resumed run must share with the run that wrote the checkpoints (prefixes of
-# "section.key"): the model, the data and its order, the optimizer and its schedule. Layout,
-# compression, logging, the length of the run and where the data cache lives may change between
-# invocations (checkpoints are portable across TP sizes; the sharded optimizer's are not, see
+# "section.key"): the model, the data and its order, the seed, and the optimizer state's form.
+# Settings that change only the math of later steps may change, and are recorded
+# (`RECORDED_KEYS`); layout, logging and where the data cache lives change silently
+# (checkpoints are portable across TP sizes; the sharded optimizer's are not, see
 # `check_resumable`).
-RESUME_KEYS = ("model.", "data.", "optimizer.", "run.seed")
+RESUME_KEYS = ("model.", "data.", "run.seed", "optimizer.sharded")
 RESUME_EXEMPT = ("data.cache_dir",)
+RECORDED_KEYS = ("run.steps", "optimizer.", "compression.", "parallel.")
+HISTORY = "config_history.jsonl"
 
 
 def _flat(tree: dict[str, Any]) -> dict[str, Any]:
     return {f"{s}.{k}": v for s, section in tree.items() for k, v in section.items()}
 
 
-def check_resumable(cfg: TrainConfig, out: Path) -> None:
+def check_resumable(cfg: TrainConfig, out: Path) -> dict[str, tuple[Any, Any]]:
     """Refuses, before anything is overwritten, to resume a run directory whose saved config
-    differs from `cfg` in `RESUME_KEYS`; the message names the keys and the ways out."""
+    differs from `cfg` in `RESUME_KEYS`; the message names the keys and the ways out. Returns
+    the changes of `RECORDED_KEYS` as {key: (old, new)}, which `record_changes` reports."""
     saved_path = out / "config.json"
     if not cfg.run.resume or not saved_path.exists():
-        return
+        return {}
     old, new = _flat(json.loads(saved_path.read_text())), _flat(_config_json(cfg))
+    changed = [k for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
     differing = [
         f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
-        for key in sorted(old.keys() | new.keys())
-        if key.startswith(RESUME_KEYS) and key not in RESUME_EXEMPT and old.get(key) != new.get(key)
+        for key in changed
+        if key.startswith(RESUME_KEYS) and key not in RESUME_EXEMPT
     ]
     if cfg.optimizer.sharded and _shard_layout(old) != _shard_layout(new):
         differing.append(f"(dp, pp, tp) slices {_shard_layout(old)} -> {_shard_layout(new)} "
@@ -165,6 +170,23 @@ def check_resumable(cfg: TrainConfig, out: Path) -> None:
             f"{out} holds a run with another configuration ({'; '.join(differing)}); use another "
             "run.out_dir, or set run.resume=false to start over in this one"
         )
+    return {k: (old.get(k), new.get(k)) for k in changed if k.startswith(RECORDED_KEYS)}
+
+
+def record_changes(changes: dict[str, tuple[Any, Any]], step: int, out: Path) -> None:
+    """Says each change of a resumed run in one line and appends them, with the step after
+    which they apply, to `out/config_history.jsonl` (config.json then holds the new values)."""
+    if not changes or step == 0 or jax.process_index() != 0:
+        return  # from step 0 the new values are simply the run's configuration
+    for key, (old, new) in changes.items():
+        _say(f"from step {step + 1}: {key} {old!r} -> {new!r}")
+    entry = {
+        "after_step": step,
+        "time": datetime.now(UTC).isoformat(timespec="seconds"),
+        "changes": {key: {"old": old, "new": new} for key, (old, new) in changes.items()},
+    }
+    with open(out / HISTORY, "a") as f:
+        f.write(json.dumps(entry) + "\n")
 
 
 def _shard_layout(flat_config: dict[str, Any]) -> tuple[int, int, int]:
@@ -243,7 +265,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
         check_devices(cfg.parallel)
     except ValueError as error:
         raise ConfigError(str(error)) from error
-    check_resumable(cfg, Path(cfg.run.out_dir))
+    changes = check_resumable(cfg, Path(cfg.run.out_dir))
     _start_over(cfg, Path(cfg.run.out_dir))
     run = _Run(cfg)
     lead = jax.process_index() == 0
@@ -251,6 +273,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
         _write_config(cfg, run.out)
     ckpt = Checkpointer(run.out / "checkpoints", cfg.run.keep_checkpoints)
     state, start = _init_or_restore(run, ckpt)
+    record_changes(changes, start, run.out)
     board = run.out / "tensorboard" if cfg.run.tensorboard else None
     writer = metrics.MetricsWriter(run.out / "metrics.jsonl", start, lead, board)
     params = cfg.model.num_params()
@@ -269,6 +292,10 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
         f"{run.dataset.train.size:,} | steps {start} -> {cfg.run.steps} | out {run.out}"
     )
     _say_policy(cfg, run.out)
+    end = cfg.run.steps if cfg.run.stop_at is None else cfg.run.stop_at
+    if start >= end:
+        _say(f"the run in {run.out} is at step {start}, the end of this one ({end}): nothing to "
+             "train; raise run.steps to go on")  # fmt: skip
     try:
         with StopRequests() as stops:
             return _loop(run, state, start, ckpt, writer, stops)

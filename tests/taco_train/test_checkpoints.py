@@ -1,6 +1,7 @@
 """Checkpoints that survive damage: a damaged newest checkpoint is reported in one line and the
 run resumes from the newest good one, which is never deleted for a newer one that is not."""
 
+import json
 import os
 import re
 import shutil
@@ -262,3 +263,30 @@ def test_starting_over_archives_the_earlier_run_and_reruns_resume_the_new_one(
     main(_args(run, cache, *new))  # the plain rerun
     err = capsys.readouterr().err
     assert "resuming from" in err and "at step 2" in err and "steps 2 -> 2" in err, err
+
+
+def test_resuming_with_changed_math_says_and_records_each_change(finished, cache, tmp_path, capsys):
+    """A resume may lengthen the run and change codecs and optimizer hyperparameters: one line
+    per key (old -> new, from which step), appended to config_history.jsonl; config.json holds
+    the new values."""
+    run = _copy(finished, tmp_path)
+    changed = ("run.steps=8", "optimizer.lr=0.001", "compression.fwd='none'")
+    main(_args(run, cache, *changed))
+    err = capsys.readouterr().err.splitlines()
+    assert [line for line in err if line.startswith("from step")] == [
+        "from step 7: compression.fwd 'taco' -> 'none'",
+        "from step 7: optimizer.lr 0.003 -> 0.001",
+        "from step 7: run.steps 6 -> 8",
+    ]
+    (entry,) = metrics.read_jsonl(run / "config_history.jsonl")
+    assert entry["after_step"] == 6 and entry["changes"] == {
+        "compression.fwd": {"old": "taco", "new": "none"},
+        "optimizer.lr": {"old": 0.003, "new": 0.001},
+        "run.steps": {"old": 6, "new": 8},
+    }
+    assert json.loads((run / "config.json").read_text())["optimizer"]["lr"] == 0.001
+    assert max(r["step"] for r in metrics.read_jsonl(run / "metrics.jsonl")) == 8
+    main(_args(run, cache, *changed))  # the same command again: nothing changed, nothing to do
+    err = capsys.readouterr().err
+    assert "from step" not in err and "nothing to train; raise run.steps to go on" in err, err
+    assert len(metrics.read_jsonl(run / "config_history.jsonl")) == 1

@@ -79,15 +79,28 @@ def test_missing_config_file_is_one_line(capsys, tmp_path):
     )
 
 
-def test_resuming_with_another_model_is_refused_before_anything_changes(capsys, tmp_path):
-    """A run directory keeps its config: another model is one line naming the key, and the run
-    directory is left as it was."""
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ("model.n_layers=3", "(model.n_layers: 2 -> 3);"),
+        ("data.seed=1", "(data.seed: 0 -> 1);"),
+        ("data.val_fraction=0.1", "(data.val_fraction: 0.05 -> 0.1);"),
+        ("run.seed=1", "(run.seed: 0 -> 1);"),
+        ("optimizer.sharded=true", "(optimizer.sharded: False -> True);"),
+    ],
+)
+def test_resuming_with_another_model_data_or_seed_is_refused_before_anything_changes(
+    change, named, capsys, tmp_path
+):
+    """A run directory keeps its config: another model, data, seed or optimizer state is one
+    line naming the key, and the run directory is left as it was."""
     run = ["--config", TINY, "--set", f"run.out_dir={str(tmp_path)!r}", "--set", NOWHERE]
     earlier = json.dumps(load_config(TINY, [f"run.out_dir={str(tmp_path)!r}", NOWHERE]).to_dict())
     (tmp_path / "config.json").write_text(earlier)  # what an earlier run left
     with pytest.raises(SystemExit):
-        main([*run, "--set", "model.n_layers=3", "--set", "run.steps=9"])  # steps may change
+        main([*run, "--set", change, "--set", "run.steps=9", "--set", "optimizer.lr=0.01"])
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "(model.n_layers: 2 -> 3);" in err, err
+    assert err.count("\n") == 1 and named in err, err
+    assert "run.steps" not in err and "optimizer.lr" not in err  # those may change
     assert "run.resume=false" in err and "another run.out_dir" in err
     assert (tmp_path / "config.json").read_text() == earlier
