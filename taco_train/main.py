@@ -36,11 +36,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Configuration and usage errors print one line and exit with status 2 (as argparse does),
     a diverged run one line and status 1, a run stopped by SIGTERM or SIGINT one line and
     128 + the signal's number; anything else keeps its traceback."""
+    args = parse_args(argv)
+    try:
+        _main(args)
+    except ModuleNotFoundError as error:
+        if (error.name or "").partition(".")[0] not in TRAIN_EXTRA_MODULES:
+            raise
+        print(f"taco-train: error: the training application needs the `train` extra (no module "
+              f"{error.name!r}): pip install -c constraints.txt -e \".[train]\" in the "
+              "repository, or pip install \"taco-jax[train]\"", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2) from None
+
+
+# What the `train` extra of pyproject.toml installs, as imported.
+TRAIN_EXTRA_MODULES = ("flax", "optax", "orbax", "tokenizers", "matplotlib", "tqdm", "tensorboardX")
+
+
+def _main(args: argparse.Namespace) -> None:
     from taco_train.config import ConfigError
     from taco_train.data import DataError
     from taco_train.trainer import Diverged, Stopped
 
-    args = parse_args(argv)
     try:
         _run(args)
     except (ConfigError, DataError, Diverged) as error:

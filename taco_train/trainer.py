@@ -260,6 +260,7 @@ def _say_policy(cfg: TrainConfig, out: Path) -> None:
 
 def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
     """Runs `cfg.run.steps` optimizer steps (resuming if possible); returns the last records."""
+    started = time.perf_counter()
     maybe_initialize_distributed(cfg.run.distributed)
     try:  # before the dataset is prepared
         check_devices(cfg.parallel)
@@ -296,15 +297,37 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
     if start >= end:
         _say(f"the run in {run.out} is at step {start}, the end of this one ({end}): nothing to "
              "train; raise run.steps to go on")  # fmt: skip
+    if run.peak is None:
+        kind = run.steps.mesh.devices.flat[0].device_kind
+        _say(f"MFU not reported: the peak FLOP/s of a {kind!r} device is unknown (set "
+             "run.peak_tflops)")  # fmt: skip
     try:
         with StopRequests() as stops:
-            return _loop(run, state, start, ckpt, writer, stops)
+            last = _loop(run, state, start, ckpt, writer, stops)
     finally:  # Also after a non-finite loss: the plot shows where it went wrong.
         ckpt.close()
         writer.close()
         if lead:
             records = metrics.read_jsonl(run.out / "metrics.jsonl")
             metrics.plot_losses(records, run.out / "loss.png", str(run.out))
+    if start < end:
+        _say(_summary(run, start, end, last, time.perf_counter() - started))
+    return last
+
+
+def _summary(run: _Run, start: int, end: int, last: dict[str, Any], seconds: float) -> str:
+    """The end-of-run line: steps, final train and validation loss, tokens/s, wall time, where
+    the outputs are."""
+    parts = [f"done: steps {start} -> {end}"]
+    if "train" in last:
+        parts.append(f"train loss {last['train']['loss']:.4f}")
+    if "eval" in last:
+        parts.append(f"val loss {last['eval']['val_loss']:.4f}")
+    steps_timed, seconds_timed = last.get("timed", (0, 0.0))
+    if steps_timed:
+        parts.append(f"{steps_timed * run.tokens_per_step / seconds_timed:,.0f} tok/s")
+    parts += [f"wall {seconds:.1f} s", f"outputs in {run.out}"]
+    return " | ".join(parts)
 
 
 def _loop(run: _Run, state, start: int, ckpt: Checkpointer, writer, stops) -> dict[str, Any]:
@@ -422,7 +445,10 @@ def _steps(run: _Run, state, start, end, ckpt, writer, bar, profiler, stops) -> 
         bar.update(1)
         if done % cfg.log_every == 0 or done == cfg.steps:
             jax.block_until_ready(out)
-            record = _train_record(run, done, out, time.perf_counter() - t_mark, steps_since)
+            seconds = time.perf_counter() - t_mark
+            record = _train_record(run, done, out, seconds, steps_since)
+            timed = last.get("timed", (0, 0.0))
+            last["timed"] = (timed[0] + steps_since, timed[1] + seconds)  # for the summary
             t_mark, steps_since = time.perf_counter(), 0
             last["train"] = _emit(record, writer, bar)
             skips.check(record, bar)

@@ -250,7 +250,16 @@ def test_starting_over_archives_the_earlier_run_and_reruns_resume_the_new_one(
     old_metrics = (run / "metrics.jsonl").read_text()
     new = ("run.steps=2", "run.checkpoint_every=1")
     main(_args(run, cache, *new, "run.resume=false"))
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
+    # The end-of-run line, and an unknown MFU said once (not "mfu n/a" on every line).
+    summary = err.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"done: steps 0 -> 2 \| train loss \d\.\d{{4}} \| val loss \d\.\d{{4}} \| [\d,]+ tok/s \| "
+        rf"wall [\d.]+ s \| outputs in {re.escape(str(run.absolute()))}",
+        summary,
+    ), summary
+    assert err.count("MFU not reported: the peak FLOP/s of a 'cpu' device is unknown") == 1
+    assert "step      2 | loss" in out and "mfu" not in out
     moved = [line for line in err.splitlines() if "was moved to" in line]
     assert len(moved) == 1 and moved[0].startswith("run.resume=false: the earlier run in"), err
     (archived,) = (run / "archive").iterdir()

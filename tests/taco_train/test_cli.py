@@ -1,9 +1,11 @@
 """Configuration and usage mistakes: one line on stderr, exit status 2, nothing prepared."""
 
 import json
+import subprocess
+import sys
 
 import pytest
-from train_testing import TINY
+from train_testing import REPO, TINY, subprocess_env
 
 from taco_train.config import load_config
 from taco_train.main import main
@@ -67,6 +69,19 @@ def test_data_errors_are_one_line(corpus, overrides, message, capsys, tmp_path):
     last = err.strip().splitlines()[-1]
     assert last.startswith("taco-train: error: ") and message.format(tmp_path) in last, err
     assert "Traceback" not in err
+
+
+def test_without_the_train_extra_is_one_line_naming_it():
+    """flax missing (made unimportable in a fresh process): one line naming the extra, exit 2."""
+    code = "import sys; sys.modules['flax'] = None; from taco_train.main import main; main([])"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(
+        PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (
+        "taco-train: error: the training application needs the `train` extra (no module 'flax'): "
+        'pip install -c constraints.txt -e ".[train]" in the repository, or pip install '
+        '"taco-jax[train]"\n'
+    )
 
 
 def test_missing_config_file_is_one_line(capsys, tmp_path):
