@@ -225,6 +225,9 @@ class RunConfig:
     profile_steps: trace this many train steps with `jax.profiler` into `out_dir/profile`
       (TensorBoard's profile plugin or Perfetto open it), starting at step `profile_start`
       (after compilation); 0 traces nothing.
+    async_checkpoint: write checkpoints in the background (orbax's async save; a checkpoint
+      still counts only once complete with its manifest, `taco_train.checkpointing`); false
+      blocks the loop until each is written and verified.
     """
 
     steps: int = 1000
@@ -243,6 +246,7 @@ class RunConfig:
     tensorboard: bool = True
     profile_steps: int = 0
     profile_start: int = 5
+    async_checkpoint: bool = True
 
     def __post_init__(self):
         for name in ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every"):

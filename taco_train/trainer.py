@@ -272,7 +272,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
     lead = jax.process_index() == 0
     if lead:
         _write_config(cfg, run.out)
-    ckpt = Checkpointer(run.out / "checkpoints", cfg.run.keep_checkpoints)
+    ckpt = Checkpointer(run.out / "checkpoints", cfg.run.keep_checkpoints, cfg.run.async_checkpoint)
     state, start = _init_or_restore(run, ckpt)
     record_changes(changes, start, run.out)
     board = run.out / "tensorboard" if cfg.run.tensorboard else None
@@ -462,9 +462,7 @@ def _steps(run: _Run, state, start, end, ckpt, writer, bar, profiler, stops) -> 
         stop = stops.agreed(done, cfg.log_every)
         save = done % cfg.checkpoint_every == 0 or done in (cfg.steps, end) or stop is not None
         if save:
-            if not bool(run.steps.is_finite(state)):  # never a checkpoint to resume into NaN
-                raise Diverged(f"the train state is not finite at step {done}; not saved")
-            ckpt.save(done, state)
+            _save(run, ckpt, done, state, writer)
         if stop is not None and done < end:
             bar.close()
             raise Stopped(stop, done)
@@ -473,6 +471,20 @@ def _steps(run: _Run, state, start, end, ckpt, writer, bar, profiler, stops) -> 
             t_mark, steps_since = time.perf_counter(), 0
     bar.close()
     return last
+
+
+def _save(run: _Run, ckpt: Checkpointer, step: int, state, writer) -> None:
+    """Checks the state is finite, saves it, and records how long the loop was blocked (the
+    finite check and `Checkpointer.save`, after the step itself is done) as a "checkpoint"
+    record in metrics.jsonl: the pause per save, synchronous or asynchronous."""
+    jax.block_until_ready(state)  # the step's own time is not the checkpoint's
+    started = time.perf_counter()
+    if not bool(run.steps.is_finite(state)):  # never a checkpoint to resume into NaN
+        raise Diverged(f"the train state is not finite at step {step}; not saved")
+    ckpt.save(step, state)
+    blocked = time.perf_counter() - started
+    asynchronous = run.cfg.run.async_checkpoint
+    writer.write({"kind": "checkpoint", "step": step, "blocked_s": blocked, "async": asynchronous})
 
 
 class _StepProfiler:

@@ -9,12 +9,20 @@ import signal
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from train_testing import REPO, assert_same_state, subprocess_env, tiny_args, untimed
+from train_testing import (
+    REPO,
+    assert_same_state,
+    final_state,
+    subprocess_env,
+    tiny_args,
+    untimed,
+)
 
-from taco_train import metrics, trainer
+from taco_train import checkpointing, metrics, trainer
 from taco_train.checkpointing import MANIFEST, Checkpointer, damage
 from taco_train.main import main
 
@@ -58,9 +66,55 @@ def _empty_metadata(step_dir):
 
 
 def test_a_finished_run_leaves_good_checkpoints(finished):
+    """Saved asynchronously, the last one too is complete with its manifest once the run ends,
+    and each save's pause is recorded in metrics.jsonl."""
     checkpoints = finished / "checkpoints"
     assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == [3, 6]
     assert damage(checkpoints / "3") is None and damage(checkpoints / "6") is None
+    records = metrics.read_jsonl(finished / "metrics.jsonl")
+    saves = [r for r in records if r["kind"] == "checkpoint"]
+    assert [(r["step"], r["async"]) for r in saves] == [(3, True), (6, True)]
+    assert all(r["blocked_s"] >= 0 for r in saves)
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_a_save_that_fails_leaves_the_previous_good_checkpoint(asynchronous, tmp_path, monkeypatch):
+    """A save that breaks before its manifest is written (here: hashing its files fails, as
+    when the process dies there) is not good, and the checkpoint before it is not pruned for
+    it: restoring falls back to it."""
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=1, asynchronous=asynchronous)
+    state = {"x": jnp.arange(4.0)}
+    ckpt.save(1, state)
+    ckpt.wait()
+
+    def crash(step_dir):
+        raise OSError("the disk went away")
+
+    monkeypatch.setattr(checkpointing, "_file_hashes", crash)
+    with pytest.raises(OSError, match="the disk went away"):
+        ckpt.save(2, {"x": state["x"] + 1})
+        ckpt.wait()
+    monkeypatch.undo()
+    assert _checkpoint_steps(tmp_path / "checkpoints") == [1, 2]
+    assert damage(tmp_path / "checkpoints" / "1") is None
+    assert damage(tmp_path / "checkpoints" / "2") == "it was never completed (no manifest)"
+    restored, step = ckpt.restore_newest_good({"x": jax.ShapeDtypeStruct((4,), jnp.float32)})
+    ckpt.close()
+    assert step == 1
+    np.testing.assert_array_equal(restored["x"], state["x"])
+
+
+def test_an_async_save_keeps_the_state_of_its_step_when_the_next_step_donates_it(tmp_path):
+    """`train_step` donates the state; an asynchronous save returns before the files are written,
+    so it must already hold its own copy: the checkpoint has the values of its step."""
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=1, asynchronous=True)
+    state = {"x": jnp.arange(1024.0)}
+    ckpt.save(1, state)
+    step = jax.jit(lambda s: {"x": s["x"] * -1.0}, donate_argnums=0)
+    for _ in range(3):
+        state = step(state)
+    ckpt.close()
+    np.testing.assert_array_equal(final_state(tmp_path, 1)["x"], np.arange(1024.0))
 
 
 @pytest.mark.parametrize("harm", [_truncate, _flip_bytes, _empty_metadata])

@@ -9,8 +9,14 @@ TINY = str(REPO / "configs" / "tiny.toml")
 
 
 def untimed(records: list[dict]) -> list[dict]:
-    """Metrics records without their timing fields, which differ between runs."""
-    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in records]
+    """Metrics records without their timing fields, which differ between runs, and without the
+    checkpoint records (the timing of saves, which differ between an interrupted run and one
+    that was not)."""
+    return [
+        {k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")}
+        for r in records
+        if r["kind"] != "checkpoint"
+    ]
 
 
 def final_state(out_dir: Path, step: int):
