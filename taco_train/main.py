@@ -65,8 +65,12 @@ def _main(args: argparse.Namespace) -> None:
     except Stopped as stopped:
         print(f"taco-train: {stopped}", file=sys.stderr)
         raise SystemExit(stopped.exit_status) from None
-    except KeyboardInterrupt:  # Ctrl-C before the training loop: nothing was trained yet
-        print("taco-train: interrupted before training began; nothing saved", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (preparing data, at the end)
+        print(
+            "taco-train: SIGINT: interrupted outside the training loop; the checkpoints "
+            "complete so far stay good (run the same command to resume)",
+            file=sys.stderr,
+        )
         raise SystemExit(128 + signal.SIGINT) from None
 
 

@@ -97,10 +97,13 @@ class _Run:
         self.tokens_per_step = b * t
 
     def global_batch(self, rows: np.ndarray) -> jax.Array:
-        """The global [B, T + 1] batch as one array laid out by `batch_sharding`."""
-        local = data.process_rows(rows, jax.process_index(), jax.process_count())
-        sharding = self.steps.batch_sharding
-        return jax.make_array_from_process_local_data(sharding, local, rows.shape)
+        """The global [B, T + 1] batch as one array laid out by `batch_sharding`. Every process
+        draws all the rows (a function of the step); each of its devices takes the rows it
+        holds, whatever the layout: split over dp, the same on every pipeline stage, also
+        where the stages are different processes."""
+        return jax.make_array_from_callback(
+            rows.shape, self.steps.batch_sharding, lambda index: rows[index]
+        )
 
     def evaluate(self, state) -> float:
         n = self.cfg.run.eval_batches

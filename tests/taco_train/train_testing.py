@@ -20,13 +20,17 @@ def untimed(records: list[dict]) -> list[dict]:
 
 
 def final_state(out_dir: Path, step: int):
-    """The train state saved in `out_dir`'s checkpoint of `step`, as plain arrays."""
+    """The train state saved in `out_dir`'s checkpoint of `step`, as NumPy arrays (whatever
+    devices and processes saved it)."""
+    import jax
+    import numpy as np
     import orbax.checkpoint as ocp
 
-    manager = ocp.CheckpointManager((out_dir / "checkpoints").absolute())
-    restored = manager.restore(step, args=ocp.args.StandardRestore())
-    manager.close()
-    return restored
+    path = (out_dir / "checkpoints" / str(step) / "default").absolute()
+    checkpointer = ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(path).item_metadata.tree
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    return checkpointer.restore(path, restore_args=as_numpy)
 
 
 def assert_same_state(out_a: Path, out_b: Path, step: int) -> None:
