@@ -294,6 +294,27 @@ def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
     assert damage(tmp_path / "checkpoints" / "1") is None
 
 
+def test_archiving_moves_every_output_of_the_earlier_run_and_nothing_else(tmp_path):
+    """The files a run writes move into archive/<UTC time>/ whole; other files stay; two
+    archives within one second get distinct folders."""
+    for name in ("config.json", "metrics.jsonl", "loss.png", "notes.txt"):
+        (tmp_path / name).write_text(name)
+    (tmp_path / "checkpoints" / "3").mkdir(parents=True)
+    first = trainer.archive_previous_run(tmp_path)
+    assert first.parent == tmp_path / "archive"
+    assert re.fullmatch(r"\d{8}T\d{6}Z", first.name), first.name
+    assert sorted(p.name for p in first.iterdir()) == [
+        "checkpoints", "config.json", "loss.png", "metrics.jsonl"
+    ]  # fmt: skip
+    assert (first / "checkpoints" / "3").is_dir() and (first / "loss.png").read_text() == "loss.png"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["archive", "notes.txt"]
+    assert trainer.archive_previous_run(tmp_path) is None  # nothing left to move
+    (tmp_path / "metrics.jsonl").write_text("")
+    second = trainer.archive_previous_run(tmp_path)
+    assert second != first and (second / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
 def test_starting_over_archives_the_earlier_run_and_reruns_resume_the_new_one(
     finished, cache, tmp_path, capsys
 ):
@@ -328,6 +349,7 @@ def test_starting_over_archives_the_earlier_run_and_reruns_resume_the_new_one(
     assert "resuming from" in err and "at step 2" in err and "steps 2 -> 2" in err, err
 
 
+@pytest.mark.slow
 def test_resuming_with_changed_math_says_and_records_each_change(finished, cache, tmp_path, capsys):
     """A resume may lengthen the run and change codecs and optimizer hyperparameters: one line
     per key (old -> new, from which step), appended to config_history.jsonl; config.json holds
