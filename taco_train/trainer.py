@@ -300,7 +300,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
     if start >= end:
         _say(f"the run in {run.out} is at step {start}, the end of this one ({end}): nothing to "
              "train; raise run.steps to go on")  # fmt: skip
-    if run.peak is None:
+    elif run.peak is None:
         kind = run.steps.mesh.devices.flat[0].device_kind
         _say(f"MFU not reported: the peak FLOP/s of a {kind!r} device is unknown (set "
              "run.peak_tflops)")  # fmt: skip
