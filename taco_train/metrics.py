@@ -120,16 +120,16 @@ def plot_losses(records: list[dict[str, Any]], png: Path, title: str = "") -> No
 
 
 def format_line(record: dict[str, Any]) -> str:
-    """One progress line: step, loss, tokens/s, MFU (and validation loss on eval records)."""
+    """One progress line: step, loss, tokens/s, MFU where known (and validation loss on eval
+    records); an unknown MFU is said once at the start of the run, not on every line."""
     parts = [f"step {record['step']:>6d}"]
     for key, fmt in (("loss", ".4f"), ("val_loss", ".4f"), ("grad_norm", ".3f"), ("lr", ".2e")):
         if key in record:
             parts.append(f"{key} {record[key]:{fmt}}")
     if "tokens_per_s" in record:
         parts.append(f"tok/s {record['tokens_per_s']:,.0f}")
-    mfu_value = record.get("mfu")
-    if "tokens_per_s" in record:
-        parts.append("mfu n/a" if mfu_value is None else f"mfu {100 * mfu_value:.1f}%")
+    if record.get("mfu") is not None:
+        parts.append(f"mfu {100 * record['mfu']:.1f}%")
     return " | ".join(parts)
 
 

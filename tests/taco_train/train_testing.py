@@ -9,8 +9,39 @@ TINY = str(REPO / "configs" / "tiny.toml")
 
 
 def untimed(records: list[dict]) -> list[dict]:
-    """Metrics records without their timing fields, which differ between runs."""
-    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in records]
+    """Metrics records without their timing fields, which differ between runs, and without the
+    checkpoint records (the timing of saves, which differ between an interrupted run and one
+    that was not)."""
+    return [
+        {k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")}
+        for r in records
+        if r["kind"] != "checkpoint"
+    ]
+
+
+def final_state(out_dir: Path, step: int):
+    """The train state saved in `out_dir`'s checkpoint of `step`, as NumPy arrays (whatever
+    devices and processes saved it)."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    path = (out_dir / "checkpoints" / str(step) / "default").absolute()
+    checkpointer = ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(path).item_metadata.tree
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    return checkpointer.restore(path, restore_args=as_numpy)
+
+
+def assert_same_state(out_a: Path, out_b: Path, step: int) -> None:
+    """The checkpoints of `step` in two run directories hold the same state, bit for bit."""
+    import jax
+    import numpy as np
+
+    a, b = final_state(out_a, step), final_state(out_b, step)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def tiny_args(out_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
