@@ -105,7 +105,7 @@ def _flat(tree) -> np.ndarray:
         pytest.param(GPT, 1, 4, 2, 1, True, 1, "shard_map", marks=SLOW),
         pytest.param(QWEN, 2, 2, 2, 1, False, 1, "shard_map", marks=SLOW),
         pytest.param(QWEN, 1, 2, 4, 4, True, 1, "shard_map", marks=SLOW),
-        (GPT8, 1, 2, 2, 2, False, 2, "shard_map"),  # circular
+        pytest.param(GPT8, 1, 2, 2, 2, False, 2, "shard_map", marks=SLOW),  # circular
         pytest.param(GPT8, 1, 4, 2, 4, True, 2, "shard_map", marks=SLOW),
         # M > P: microbatches wait in the store
         pytest.param(GPT8, 1, 2, 2, 4, False, 2, "shard_map", marks=SLOW),
@@ -213,6 +213,7 @@ def test_compressed_shared_gradient_sum(cfg):
                     np.testing.assert_array_equal(other, copies[0])
 
 
+@pytest.mark.slow
 def test_loss_only_equals_the_loss_of_loss_and_grads():
     _needs_devices(8)
     parallel = _parallel(2, 2, 2, 2)
@@ -288,7 +289,10 @@ def test_one_f_one_b_equals_unsharded(
 
 @pytest.mark.parametrize(
     "codec,pp,mode",
-    [("tahquant", 2, "shard_map"), pytest.param("tahquant", 4, "emulate", marks=pytest.mark.slow)],
+    [
+        pytest.param("tahquant", 2, "shard_map", marks=SLOW),
+        pytest.param("tahquant", 4, "emulate", marks=SLOW),
+    ],
 )
 def test_one_f_one_b_stage_codecs_within_their_bound(references, codec, pp, mode):
     """1F1B sends each microbatch through the same P - 1 boundaries each way as GPipe: the

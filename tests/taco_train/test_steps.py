@@ -39,7 +39,7 @@ def _batch(global_batch: int) -> np.ndarray:
         pytest.param(
             ParallelConfig(dp=2, tp=4, sequence_parallel=True, remat=True), "taco", marks=SLOW
         ),
-        (ParallelConfig(dp=2, tp=2, mode="vmap"), "taco"),
+        pytest.param(ParallelConfig(dp=2, tp=2, mode="vmap"), "taco", marks=SLOW),
         # TAH-Quant on TP, stochastic (80 s on the CPU; the round-to-nearest grid shares every
         # path but the key and is tested inside the collectives, tests/taco_jax)
         pytest.param(ParallelConfig(dp=2, tp=2, mode="vmap"), "tahquant4", marks=SLOW),
