@@ -213,6 +213,21 @@ TELEMETRY_BOUNDS = {
 }
 
 
+def _assert_trains_logs_and_resumes(tmp_path, cache, overrides):
+    """A compressed run: the loss falls, each dimension's compression error is logged within its
+    bound (`TELEMETRY_BOUNDS`), and a run resumed from its step-3 checkpoint ends bit for bit
+    where the uninterrupted one does. Returns the run directories (full, resumed)."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    _cli(full, cache, *overrides)
+    train = [r for r in metrics.read_jsonl(full / "metrics.jsonl") if r["kind"] == "train"]
+    assert train[-1]["loss"] < train[0]["loss"]
+    logged = {k.removeprefix("telemetry/train/"): v for k, v in train[-1].items()}
+    for tag, bound in TELEMETRY_BOUNDS.items():
+        assert 0 < logged[tag] < bound, (tag, logged[tag])
+    _assert_resume_is_exact(full, resumed, cache, overrides)
+    return full, resumed
+
+
 @pytest.mark.slow
 def test_3d_compressed_run_trains_and_resumes_exactly(cache, tmp_path, capsys):
     """dp = 2 x pp = 2 x tp = 2 on 8 fake devices, every dimension compressed: TACO on the TP
@@ -224,15 +239,7 @@ def test_3d_compressed_run_trains_and_resumes_exactly(cache, tmp_path, capsys):
     run's seed and the step)."""
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices")
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    _cli(full, cache, *THREE_D, "parallel.tp=2")
-    records = metrics.read_jsonl(full / "metrics.jsonl")
-    train = [r for r in records if "loss" in r and r["kind"] == "train"]
-    assert train[-1]["loss"] < train[0]["loss"]
-    logged = {k.removeprefix("telemetry/train/"): v for k, v in train[-1].items()}
-    for tag, bound in TELEMETRY_BOUNDS.items():
-        assert 0 < logged[tag] < bound, (tag, logged[tag])
-    _assert_resume_is_exact(full, resumed, cache, (*THREE_D, "parallel.tp=2"))
+    _, resumed = _assert_trains_logs_and_resumes(tmp_path, cache, (*THREE_D, "parallel.tp=2"))
     with pytest.raises(SystemExit):  # the state holds one master shard per dp rank and slice
         _cli(resumed, cache, *THREE_D, "parallel.tp=1")
     assert "(dp, pp, tp) slices (2, 2, 2) -> (2, 2, 1)" in capsys.readouterr().err
@@ -249,14 +256,7 @@ def test_the_paper_layout_emulated_on_one_device_trains_and_resumes_exactly(
     uninterrupted one does."""
     monkeypatch.setattr(spmd, "CHECK_REPLICAS", True)
     overrides = (*THREE_D, "parallel.mode='emulate'", "parallel.tp=4")
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    _cli(full, cache, *overrides)
-    train = [r for r in metrics.read_jsonl(full / "metrics.jsonl") if r["kind"] == "train"]
-    assert train[-1]["loss"] < train[0]["loss"]
-    logged = {k.removeprefix("telemetry/train/"): v for k, v in train[-1].items()}
-    for tag, bound in TELEMETRY_BOUNDS.items():
-        assert 0 < logged[tag] < bound, (tag, logged[tag])
-    _assert_resume_is_exact(full, resumed, cache, overrides)
+    _assert_trains_logs_and_resumes(tmp_path, cache, overrides)
 
 
 @pytest.mark.slow
@@ -268,12 +268,4 @@ def test_one_f_one_b_3d_run_trains_and_resumes_exactly(cache, tmp_path):
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices")
     overrides = (*THREE_D, "parallel.tp=2", "parallel.schedule='1f1b'")
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    _cli(full, cache, *overrides)
-    records = metrics.read_jsonl(full / "metrics.jsonl")
-    train = [r for r in records if "loss" in r and r["kind"] == "train"]
-    assert train[-1]["loss"] < train[0]["loss"]
-    logged = {k.removeprefix("telemetry/train/"): v for k, v in train[-1].items()}
-    for tag, bound in TELEMETRY_BOUNDS.items():
-        assert 0 < logged[tag] < bound, (tag, logged[tag])
-    _assert_resume_is_exact(full, resumed, cache, overrides)
+    _assert_trains_logs_and_resumes(tmp_path, cache, overrides)
