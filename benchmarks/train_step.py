@@ -396,6 +396,9 @@ def _compiled_memory(compiled) -> dict:
 
 
 ROW_MARK = "train_step row: "
+# The --isolate parent's JAX must not preallocate: its client would hold 75% of the GPU's memory
+# while each case's own process runs (every case of the first --isolate run failed for it).
+PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
 
 
 def run_isolated(case: Case) -> dict:
@@ -403,8 +406,9 @@ def run_isolated(case: Case) -> dict:
     memory (`memory_stats()["peak_bytes_in_use"]`) is this case's alone and an out-of-memory
     failure leaves the other cases alone."""
     argv = [a for a in sys.argv[1:] if a != "--isolate"]
+    env = {k: v for k, v in os.environ.items() if k != PREALLOCATE}  # the case's JAX as usual
     child = subprocess.run([sys.executable, __file__, *argv, "--case-label", case.label],
-                           capture_output=True, text=True)  # fmt: skip
+                           capture_output=True, text=True, env=env)  # fmt: skip
     rows = [line for line in child.stdout.splitlines() if line.startswith(ROW_MARK)]
     print("".join(line + "\n" for line in child.stdout.splitlines() if line not in rows), end="")
     if rows:
@@ -580,6 +584,8 @@ def main() -> None:
     steps = args.steps or (2 if args.smoke else 10)
     warmup = 1 if args.smoke else args.warmup
 
+    if args.isolate:
+        os.environ[PREALLOCATE] = "false"  # before this process first touches the device
     attention, attention_note = attention_check()
     rows = []
     for case in overlap_variants(default_cases(args), args):
