@@ -39,7 +39,14 @@ import numpy as np
 from _common import batched_seconds, in_program_seconds, write_record
 
 import pallas_kernels as pk
-from pallas_kernels import _pallas, decode_kernel, decode_sum_kernel, encode_kernel
+from pallas_kernels import (
+    _pallas,
+    decode_kernel,
+    decode_mosaic,
+    decode_sum_kernel,
+    encode_kernel,
+    encode_mosaic,
+)
 from taco_jax import codecs
 
 PEERS = 8  # rows of the benchmark: an 8-way TP group
@@ -48,42 +55,59 @@ L2_FLUSH_BYTES = 256 * MiB  # > 4x the H200's 60 MB L2
 IN_PROGRAM_CALLS = 16  # dependent calls per program at bandwidth sizes (inputs rotate)
 
 
-def _ops(codec):
-    """name -> (fused fn, reference fn, input builder, bytes moved) for `elements` bf16 values."""
-    enc = jax.jit(lambda x: pk.encode(codec, x))
-    enc_ref = jax.jit(lambda x: pk.encode_reference(codec, x))
+def _ops(codec, backends=("auto",)):
+    """name -> (fused fn, reference fn, input builder, bytes moved) for `elements` bf16 values.
+
+    Per op, one entry per backend of `backends` ("auto": what the collectives call, named by
+    the op alone; "triton", "mosaic": that kernel, named `<op>_<backend>`, Mosaic only where
+    its kernel applies: Hopper, 8-bit codes)."""
     m = lambda el: el // PEERS  # noqa: E731
     wb = codec.wire_bytes
-    encode_io = lambda el: 2 * el + PEERS * wb(m(el))  # noqa: E731
-    return {
-        # "encode" is what the collectives call (backend "auto": on Hopper, the Mosaic GPU
-        # kernel for large bf16 messages), "encode_triton" the Triton-lowered kernel.
-        "encode": (enc, enc_ref, "x", encode_io),
-        "encode_triton": (
-            jax.jit(lambda x: pk.encode(codec, x, backend="triton")),
-            enc_ref,
+    n_of = lambda w: _n(codec, w)  # noqa: E731
+    ops = {
+        "encode": (
+            lambda b: lambda x: pk.encode(codec, x, backend=b),
+            lambda x: pk.encode_reference(codec, x),
             "x",
-            encode_io,
+            lambda el: 2 * el + PEERS * wb(m(el)),
         ),
         "decode": (
-            jax.jit(lambda w: pk.decode(codec, w, _n(codec, w), jnp.bfloat16)),
-            jax.jit(lambda w: pk.decode_reference(codec, w, _n(codec, w), jnp.bfloat16)),
+            lambda b: lambda w: pk.decode(codec, w, n_of(w), jnp.bfloat16, backend=b),
+            lambda w: pk.decode_reference(codec, w, n_of(w), jnp.bfloat16),
             "wire",
             lambda el: PEERS * wb(m(el)) + 2 * el,
         ),
         "decode_sum": (
-            jax.jit(lambda w: pk.decode_sum(codec, w, _n(codec, w))),
-            jax.jit(lambda w: pk.decode_sum_reference(codec, w, _n(codec, w))),
+            lambda b: lambda w: pk.decode_sum(codec, w, n_of(w), backend=b),
+            lambda w: pk.decode_sum_reference(codec, w, n_of(w)),
             "wire",
             lambda el: PEERS * wb(m(el)) + 4 * m(el),
         ),
         "decode_sum_reencode": (
-            jax.jit(lambda w: pk.decode_sum_reencode(codec, w, _n(codec, w))),
-            jax.jit(lambda w: pk.decode_sum_reencode_reference(codec, w, _n(codec, w))),
+            lambda b: lambda w: pk.decode_sum_reencode(codec, w, n_of(w), backend=b),
+            lambda w: pk.decode_sum_reencode_reference(codec, w, n_of(w)),
             "wire",
             lambda el: (PEERS + 1) * wb(m(el)),
         ),
     }
+    out = {}
+    for op, (fused, reference, kind, io) in ops.items():
+        for backend in backends:
+            if backend == "mosaic" and not _mosaic_applies(op, codec):
+                continue
+            name = op if backend == "auto" else f"{op}_{backend}"
+            out[name] = (jax.jit(fused(backend)), jax.jit(reference), kind, io)
+    return out
+
+
+def _mosaic_applies(op: str, codec) -> bool:
+    """Whether `op` has a Mosaic GPU kernel for `codec` here (the sizes are whole tiles)."""
+    if not _pallas.hopper_gpu():
+        return False
+    if op == "encode":
+        x = jax.ShapeDtypeStruct((PEERS, 1 << 20), jnp.bfloat16)
+        return encode_mosaic.unsupported(codec, x) is None
+    return decode_mosaic.unsupported(codec, 1 << 20, reencode=op == "decode_sum_reencode") is None
 
 
 def _n(codec, wire):
@@ -180,38 +204,59 @@ def check(key):
     return rows
 
 
+MOSAIC_CHECK_CODECS = ("taco", "taco_e8m0", "taco_e5m2", "fp8", "int8", "int8_hadamard")
+
+
 def check_mosaic(key) -> list[dict]:
-    """The Mosaic GPU encode vs the reference (Hopper only), two fresh inputs per case."""
+    """The Mosaic GPU kernels vs the references (Hopper only): every op each codec of
+    `MOSAIC_CHECK_CODECS` has a Mosaic kernel for, at 16, 64 and 512 tiles per row, two fresh
+    inputs per case (a byte the kernel skipped would keep the first call's value)."""
     if not _pallas.hopper_gpu():
         return []
     rows = []
-    codec = codecs.get_codec("taco", 128)
-    for i, tiles in enumerate((6, 64, 512)):  # tiles of 64 groups per row
-        n = tiles * 64 * 128
-        for rep in range(2):  # a byte the kernel skipped would keep the first call's value
-            k = jax.random.fold_in(key, 1000 + 2 * i + rep)
-            x = (jax.random.normal(k, (PEERS, n), jnp.float32) * 3).astype(jnp.bfloat16)
-            wire = pk.encode(codec, x, backend="mosaic")
-            ref = pk.encode_reference(codec, x)
-            diffs, steps = _ulp_mismatch(codec, wire, ref, n)
-            row = dict(
-                codec=codec.name,
-                backend="mosaic",
-                n=n,
-                rep=rep,
-                encode_code_mismatch=diffs,
-                encode_max_code_steps=steps,
-                encode_scale_max_rel=_side_difference(codec, wire, ref, n),
-            )
-            rows.append(row)
-            print("CHECK", json.dumps(row), flush=True)
+    for c, name in enumerate(MOSAIC_CHECK_CODECS):
+        codec = codecs.get_codec(name, 128)
+        for i, tiles in enumerate((16, 64, 512)):  # tiles of 64 groups per row
+            n = tiles * 64 * 128
+            for rep in range(2):
+                k = jax.random.fold_in(key, 1000 + 10 * c + 2 * i + rep)
+                x = (jax.random.normal(k, (PEERS, n), jnp.float32) * 3).astype(jnp.bfloat16)
+                row = dict(codec=name, backend="mosaic", n=n, rep=rep)
+                row.update(_check_mosaic_ops(codec, x, n))
+                rows.append(row)
+                print("CHECK", json.dumps(row), flush=True)
     return rows
 
 
-def bench(key, sizes_mib, latency_kib, codec_name="taco"):
+def _check_mosaic_ops(codec, x, n) -> dict:
+    """Each Mosaic op of `codec` on `x` (PEERS rows of n) against its reference."""
+    out = {}
+    ref = pk.encode_reference(codec, x)
+    if encode_mosaic.unsupported(codec, x) is None:
+        wire = pk.encode(codec, x, backend="mosaic")
+        diffs, steps = _ulp_mismatch(codec, wire, ref, n)
+        out.update(encode_code_mismatch=diffs, encode_max_code_steps=steps,
+                   encode_scale_max_rel=_side_difference(codec, wire, ref, n))  # fmt: skip
+    if decode_mosaic.unsupported(codec, n) is None:
+        dec = pk.decode(codec, ref, n, jnp.float32, backend="mosaic")
+        dec_ref = pk.decode_reference(codec, ref, n)
+        out["decode_max_rel"] = float(jnp.max(jnp.abs(dec - dec_ref)) / jnp.max(jnp.abs(dec_ref)))
+        s = pk.decode_sum(codec, ref, n, backend="mosaic")
+        s_ref = pk.decode_sum_reference(codec, ref, n)
+        out["decode_sum_max_rel"] = float(jnp.max(jnp.abs(s - s_ref)) / jnp.max(jnp.abs(s_ref)))
+    if decode_mosaic.unsupported(codec, n, reencode=True) is None:
+        r = pk.decode_sum_reencode(codec, ref, n, backend="mosaic")
+        r_ref = pk.decode_sum_reencode_reference(codec, ref, n)
+        diffs, steps = _ulp_mismatch(codec, r, r_ref, n)
+        out.update(dsr_code_mismatch=diffs, dsr_max_code_steps=steps,
+                   dsr_scale_max_rel=_side_difference(codec, r, r_ref, n))  # fmt: skip
+    return out
+
+
+def bench(key, sizes_mib, latency_kib, codec_name="taco", backends=("auto",), reference=True):
     codec = codecs.get_codec(codec_name, 128)
     copy = jax.jit(lambda x: -x)
-    ops = _ops(codec)
+    ops = _ops(codec, backends)
     results = []
     for size in [s * 1024 for s in latency_kib] + [s * MiB for s in sizes_mib]:
         elements = size // 2
@@ -232,16 +277,16 @@ def bench(key, sizes_mib, latency_kib, codec_name="taco"):
         for name, (fused, ref, kind, io) in ops.items():
             inp = xs if kind == "x" else wires
             t_k, sp = batched_seconds(fused, inp)
-            t_r, _ = batched_seconds(ref, inp, reps=5)
+            t_r = batched_seconds(ref, inp, reps=5)[0] if reference else None
             t_prog = in_program_seconds(fused, inp, IN_PROGRAM_CALLS)
             nbytes = io(elements)
             row[name] = dict(
                 kernel_s=t_k,
                 ref_s=t_r,
                 kernel_tbps=nbytes / t_k / 1e12,
-                ref_tbps=nbytes / t_r / 1e12,
+                ref_tbps=None if t_r is None else nbytes / t_r / 1e12,
                 of_copy=(nbytes / t_k) / (2 * size / t_copy),
-                speedup=t_r / t_k,
+                speedup=None if t_r is None else t_r / t_k,
                 spread=sp,
                 kernel_in_program_s=t_prog,
                 in_program_tbps=nbytes / t_prog / 1e12,
@@ -275,7 +320,7 @@ def torch_copy_tbps(size: int) -> float | None:
     return 2 * size / statistics.median(times) / 1e12
 
 
-def latency_in_program(key, sizes_kib, codec_name="taco") -> list[dict]:
+def latency_in_program(key, sizes_kib, codec_name="taco", backends=("auto",)) -> list[dict]:
     """Per-op in-program latency at small sizes, and the same for a one-element negate (floor)."""
     codec = codecs.get_codec(codec_name, 128)
     calls = 200
@@ -286,7 +331,7 @@ def latency_in_program(key, sizes_kib, codec_name="taco") -> list[dict]:
         x = _inputs(codec, elements, key, "x")[:1]
         wire = _inputs(codec, elements, key, "wire")[:1]
         row = dict(bytes=size, copy_s=in_program_seconds(lambda v: -v, x, calls))
-        for name, (fused, _, kind, _) in _ops(codec).items():
+        for name, (fused, _, kind, _) in _ops(codec, backends).items():
             row[name + "_s"] = in_program_seconds(fused, x if kind == "x" else wire, calls)
         rows.append(row)
         print("IN_PROGRAM", json.dumps(row), flush=True)
@@ -322,7 +367,15 @@ def main():
     )
     p.add_argument("--codec", default="taco", help="codec of the bandwidth table")
     p.add_argument("--skip-check", action="store_true")
-    p.add_argument("--check-mosaic-only", action="store_true", help="check only the Mosaic encode")
+    p.add_argument("--check-mosaic-only", action="store_true", help="check only the Mosaic ops")
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        default=["auto"],
+        choices=_pallas.BACKENDS,
+        help="kernels timed per op: auto (as the collectives call), triton, mosaic",
+    )
+    p.add_argument("--no-reference", action="store_true", help="do not time the jnp references")
     args = p.parse_args()
     key = jax.random.key(int(time.time()))  # fresh data every run
     t0 = time.time()
@@ -334,13 +387,14 @@ def main():
     lat = [int(s) for s in args.latency_kib.split(",") if s]
     floor = launch_floor()
     print("LAUNCH_FLOOR_S", floor, flush=True)
-    results = bench(key, sizes, lat, args.codec)
+    results = bench(key, sizes, lat, args.codec, args.backends, not args.no_reference)
     in_program_kib = [int(s) for s in args.in_program_kib.split(",") if s]
-    in_program = latency_in_program(key, in_program_kib, args.codec)
+    in_program = latency_in_program(key, in_program_kib, args.codec, args.backends)
     write_record(
         "kernels" if args.codec == "taco" else f"kernels-{args.codec}",
         args.out,
         codec=args.codec,
+        backends=args.backends,
         group_size=128,
         peers=PEERS,
         launch_floor_s=floor,
@@ -356,13 +410,13 @@ def main():
         bench=results,
     )
     print("TB/s and % of copy: host-dispatched | in one program; x: speedup over the XLA ref")
-    names = list(_ops(codecs.get_codec("taco")))
+    names = list(_ops(codecs.get_codec(args.codec), args.backends))
     print(f"{'bytes':>12} {'copy TB/s':>11} " + " ".join(f"{k[:13]:>28}" for k in names))
     for r in results:
         ops = [r[k] for k in names]
         cells = [
             f"{o['kernel_tbps']:4.2f} {o['of_copy']:4.0%}|"
-            f"{o['in_program_tbps']:4.2f} {o['in_program_of_copy']:4.0%} x{o['speedup']:4.1f}"
+            f"{o['in_program_tbps']:4.2f} {o['in_program_of_copy']:4.0%} x{o['speedup'] or 0:4.1f}"
             for o in ops
         ]
         copies = f"{r['copy_tbps']:.2f}|{r['copy_in_program_tbps']:.2f}"

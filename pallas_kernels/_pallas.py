@@ -122,6 +122,22 @@ def _typed_like(out_shape, like):
 
 partial = functools.partial
 
+# The backends a public kernel op takes (`backend=`): "triton" (every codec and shape, interpret
+# mode, launch configs), "mosaic" (Hopper; 8-bit codes, G = 128, whole tiles), or "auto".
+BACKENDS = ("auto", "triton", "mosaic")
+
+
+def use_mosaic(op: str, backend: str, *, triton_options: bool, preferred) -> bool:
+    """Whether `op` runs its Mosaic GPU kernel: backend "mosaic", or "auto" where
+    `preferred()` (it applies, at a size where it measured faster) and no Triton-only option
+    (interpret, out_init, config) is asked for. Raises ValueError for an unknown backend or
+    "mosaic" with Triton-only options."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown {op} {backend=}; choose one of {BACKENDS}")
+    if backend == "mosaic" and triton_options:
+        raise ValueError(f"{op} backend='mosaic' takes no interpret, out_init or config")
+    return backend == "mosaic" or (backend == "auto" and not triton_options and preferred())
+
 
 # ------------------------------------------------------------------------------------------
 # Mosaic GPU (`encode_mosaic`): Hopper only (wgmma, TMA); the interpreter runs it on the CPU.
@@ -234,6 +250,24 @@ def wgmma(a_smem, b_smem, shape):
         return acc_ref[...]
 
     return pl.run_scoped(dot, plgpu.ACC(shape, jnp.float32))
+
+
+def wgmma_transposed(a_smem, b_smem, shape, acc_dtype=jnp.float32):
+    """a @ b.T on the tensor cores -> registers of `shape` in `acc_dtype` (fp32, or int32 for
+    INT8 operands). 8-bit operands must be K-major, so the second is read transposed: callers
+    pass symmetric matrices (the Sylvester signs, the identity), for which b.T = b."""
+
+    def dot(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, b_smem.T)
+        return acc_ref[...]
+
+    return pl.run_scoped(dot, plgpu.ACC(shape, acc_dtype))
+
+
+def load_rows(smem_ref):
+    """A shared-memory vector of one value per row of a wgmma tile, laid out to scale that
+    tile's rows (`codecs.scale_rows` on a wgmma accumulator)."""
+    return plgpu.load(smem_ref, layout=plgpu.Layout.WGMMA.reduce(1))
 
 
 def _retyped(out, like, replicated_along):

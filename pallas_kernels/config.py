@@ -227,3 +227,12 @@ def mosaic_launch(rows: int, tiles_per_row: int) -> MosaicLaunch:
     ):
         per_program //= 2
     return MosaicLaunch(per_program, min(MOSAIC_STEPS_IN_FLIGHT, per_program))
+
+
+# Mosaic GPU decode, decode-sum and decode-sum-reencode (`decode_mosaic`): "auto" takes them for
+# calls of at least this many wire bytes (None: never; the Triton kernel at every size).
+MOSAIC_DECODE_FROM_BYTES: dict[str, int | None] = {
+    "decode": None,
+    "decode_sum": None,
+    "decode_sum_reencode": None,
+}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _pallas, _tile
+from pallas_kernels import _pallas, _tile, decode_mosaic
 from pallas_kernels.config import BlockConfig, block_config
 from taco_jax import codecs
 from taco_jax.codecs import Codec
@@ -61,9 +61,15 @@ def decode(
     interpret=False,
     out_init=None,
     config: BlockConfig | None = None,
+    backend: str = "auto",
 ):
-    """wire[R, codec.wire_bytes(n)] -> x[R, n] of `dtype` (out_init, config: as `encode`)."""
+    """wire[R, codec.wire_bytes(n)] -> x[R, n] of `dtype` (out_init, config, backend: as
+    `encode`; the Mosaic GPU kernel is `decode_mosaic.decode`)."""
     check_wire(codec, wire, n)
+    triton_options = interpret or out_init is not None or config is not None
+    preferred = lambda: decode_mosaic.preferred("decode", codec, wire, n, dtype)  # noqa: E731
+    if _pallas.use_mosaic("decode", backend, triton_options=triton_options, preferred=preferred):
+        return decode_mosaic.decode(codec, wire, n, dtype)
     rows = wire.shape[0]
     groups = n // codec.group_size
     cfg = config or default_config(codec, rows, n)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _pallas, _tile
+from pallas_kernels import _pallas, _tile, decode_mosaic
 from pallas_kernels.config import BlockConfig, block_config
 from pallas_kernels.decode_kernel import check_wire, decoded_tile
 from taco_jax import codecs
@@ -128,9 +128,17 @@ def decode_sum(
     interpret=False,
     out_init=None,
     config=None,
+    backend: str = "auto",
 ):
     """wire[N, B] -> [n] of `dtype`, the fp32 sum of the N decoded rows, rounded once to `dtype`
-    (out_init, config: as `encode`)."""
+    (out_init, config, backend: as `encode`; Mosaic GPU: `decode_mosaic.decode_sum`)."""
+    check_wire(codec, wire, n)
+    triton_options = interpret or out_init is not None or config is not None
+    preferred = lambda: decode_mosaic.preferred("decode_sum", codec, wire, n, dtype)  # noqa: E731
+    if _pallas.use_mosaic(
+        "decode_sum", backend, triton_options=triton_options, preferred=preferred
+    ):
+        return decode_mosaic.decode_sum(codec, wire, n, dtype)
     out = jax.ShapeDtypeStruct((1, n), dtype)
     name = "taco_decode_sum"
     return _launch(
@@ -139,9 +147,23 @@ def decode_sum(
 
 
 def decode_sum_reencode(
-    codec: Codec, wire: jax.Array, n: int, *, interpret=False, out_init=None, config=None
+    codec: Codec,
+    wire: jax.Array,
+    n: int,
+    *,
+    interpret=False,
+    out_init=None,
+    config=None,
+    backend: str = "auto",
 ):
-    """wire[N, B] -> wire[B] holding encode(sum of the N decoded rows) (as `decode_sum`)."""
+    """wire[N, B] -> wire[B] holding encode(sum of the N decoded rows) (as `decode_sum`;
+    Mosaic GPU: `decode_mosaic.decode_sum_reencode`)."""
+    check_wire(codec, wire, n)
+    triton_options = interpret or out_init is not None or config is not None
+    op = "decode_sum_reencode"
+    preferred = lambda: decode_mosaic.preferred(op, codec, wire, n)  # noqa: E731
+    if _pallas.use_mosaic(op, backend, triton_options=triton_options, preferred=preferred):
+        return decode_mosaic.decode_sum_reencode(codec, wire, n)
     out = jax.ShapeDtypeStruct((1, codec.wire_bytes(n)), jnp.uint8)
     name = "taco_decode_sum_reencode"
     return _launch(

@@ -46,9 +46,6 @@ def _encode_kernel(
     _tile.for_each_tile(cfg, _pallas.program_id(1), load, encode_tile)
 
 
-BACKENDS = ("auto", "triton", "mosaic")
-
-
 def default_config(codec: Codec, rows: int, n: int) -> BlockConfig:
     """The launch the Triton `encode` takes for rows [R, n] unless given one (sub-byte codes:
     `config.PLANES_ENCODE_DECODE`)."""
@@ -73,21 +70,17 @@ def encode(
     out_init: optional buffer of the output's shape, aliased to it (checks poison it).
     config: the Triton launch (default: `default_config`).
     backend: "triton" (Pallas, Triton lowering: every codec and shape, interpret mode), "mosaic"
-      (`encode_mosaic`: Hopper, taco, bf16, G = 128, n a multiple of 16384; the faster one from
-      64 MiB, BENCHMARKS.md), or "auto": Mosaic where `encode_mosaic.preferred` and no Triton
-      option (interpret, out_init, config) is asked for, else Triton.
+      (`encode_mosaic`: Hopper, 8-bit codes with fp32 scales, bf16, G = 128, whole tiles), or
+      "auto": Mosaic where `encode_mosaic.preferred` (it applies, at a size where it measured
+      faster: BENCHMARKS.md, "Kernels") and no Triton option (interpret, out_init, config) is
+      asked for, else Triton.
     """
     codecs.check_encodable(codec, x)
     if x.ndim != 2:
         raise ValueError(f"encode takes rows [R, n], got shape={x.shape}")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown encode {backend=}; choose one of {BACKENDS}")
     triton_options = interpret or out_init is not None or config is not None
-    if backend == "mosaic" and triton_options:
-        raise ValueError("backend='mosaic' takes no interpret, out_init or config")
-    if backend == "mosaic" or (
-        backend == "auto" and not triton_options and encode_mosaic.preferred(codec, x)
-    ):
+    preferred = lambda: encode_mosaic.preferred(codec, x)  # noqa: E731
+    if _pallas.use_mosaic("encode", backend, triton_options=triton_options, preferred=preferred):
         return encode_mosaic.encode(codec, x)
     rows, n = x.shape
     groups = n // codec.group_size

@@ -1,8 +1,9 @@
 """Fused encode on Hopper through Mosaic GPU: x[R, n] bf16 -> packed wire rows, G = 128.
 
 The same function as the Triton-lowered `encode_kernel.encode` (and so as
-`codecs.encode_wire(codec, x)` up to `_tile`'s rounding notes), for the codec `taco` (Hadamard,
-ASH pre-scale, fp32 DS scales, E4M3 codes).
+`codecs.encode_wire(codec, x)` up to `_tile`'s rounding notes), for the codecs of 8-bit codes
+and fp32 scales: `taco`, `taco_e5m2`, `taco_no_ds`, `fp8`, `int8`, `int8_hadamard`. A codec
+without a Hadamard multiplies by the identity instead of the signs (the same kernel).
 
 Why a second backend for this kernel (see `_pallas.py`): the Triton lowering moves every tile
 through registers, then shared memory for the dot, then back. Here a program walks
@@ -17,14 +18,15 @@ kernel that CI can run).
 
 The wire row is addressed as [W / 128, 128] bytes: Mosaic GPU indexes GMEM refs but does not
 reshape them, and with 128-byte rows a tile's codes (64 rows) and each of its side sections
-(2 rows) are whole rows. TMA stores of uint8 rows tile them by 8 rows, so the row count,
-17 / 16 of the groups, must be a multiple of 8: whole pairs of tiles. Hence `unsupported`.
+(2 rows) are whole rows. TMA stores of uint8 rows tile them by 8 rows, so the row count must be
+a multiple of 8 (`taco`: whole pairs of tiles; one-scale codecs: fours). Hence `unsupported`.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pallas_kernels import _pallas
@@ -42,18 +44,23 @@ ROW_BYTES = 128  # the wire row is addressed in rows of this many bytes
 _TILE = MOSAIC_GROUPS_PER_TILE
 
 
+CODE_ELEMENTS = ("e4m3", "e5m2", "int8")
+
+
 def unsupported(codec: Codec, x: jax.Array, *, need_hopper: bool = True) -> str | None:
     """Why this kernel cannot encode `x` with `codec` (None: it can)."""
     if codec.group_size != GROUP_SIZE:
         return f"group_size={codec.group_size} (needs {GROUP_SIZE})"
-    if not (codec.hadamard and codec.prescale and codec.postscale):
-        return f"codec {codec.name!r} (needs a Hadamard, ASH pre-scale and DS post-scale)"
-    if codec.scale_format != "fp32" or codec.element != "e4m3":
-        return f"codec {codec.name!r} (needs fp32 scales and E4M3 codes)"
+    if codec.element not in CODE_ELEMENTS or codec.scale_format != "fp32":
+        return f"codec {codec.name!r} (needs fp32 scales and 8-bit codes: E4M3, E5M2 or INT8)"
     if x.ndim != 2 or x.dtype != jnp.bfloat16:
         return f"x of shape={x.shape} dtype={x.dtype} (needs bf16 rows [R, n])"
-    if x.shape[1] % (2 * _TILE * GROUP_SIZE):
-        return f"n={x.shape[1]} (needs a multiple of {2 * _TILE * GROUP_SIZE}: tile pairs)"
+    n = x.shape[1]
+    if n % (_TILE * GROUP_SIZE) or codec.wire_bytes(n) % (8 * ROW_BYTES):
+        return (
+            f"n={n} (needs whole tiles of {_TILE * GROUP_SIZE} and wire rows of a multiple of "
+            f"{8 * ROW_BYTES} bytes: TMA stores 8 rows of {ROW_BYTES} bytes at a time)"
+        )
     if need_hopper and not _pallas.hopper_gpu():
         return "the default device is not a Hopper GPU (wgmma)"
     return None
@@ -90,13 +97,14 @@ def encode(
         tiles_per_program=tiles_per_program,
         steps=launch.steps_in_flight,
         sections=codecs.wire_sections(codec, n),
+        magic_round=not interpret,
     )
     wire_rows = codec.wire_bytes(n) // ROW_BYTES
     out_shape = jax.ShapeDtypeStruct((rows, wire_rows, ROW_BYTES), jnp.uint8)
     wire = _pallas.mosaic_kernel(
         body,
         x.reshape(rows, groups, GROUP_SIZE),
-        signs_operand(),
+        dot_operand(codec),
         out_shape=out_shape,
         scratch=encode_scratch(launch.store_slots),
         grid=(rows, (groups // _TILE) // tiles_per_program),
@@ -107,9 +115,12 @@ def encode(
     return wire.reshape(rows, wire_rows * ROW_BYTES)
 
 
-def signs_operand() -> jax.Array:
-    """The +-1 Sylvester matrix the wgmma multiplies by (exact in bf16), staged per program."""
-    return jnp.asarray(codecs.signs_matrix(GROUP_SIZE), jnp.bfloat16)
+def dot_operand(codec: Codec) -> jax.Array:
+    """What the wgmma multiplies each tile by, staged per program (exact in bf16): the +-1
+    Sylvester matrix for a codec with a Hadamard, else the identity (the dot is then the
+    conversion of the tile into fp32 registers)."""
+    matrix = codecs.signs_matrix(GROUP_SIZE) if codec.hadamard else np.eye(GROUP_SIZE)
+    return jnp.asarray(matrix, jnp.bfloat16)
 
 
 def encode_scratch(slots: int = 2) -> list:
@@ -136,6 +147,7 @@ def _encode_body(
     tiles_per_program,
     steps,
     sections,
+    magic_round,
 ):
     """One program: `tiles_per_program` consecutive tiles of row `row`, into the wire row."""
     _pallas.copy_in(signs_gmem, signs_smem, signs_barrier)
@@ -149,18 +161,22 @@ def _encode_body(
         tiles_per_program=tiles_per_program,
         steps=steps,
         sections=sections,
+        magic_round=magic_round,
     )
     _pallas.wait_stores(0)
 
 
-def encode_tiles(x_row, wire_rows, *, codec, signs_smem, out, tiles_per_program, steps, sections):
+def encode_tiles(x_row, wire_rows, *, codec, signs_smem, out, tiles_per_program, steps, sections,
+                 magic_round=True):  # fmt: skip
     """Encodes this program's `tiles_per_program` consecutive tiles of one bf16 row `x_row`
     (GMEM, [groups, G]) and TMA-stores each tile's codes and sides into every ref of
     `wire_rows` (GMEM wire rows [W / 128, 128], local or a peer's: `exchange_mosaic`).
 
-    The pipeline only loads; each step stores its own tile (`_store_tile`), unpredicated, so the
+    The pipeline only loads; each step stores its own tile (`store_tile`), unpredicated, so the
     kernel also runs in Mosaic GPU's interpreter (which has no predicated stores). Stores may
-    still be in flight on return; a program may call this again (one row after another)."""
+    still be in flight on return; a program may call this again (one row after another).
+    magic_round: the integer grids' rounding (`codecs.quantize`): True on the GPU (Mosaic GPU
+    has no round), False in the interpreter (XLA's CPU folds the magic add away)."""
     # The shared-memory slots rotate by tile index from this call's first tile: the stores of an
     # earlier call must be done reading them (a no-op in the first call).
     _pallas.wait_stores(0)
@@ -173,6 +189,7 @@ def encode_tiles(x_row, wire_rows, *, codec, signs_smem, out, tiles_per_program,
         wire_rows=wire_rows,
         first=first,
         sections=sections,
+        magic_round=magic_round,
     )
     tile_block = lambda i: (first + i, 0)  # noqa: E731
     _pallas.pipeline(
@@ -184,16 +201,17 @@ def encode_tiles(x_row, wire_rows, *, codec, signs_smem, out, tiles_per_program,
     )(x_row)
 
 
-def _encode_step(index, x_smem, *, codec, signs_smem, out, wire_rows, first, sections):
+def _encode_step(index, x_smem, *, codec, signs_smem, out, wire_rows, first, sections,
+                 magic_round):  # fmt: skip
     (i,) = index
-    v = _pallas.wgmma(x_smem, signs_smem, (_TILE, GROUP_SIZE))  # S x, fp32
-    unit = codecs.hadamard_unit(GROUP_SIZE)
-    codes, scale, prescale = codecs.encode_groups(codec, v, unit=unit, magic_round=True)
+    v = _pallas.wgmma(x_smem, signs_smem, (_TILE, GROUP_SIZE))  # S x (or x), fp32
+    unit = codecs.hadamard_unit(GROUP_SIZE) if codec.hadamard else 1.0
+    codes, scale, prescale = codecs.encode_groups(codec, v, unit=unit, magic_round=magic_round)
     sides = {"scales": scale, "prescales": prescale}
-    _store_tile(out, wire_rows, first + i, sections, codes, sides)
+    store_tile(out, wire_rows, first + i, sections, codes, sides)
 
 
-def _store_tile(out, wire_rows, tile, sections, codes, sides):
+def store_tile(out, wire_rows, tile, sections, codes, sides):
     """TMA-stores one tile's codes and its side values (fp32, by `Payload` field) into each row.
 
     The tiles rotate through the S slots of `out` (`encode_scratch`). Each tile issues

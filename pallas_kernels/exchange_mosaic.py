@@ -63,6 +63,8 @@ def launch(rows: int, tiles_per_row: int) -> MosaicLaunch | None:
 def unsupported(codec: Codec, x: jax.Array, *, need_hopper: bool = True) -> str | None:
     """Why this kernel cannot gather `x` encoded with `codec` (None: it can). The link and the
     mesh are the caller's to check (`taco_jax.collectives`)."""
+    if codec != codecs.get_codec("taco"):
+        return f"codec {codec.name!r} (the exchange is built and checked for 'taco' only)"
     reason = encode_mosaic.unsupported(codec, x, need_hopper=need_hopper)
     if reason is None and launch(x.shape[0], x.shape[1] // (_TILE * GROUP_SIZE)) is None:
         reason = f"{x.shape[0]} rows (more than {max_programs()} programs)"
@@ -144,7 +146,7 @@ def _exchange(codec, x, axis_name, n_ranks, *, scatter: bool, replicated: bool, 
         replicated_along=(axis_name,) if replicated else (),
     )
     out = _one_launch_per_call(kernel)(
-        x.reshape(rows, groups, GROUP_SIZE), encode_mosaic.signs_operand()
+        x.reshape(rows, groups, GROUP_SIZE), encode_mosaic.dot_operand(codec)
     )
     return out.reshape(n_ranks, *out_rows, wire_rows * ROW_BYTES)
 
