@@ -9,10 +9,12 @@ no arithmetic) has no kernel, and `taco_jax` runs its reference there. The pipel
 the `taco` encodes that store their codes into the peers' memory (all-gather, all-to-all) for
 the collectives on NVLink.
 
-Kernels are `pl.pallas_call`s on the Triton lowering, except the `taco` encode of large bf16
-messages on Hopper, a Mosaic GPU kernel (`encode_mosaic`; why: `_pallas.py`). All work under
-`jax.vmap` and inside `jax.shard_map`; `interpret=True` runs the Triton bodies on the CPU (and
-`encode_mosaic.encode(..., interpret=True)` the Mosaic one, codes only).
+Each op takes `backend=`: "triton" (`pl.pallas_call` on the Triton lowering: every codec and
+shape, interpret mode on the CPU), "mosaic" (Mosaic GPU on Hopper, for the codecs of 8-bit codes:
+`encode_mosaic`, `decode_mosaic`; their CPU interpreter runs them too, codes only), or "auto",
+the default: Mosaic where it measured faster (the `taco` encode of large bf16 messages; why:
+`_pallas.py`, the table: `config.py`), Triton elsewhere. All work under `jax.vmap` and inside
+`jax.shard_map` (the Mosaic decodes are so far checked on a GPU as plain calls only).
 
 This package imports the codec definitions (`taco_jax.codecs`, `taco_jax.tahquant`) and nothing
 else of taco_jax; the
@@ -21,7 +23,7 @@ dispatch from the collectives to these kernels lives in `taco_jax._backends`.
 
 from __future__ import annotations
 
-from pallas_kernels import exchange_mosaic, tahquant_kernel
+from pallas_kernels import decode_mosaic, encode_mosaic, exchange_mosaic, tahquant_kernel
 from pallas_kernels.config import BlockConfig, block_config
 from pallas_kernels.decode_kernel import decode, decode_reference
 from pallas_kernels.decode_sum_kernel import (
@@ -39,9 +41,11 @@ __all__ = [
     "decode_reference",
     "decode_sum",
     "decode_sum_reencode",
+    "decode_mosaic",
     "decode_sum_reencode_reference",
     "decode_sum_reference",
     "encode",
+    "encode_mosaic",
     "encode_reference",
     "exchange_mosaic",
     "tahquant_kernel",

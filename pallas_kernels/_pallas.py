@@ -16,10 +16,13 @@ behind the choice: docs/development_history.md):
   in place stream at copy speed. `plgpu.kernel` batches under `vmap` by adding a grid axis. Its
   CPU interpreter runs the kernel, because the kernel issues its own stores (the interpreter has
   no predicated stores, which `emit_pipeline`'s outputs use), but it does not alias `RefUnion`
-  members: on the CPU only the codes are checked, the side bytes on the GPU. The same encode,
-  storing into the peers' memory too (`exchange_mosaic`: `plgpu.remote_ref`, semaphores), is the
-  exchange of the collectives on NVLink; the interpreter has no semaphores, so that one runs
-  only on GPUs (on the CPU it is lowered for CUDA, not run).
+  members: on the CPU only the codes are checked, the side bytes on the GPU. The same kind of
+  kernel decodes, decode-sums and re-encodes the 8-bit codecs (`decode_mosaic`, wgmma on the
+  codes themselves), measured faster than Triton for the decode from 64 MiB and slower for the
+  eight-peer sums; "auto" keeps Triton for them until the table in `config.py` says. The
+  `taco` encode, storing into the peers' memory too (`exchange_mosaic`: `plgpu.remote_ref`,
+  semaphores), is the exchange of the collectives on NVLink; the interpreter has no
+  semaphores, so that one runs only on GPUs (on the CPU it is lowered for CUDA, not run).
 - jax-triton (raw Triton): not used. Its 0.4.1 release needs triton >= 3.7 (the GPU image has
   3.6) and does not batch under `vmap`, which TP emulation needs.
 
@@ -243,7 +246,8 @@ def wait_signals(sem, count: int):
 
 
 def wgmma(a_smem, b_smem, shape):
-    """a @ b (shared-memory bf16 operands) on the tensor cores -> fp32 registers of `shape`."""
+    """a @ b (shared-memory bf16 or fp16 operands) on the tensor cores -> fp32 registers of
+    `shape`."""
 
     def dot(acc_ref):
         plgpu.wgmma(acc_ref, a_smem, b_smem)
@@ -262,6 +266,14 @@ def wgmma_transposed(a_smem, b_smem, shape, acc_dtype=jnp.float32):
         return acc_ref[...]
 
     return pl.run_scoped(dot, plgpu.ACC(shape, acc_dtype))
+
+
+def load_upcast(smem_ref, dtype):
+    """An 8-bit shared-memory tile (swizzled, as TMA loaded it for wgmma) into registers as
+    `dtype`, laid out as a wgmma operand (8-bit loads in the layout that upcasts with one warp
+    shuffle)."""
+    narrow = plgpu.load(smem_ref, layout=plgpu.Layout.WGMMA_UPCAST_2X)
+    return plgpu.layout_cast(narrow.astype(dtype), plgpu.Layout.WGMMA)
 
 
 def load_rows(smem_ref):

@@ -230,7 +230,15 @@ def mosaic_launch(rows: int, tiles_per_row: int) -> MosaicLaunch:
 
 
 # Mosaic GPU decode, decode-sum and decode-sum-reencode (`decode_mosaic`): "auto" takes them for
-# calls of at least this many wire bytes (None: never; the Triton kernel at every size).
+# the codecs of MOSAIC_DECODE_CODECS in calls of at least MOSAIC_DECODE_FROM_BYTES[op] wire
+# bytes (None: never, the Triton kernel at every size). Measured on one H200, 8 rows, in one
+# program, % of a copy (BENCHMARKS.md, "Kernels"; `kernels-2026-12-02-mosaic.json`): the decode
+# runs 96-107% from 64 MiB against Triton's 91-98% but 63-64% against 71-86% at 4-16 MiB; the
+# decode-sum of 8 peers 24-40% against 53-85% and the re-encode 24-51% against 28-102% (eight
+# peers' tiles fill shared memory: one pipeline step in flight). So none is the default yet:
+# the decode's threshold waits for its GPU checks under `vmap` and `shard_map`, the other two
+# for a pipeline that does not hold every peer's tile per step.
+MOSAIC_DECODE_CODECS = ("taco",)
 MOSAIC_DECODE_FROM_BYTES: dict[str, int | None] = {
     "decode": None,
     "decode_sum": None,

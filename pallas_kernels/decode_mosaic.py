@@ -5,16 +5,21 @@ The same functions as the Triton-lowered `decode_kernel.decode` and `decode_sum_
 up to fp32 rounding; re-encoded codes up to rounding ties), for the codecs whose codes are one
 byte (`taco`, `taco_e8m0`, `taco_e5m2`, `taco_no_ds`, `fp8`, `int8`, `int8_hadamard`).
 
-Why the tensor cores read the codes themselves: a decode is S q x d per group (S the +-1
-Sylvester matrix, d the group's factor `codecs.decode_factor`), and the codes are FP8 or INT8,
-which Hopper's wgmma takes as operands. TMA loads a tile of 64 groups of codes into swizzled
-shared memory, one 64 x 128 x 128 wgmma multiplies it by S (staged once per program, as FP8
-E4M3 or INT8 +-1: exact), and the fp32 accumulator is scaled per row. No code passes through
-registers before the dot, and the product is exact: every code and sign is exact, the fp32 (or
-int32) accumulator sums 128 of them. Codecs without a Hadamard multiply by the identity instead
-(the same kernel; the dot is the conversion). The decode-sum runs one dot per peer (each peer's
-exact codes, as `config.TWO_PEERS_DOT`); the decode-sum-reencode needs no Hadamard (H H = I:
-the sum is re-encoded where it is, in the Hadamard domain), so its dots are by the identity.
+Why the tensor cores: a decode is S q x d per group (S the +-1 Sylvester matrix, d the group's
+factor `codecs.decode_factor`). TMA loads a tile of 64 groups of codes into swizzled shared
+memory and one 64 x 128 x 128 wgmma multiplies it by S (staged once per program), exactly:
+every code and sign is exact and the accumulator sums 128 products. INT8 codes are wgmma
+operands as they are (int32 sums). FP8 codes are too, but Hopper's FP8 wgmma keeps only ~14
+bits of its sums (`_upcasts`), so FP8 codes go through registers into an fp16 tile first (fp16
+holds every E4M3 and E5M2 value) and the fp16 wgmma accumulates in fp32. Codecs without a
+Hadamard multiply by the identity instead (one nonzero product per output: exact in any
+type). The decode-sum runs one dot per peer (each peer's exact codes, as
+`config.TWO_PEERS_DOT`); the decode-sum-reencode needs no Hadamard (H H = I: the sum is
+re-encoded where it is, in the Hadamard domain), so its dots are by the identity.
+
+Measured against the Triton kernels (`config.MOSAIC_DECODE_FROM_BYTES`): the decode is faster
+from 64 MiB; the decode-sum and re-encode of eight peers are slower at every size, because each
+pipeline step holds every peer's tile and so only one step fits in flight.
 
 The wire row is read through views XLA makes without a copy (bitcasts of the uint8 row): the
 codes as [W / 128, 128] of the code type, the fp32 side sections as [W / 4] fp32 and the E8M0
@@ -33,6 +38,7 @@ from jax import lax
 
 from pallas_kernels import _pallas, encode_mosaic
 from pallas_kernels.config import (
+    MOSAIC_DECODE_CODECS,
     MOSAIC_DECODE_FROM_BYTES,
     MOSAIC_GROUPS_PER_TILE,
     MosaicLaunch,
@@ -71,10 +77,13 @@ def unsupported(codec: Codec, n: int, *, reencode: bool = False, need_hopper: bo
 
 def preferred(op: str, codec: Codec, wire: jax.Array, n: int, dtype=jnp.float32) -> bool:
     """Whether "auto" takes the Mosaic kernel of `op` ("decode", "decode_sum",
-    "decode_sum_reencode"): it applies, and the call moves at least
-    `config.MOSAIC_DECODE_FROM_BYTES[op]` bytes of wire (None: Triton at every size)."""
+    "decode_sum_reencode"): it applies, the codec is one of `config.MOSAIC_DECODE_CODECS`,
+    and the call moves at least `config.MOSAIC_DECODE_FROM_BYTES[op]` bytes of wire (None:
+    Triton at every size)."""
     threshold = MOSAIC_DECODE_FROM_BYTES[op]
-    if threshold is None or jnp.dtype(dtype) not in OUT_DTYPES or wire.ndim != 2:
+    if threshold is None or codec.name not in MOSAIC_DECODE_CODECS:
+        return False
+    if jnp.dtype(dtype) not in OUT_DTYPES or wire.ndim != 2:
         return False
     if unsupported(codec, n, reencode=op == "decode_sum_reencode") is not None:
         return False
@@ -106,7 +115,7 @@ def decode(
         *_wire_views(codec, wire),
         _dot_operand(codec, hadamard=codec.hadamard),
         out_shape=jax.ShapeDtypeStruct((rows, groups, GROUP_SIZE), dtype),
-        scratch=_scratch(codec, dtype, launch),
+        scratch=_scratch(codec, dtype, launch, hadamard=codec.hadamard),
         grid=(rows, (groups // _TILE) // launch.tiles_per_program),
         grid_names=("row", "program"),
         name=f"taco_decode_mosaic_{codec.name}_g{GROUP_SIZE}",
@@ -136,7 +145,7 @@ def decode_sum(
         *_wire_views(codec, wire),
         _dot_operand(codec, hadamard=codec.hadamard),
         out_shape=jax.ShapeDtypeStruct((1, groups, GROUP_SIZE), dtype),
-        scratch=_scratch(codec, dtype, launch),
+        scratch=_scratch(codec, dtype, launch, hadamard=codec.hadamard),
         grid=(1, (groups // _TILE) // launch.tiles_per_program),
         grid_names=("row", "program"),
         name=f"taco_decode_sum_mosaic_{codec.name}_g{GROUP_SIZE}",
@@ -165,7 +174,7 @@ def decode_sum_reencode(
         *_wire_views(codec, wire),
         _dot_operand(codec, hadamard=False),
         out_shape=jax.ShapeDtypeStruct((wire_rows, ROW_BYTES), jnp.uint8),
-        scratch=_scratch(codec, None, launch),
+        scratch=_scratch(codec, None, launch, hadamard=False),
         grid=((groups // _TILE) // launch.tiles_per_program,),
         grid_names=("program",),
         name=f"taco_decode_sum_reencode_mosaic_{codec.name}_g{GROUP_SIZE}",
@@ -199,7 +208,9 @@ def _launch(launch, rows, tiles_per_row, *, codec, n, peers, out_tile_bytes):
         launch = mosaic_launch(rows, tiles_per_row)
         side_bytes = sum(_TILE * s.width for s in codecs.wire_sections(codec, n))
         step_bytes = peers * (_TILE * GROUP_SIZE + side_bytes)
-        fixed = GROUP_SIZE * GROUP_SIZE + launch.store_slots * out_tile_bytes
+        operand = GROUP_SIZE * GROUP_SIZE * 2  # fp16 at most
+        upcast = _TILE * GROUP_SIZE * 2
+        fixed = operand + upcast + launch.store_slots * out_tile_bytes
         fits = max(1, (SMEM_BUDGET_BYTES - fixed) // step_bytes)
         launch = MosaicLaunch(
             launch.tiles_per_program, min(launch.steps_in_flight, fits), launch.store_slots
@@ -236,24 +247,40 @@ def _wire_views(codec: Codec, wire: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(views)
 
 
+def _upcasts(codec: Codec, hadamard: bool) -> bool:
+    """Whether the codes go through fp16 before the dot: FP8 codes times the +-1 matrix. Hopper's
+    FP8 wgmma keeps only about 14 bits of its running sum (DeepSeek-V3, arXiv:2412.19437,
+    section 3.3.2), so a 128-term Hadamard of FP8 codes would err by ~2^-13; the fp16 wgmma
+    accumulates in fp32, and fp16 holds every E4M3 and E5M2 value exactly (the hardware
+    converts FP8 to fp16, not to bf16). INT8 codes sum exactly in int32, and an identity dot has
+    one nonzero product per output: both stay 8-bit."""
+    return hadamard and codec.element != "int8"
+
+
 def _dot_operand(codec: Codec, *, hadamard: bool) -> jax.Array:
     """The +-1 Sylvester matrix (hadamard) or the identity, in the type wgmma pairs with the
-    codes: INT8 with INT8 codes, FP8 E4M3 with either FP8 type (both exact)."""
+    codes: INT8 with INT8 codes, FP8 E4M3 with either FP8 type, fp16 where `_upcasts` (all
+    exact)."""
     matrix = codecs.signs_matrix(GROUP_SIZE) if hadamard else np.eye(GROUP_SIZE)
-    return jnp.asarray(matrix, _dot_dtype(codec))
+    return jnp.asarray(matrix, _dot_dtype(codec, hadamard))
 
 
-def _dot_dtype(codec: Codec):
+def _dot_dtype(codec: Codec, hadamard: bool):
+    if _upcasts(codec, hadamard):
+        return jnp.float16
     return jnp.int8 if codec.element == "int8" else jnp.float8_e4m3fn
 
 
-def _scratch(codec: Codec, dtype, launch: MosaicLaunch) -> list:
-    """The dot operand (and its load barrier), then the output's slots: `launch.store_slots`
-    decoded tiles of `dtype`, or (dtype None) the re-encoded tiles of `encode_mosaic`."""
+def _scratch(codec: Codec, dtype, launch: MosaicLaunch, *, hadamard: bool) -> list:
+    """The dot operand (and its load barrier), the fp16 tile the codes are upcast into (where
+    `_upcasts`), then the output's slots: `launch.store_slots` decoded tiles of `dtype`, or
+    (dtype None) the re-encoded tiles of `encode_mosaic`."""
     operand = [
-        _pallas.smem((GROUP_SIZE, GROUP_SIZE), _dot_dtype(codec), swizzled=True),
+        _pallas.smem((GROUP_SIZE, GROUP_SIZE), _dot_dtype(codec, hadamard), swizzled=True),
         _pallas.barrier(),
     ]
+    if _upcasts(codec, hadamard):
+        operand.append(_pallas.smem((_TILE, GROUP_SIZE), jnp.float16, swizzled=True))
     if dtype is None:
         return operand + encode_mosaic.encode_scratch(launch.store_slots)[2:]
     return operand + [_pallas.smem((launch.store_slots, _TILE, GROUP_SIZE), dtype)]
@@ -282,17 +309,22 @@ def _peer_refs(views, row):
     return [view.at[p] for p in range(peers) for view in views]
 
 
-def _decoded_peers(codec, blocks, dot_smem, n, unit):
+def _decoded_peers(codec, blocks, dot_smem, n, unit, upcast_smem=None):
     """Per peer of this tile's `blocks` (codes, then side sections, per peer): its codes times
-    the dot operand (fp32, exact) and its decode factor d (`codecs.decode_factor` with
-    `unit`), so that the decoded tile is `codecs.scale_rows(v, d)`."""
+    the dot operand (fp32, exact; through `upcast_smem` in fp16 where given) and its decode
+    factor d (`codecs.decode_factor` with `unit`): the decoded tile is `scale_rows(v, d)`."""
     sections = codecs.wire_sections(codec, n)
     per_peer = 1 + len(sections)
     out = []
     for p in range(len(blocks) // per_peer):
         code_smem, *side_smem = blocks[p * per_peer : (p + 1) * per_peer]
         acc = jnp.int32 if codec.element == "int8" else jnp.float32
-        v = _pallas.wgmma_transposed(code_smem, dot_smem, (_TILE, GROUP_SIZE), acc)
+        if upcast_smem is None:
+            v = _pallas.wgmma_transposed(code_smem, dot_smem, (_TILE, GROUP_SIZE), acc)
+        else:
+            upcast_smem[...] = _pallas.load_upcast(code_smem, jnp.float16)
+            _pallas.commit_smem()  # the threads' writes, before the tensor cores read them
+            v = _pallas.wgmma(upcast_smem, dot_smem, (_TILE, GROUP_SIZE))
         sides = {s.field: _pallas.load_rows(r) for s, r in zip(sections, side_smem, strict=True)}
         d = codecs.decode_factor(codec, sides.get("scales"), sides.get("prescales"), unit)
         out.append((v.astype(jnp.float32), d))
@@ -302,7 +334,9 @@ def _decoded_peers(codec, blocks, dot_smem, n, unit):
 def _decode_body(*refs, codec, n, launch, rows_summed):
     """One program: `launch.tiles_per_program` consecutive tiles of one row (decode) or of the
     sum of all rows (decode-sum), stored into the output row."""
-    *views, dot_gmem, out_gmem, dot_smem, dot_barrier, out_smem = refs
+    views = refs[: 1 + len(codec.side_fields)]  # `_wire_views`
+    dot_gmem, out_gmem, dot_smem, dot_barrier, *upcast, out_smem = refs[len(views) :]
+    upcast_smem = upcast[0] if upcast else None
     _pallas.copy_in(dot_gmem, dot_smem, dot_barrier)
     row = None if rows_summed else lax.axis_index("row")
     peers = views[0].shape[0] if rows_summed else 1
@@ -313,7 +347,7 @@ def _decode_body(*refs, codec, n, launch, rows_summed):
     def step(index, *blocks):
         (i,) = index
         total = None
-        for v, d in _decoded_peers(codec, blocks, dot_smem, n, unit):  # in peer order
+        for v, d in _decoded_peers(codec, blocks, dot_smem, n, unit, upcast_smem):  # peer order
             x = codecs.scale_rows(v, d)
             total = x if total is None else total + x
         _store_decoded(out_smem, out_row, first + i, total)
