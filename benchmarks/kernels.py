@@ -8,12 +8,15 @@ record `kernels-<date>.json`:
 1. Checks, on fresh random data each run: every fused codec (and `taco` with G = 32 .. 512),
    bf16 and fp32 input, rows that do not fill a tile, two poisons of the outputs to catch
    unwritten bytes; codes compared in code steps, scales relatively, against the references.
-   Then the Mosaic GPU encode (Hopper only): 6, 64 and 512 tiles per row, two fresh inputs
-   each. `--check-mosaic-only` runs only the latter, `--skip-check` neither.
+   Then the Mosaic GPU kernels (Hopper only): every op each codec of MOSAIC_CHECK_CODECS has
+   one for, at 16, 64 and 512 tiles per row, two fresh inputs each. `--check-mosaic-only` runs
+   only the latter, `--skip-check` neither.
 2. Timings per bf16 message size (`--latency-kib`, `--sizes-mib`): a copy of the same bytes
    (an XLA negate; from 64 MiB also torch's `copy_`, timed with CUDA events, where torch is
-   installed), the XLA-fused jnp references and the kernels: encode (backend "auto", as the
-   collectives call it, and the Triton kernel), decode, decode-sum, decode-sum-reencode. Two
+   installed), the XLA-fused jnp references (unless `--no-reference`) and the kernels of each
+   op (encode, decode, decode-sum, decode-sum-reencode) for each of `--backends`: "auto" (as
+   the collectives call them), "triton", "mosaic", "mosaic_steps" (the Mosaic sums with one
+   peer's tile per pipeline step), Mosaic only at sizes its kernels take. Two
    timings: host-dispatched batches (`kernel_s`, `_common.batched_seconds`) and 16 dependent
    calls inside one jitted program (`kernel_in_program_s`, `_common.in_program_seconds`, no
    per-call dispatch, which at 64 MiB lasts as long as a kernel). Inputs rotate over >= 256 MiB
@@ -90,24 +93,42 @@ def _ops(codec, backends=("auto",)):
             lambda el: (PEERS + 1) * wb(m(el)),
         ),
     }
+    # "mosaic_steps": the Mosaic sums with one peer's tile per pipeline step (`peer_steps`).
+    steps = {
+        "decode_sum": lambda w: decode_mosaic.decode_sum(codec, w, n_of(w), peer_steps=True),
+        "decode_sum_reencode": lambda w: decode_mosaic.decode_sum_reencode(
+            codec, w, n_of(w), peer_steps=True
+        ),
+    }
     out = {}
     for op, (fused, reference, kind, io) in ops.items():
         for backend in backends:
-            if backend == "mosaic" and not _mosaic_applies(op, codec):
+            if backend.startswith("mosaic") and not _mosaic_applies(op, codec):
                 continue
+            if backend == "mosaic_steps" and op not in steps:
+                continue
+            fn = steps[op] if backend == "mosaic_steps" else fused(backend)
             name = op if backend == "auto" else f"{op}_{backend}"
-            out[name] = (jax.jit(fused(backend)), jax.jit(reference), kind, io)
+            out[name] = (jax.jit(fn), jax.jit(reference), kind, io)
     return out
 
 
-def _mosaic_applies(op: str, codec) -> bool:
-    """Whether `op` has a Mosaic GPU kernel for `codec` here (the sizes are whole tiles)."""
+def _mosaic_applies(op: str, codec, n: int = 1 << 20) -> bool:
+    """Whether `op` has a Mosaic GPU kernel for `codec` here, for rows of `n` elements."""
     if not _pallas.hopper_gpu():
         return False
     if op == "encode":
-        x = jax.ShapeDtypeStruct((PEERS, 1 << 20), jnp.bfloat16)
+        x = jax.ShapeDtypeStruct((PEERS, n), jnp.bfloat16)
         return encode_mosaic.unsupported(codec, x) is None
-    return decode_mosaic.unsupported(codec, 1 << 20, reencode=op == "decode_sum_reencode") is None
+    return decode_mosaic.unsupported(codec, n, reencode=op == "decode_sum_reencode") is None
+
+
+def _applies_at(name: str, codec, elements: int) -> bool:
+    """Whether the timed variant `name` (`_ops`) runs at a message of `elements` values."""
+    if "_mosaic" not in name:
+        return True
+    op = name.split("_mosaic")[0]
+    return _mosaic_applies(op, codec, elements // PEERS)
 
 
 def _n(codec, wire):
@@ -275,6 +296,8 @@ def bench(key, sizes_mib, latency_kib, codec_name="taco", backends=("auto",), re
             row["torch_copy_tbps"] = torch_copy_tbps(size)
         wires = _inputs(codec, elements, key, "wire")
         for name, (fused, ref, kind, io) in ops.items():
+            if not _applies_at(name, codec, elements):
+                continue
             inp = xs if kind == "x" else wires
             t_k, sp = batched_seconds(fused, inp)
             t_r = batched_seconds(ref, inp, reps=5)[0] if reference else None
@@ -332,6 +355,8 @@ def latency_in_program(key, sizes_kib, codec_name="taco", backends=("auto",)) ->
         wire = _inputs(codec, elements, key, "wire")[:1]
         row = dict(bytes=size, copy_s=in_program_seconds(lambda v: -v, x, calls))
         for name, (fused, _, kind, _) in _ops(codec, backends).items():
+            if not _applies_at(name, codec, elements):
+                continue
             row[name + "_s"] = in_program_seconds(fused, x if kind == "x" else wire, calls)
         rows.append(row)
         print("IN_PROGRAM", json.dumps(row), flush=True)
@@ -372,8 +397,9 @@ def main():
         "--backends",
         nargs="+",
         default=["auto"],
-        choices=_pallas.BACKENDS,
-        help="kernels timed per op: auto (as the collectives call), triton, mosaic",
+        choices=(*_pallas.BACKENDS, "mosaic_steps"),
+        help="kernels timed per op: auto (as the collectives call), triton, mosaic, "
+        "mosaic_steps (the Mosaic sums with one peer's tile per pipeline step)",
     )
     p.add_argument("--no-reference", action="store_true", help="do not time the jnp references")
     args = p.parse_args()
@@ -413,11 +439,12 @@ def main():
     names = list(_ops(codecs.get_codec(args.codec), args.backends))
     print(f"{'bytes':>12} {'copy TB/s':>11} " + " ".join(f"{k[:13]:>28}" for k in names))
     for r in results:
-        ops = [r[k] for k in names]
         cells = [
             f"{o['kernel_tbps']:4.2f} {o['of_copy']:4.0%}|"
             f"{o['in_program_tbps']:4.2f} {o['in_program_of_copy']:4.0%} x{o['speedup'] or 0:4.1f}"
-            for o in ops
+            if (o := r.get(k))
+            else "-"
+            for k in names
         ]
         copies = f"{r['copy_tbps']:.2f}|{r['copy_in_program_tbps']:.2f}"
         print(f"{r['bytes']:>12} {copies:>11} " + " ".join(f"{c:>28}" for c in cells))

@@ -18,8 +18,9 @@ behind the choice: docs/development_history.md):
   no predicated stores, which `emit_pipeline`'s outputs use), but it does not alias `RefUnion`
   members: on the CPU only the codes are checked, the side bytes on the GPU. The same kind of
   kernel decodes, decode-sums and re-encodes the 8-bit codecs (`decode_mosaic`, wgmma on the
-  codes themselves), measured faster than Triton for the decode from 64 MiB and slower for the
-  eight-peer sums; "auto" keeps Triton for them until the table in `config.py` says. The
+  codes: INT8 as they are, FP8 through fp16), measured faster than Triton for the decode from
+  64 MiB and slower for the eight-peer sums; "auto" keeps Triton for them until the table in
+  `config.py` says. The
   `taco` encode, storing into the peers' memory too (`exchange_mosaic`: `plgpu.remote_ref`,
   semaphores), is the exchange of the collectives on NVLink; the interpreter has no
   semaphores, so that one runs only on GPUs (on the CPU it is lowered for CUDA, not run).
@@ -36,6 +37,7 @@ there (a masked load pads a varying ref with an invariant constant): CPU tests u
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -143,7 +145,8 @@ def use_mosaic(op: str, backend: str, *, triton_options: bool, preferred) -> boo
 
 
 # ------------------------------------------------------------------------------------------
-# Mosaic GPU (`encode_mosaic`): Hopper only (wgmma, TMA); the interpreter runs it on the CPU.
+# Mosaic GPU (`encode_mosaic`, `decode_mosaic`, `exchange_mosaic`): Hopper only (wgmma, TMA);
+# the interpreter runs the first two on the CPU.
 
 _SWIZZLE_BYTES = 128
 
@@ -165,6 +168,17 @@ def smem(shape, dtype, *, swizzled: bool = False):
     return plgpu.SMEM(shape, dtype, transforms=_swizzle(dtype) if swizzled else ())
 
 
+def smem_bytes(scratch) -> int:
+    """Bytes of shared memory a `mosaic_kernel` scratch list allocates (8 per barrier)."""
+    total = 0
+    for ref in scratch:
+        if isinstance(ref, plgpu.Barrier):
+            total += 8
+        else:
+            total += math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
+    return total
+
+
 def smem_union(*shapes_and_dtypes):
     """One shared buffer seen as each (shape, dtype): written as one, TMA-stored as another."""
     return plgpu.RefUnion(*(plgpu.SMEM(shape, dtype) for shape, dtype in shapes_and_dtypes))
@@ -179,15 +193,46 @@ def block(shape, index_map, *, swizzled: bool = False, dtype=jnp.bfloat16):
     return plgpu.BlockSpec(shape, index_map, transforms=_swizzle(dtype) if swizzled else ())
 
 
-def pipeline(body, *, steps: int, in_specs, out_specs, in_flight: int):
-    """`steps` pipeline steps over GMEM refs, `in_flight` of them loading/storing at once."""
+def pipeline(body, *, steps, in_specs, out_specs, in_flight: int, init_carry=None):
+    """`steps` pipeline steps (an int, or a tuple: a grid of them) over GMEM refs, `in_flight`
+    of them loading/storing at once; with `init_carry`, `body` takes and returns a carry."""
     return plgpu.emit_pipeline(
         body,
-        grid=(steps,),
+        grid=steps if isinstance(steps, tuple) else (steps,),
         in_specs=in_specs,
         out_specs=out_specs,
         max_concurrent_steps=in_flight,
+        init_carry=init_carry,
     )
+
+
+def when(condition, fn):
+    """Runs `fn()` where `condition` (a scalar) holds."""
+    pl.when(condition)(fn)
+
+
+def zeros_rows(shape):
+    """fp32 zeros in the wgmma accumulator's layout (a carry that accumulators add to)."""
+    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def wgmma_of_pieces(z, pieces_smem, b_smem, shape):
+    """z @ b for fp32 registers z and a bf16 operand b: z split into three bf16 pieces
+    (z = z1 + z2 + z3 to fp32's 24 bits), written to `pieces_smem` [3, ...] and multiplied in one
+    fp32 accumulator: bf16 operands, fp32 accuracy."""
+    rest = z
+    for k in range(3):
+        piece = rest.astype(jnp.bfloat16)
+        pieces_smem[k] = piece
+        rest = rest - piece.astype(jnp.float32)
+    plgpu.commit_smem()  # the threads' writes, before the tensor cores read them
+
+    def dot(acc_ref):
+        for k in range(3):
+            plgpu.wgmma(acc_ref, pieces_smem.at[k], b_smem)
+        return acc_ref[...]
+
+    return pl.run_scoped(dot, plgpu.ACC(shape, jnp.float32))
 
 
 def copy_in(gmem_ref, smem_ref, done):

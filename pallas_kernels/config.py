@@ -195,8 +195,9 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class MosaicLaunch:
-    """The Mosaic GPU encode's launch: tiles each program pipelines, TMA load steps in flight,
-    and the shared-memory slots its encoded tiles rotate through while TMA stores read them."""
+    """A Mosaic GPU kernel's launch (`encode_mosaic`, `decode_mosaic`): tiles each program
+    pipelines, TMA load steps in flight, and the shared-memory slots its output tiles rotate
+    through while TMA stores read them."""
 
     tiles_per_program: int
     steps_in_flight: int
@@ -217,10 +218,15 @@ MOSAIC_MIN_PROGRAMS = 256
 # "auto" takes the Mosaic encode from this many tiles (64 MiB of bf16): below it, one-tile
 # programs each stage the 32 KiB sign matrix and the Triton encode is faster (BENCHMARKS.md).
 MOSAIC_MIN_TILES = MOSAIC_TILES_PER_PROGRAM * MOSAIC_MIN_PROGRAMS
+# ... and only for the codecs measured and checked on a GPU through it (the other 8-bit codecs
+# with fp32 scales take it with backend="mosaic"; `int8_hadamard` measured 91% of the copy at
+# 256 MiB against Triton's 77%, but its GPU checks have not run).
+MOSAIC_ENCODE_CODECS = ("taco",)
 
 
 def mosaic_launch(rows: int, tiles_per_row: int) -> MosaicLaunch:
-    """The Mosaic encode's launch for `rows` rows of `tiles_per_row` tiles."""
+    """The Mosaic kernels' launch for `rows` rows of `tiles_per_row` tiles (`decode_mosaic`
+    then fits its steps in flight to shared memory)."""
     per_program = MOSAIC_TILES_PER_PROGRAM
     while per_program > 1 and (
         tiles_per_row % per_program or rows * tiles_per_row // per_program < MOSAIC_MIN_PROGRAMS

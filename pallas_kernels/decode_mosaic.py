@@ -18,8 +18,11 @@ type). The decode-sum runs one dot per peer (each peer's exact codes, as
 re-encoded where it is, in the Hadamard domain), so its dots are by the identity.
 
 Measured against the Triton kernels (`config.MOSAIC_DECODE_FROM_BYTES`): the decode is faster
-from 64 MiB; the decode-sum and re-encode of eight peers are slower at every size, because each
-pipeline step holds every peer's tile and so only one step fits in flight.
+from 64 MiB; the decode-sum and re-encode of eight peers are slower at every size: each pipeline
+step holds every peer's tile, so few steps fit in flight, and the decode-sum runs a Hadamard per
+peer. `peer_steps=True` runs them with one peer's tile per step instead, the sum carried in
+registers across a tile's N steps and, for the decode-sum, one Hadamard of the sum
+(`_summed_body`); not yet timed.
 
 The wire row is read through views XLA makes without a copy (bitcasts of the uint8 row): the
 codes as [W / 128, 128] of the code type, the fp32 side sections as [W / 4] fp32 and the E8M0
@@ -41,6 +44,7 @@ from pallas_kernels.config import (
     MOSAIC_DECODE_CODECS,
     MOSAIC_DECODE_FROM_BYTES,
     MOSAIC_GROUPS_PER_TILE,
+    MOSAIC_STEPS_IN_FLIGHT,
     MosaicLaunch,
     mosaic_launch,
 )
@@ -50,7 +54,7 @@ from taco_jax.codecs import Codec
 GROUP_SIZE = encode_mosaic.GROUP_SIZE
 ROW_BYTES = encode_mosaic.ROW_BYTES
 _TILE = MOSAIC_GROUPS_PER_TILE
-# The dtype wgmma reads each code element as, and the dtype of its +-1 (or identity) operand.
+# The dtype TMA loads each code element as (the dot operand's: `_dot_dtype`).
 CODE_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2, "int8": jnp.int8}
 OUT_DTYPES = (jnp.float32, jnp.bfloat16)
 
@@ -65,11 +69,9 @@ def unsupported(codec: Codec, n: int, *, reencode: bool = False, need_hopper: bo
         return f"codec {codec.name!r} (needs 8-bit codes: {', '.join(CODE_DTYPES)})"
     if reencode and codec.scale_format != "fp32":
         return f"codec {codec.name!r} (the re-encode needs fp32 scales)"
-    if n % (_TILE * GROUP_SIZE) or codec.wire_bytes(n) % (8 * ROW_BYTES):
-        return (
-            f"n={n} (needs whole tiles of {_TILE * GROUP_SIZE} and wire rows of a multiple of "
-            f"{8 * ROW_BYTES} bytes: TMA moves the codes 8 rows of {ROW_BYTES} bytes at a time)"
-        )
+    reason = encode_mosaic.unfit_row(codec, n)
+    if reason is not None:
+        return reason
     if need_hopper and not _pallas.hopper_gpu():
         return "the default device is not a Hopper GPU (wgmma)"
     return None
@@ -102,20 +104,19 @@ def decode(
     """wire[R, codec.wire_bytes(n)] -> x[R, n] of `dtype` (ValueError where `unsupported`).
 
     interpret: Mosaic GPU's CPU interpreter (tests). launch: tiles per program and pipeline
-    steps in flight; default `mosaic_launch`.
+    steps in flight; default `mosaic_launch`, with the steps that fit shared memory.
     """
     _check(codec, wire, n, dtype, interpret=interpret)
-    rows = wire.shape[0]
-    groups = n // GROUP_SIZE
-    launch = _launch(launch, rows, groups // _TILE, codec=codec, n=n, peers=1,
-                     out_tile_bytes=_out_tile_bytes(dtype))  # fmt: skip
+    rows, groups = wire.shape[0], n // GROUP_SIZE
+    scratch_of = lambda lc: _scratch(codec, dtype, lc, upcast=_upcasts(codec))  # noqa: E731
+    launch = _launch(launch, rows, groups // _TILE, scratch_of, _step_bytes(codec, n, peers=1))
     body = _pallas.partial(_decode_body, codec=codec, n=n, launch=launch, rows_summed=False)
     out = _pallas.mosaic_kernel(
         body,
         *_wire_views(codec, wire),
         _dot_operand(codec, hadamard=codec.hadamard),
         out_shape=jax.ShapeDtypeStruct((rows, groups, GROUP_SIZE), dtype),
-        scratch=_scratch(codec, dtype, launch, hadamard=codec.hadamard),
+        scratch=scratch_of(launch),
         grid=(rows, (groups // _TILE) // launch.tiles_per_program),
         grid_names=("row", "program"),
         name=f"taco_decode_mosaic_{codec.name}_g{GROUP_SIZE}",
@@ -132,20 +133,26 @@ def decode_sum(
     *,
     interpret: bool = False,
     launch: MosaicLaunch | None = None,
+    peer_steps: bool = False,
 ) -> jax.Array:
     """wire[N, B] -> [n] of `dtype`: the fp32 sum of the N decoded rows, in peer order, rounded
-    once to `dtype` (as `decode`)."""
+    once to `dtype` (as `decode`).
+
+    peer_steps: one peer's tile per pipeline step, summed in the Hadamard domain and one dot on
+      the sum (`_summed_body`), instead of every peer's tile per step and a dot per peer."""
     _check(codec, wire, n, dtype, interpret=interpret)
-    groups = n // GROUP_SIZE
-    launch = _launch(launch, 1, groups // _TILE, codec=codec, n=n, peers=wire.shape[0],
-                     out_tile_bytes=_out_tile_bytes(dtype))  # fmt: skip
+    if peer_steps:
+        return _summed(codec, wire, n, dtype, interpret=interpret, launch=launch).reshape(n)
+    groups, peers = n // GROUP_SIZE, wire.shape[0]
+    scratch_of = lambda lc: _scratch(codec, dtype, lc, upcast=_upcasts(codec))  # noqa: E731
+    launch = _launch(launch, 1, groups // _TILE, scratch_of, _step_bytes(codec, n, peers))
     body = _pallas.partial(_decode_body, codec=codec, n=n, launch=launch, rows_summed=True)
     out = _pallas.mosaic_kernel(
         body,
         *_wire_views(codec, wire),
         _dot_operand(codec, hadamard=codec.hadamard),
         out_shape=jax.ShapeDtypeStruct((1, groups, GROUP_SIZE), dtype),
-        scratch=_scratch(codec, dtype, launch, hadamard=codec.hadamard),
+        scratch=scratch_of(launch),
         grid=(1, (groups // _TILE) // launch.tiles_per_program),
         grid_names=("row", "program"),
         name=f"taco_decode_sum_mosaic_{codec.name}_g{GROUP_SIZE}",
@@ -161,20 +168,24 @@ def decode_sum_reencode(
     *,
     interpret: bool = False,
     launch: MosaicLaunch | None = None,
+    peer_steps: bool = False,
 ) -> jax.Array:
     """wire[N, B] -> wire[B] holding encode(sum of the N decoded rows) (as `decode_sum`)."""
     _check(codec, wire, n, None, interpret=interpret, reencode=True)
-    groups = n // GROUP_SIZE
-    launch = _launch(launch, 1, groups // _TILE, codec=codec, n=n, peers=wire.shape[0],
-                     out_tile_bytes=_out_tile_bytes(None))  # fmt: skip
-    body = _pallas.partial(_reencode_body, codec=codec, n=n, launch=launch, interpret=interpret)
+    if peer_steps:
+        return _summed(codec, wire, n, None, interpret=interpret, launch=launch)
+    groups, peers = n // GROUP_SIZE, wire.shape[0]
+    scratch_of = lambda lc: _scratch(codec, None, lc, upcast=False)  # noqa: E731
+    launch = _launch(launch, 1, groups // _TILE, scratch_of, _step_bytes(codec, n, peers))
+    body = _pallas.partial(_reencode_body, codec=codec, n=n, launch=launch,
+                           magic_round=not interpret)  # fmt: skip
     wire_rows = codec.wire_bytes(n) // ROW_BYTES
     out = _pallas.mosaic_kernel(
         body,
         *_wire_views(codec, wire),
         _dot_operand(codec, hadamard=False),
         out_shape=jax.ShapeDtypeStruct((wire_rows, ROW_BYTES), jnp.uint8),
-        scratch=_scratch(codec, None, launch, hadamard=False),
+        scratch=scratch_of(launch),
         grid=((groups // _TILE) // launch.tiles_per_program,),
         grid_names=("program",),
         name=f"taco_decode_sum_reencode_mosaic_{codec.name}_g{GROUP_SIZE}",
@@ -200,21 +211,23 @@ def _check(codec, wire, n, dtype, *, interpret, reencode=False):
 SMEM_BUDGET_BYTES = 200 * 1024
 
 
-def _launch(launch, rows, tiles_per_row, *, codec, n, peers, out_tile_bytes):
-    """The given launch (checked), or `mosaic_launch` with as many pipeline steps in flight as
-    fit `SMEM_BUDGET_BYTES` beside the dot operand and the output slots: each step holds every
-    peer's codes and side values of one tile (8 peers: one step)."""
-    if launch is None:
-        launch = mosaic_launch(rows, tiles_per_row)
-        side_bytes = sum(_TILE * s.width for s in codecs.wire_sections(codec, n))
-        step_bytes = peers * (_TILE * GROUP_SIZE + side_bytes)
-        operand = GROUP_SIZE * GROUP_SIZE * 2  # fp16 at most
-        upcast = _TILE * GROUP_SIZE * 2
-        fixed = operand + upcast + launch.store_slots * out_tile_bytes
-        fits = max(1, (SMEM_BUDGET_BYTES - fixed) // step_bytes)
-        launch = MosaicLaunch(
-            launch.tiles_per_program, min(launch.steps_in_flight, fits), launch.store_slots
+def _launch(launch, rows, tiles_per_row, scratch_of, step_bytes, steps_per_tile=1):
+    """The given launch, or `mosaic_launch`'s tiles per program with as many pipeline steps in
+    flight as fit `SMEM_BUDGET_BYTES` beside the kernel's own shared memory (`scratch_of`
+    the launch), each step holding `step_bytes` (at most MOSAIC_STEPS_IN_FLIGHT, and no more
+    than the program's tiles x `steps_per_tile` steps). Raises ValueError where even one step
+    does not fit, or the tiles per program do not divide a row's tiles."""
+    base = launch or mosaic_launch(rows, tiles_per_row)
+    fixed = _pallas.smem_bytes(scratch_of(base))
+    if fixed + step_bytes > SMEM_BUDGET_BYTES:
+        raise ValueError(
+            f"one pipeline step of {step_bytes} bytes beside {fixed} bytes of buffers exceeds "
+            f"the {SMEM_BUDGET_BYTES} bytes of shared memory a program may take"
         )
+    if launch is None:
+        fits = (SMEM_BUDGET_BYTES - fixed) // step_bytes
+        steps = min(MOSAIC_STEPS_IN_FLIGHT, base.tiles_per_program * steps_per_tile, fits)
+        launch = MosaicLaunch(base.tiles_per_program, steps, base.store_slots)
     if tiles_per_row % launch.tiles_per_program:
         raise ValueError(
             f"tiles_per_program={launch.tiles_per_program} must divide the {tiles_per_row} "
@@ -223,12 +236,10 @@ def _launch(launch, rows, tiles_per_row, *, codec, n, peers, out_tile_bytes):
     return launch
 
 
-def _out_tile_bytes(dtype) -> int:
-    """Shared memory of one output slot: a decoded tile of `dtype`, or (None) a re-encoded one
-    (its codes and two sections of fp32 side values: `encode_mosaic.encode_scratch`)."""
-    if dtype is None:
-        return _TILE * GROUP_SIZE + 2 * _TILE * 4
-    return _TILE * GROUP_SIZE * jnp.dtype(dtype).itemsize
+def _step_bytes(codec: Codec, n: int, peers: int) -> int:
+    """Shared memory of one pipeline step: `peers` tiles of codes and their side values."""
+    side_bytes = sum(_TILE * s.width for s in codecs.wire_sections(codec, n))
+    return peers * (_TILE * GROUP_SIZE + side_bytes)
 
 
 def _wire_views(codec: Codec, wire: jax.Array) -> tuple[jax.Array, ...]:
@@ -247,43 +258,53 @@ def _wire_views(codec: Codec, wire: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(views)
 
 
-def _upcasts(codec: Codec, hadamard: bool) -> bool:
-    """Whether the codes go through fp16 before the dot: FP8 codes times the +-1 matrix. Hopper's
-    FP8 wgmma keeps only about 14 bits of its running sum (DeepSeek-V3, arXiv:2412.19437,
-    section 3.3.2), so a 128-term Hadamard of FP8 codes would err by ~2^-13; the fp16 wgmma
-    accumulates in fp32, and fp16 holds every E4M3 and E5M2 value exactly (the hardware
-    converts FP8 to fp16, not to bf16). INT8 codes sum exactly in int32, and an identity dot has
-    one nonzero product per output: both stay 8-bit."""
-    return hadamard and codec.element != "int8"
+def _upcasts(codec: Codec) -> bool:
+    """Whether a dot by the +-1 matrix takes the codes through fp16: FP8 codes. Hopper's FP8
+    wgmma keeps only about 14 bits of its running sum (DeepSeek-V3, arXiv:2412.19437, section
+    3.3.2), so a 128-term Hadamard of FP8 codes would err by ~2^-13; the fp16 wgmma accumulates
+    in fp32, and fp16 holds every E4M3 and E5M2 value exactly (the hardware converts FP8 to
+    fp16, not to bf16). INT8 codes sum exactly in int32, and a dot by the identity has one
+    nonzero product per output: both stay 8-bit."""
+    return codec.hadamard and codec.element != "int8"
 
 
 def _dot_operand(codec: Codec, *, hadamard: bool) -> jax.Array:
     """The +-1 Sylvester matrix (hadamard) or the identity, in the type wgmma pairs with the
-    codes: INT8 with INT8 codes, FP8 E4M3 with either FP8 type, fp16 where `_upcasts` (all
-    exact)."""
+    codes: INT8 with INT8 codes, FP8 E4M3 with either FP8 type, fp16 where the codes are
+    upcast (all exact)."""
     matrix = codecs.signs_matrix(GROUP_SIZE) if hadamard else np.eye(GROUP_SIZE)
-    return jnp.asarray(matrix, _dot_dtype(codec, hadamard))
+    return jnp.asarray(matrix, _dot_dtype(codec, upcast=hadamard and _upcasts(codec)))
 
 
-def _dot_dtype(codec: Codec, hadamard: bool):
-    if _upcasts(codec, hadamard):
+def _dot_dtype(codec: Codec, *, upcast: bool):
+    if upcast:
         return jnp.float16
     return jnp.int8 if codec.element == "int8" else jnp.float8_e4m3fn
 
 
-def _scratch(codec: Codec, dtype, launch: MosaicLaunch, *, hadamard: bool) -> list:
+def _acc_dtype(codec: Codec):
+    """wgmma's accumulator for 8-bit operands: int32 for INT8, fp32 for FP8 (and fp16)."""
+    return jnp.int32 if codec.element == "int8" else jnp.float32
+
+
+def _scratch(codec: Codec, dtype, launch: MosaicLaunch, *, upcast: bool) -> list:
     """The dot operand (and its load barrier), the fp16 tile the codes are upcast into (where
-    `_upcasts`), then the output's slots: `launch.store_slots` decoded tiles of `dtype`, or
+    `upcast`), then the output's slots: `launch.store_slots` decoded tiles of `dtype`, or
     (dtype None) the re-encoded tiles of `encode_mosaic`."""
-    operand = [
-        _pallas.smem((GROUP_SIZE, GROUP_SIZE), _dot_dtype(codec, hadamard), swizzled=True),
+    refs = [
+        _pallas.smem((GROUP_SIZE, GROUP_SIZE), _dot_dtype(codec, upcast=upcast), swizzled=True),
         _pallas.barrier(),
     ]
-    if _upcasts(codec, hadamard):
-        operand.append(_pallas.smem((_TILE, GROUP_SIZE), jnp.float16, swizzled=True))
+    if upcast:
+        refs.append(_pallas.smem((_TILE, GROUP_SIZE), jnp.float16, swizzled=True))
     if dtype is None:
-        return operand + encode_mosaic.encode_scratch(launch.store_slots)[2:]
-    return operand + [_pallas.smem((launch.store_slots, _TILE, GROUP_SIZE), dtype)]
+        return refs + encode_mosaic.encode_scratch(launch.store_slots)[2:]
+    return refs + [_pallas.smem((launch.store_slots, _TILE, GROUP_SIZE), dtype)]
+
+
+def _side_start(section) -> int:
+    """The index, in blocks of one tile's side values, of a side section's first block."""
+    return section.offset // section.width // _TILE  # whole tiles: `unsupported`
 
 
 def _tile_specs(codec: Codec, n: int, first, peers: int) -> list:
@@ -293,10 +314,8 @@ def _tile_specs(codec: Codec, n: int, first, peers: int) -> list:
         (_TILE, GROUP_SIZE), lambda i: (first + i, 0), swizzled=True,
         dtype=CODE_DTYPES[codec.element],
     )  # fmt: skip
-    side_blocks = []
-    for section in codecs.wire_sections(codec, n):
-        start = section.offset // section.width // _TILE  # whole tiles: `unsupported`
-        side_blocks.append(_pallas.block((_TILE,), lambda i, s=start: (s + first + i,)))
+    starts = [_side_start(section) for section in codecs.wire_sections(codec, n)]
+    side_blocks = [_pallas.block((_TILE,), lambda i, s=s: (s + first + i,)) for s in starts]
     return [code_block, *side_blocks] * peers
 
 
@@ -309,26 +328,31 @@ def _peer_refs(views, row):
     return [view.at[p] for p in range(peers) for view in views]
 
 
-def _decoded_peers(codec, blocks, dot_smem, n, unit, upcast_smem=None):
-    """Per peer of this tile's `blocks` (codes, then side sections, per peer): its codes times
-    the dot operand (fp32, exact; through `upcast_smem` in fp16 where given) and its decode
-    factor d (`codecs.decode_factor` with `unit`): the decoded tile is `scale_rows(v, d)`."""
+def _decoded(codec, code_smem, side_smem, dot_smem, sections, unit, upcast_smem=None):
+    """One peer's tile: its codes times the dot operand (exact; through `upcast_smem` in fp16
+    where given), scaled by its decode factor (`codecs.decode_factor` with `unit`), fp32."""
+    if upcast_smem is None:
+        v = _pallas.wgmma_transposed(code_smem, dot_smem, (_TILE, GROUP_SIZE), _acc_dtype(codec))
+    else:
+        upcast_smem[...] = _pallas.load_upcast(code_smem, jnp.float16)
+        _pallas.commit_smem()  # the threads' writes, before the tensor cores read them
+        v = _pallas.wgmma(upcast_smem, dot_smem, (_TILE, GROUP_SIZE))
+    sides = {s.field: _pallas.load_rows(r) for s, r in zip(sections, side_smem, strict=True)}
+    d = codecs.decode_factor(codec, sides.get("scales"), sides.get("prescales"), unit)
+    return codecs.scale_rows(v.astype(jnp.float32), d)
+
+
+def _peer_sum(codec, blocks, dot_smem, n, unit, upcast_smem=None):
+    """The sum, in peer order, of the decoded tiles of `blocks` (codes, then side sections,
+    per peer: `_tile_specs`)."""
     sections = codecs.wire_sections(codec, n)
     per_peer = 1 + len(sections)
-    out = []
+    total = None
     for p in range(len(blocks) // per_peer):
         code_smem, *side_smem = blocks[p * per_peer : (p + 1) * per_peer]
-        acc = jnp.int32 if codec.element == "int8" else jnp.float32
-        if upcast_smem is None:
-            v = _pallas.wgmma_transposed(code_smem, dot_smem, (_TILE, GROUP_SIZE), acc)
-        else:
-            upcast_smem[...] = _pallas.load_upcast(code_smem, jnp.float16)
-            _pallas.commit_smem()  # the threads' writes, before the tensor cores read them
-            v = _pallas.wgmma(upcast_smem, dot_smem, (_TILE, GROUP_SIZE))
-        sides = {s.field: _pallas.load_rows(r) for s, r in zip(sections, side_smem, strict=True)}
-        d = codecs.decode_factor(codec, sides.get("scales"), sides.get("prescales"), unit)
-        out.append((v.astype(jnp.float32), d))
-    return out
+        x = _decoded(codec, code_smem, side_smem, dot_smem, sections, unit, upcast_smem)
+        total = x if total is None else total + x
+    return total
 
 
 def _decode_body(*refs, codec, n, launch, rows_summed):
@@ -346,10 +370,7 @@ def _decode_body(*refs, codec, n, launch, rows_summed):
 
     def step(index, *blocks):
         (i,) = index
-        total = None
-        for v, d in _decoded_peers(codec, blocks, dot_smem, n, unit, upcast_smem):  # peer order
-            x = codecs.scale_rows(v, d)
-            total = x if total is None else total + x
+        total = _peer_sum(codec, blocks, dot_smem, n, unit, upcast_smem)
         _store_decoded(out_smem, out_row, first + i, total)
 
     _pallas.pipeline(
@@ -373,7 +394,7 @@ def _store_decoded(out_smem, out_row, tile, x):
     _pallas.copy_out(out_smem.at[slot], out_row.at[_pallas.ds(_TILE * tile, _TILE)])
 
 
-def _reencode_body(*refs, codec, n, launch, interpret):
+def _reencode_body(*refs, codec, n, launch, magic_round):
     """One program: the sum of the N peers' tiles, in the Hadamard domain (dots by the
     identity), re-encoded and stored into the wire row as `encode_mosaic` stores."""
     *views, dot_gmem, out_gmem, dot_smem, dot_barrier, codes_smem, sides = refs
@@ -383,17 +404,9 @@ def _reencode_body(*refs, codec, n, launch, interpret):
 
     def step(index, *blocks):
         (i,) = index
-        z = None
-        for v, d in _decoded_peers(codec, blocks, dot_smem, n, unit=1.0):  # in peer order
-            x = codecs.scale_rows(v, d)
-            z = x if z is None else z + x
-        # magic_round: Mosaic GPU has no round; XLA's CPU folds the magic add (`quantize`).
-        codes, scale, prescale = codecs.encode_groups(codec, z, unit=1.0,
-                                                      magic_round=not interpret)  # fmt: skip
-        side_values = {"scales": scale, "prescales": prescale}
-        encode_mosaic.store_tile(
-            (codes_smem, sides), [out_gmem], first + i, sections, codes, side_values
-        )
+        z = _peer_sum(codec, blocks, dot_smem, n, unit=1.0)
+        encode_mosaic.encode_and_store(codec, z, 1.0, (codes_smem, sides), [out_gmem],
+                                       first + i, sections, magic_round)  # fmt: skip
 
     _pallas.pipeline(
         step,
@@ -402,4 +415,117 @@ def _reencode_body(*refs, codec, n, launch, interpret):
         out_specs=[],
         in_flight=launch.steps_in_flight,
     )(*_peer_refs(views, None))
+    _pallas.wait_stores(0)
+
+
+# ------------------------------------------------------------------------------------------
+# Peer steps: one peer's tile per pipeline step, the sum carried in registers across a tile's
+# N steps, so that a step holds one tile whatever N (more steps in flight) and a tile costs N
+# exact identity dots plus, for the decode-sum, one Hadamard of the sum.
+
+
+def _summed(codec, wire, n, dtype, *, interpret, launch):
+    """decode_sum (dtype given) or decode_sum_reencode (dtype None) with peer steps."""
+    peers, groups = wire.shape[0], n // GROUP_SIZE
+    reencode = dtype is None
+    hadamard = codec.hadamard and not reencode  # the re-encode stays in the Hadamard domain
+    scratch_of = lambda lc: _summed_scratch(codec, dtype, lc, hadamard=hadamard)  # noqa: E731
+    launch = _launch(launch, 1, groups // _TILE, scratch_of, _step_bytes(codec, n, peers=1),
+                     steps_per_tile=peers)  # fmt: skip
+    operands = [_dot_operand(codec, hadamard=False)]
+    if hadamard:  # the +-1 matrix in bf16, for the sum's three bf16 pieces
+        operands.append(jnp.asarray(codecs.signs_matrix(GROUP_SIZE), jnp.bfloat16))
+    if reencode:
+        out_shape = jax.ShapeDtypeStruct((codec.wire_bytes(n) // ROW_BYTES, ROW_BYTES), jnp.uint8)
+    else:
+        out_shape = jax.ShapeDtypeStruct((1, groups, GROUP_SIZE), dtype)
+    body = _pallas.partial(_summed_body, codec=codec, n=n, launch=launch, peers=peers,
+                           hadamard=hadamard, reencode=reencode,
+                           magic_round=not interpret)  # fmt: skip
+    op = "decode_sum_reencode" if reencode else "decode_sum"
+    out = _pallas.mosaic_kernel(
+        body,
+        *_wire_views(codec, wire),
+        *operands,
+        out_shape=out_shape,
+        scratch=scratch_of(launch),
+        grid=((groups // _TILE) // launch.tiles_per_program,),
+        grid_names=("program",),
+        name=f"taco_{op}_peer_steps_mosaic_{codec.name}_g{GROUP_SIZE}",
+        interpret=interpret,
+    )
+    return out.reshape(-1)
+
+
+def _summed_scratch(codec, dtype, launch, *, hadamard: bool) -> list:
+    """`_scratch` without an upcast tile (identity dots), then, for a Hadamard of the sum, the
+    bf16 +-1 matrix, its load barrier and the sum's three bf16 pieces."""
+    refs = _scratch(codec, dtype, launch, upcast=False)
+    if hadamard:
+        refs += [
+            _pallas.smem((GROUP_SIZE, GROUP_SIZE), jnp.bfloat16, swizzled=True),
+            _pallas.barrier(),
+            _pallas.smem((3, _TILE, GROUP_SIZE), jnp.bfloat16, swizzled=True),
+        ]
+    return refs
+
+
+def _peer_step_specs(codec: Codec, n: int, first) -> list:
+    """Pipeline blocks of step (i, p): peer p's codes of tile first + i (swizzled for wgmma),
+    then its 64 values of each side section."""
+    code_block = _pallas.block(
+        (None, _TILE, GROUP_SIZE), lambda i, p: (p, first + i, 0), swizzled=True,
+        dtype=CODE_DTYPES[codec.element],
+    )  # fmt: skip
+    starts = [_side_start(section) for section in codecs.wire_sections(codec, n)]
+    side_blocks = [
+        _pallas.block((None, _TILE), lambda i, p, s=s: (p, s + first + i)) for s in starts
+    ]
+    return [code_block, *side_blocks]
+
+
+def _summed_body(*refs, codec, n, launch, peers, hadamard, reencode, magic_round):
+    """One program: per tile, z = sum_p q_p d_p over the N peers' steps (identity dots: exact),
+    then on the last peer's step either encode(z) (re-encode: z is already in the Hadamard
+    domain) or S z unit (decode-sum: one bf16 wgmma chain over z's three pieces), stored."""
+    views = refs[: 1 + len(codec.side_fields)]  # `_wire_views`
+    operands = 2 if hadamard else 1
+    identity_gmem, *signs_gmem = refs[len(views) : len(views) + operands]
+    out_gmem, identity_smem, identity_barrier, *scratch = refs[len(views) + operands :]
+    outs, extra = (scratch[:-3], scratch[-3:]) if hadamard else (scratch, ())
+    _pallas.copy_in(identity_gmem, identity_smem, identity_barrier)
+    if hadamard:
+        signs_smem, signs_barrier, pieces_smem = extra
+        _pallas.copy_in(signs_gmem[0], signs_smem, signs_barrier)
+    first = lax.axis_index("program") * launch.tiles_per_program
+    sections = codecs.wire_sections(codec, n)
+
+    def finish(tile, z):
+        if reencode:
+            encode_mosaic.encode_and_store(codec, z, 1.0, tuple(outs), [out_gmem], tile,
+                                           sections, magic_round)  # fmt: skip
+            return
+        if hadamard:
+            z = _pallas.wgmma_of_pieces(z, pieces_smem, signs_smem, (_TILE, GROUP_SIZE))
+            z = codecs.scale_rows(z, codecs.hadamard_unit(GROUP_SIZE))
+        _store_decoded(outs[0], out_gmem.at[0], tile, z)
+
+    def step(index, code_smem, *blocks):
+        *side_smem, carry = blocks
+        i, p = index
+        x = _decoded(codec, code_smem, side_smem, identity_smem, sections, unit=1.0)
+        # Peers summed in order 0..N-1. A cond, not a select: Mosaic GPU does not broadcast a
+        # scalar predicate over a tile, and a multiply by 0 would carry a NaN into the next tile.
+        z = lax.cond(p == 0, lambda: x, lambda: carry + x)
+        _pallas.when(p == peers - 1, lambda: finish(first + i, z))
+        return z
+
+    _pallas.pipeline(
+        step,
+        steps=(launch.tiles_per_program, peers),
+        in_specs=_peer_step_specs(codec, n, first),
+        out_specs=[],
+        in_flight=launch.steps_in_flight,
+        init_carry=_pallas.zeros_rows((_TILE, GROUP_SIZE)),
+    )(*views)
     _pallas.wait_stores(0)

@@ -31,6 +31,7 @@ from jax import lax
 
 from pallas_kernels import _pallas
 from pallas_kernels.config import (
+    MOSAIC_ENCODE_CODECS,
     MOSAIC_GROUPS_PER_TILE,
     MOSAIC_MIN_TILES,
     MosaicLaunch,
@@ -55,20 +56,30 @@ def unsupported(codec: Codec, x: jax.Array, *, need_hopper: bool = True) -> str 
         return f"codec {codec.name!r} (needs fp32 scales and 8-bit codes: E4M3, E5M2 or INT8)"
     if x.ndim != 2 or x.dtype != jnp.bfloat16:
         return f"x of shape={x.shape} dtype={x.dtype} (needs bf16 rows [R, n])"
-    n = x.shape[1]
-    if n % (_TILE * GROUP_SIZE) or codec.wire_bytes(n) % (8 * ROW_BYTES):
-        return (
-            f"n={n} (needs whole tiles of {_TILE * GROUP_SIZE} and wire rows of a multiple of "
-            f"{8 * ROW_BYTES} bytes: TMA stores 8 rows of {ROW_BYTES} bytes at a time)"
-        )
+    reason = unfit_row(codec, x.shape[1])
+    if reason is not None:
+        return reason
     if need_hopper and not _pallas.hopper_gpu():
         return "the default device is not a Hopper GPU (wgmma)"
     return None
 
 
+def unfit_row(codec: Codec, n: int) -> str | None:
+    """Why a row of `n` elements does not fit these kernels' tiles (None: it does): whole tiles,
+    and a wire row of whole 8-row TMA boxes of the [W / 128, 128] byte view (`taco`: pairs of
+    tiles; one-scale codecs: fours; `taco_e8m0`: sixteens)."""
+    if n % (_TILE * GROUP_SIZE) or codec.wire_bytes(n) % (8 * ROW_BYTES):
+        return (
+            f"n={n} (needs whole tiles of {_TILE * GROUP_SIZE} and wire rows of a multiple of "
+            f"{8 * ROW_BYTES} bytes: TMA moves 8 rows of {ROW_BYTES} bytes at a time)"
+        )
+    return None
+
+
 def preferred(codec: Codec, x: jax.Array) -> bool:
-    """Whether "auto" takes this kernel: it applies, and the call has >= MOSAIC_MIN_TILES tiles."""
-    if unsupported(codec, x) is not None:
+    """Whether "auto" takes this kernel: it applies, the codec is one of MOSAIC_ENCODE_CODECS
+    (measured and checked on a GPU), and the call has >= MOSAIC_MIN_TILES tiles."""
+    if codec.name not in MOSAIC_ENCODE_CODECS or unsupported(codec, x) is not None:
         return False
     return x.shape[0] * x.shape[1] >= MOSAIC_MIN_TILES * _TILE * GROUP_SIZE
 
@@ -206,9 +217,15 @@ def _encode_step(index, x_smem, *, codec, signs_smem, out, wire_rows, first, sec
     (i,) = index
     v = _pallas.wgmma(x_smem, signs_smem, (_TILE, GROUP_SIZE))  # S x (or x), fp32
     unit = codecs.hadamard_unit(GROUP_SIZE) if codec.hadamard else 1.0
+    encode_and_store(codec, v, unit, out, wire_rows, first + i, sections, magic_round)
+
+
+def encode_and_store(codec, v, unit, out, wire_rows, tile, sections, magic_round):
+    """Encodes the groups v * unit of one tile (`codecs.encode_groups`; v fp32 registers) and
+    TMA-stores its codes and side values into each of `wire_rows` (`store_tile`)."""
     codes, scale, prescale = codecs.encode_groups(codec, v, unit=unit, magic_round=magic_round)
     sides = {"scales": scale, "prescales": prescale}
-    store_tile(out, wire_rows, first + i, sections, codes, sides)
+    store_tile(out, wire_rows, tile, sections, codes, sides)
 
 
 def store_tile(out, wire_rows, tile, sections, codes, sides):
