@@ -27,6 +27,7 @@ def _load(name: str):
     return sys.modules[module_name]
 
 
+@pytest.mark.slow
 def test_gspmd_gpt_smoke():
     losses = _load("gspmd_gpt").main(["--steps", "2", "--layers", "1"])
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses), losses

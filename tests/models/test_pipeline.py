@@ -304,6 +304,7 @@ def test_one_f_one_b_stage_codecs_within_their_bound(references, codec, pp, mode
     assert 0 < err <= eps * math.sqrt(2 * (pp - 1))
 
 
+@pytest.mark.slow
 def test_one_f_one_b_stochastic_sends_are_reproducible_from_their_key():
     first = _run(GPT, 1, 2, 2, 4, codec="tahquant", key=KEY, schedule="1f1b")
     again = _run(GPT, 1, 2, 2, 4, codec="tahquant", key=KEY, schedule="1f1b")

@@ -131,7 +131,10 @@ def test_uncompressed_equals_replicated_adamw(mode):
 
 @pytest.mark.parametrize(
     "shape,axes",
-    [pytest.param((4,), "dp", marks=pytest.mark.slow), ((2, 2), ("outer", "inner"))],
+    [
+        pytest.param((4,), "dp", marks=pytest.mark.slow),
+        pytest.param((2, 2), ("outer", "inner"), marks=pytest.mark.slow),
+    ],
     ids=["dp4", "outer2-inner2"],
 )
 def test_clipping_uses_the_global_norm_of_the_mean_gradient(shape, axes):
