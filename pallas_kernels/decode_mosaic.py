@@ -107,22 +107,7 @@ def decode(
     steps in flight; default `mosaic_launch`, with the steps that fit shared memory.
     """
     _check(codec, wire, n, dtype, interpret=interpret)
-    rows, groups = wire.shape[0], n // GROUP_SIZE
-    scratch_of = lambda lc: _scratch(codec, dtype, lc, upcast=_upcasts(codec))  # noqa: E731
-    launch = _launch(launch, rows, groups // _TILE, scratch_of, _step_bytes(codec, n, peers=1))
-    body = _pallas.partial(_decode_body, codec=codec, n=n, launch=launch, rows_summed=False)
-    out = _pallas.mosaic_kernel(
-        body,
-        *_wire_views(codec, wire),
-        _dot_operand(codec, hadamard=codec.hadamard),
-        out_shape=jax.ShapeDtypeStruct((rows, groups, GROUP_SIZE), dtype),
-        scratch=scratch_of(launch),
-        grid=(rows, (groups // _TILE) // launch.tiles_per_program),
-        grid_names=("row", "program"),
-        name=f"taco_decode_mosaic_{codec.name}_g{GROUP_SIZE}",
-        interpret=interpret,
-    )
-    return out.reshape(rows, n)
+    return _decoded_rows(codec, wire, n, dtype, interpret, launch, rows_summed=False)
 
 
 def decode_sum(
@@ -143,22 +128,29 @@ def decode_sum(
     _check(codec, wire, n, dtype, interpret=interpret)
     if peer_steps:
         return _summed(codec, wire, n, dtype, interpret=interpret, launch=launch).reshape(n)
-    groups, peers = n // GROUP_SIZE, wire.shape[0]
+    return _decoded_rows(codec, wire, n, dtype, interpret, launch, rows_summed=True).reshape(n)
+
+
+def _decoded_rows(codec, wire, n, dtype, interpret, launch, *, rows_summed):
+    """The decode (rows [R, n]) or, rows_summed, the decode-sum ([1, n]) kernel's launch."""
+    rows, groups = wire.shape[0], n // GROUP_SIZE
+    out_rows, peers = (1, rows) if rows_summed else (rows, 1)
     scratch_of = lambda lc: _scratch(codec, dtype, lc, upcast=_upcasts(codec))  # noqa: E731
-    launch = _launch(launch, 1, groups // _TILE, scratch_of, _step_bytes(codec, n, peers))
-    body = _pallas.partial(_decode_body, codec=codec, n=n, launch=launch, rows_summed=True)
+    launch = _launch(launch, out_rows, groups // _TILE, scratch_of, _step_bytes(codec, n, peers))
+    body = _pallas.partial(_decode_body, codec=codec, n=n, launch=launch, rows_summed=rows_summed)
+    op = "decode_sum" if rows_summed else "decode"
     out = _pallas.mosaic_kernel(
         body,
         *_wire_views(codec, wire),
         _dot_operand(codec, hadamard=codec.hadamard),
-        out_shape=jax.ShapeDtypeStruct((1, groups, GROUP_SIZE), dtype),
+        out_shape=jax.ShapeDtypeStruct((out_rows, groups, GROUP_SIZE), dtype),
         scratch=scratch_of(launch),
-        grid=(1, (groups // _TILE) // launch.tiles_per_program),
+        grid=(out_rows, (groups // _TILE) // launch.tiles_per_program),
         grid_names=("row", "program"),
-        name=f"taco_decode_sum_mosaic_{codec.name}_g{GROUP_SIZE}",
+        name=f"taco_{op}_mosaic_{codec.name}_g{GROUP_SIZE}",
         interpret=interpret,
     )
-    return out.reshape(n)
+    return out.reshape(out_rows, n)
 
 
 def decode_sum_reencode(
