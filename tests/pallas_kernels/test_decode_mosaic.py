@@ -259,6 +259,12 @@ def test_peer_steps_in_the_cpu_interpreter(name):
     wire, n = _wire(codec, 4, MOSAIC_CODECS[name], 9)
     total = decode_mosaic.decode_sum(codec, wire, n, interpret=True, peer_steps=True)
     assert_sums_like_reference(codec, wire, n, total)
+    # Rounded once to bf16 at the end: within one bf16 step (2^-7 of the largest) of the fp32 sum.
+    rounded = decode_mosaic.decode_sum(codec, wire, n, jnp.bfloat16, interpret=True,
+                                       peer_steps=True)  # fmt: skip
+    assert rounded.dtype == jnp.bfloat16
+    np.testing.assert_allclose(rounded.astype(jnp.float32), total, rtol=0,
+                               atol=2.0**-7 * float(jnp.max(jnp.abs(total))))  # fmt: skip
     if name in REENCODE_CODECS:
         fused = decode_mosaic.decode_sum_reencode(codec, wire, n, interpret=True, peer_steps=True)
         assert_reencodes_like_reference(codec, wire, n, fused, scales=False)
