@@ -389,7 +389,8 @@ def _called(name: str, computations: dict[str, str], seen: set[str]) -> set[str]
     return seen
 
 
-@pytest.mark.parametrize("repeats", [1, pytest.param(2, marks=SLOW)], ids=["gpipe", "circular"])
+@pytest.mark.slow
+@pytest.mark.parametrize("repeats", [1, 2], ids=["gpipe", "circular"])
 def test_the_tables_gradient_is_not_computed_inside_the_schedules_loops(repeats):
     """The embedding runs before the schedule's steps and the head after them: no loop of the
     compiled step computes a value of the table's shape (its gradient's zero fill, scatter,

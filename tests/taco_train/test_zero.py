@@ -200,11 +200,9 @@ def test_buckets_hold_leaves_of_one_kind_in_tree_order_up_to_the_limit():
 BUCKET_SHAPES = SHAPES | {"odd": (9000,)}
 
 
-@pytest.mark.parametrize(
-    "shape,axes",
-    [((4,), "dp"), pytest.param((2, 2), ("outer", "inner"), marks=pytest.mark.slow)],
-    ids=["dp4", "outer2-inner2"],
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("shape,axes", [((4,), "dp"), ((2, 2), ("outer", "inner"))],
+                         ids=["dp4", "outer2-inner2"])  # fmt: skip
 def test_buckets_move_the_bits_one_collective_per_leaf_moves(shape, axes):
     """Uncompressed, three steps with clipping: one bucket for every leaf against one bucket
     per leaf give the same bits, since a reduce-scatter or all-gather moves each element alone
