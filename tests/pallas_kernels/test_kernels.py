@@ -254,8 +254,13 @@ class KernelTest:
 
     @pytest.mark.parametrize(
         "name,config",
-        [("taco", c) for c in LAUNCH_CONFIGS]
-        + [(name, LAUNCH_CONFIGS[2]) for name in MULTI_PLANE_CODECS]
+        # The default launch in the fast tier, the other launch variants in the slow one.
+        [("taco", None)]
+        + [pytest.param("taco", c, marks=pytest.mark.slow) for c in LAUNCH_CONFIGS[1:]]
+        + [
+            pytest.param(name, LAUNCH_CONFIGS[2], marks=pytest.mark.slow)
+            for name in MULTI_PLANE_CODECS
+        ]
         + [("int6_hadamard", LAUNCH_CONFIGS[-1])],  # bit-plane codes, a Hadamard per peer
         ids=lambda v: _config_id(v) if v is None or isinstance(v, pk.BlockConfig) else v,
     )
