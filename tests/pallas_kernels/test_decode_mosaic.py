@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_encode_mosaic import assert_same_under_vmap_and_shard_map
 from test_kernels import FP32_EPS, _ideal_scaled, _tie_rtol, _x, assert_codes_match
 
 import pallas_kernels as pk
@@ -332,15 +333,9 @@ def test_composes_with_vmap_and_shard_map():
     codec = codecs.get_codec("taco")
     wires = jnp.stack([_wire(codec, 2, 4, seed)[0] for seed in range(3)])
     n = 4 * TILE_ELEMENTS
-    decode = lambda w: pk.decode(codec, w, n, backend="mosaic")  # noqa: E731
-    decode_sum = lambda w: pk.decode_sum(codec, w, n, backend="mosaic")  # noqa: E731
-    for fn in (decode, decode_sum):
-        batched = jax.vmap(fn)(wires)
-        for b in range(3):
-            np.testing.assert_array_equal(batched[b], fn(wires[b]))
-    mesh = jax.make_mesh((1,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
-    w = jax.device_put(wires[0], jax.sharding.NamedSharding(mesh, jax.P("tp")))
-    sharded = jax.jit(
-        jax.shard_map(decode, mesh=mesh, in_specs=jax.P("tp"), out_specs=jax.P("tp"))
-    )(w)
-    np.testing.assert_array_equal(sharded, decode(wires[0]))
+    assert_same_under_vmap_and_shard_map(lambda w: pk.decode(codec, w, n, backend="mosaic"), wires)
+    batched = jax.vmap(lambda w: pk.decode_sum(codec, w, n, backend="mosaic"))(wires)
+    for b in range(3):
+        np.testing.assert_array_equal(
+            batched[b], pk.decode_sum(codec, wires[b], n, backend="mosaic")
+        )

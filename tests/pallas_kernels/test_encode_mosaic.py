@@ -203,14 +203,17 @@ def test_auto_picks_mosaic_and_composes_with_vmap_and_shard_map():
     assert "mosaic" in jax.jit(lambda x: pk.encode(codec, x)).lower(big).as_text().lower()
     assert "mosaic" not in jax.jit(lambda x: pk.encode(codec, x)).lower(big[:, :32768]).as_text()
     xs = _x_tiles(jax.random.key(9), 4 * 2, 4).reshape(4, 2, -1)
-    encode = lambda x: pk.encode(codec, x, backend="mosaic")  # noqa: E731
-    batched = jax.vmap(encode)(xs)
-    for b in range(4):
-        np.testing.assert_array_equal(batched[b], encode(xs[b]))
-    # check_vma=True (the default) types the Mosaic kernel's output like its input.
+    assert_same_under_vmap_and_shard_map(lambda x: pk.encode(codec, x, backend="mosaic"), xs)
+
+
+def assert_same_under_vmap_and_shard_map(fn, xs):
+    """fn of each of xs[b], called alone, equals its value under `jax.vmap` over xs and inside a
+    one-device `jax.shard_map` (with check_vma=True, the default: the Mosaic kernel's output is
+    typed like its input)."""
+    batched = jax.vmap(fn)(xs)
+    for b in range(xs.shape[0]):
+        np.testing.assert_array_equal(batched[b], fn(xs[b]))
     mesh = jax.make_mesh((1,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
     x = jax.device_put(xs[0], jax.sharding.NamedSharding(mesh, jax.P("tp")))
-    sharded = jax.jit(
-        jax.shard_map(encode, mesh=mesh, in_specs=jax.P("tp"), out_specs=jax.P("tp"))
-    )(x)
-    np.testing.assert_array_equal(sharded, encode(xs[0]))
+    sharded = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=jax.P("tp"), out_specs=jax.P("tp")))(x)
+    np.testing.assert_array_equal(sharded, fn(xs[0]))
