@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import os
 import pathlib
@@ -196,16 +195,12 @@ def default_cases(args) -> list[Case]:
 def emulated_tp_cases(args, emulated: ParallelConfig) -> list[Case]:
     """Case 2: `--emulate-preset` with TP = `--emulate-tp` under vmap, uncompressed, then `taco`
     and each of `--tp-codecs` with each of `--emulate-algorithms` (all-reduces only; "auto"
-    runs two-shot where no bytes move, `taco_jax.policy`), for each of `--residual` ("fused":
-    the blocks' residual adds inside the all-reduces' last decode, `fused_residual`; "unfused")."""
+    runs two-shot where no bytes move, `taco_jax.policy`)."""
     cases = []
-    for attention, residual in itertools.product(args.emulate_attention, args.residual):
+    for attention in args.emulate_attention:
         label = f"{args.emulate_preset} tp={args.emulate_tp} (vmap)"
         label += "" if attention == "auto" else f" attention={attention}"
-        label += "" if residual == "fused" else f" residual={residual}"
-        parallel = dataclasses.replace(
-            emulated, attention=attention, fused_residual=residual == "fused"
-        )
+        parallel = dataclasses.replace(emulated, attention=attention)
         run = dict(preset=args.emulate_preset, batch=args.batch_tp, parallel=parallel)
         cases.append(Case(f"{label} none", codec="none", **run))
         for codec in ("taco", *(c for c in args.tp_codecs if c != "taco")):
@@ -530,8 +525,6 @@ def main() -> None:
     parser.add_argument("--emulate-attention", nargs="+", default=["auto"],
                         choices=("auto", "xla", "cudnn"),
                         help="emulated-TP runs' ParallelConfig.attention")  # fmt: skip
-    parser.add_argument("--residual", nargs="+", choices=("fused", "unfused"), default=["fused"],
-                        help="emulated-TP cases with ParallelConfig.fused_residual on / off")  # fmt: skip
     parser.add_argument("--emulate-algorithms", nargs="+", default=["auto"],
                         choices=("auto", "one_shot", "two_shot"),
                         help="all-reduce algorithms of the compressed emulated-TP runs "

@@ -32,8 +32,6 @@ class TPContext:
     dtype: compute dtype of matmuls and activations (parameters stay fp32).
     overlap_chunks: independent batch chunks through the blocks (`ParallelConfig.overlap_chunks`).
     ranks_vmapped: the ranks run under `jax.vmap` (emulated TP, `models.spmd`).
-    fused_residual: `exit` adds the block's residual inside the all-reduce's last decode
-    (`ParallelConfig.fused_residual`).
     """
 
     comm: TPComm | None = None
@@ -42,7 +40,6 @@ class TPContext:
     attention: str = "auto"  # "auto" | "xla" | "cudnn", see `attention`
     overlap_chunks: int = 1
     ranks_vmapped: bool = False
-    fused_residual: bool = True
 
     @property
     def sharded(self) -> bool:
@@ -76,24 +73,13 @@ class TPContext:
             return gather_from_sp(x, self.comm, axis=1)
         return copy_to_tp(x, self.comm)
 
-    def exit(
-        self, x: jax.Array, *, bias: jax.Array | None = None, residual: jax.Array | None = None
-    ) -> jax.Array:
-        """After a row-parallel layer: g or SP reduce-scatter; [B, T, D]{U} -> [B, T(_sp), D],
-        then `+ bias` ([D]) and `residual + ...` ([B, T(_sp), D]) where given.
-
-        Under TP without SP and with `fused_residual`, residual + bias is added by the kernel
-        that decodes the all-reduce's sum (`reduce_from_tp(residual=...)`): the sum is then
-        never written and read back. Equal to the unfused adds to bf16 rounding."""
-        fuse = self.sharded and not self.sequence_parallel and self.fused_residual
-        if fuse and residual is not None:
-            addend = residual if bias is None else residual + bias
-            return reduce_from_tp(x, self.comm, residual=addend)
-        if self.sharded:
-            seq = self.sequence_parallel
-            x = scatter_to_sp(x, self.comm, axis=1) if seq else reduce_from_tp(x, self.comm)
-        x = x if bias is None else x + bias
-        return x if residual is None else residual + x
+    def exit(self, x: jax.Array) -> jax.Array:
+        """After a row-parallel layer: g or SP reduce-scatter; [B, T, D]{U} -> [B, T(_sp), D]."""
+        if not self.sharded:
+            return x
+        if self.sequence_parallel:
+            return scatter_to_sp(x, self.comm, axis=1)
+        return reduce_from_tp(x, self.comm)
 
     def psum_exact(self, x: jax.Array) -> jax.Array:
         """Exact `lax.psum` over TP with Megatron semantics (identity backward), differentiable."""

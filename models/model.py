@@ -61,9 +61,7 @@ class Attention(nnx.Module):
         self.wo = layers.param(rngs, (cfg.n_heads, h, d), ("heads", "head_dim", "embed"), resid_std)
         self.bo = layers.param(rngs, (d,), ("embed",), None) if cfg.arch == "gpt" else None
 
-    def __call__(
-        self, x: jax.Array, ctx: TPContext, residual: jax.Array | None = None
-    ) -> jax.Array:  # [B, T(_sp), D] -> same (plus `residual`, where given)
+    def __call__(self, x: jax.Array, ctx: TPContext) -> jax.Array:  # [B, T(_sp), D] -> same
         x = ctx.enter(x)  # [B, T, D]
         w = self.wqkv[...].astype(ctx.dtype)  # [D, K, R, H] local K
         qkv = jnp.einsum("BTD,DKRH->BTKRH", x, w) + self.bqkv[...].astype(ctx.dtype)
@@ -74,8 +72,8 @@ class Attention(nnx.Module):
             q, key = layers.rotary(q, self.rope_theta), layers.rotary(key, self.rope_theta)
         o = layers.attention(q, key, value, ctx.attention, ctx.ranks_vmapped)  # [B, T, N, H]
         out = jnp.einsum("BTNH,NHD->BTD", o, self.wo[...].astype(ctx.dtype))  # partial sum
-        bias = None if self.bo is None else self.bo[...].astype(ctx.dtype)
-        return ctx.exit(out, bias=bias, residual=residual)
+        out = ctx.exit(out)
+        return out if self.bo is None else out + self.bo[...].astype(ctx.dtype)
 
 
 class Mlp(nnx.Module):
@@ -93,9 +91,7 @@ class Mlp(nnx.Module):
             self.w_up = layers.param(rngs, (d, 2, f), ("embed", "gate", "mlp"), cfg.init_std)
         self.w_down = layers.param(rngs, (f, d), ("mlp", "embed"), resid_std)
 
-    def __call__(
-        self, x: jax.Array, ctx: TPContext, residual: jax.Array | None = None
-    ) -> jax.Array:  # [B, T(_sp), D] -> same (plus `residual`, where given)
+    def __call__(self, x: jax.Array, ctx: TPContext) -> jax.Array:  # [B, T(_sp), D] -> same
         x = ctx.enter(x)  # [B, T, D]
         w_up = self.w_up[...].astype(ctx.dtype)
         if self.gpt:
@@ -105,9 +101,8 @@ class Mlp(nnx.Module):
         else:
             gate_up = jnp.einsum("BTD,DCF->BTCF", x, w_up)  # C = 2: gate, up
             hidden = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]  # [B, T, F] local F
-        out = jnp.einsum("BTF,FD->BTD", hidden, self.w_down[...].astype(ctx.dtype))
-        bias = self.b_down[...].astype(ctx.dtype) if self.gpt else None
-        return ctx.exit(out, bias=bias, residual=residual)
+        out = ctx.exit(jnp.einsum("BTF,FD->BTD", hidden, self.w_down[...].astype(ctx.dtype)))
+        return out + self.b_down[...].astype(ctx.dtype) if self.gpt else out
 
 
 class Block(nnx.Module):
@@ -120,8 +115,8 @@ class Block(nnx.Module):
         self.mlp = Mlp(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array, ctx: TPContext) -> jax.Array:  # [B, T(_sp), D] -> same
-        x = self.attn(self.norm_attn(x), ctx, residual=x)
-        return self.mlp(self.norm_mlp(x), ctx, residual=x)
+        x = x + self.attn(self.norm_attn(x), ctx)
+        return x + self.mlp(self.norm_mlp(x), ctx)
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:

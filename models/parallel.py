@@ -74,10 +74,6 @@ class ParallelConfig:
     independent chunks, so that XLA can run one chunk's TP collectives while it computes another
     chunk's matmuls (docs/method.md, "Overlapping TP collectives with compute": two chunks paid
     over host shared memory, compressed or not, and cost a few percent on NVLink).
-    fused_residual: with TP (not SP), each block's residual add runs inside the kernel that
-    decodes the row-parallel layer's all-reduce (`taco_jax.reduce_from_tp(residual=...)`),
-    so the compressed sum is never written and read back; equal to the unfused add to bf16
-    rounding. False: the add after the all-reduce, as XLA fuses it for `lax.psum`.
     """
 
     dp: int = 1
@@ -94,7 +90,6 @@ class ParallelConfig:
     repeats: int = 1
     overlap_chunks: int = 1
     dp_intra: int = 1
-    fused_residual: bool = True
 
     def __post_init__(self):
         if self.dp < 1 or self.tp < 1 or self.pp < 1:
@@ -321,7 +316,6 @@ def _context(parallel: ParallelConfig, comm: taco_jax.TPComm | None) -> TPContex
         parallel.attention,
         parallel.overlap_chunks,
         ranks_vmapped=emulated,
-        fused_residual=parallel.fused_residual,
     )
 
 

@@ -135,12 +135,12 @@ BACKENDS = ("auto", "triton", "mosaic")
 def use_mosaic(op: str, backend: str, *, triton_options: bool, preferred) -> bool:
     """Whether `op` runs its Mosaic GPU kernel: backend "mosaic", or "auto" where
     `preferred()` (it applies, at a size where it measured faster) and no Triton-only option
-    (interpret, out_init, config, addend) is asked for. Raises ValueError for an unknown backend or
+    (interpret, out_init, config) is asked for. Raises ValueError for an unknown backend or
     "mosaic" with Triton-only options."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown {op} {backend=}; choose one of {BACKENDS}")
     if backend == "mosaic" and triton_options:
-        raise ValueError(f"{op} backend='mosaic' takes no interpret, out_init, config or addend")
+        raise ValueError(f"{op} backend='mosaic' takes no interpret, out_init or config")
     return backend == "mosaic" or (backend == "auto" and not triton_options and preferred())
 
 

@@ -2,8 +2,6 @@
 
 Equal to `codecs.decode_wire(codec, wire, n, dtype)` (the jnp reference) up to fp32
 rounding (the Hadamard is a tensor-core dot of the exact codes, then scaled by s / alpha).
-With `addend`, the decoded values plus it, added in fp32 and rounded once: the residual add
-that consumes an all-reduce, without writing and reading back the decoded values.
 """
 
 from __future__ import annotations
@@ -26,20 +24,9 @@ def decoded_tile(codec: Codec, q, d, hblock, interpret: bool):
     return codecs.scale_rows(q, d)
 
 
-def add_tile(x, addend_ref, row, start, n: int, *, masked: bool):
-    """fp32 values x [S] of a tile plus `addend_ref[row, start : start + S]`, in fp32; x itself
-    where there is no addend (None)."""
-    if addend_ref is None:
-        return x
-    addend = _tile.load_1d(addend_ref, row, start, x.shape[0], n, masked=masked)
-    return x + addend.astype(jnp.float32)
-
-
 def _decode_kernel(
-    wire_ref, h_ref, *refs, codec: Codec, n: int, cfg: BlockConfig, interpret: bool
+    wire_ref, h_ref, out_ref, *, codec: Codec, n: int, cfg: BlockConfig, interpret: bool
 ):
-    *addend_ref, out_ref = refs  # refs: (out,) or (addend, out)
-    addend_ref = addend_ref[0] if addend_ref else None
     row = _pallas.program_id(0)
     g, t = codec.group_size, cfg.groups_per_tile
     hblock = _tile.signs(h_ref, cfg) if codec.hadamard else None
@@ -50,10 +37,8 @@ def _decode_kernel(
 
     def decode_tile(tile, raw):
         q, d = _tile.unpack_wire_tile(codec, raw, tile, n, cfg, unit)
-        x = decoded_tile(codec, q, d, hblock, interpret).reshape(t * g)
-        masked = cfg.masked(n // g)
-        x = add_tile(x, addend_ref, row, tile * t * g, n, masked=masked).astype(out_ref.dtype)
-        _tile.store_1d(out_ref, row, tile * t * g, x, n, masked=masked)
+        x = decoded_tile(codec, q, d, hblock, interpret).reshape(t * g).astype(out_ref.dtype)
+        _tile.store_1d(out_ref, row, tile * t * g, x, n, masked=cfg.masked(n // g))
 
     _tile.for_each_tile(cfg, _pallas.program_id(1), load, decode_tile)
 
@@ -77,19 +62,11 @@ def decode(
     out_init=None,
     config: BlockConfig | None = None,
     backend: str = "auto",
-    addend: jax.Array | None = None,
 ):
     """wire[R, codec.wire_bytes(n)] -> x[R, n] of `dtype` (out_init, config, backend: as
-    `encode`; the Mosaic GPU kernel is `decode_mosaic.decode`).
-
-    addend: optional [R, n] array of `dtype`; the result is then
-    `(decode_reference(codec, wire, n, jnp.float32) + addend).astype(dtype)`, one rounding (the
-    Triton kernel: "auto" takes it, "mosaic" refuses it).
-    """
+    `encode`; the Mosaic GPU kernel is `decode_mosaic.decode`)."""
     check_wire(codec, wire, n)
-    check_addend(addend, (wire.shape[0], n), dtype)
     triton_options = interpret or out_init is not None or config is not None
-    triton_options = triton_options or addend is not None
     preferred = lambda: decode_mosaic.preferred("decode", codec, wire, n, dtype)  # noqa: E731
     if _pallas.use_mosaic("decode", backend, triton_options=triton_options, preferred=preferred):
         return decode_mosaic.decode(codec, wire, n, dtype)
@@ -101,7 +78,6 @@ def decode(
         _pallas.partial(_decode_kernel, codec=codec, n=n, cfg=cfg, interpret=interpret),
         wire,
         h,
-        *([] if addend is None else [addend]),
         out_init=out_init,
         out_shape=jax.ShapeDtypeStruct((rows, n), dtype),
         grid=(rows, cfg.grid_size(groups)),
@@ -119,18 +95,6 @@ def check_wire(codec: Codec, wire: jax.Array, n: int) -> None:
         raise ValueError(
             f"wire shape={wire.shape} dtype={wire.dtype} is not uint8[R, {codec.wire_bytes(n)}] "
             f"for {n=} and codec {codec.name!r}"
-        )
-
-
-def check_addend(addend: jax.Array | None, shape: tuple[int, ...], dtype) -> None:
-    """Raises ValueError unless `addend` is None or an array of `shape` and `dtype` (the
-    output's)."""
-    if addend is None:
-        return
-    if addend.shape != shape or addend.dtype != jnp.dtype(dtype):
-        raise ValueError(
-            f"addend shape={addend.shape} dtype={addend.dtype} is not the output's: "
-            f"{jnp.dtype(dtype).name}{list(shape)}"
         )
 
 

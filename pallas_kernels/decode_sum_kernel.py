@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _pallas, _tile, decode_mosaic
 from pallas_kernels.config import BlockConfig, block_config
-from pallas_kernels.decode_kernel import add_tile, check_addend, check_wire, decoded_tile
+from pallas_kernels.decode_kernel import check_wire, decoded_tile
 from taco_jax import codecs
 from taco_jax.codecs import Codec
 
@@ -53,10 +53,8 @@ def _summed_h_domain(codec: Codec, raws, tile, n: int, cfg: BlockConfig, unit=1.
 
 
 def _decode_sum_kernel(
-    wire_ref, h_ref, *refs, codec: Codec, n: int, cfg: BlockConfig, interpret: bool
+    wire_ref, h_ref, out_ref, *, codec: Codec, n: int, cfg: BlockConfig, interpret: bool
 ):
-    *addend_ref, out_ref = refs  # refs: (out,) or (addend, out)
-    addend_ref = addend_ref[0] if addend_ref else None
     g, t = codec.group_size, cfg.groups_per_tile
     hblock = _tile.signs(h_ref, cfg) if codec.hadamard else None
     unit = codecs.hadamard_unit(g) if codec.hadamard else 1.0
@@ -72,10 +70,8 @@ def _decode_sum_kernel(
             x = _tile.signed_hadamard(z, hblock, exact_bf16=False, interpret=interpret)
         else:
             x = _summed_h_domain(codec, raws, tile, n, cfg)
-        masked = cfg.masked(n // g)
-        x = add_tile(x.reshape(t * g), addend_ref, 0, tile * t * g, n, masked=masked)
-        x = x.astype(out_ref.dtype)  # summed in fp32, stored in the output dtype
-        _tile.store_1d(out_ref, 0, tile * t * g, x, n, masked=masked)
+        x = x.reshape(t * g).astype(out_ref.dtype)  # summed in fp32, stored in the output dtype
+        _tile.store_1d(out_ref, 0, tile * t * g, x, n, masked=cfg.masked(n // g))
 
     load = _pallas.partial(_load_peers, codec, wire_ref, n=n, cfg=cfg)
     _tile.for_each_tile(cfg, _pallas.program_id(0), load, decode_sum_tile)
@@ -102,19 +98,14 @@ def default_config(codec: Codec, peers: int, n: int, *, reencode: bool = False) 
     return block_config(codec.group_size, n // codec.group_size, peers=peers, dot=dot)
 
 
-def _launch(
-    kernel, codec, wire, n, out, name, interpret, out_init, config, *, signs: bool, addend=None
-):
-    """Launches one program per tile group; `signs`: the kernel takes the Hadamard block;
-    `addend`: [1, n], added to the sum."""
+def _launch(kernel, codec, wire, n, out, name, interpret, out_init, config, *, signs: bool):
+    """Launches one program per tile group; `signs`: the kernel takes the Hadamard block."""
     check_wire(codec, wire, n)
     groups = n // codec.group_size
     cfg = config or default_config(codec, wire.shape[0], n, reencode=not signs)
     inputs = [wire]
     if signs:
         inputs.append(jnp.asarray(_tile.hadamard_block(codec.group_size, cfg), jnp.bfloat16))
-    if addend is not None:
-        inputs.append(addend)
     return _pallas.call(
         _pallas.partial(kernel, codec=codec, n=n, cfg=cfg, interpret=interpret),
         *inputs,
@@ -138,19 +129,11 @@ def decode_sum(
     out_init=None,
     config=None,
     backend: str = "auto",
-    addend: jax.Array | None = None,
 ):
     """wire[N, B] -> [n] of `dtype`, the fp32 sum of the N decoded rows, rounded once to `dtype`
-    (out_init, config, backend: as `encode`; Mosaic GPU: `decode_mosaic.decode_sum`).
-
-    addend: optional [n] array of `dtype`, added to the fp32 sum before its one rounding (the
-    residual add after a one-shot all-reduce; the Triton kernel: "auto" takes it, "mosaic"
-    refuses it).
-    """
+    (out_init, config, backend: as `encode`; Mosaic GPU: `decode_mosaic.decode_sum`)."""
     check_wire(codec, wire, n)
-    check_addend(addend, (n,), dtype)
     triton_options = interpret or out_init is not None or config is not None
-    triton_options = triton_options or addend is not None
     preferred = lambda: decode_mosaic.preferred("decode_sum", codec, wire, n, dtype)  # noqa: E731
     if _pallas.use_mosaic(
         "decode_sum", backend, triton_options=triton_options, preferred=preferred
@@ -158,10 +141,8 @@ def decode_sum(
         return decode_mosaic.decode_sum(codec, wire, n, dtype)
     out = jax.ShapeDtypeStruct((1, n), dtype)
     name = "taco_decode_sum"
-    addend = None if addend is None else addend[None]
     return _launch(
-        _decode_sum_kernel, codec, wire, n, out, name, interpret, out_init, config, signs=True,
-        addend=addend,
+        _decode_sum_kernel, codec, wire, n, out, name, interpret, out_init, config, signs=True
     )[0]
 
 

@@ -29,34 +29,17 @@ class CodecOps:
 
     encode: Callable[[Codec, jax.Array], jax.Array]
     """(codec, x[R, n]) -> wire[R, B]."""
-    decode: Callable[..., jax.Array]
-    """(codec, wire[R, B], n, dtype, addend=None) -> x[R, n]; with an addend [R, n] of `dtype`,
-    the decoded values plus it, added in fp32 and rounded once."""
-    decode_sum: Callable[..., jax.Array]
-    """(codec, wire[N, B], n, dtype, addend=None) -> the fp32 sum over the N decoded rows (plus
-    the addend [n], in fp32) as `dtype`, [n]; end of a reduce-scatter and of the one-shot
-    all-reduce."""
+    decode: Callable[[Codec, jax.Array, int, jnp.dtype], jax.Array]
+    """(codec, wire[R, B], n, dtype) -> x[R, n]."""
+    decode_sum: Callable[[Codec, jax.Array, int, jnp.dtype], jax.Array]
+    """(codec, wire[N, B], n, dtype) -> the fp32 sum over the N decoded rows as `dtype`, [n]; end
+    of a reduce-scatter and of the one-shot all-reduce."""
     decode_sum_reencode: Callable[[Codec, jax.Array, int], jax.Array]
     """(codec, wire[N, B], n) -> wire[B] of the fp32 sum; the middle of the two-shot all-reduce."""
 
 
-def _adding(decode):
-    """`decode` (codec, wire, n, dtype) taking an addend: its fp32 result plus the addend, rounded
-    once to `dtype`, as the kernels add it."""
-
-    def op(codec, wire, n, dtype=jnp.float32, addend=None):
-        if addend is None:
-            return decode(codec, wire, n, dtype)
-        return (decode(codec, wire, n, jnp.float32) + addend.astype(jnp.float32)).astype(dtype)
-
-    return op
-
-
 XLA_OPS = CodecOps(
-    codecs.encode_wire,
-    _adding(codecs.decode_wire),
-    _adding(codecs.decode_sum_wire),
-    codecs.decode_sum_reencode_wire,
+    codecs.encode_wire, codecs.decode_wire, codecs.decode_sum_wire, codecs.decode_sum_reencode_wire
 )
 
 
@@ -73,10 +56,10 @@ def _kernels():
 def _fused(kernel, reference, interpret: bool):
     """`kernel` for compressing codecs; the reference for the identity codec "none"."""
 
-    def op(codec: Codec, *args, **kwargs):
+    def op(codec: Codec, *args):
         if codec.is_identity:
-            return reference(codec, *args, **kwargs)
-        return kernel(codec, *args, **kwargs, interpret=interpret)
+            return reference(codec, *args)
+        return kernel(codec, *args, interpret=interpret)
 
     return op
 
@@ -157,7 +140,7 @@ def _stage_collective_ops(stage: StageOps) -> CodecOps:
     def decode_sum_reencode(codec, wire, n):
         return encode(codec, decode_sum(codec, wire, n)[None])[0]
 
-    return CodecOps(encode, _adding(stage.decode), _adding(decode_sum), decode_sum_reencode)
+    return CodecOps(encode, stage.decode, decode_sum, decode_sum_reencode)
 
 
 def _stage_op(kernel, reference, interpret: bool, codec, *args):

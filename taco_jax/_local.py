@@ -90,22 +90,20 @@ def on_local_blocks(
     *replicated,
     dim: int | None = None,
     change: str = "keep",
-    alongside: tuple[jax.Array, ...] = (),
 ) -> jax.Array:
-    """`fn(x, *alongside, *replicated)` run on each device's own block of x (module doc); `fn`
-    itself where no free axis is left. `dim`: the dimension the collective scatters or gathers
-    along (never split over an `Auto` axis here; on an `Explicit` one the blocks are gathered
-    or scattered within each device's block, as the lax collective does); `change`:
-    `SHAPE_CHANGES`; `alongside`: arrays of x's shape, split into the same blocks (an addend);
+    """`fn(x)` run on each device's own block of x (module doc); `fn` itself where no free
+    axis is left. `dim`: the dimension the collective scatters or gathers along (never split
+    over an `Auto` axis here; on an `Explicit` one the blocks are gathered or scattered
+    within each device's block, as the lax collective does); `change`: `SHAPE_CHANGES`;
     `replicated`: further arguments of `fn`, the same on every block."""
     axes = free_axes()
     if not axes:
-        return fn(x, *alongside, *replicated)
+        return fn(x, *replicated)
     spec = block_spec(x, skip_dim=dim)
     return jax.shard_map(
         fn,
         mesh=jax.sharding.get_abstract_mesh(),
-        in_specs=(P(*spec),) * (1 + len(alongside)) + (P(),) * len(replicated),
+        in_specs=(P(*spec),) + (P(),) * len(replicated),
         out_specs=out_spec(spec, dim, change),
         axis_names=set(axes),
-    )(x, *alongside, *replicated)
+    )(x, *replicated)

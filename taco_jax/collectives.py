@@ -272,20 +272,11 @@ def _all_gather_wire(wire: jax.Array, axis_name: AxisName, *, invariant: bool) -
 
 
 def _gather_wire(
-    wire: jax.Array,
-    n: int,
-    axis_name: AxisName,
-    cfg: CommConfig,
-    dtype,
-    *,
-    invariant: bool = False,
-    addend: jax.Array | None = None,
+    wire: jax.Array, n: int, axis_name: AxisName, cfg: CommConfig, dtype, *, invariant: bool = False
 ) -> jax.Array:
-    """wire [B] of this rank's chunk -> every rank's decoded chunk [N, n] (plus `addend`
-    [N, n], added in fp32 by the decode)."""
+    """wire [B] of this rank's chunk -> every rank's decoded chunk [N, n]."""
     gathered = _all_gather_wire(wire, axis_name, invariant=invariant)
-    ops = _backends.codec_ops(cfg.impl, cfg.codec)
-    return ops.decode(cfg.codec, gathered, n, dtype, addend=addend)
+    return _backends.codec_ops(cfg.impl, cfg.codec).decode(cfg.codec, gathered, n, dtype)
 
 
 def varies_along(x: jax.Array, axis_name: AxisName) -> bool:
@@ -321,16 +312,15 @@ def cast_varying(ct: jax.Array, axis_name: AxisName, like: jax.Array) -> jax.Arr
     return ct
 
 
-def _sliced(fn, rows: jax.Array, slices: int, *alongside: jax.Array) -> jax.Array:
-    """Applies `fn` to `slices` independent column blocks of rows [..., n] (and the same blocks
-    of each array of `alongside`, rows' shape: further arguments); concatenates the results.
+def _sliced(fn, rows: jax.Array, slices: int) -> jax.Array:
+    """Applies `fn` to `slices` independent column blocks of rows [..., n]; concatenates results.
 
     The pieces share no data, so XLA may overlap the encode of one with the transfer of another.
     """
     if slices == 1:
-        return fn(rows, *alongside)
-    blocks = [jnp.split(a, slices, axis=-1) for a in (rows, *alongside)]
-    return jnp.concatenate([fn(*pieces) for pieces in zip(*blocks, strict=True)], axis=-1)
+        return fn(rows)
+    pieces = jnp.split(rows, slices, axis=-1)
+    return jnp.concatenate([fn(piece) for piece in pieces], axis=-1)
 
 
 def _fused_exchange(kind: str, piece, axis_name: AxisName, cfg: CommConfig):
@@ -423,38 +413,23 @@ def _recorded(compressed, exact, cfg: CommConfig, tag: str):
     return recorded
 
 
-def _all_reduce(
-    x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str, residual: jax.Array | None = None
-) -> jax.Array:
-    """The all-reduce of x, plus `residual` (x's shape and dtype) where given: added to the fp32
-    sum inside the last decode where the codec runs, so the sum is never written and read back
-    (with telemetry on, added after it, so that the recorded error is the all-reduce's own)."""
+def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) -> jax.Array:
     n_ranks = axis_size(axis_name)
     may_fuse = _exchange_fused(x, axis_name, cfg, n_ranks)
     choice = cfg.choice("all_reduce", x, axis_name, n_ranks, fused=may_fuse)
     if n_ranks == 1 or not choice.compress:
-        out = lax.psum(x, axis_name)  # N = 1 moves nothing, so nothing is compressed
-        return out if residual is None else out + residual
+        return lax.psum(x, axis_name)  # N = 1 moves nothing, so nothing is compressed
     compressed = functools.partial(_compressed_all_reduce, axis_name=axis_name, cfg=cfg,
                                    algorithm=choice.algorithm, n_ranks=n_ranks)  # fmt: skip
-    if residual is not None and not cfg.telemetry:
-        return _local.on_local_blocks(compressed, x, alongside=(residual,))
     exact = functools.partial(lax.psum, axis_name=axis_name)
-    out = _local.on_local_blocks(_recorded(compressed, exact, cfg, tag), x)
-    return out if residual is None else out + residual
+    return _local.on_local_blocks(_recorded(compressed, exact, cfg, tag), x)
 
 
 def _compressed_all_reduce(
-    x: jax.Array,
-    residual: jax.Array | None = None,
-    *,
-    axis_name: AxisName,
-    cfg: CommConfig,
-    algorithm: str,
-    n_ranks: int,
+    x: jax.Array, *, axis_name: AxisName, cfg: CommConfig, algorithm: str, n_ranks: int
 ) -> jax.Array:
     """The compressed all-reduce of this device's x with `algorithm` (one-shot, two-shot or
-    fused), plus `residual` (added by the last decode) where given."""
+    fused)."""
     invariant = varies_along(x, axis_name)
     fused = algorithm == "fused"
     one_row = algorithm in ("one_shot", "fused")  # else two-shot: a row per rank
@@ -462,14 +437,12 @@ def _compressed_all_reduce(
     cfg = _addressable(cfg, x, n_ranks, rows=rows_of)
     ops = _backends.codec_ops(cfg.impl, cfg.codec)
 
-    def two_shot(piece, addend=None):  # piece: [N, m / slices], row j for rank j
+    def two_shot(piece):  # piece: [N, m / slices], row j for rank j
         n = piece.shape[-1]
         reduced_wire = _reduce_scatter_rows(piece, axis_name, cfg, reencode=True)
-        return _gather_wire(
-            reduced_wire, n, axis_name, cfg, x.dtype, invariant=invariant, addend=addend
-        )
+        return _gather_wire(reduced_wire, n, axis_name, cfg, x.dtype, invariant=invariant)
 
-    def one_shot(piece, addend=None):  # piece: [1, m / slices], this rank's whole message
+    def one_shot(piece):  # piece: [1, m / slices], this rank's whole message
         exchange = fused and _fused_exchange("all_gather", piece, axis_name, cfg)
         if exchange:
             gathered = exchange(piece, replicated=invariant)[:, 0]
@@ -477,19 +450,11 @@ def _compressed_all_reduce(
             wire = ops.encode(cfg.codec, piece)[0]
             gathered = _all_gather_wire(wire, axis_name, invariant=invariant)
         # Every rank sums the same N rows in rank order: bit-identical outputs.
-        addend = None if addend is None else addend[0]
-        return ops.decode_sum(cfg.codec, gathered, piece.shape[-1], x.dtype, addend=addend)[None]
+        return ops.decode_sum(cfg.codec, gathered, piece.shape[-1], x.dtype)[None]
 
     rows, size = _rows_for(x.reshape(-1), rows_of, cfg, fused=fused)
-    addends = () if residual is None else (_padded_like(residual, rows),)
-    out = _sliced(one_shot if one_row else two_shot, rows, cfg.slices, *addends)
+    out = _sliced(one_shot if one_row else two_shot, rows, cfg.slices)
     return out.reshape(-1)[:size].reshape(x.shape)
-
-
-def _padded_like(residual: jax.Array, rows: jax.Array) -> jax.Array:
-    """`residual`, flattened and zero-padded into the layout of `rows` (`_rows_for`)."""
-    flat = residual.reshape(-1)
-    return jnp.pad(flat, (0, rows.size - flat.size)).reshape(rows.shape)
 
 
 def _reduce_scatter(
@@ -614,36 +579,30 @@ def _compressed_all_gather(
 # names the op in telemetry (the backward records under f"{tag}_bwd").
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _psum(x, addend, axis_name, cfg, tag, bwd_cfg):
-    return _all_reduce(x, axis_name, cfg, tag, addend)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _psum(x, axis_name, cfg, tag, bwd_cfg):
+    return _all_reduce(x, axis_name, cfg, tag)
 
 
-def _psum_fwd(x, addend, axis_name, cfg, tag, bwd_cfg):
-    # The empty residuals carry only the types of x and the addend (their varying axes and
-    # sharding), for the backward's casts, and the axes' sizes (`_axes_bound`).
-    out = _batched_under_vmap(_all_reduce(x, axis_name, cfg, tag, addend), axis_name)
-    addend_type = None if addend is None else type_carrier(addend)
-    return out, (type_carrier(x), addend_type, _axis_sizes(axis_name))
+def _psum_fwd(x, axis_name, cfg, tag, bwd_cfg):
+    # The empty residuals carry only x's sharding type, for the backward's cast, and the axes'
+    # sizes (`_axes_bound`).
+    out = _batched_under_vmap(_all_reduce(x, axis_name, cfg, tag), axis_name)
+    return out, (type_carrier(x), _axis_sizes(axis_name))
 
 
 def _psum_bwd(axis_name, cfg, tag, bwd_cfg, residuals, ct):
-    like, addend_like, sizes = residuals
-    addend_ct = None if addend_like is None else cast_varying(ct, axis_name, addend_like)
-    return (_psum_transpose(axis_name, bwd_cfg, tag, like, sizes, ct), addend_ct)
-
-
-def _psum_transpose(axis_name, bwd_cfg, tag, like, sizes, ct):
     """`lax.psum`'s own transpose, compressed with `bwd_cfg`.
 
     lax.psum transposes to the identity where shard_map tracks that the output is replicated
     (`check_vma=True`, x typed varying) and to a psum of the cotangent elsewhere (`vmap`,
     `check_vma=False`).
     """
+    like, sizes = residuals
     if varies_along(like, axis_name):
-        return cast_varying(ct, axis_name, like)
+        return (cast_varying(ct, axis_name, like),)
     with _axes_bound(axis_name, sizes):
-        return _all_reduce(ct, axis_name, bwd_cfg, f"{tag}_bwd")
+        return (_all_reduce(ct, axis_name, bwd_cfg, f"{tag}_bwd"),)
 
 
 _psum.defvjp(_psum_fwd, _psum_bwd)
@@ -656,11 +615,9 @@ def compressed_psum(
     codec: CodecLike = codecs.DEFAULT_CODEC,
     bwd_codec: CodecLike | None = None,
     name: str = "all_reduce",
-    residual: jax.Array | None = None,
     **overrides,
 ) -> jax.Array:
-    """All-reduce with compressed traffic: equal to `jax.lax.psum(x, axis_name)` up to FP8 rounding
-    (with `residual`: to `jax.lax.psum(x, axis_name) + residual`).
+    """All-reduce with compressed traffic: equal to `jax.lax.psum(x, axis_name)` up to FP8 rounding.
 
     Sharding: `x[...]{U_axis} -> x[...]` (unreduced partial sums in, the replicated sum out,
     bit-identical on every rank). Two-shot quantizes each element twice (docs/method.md,
@@ -691,10 +648,6 @@ def compressed_psum(
         draw their noise from each message's bits (`tahquant.message_key`).
       bwd_codec: codec of the backward psum (see Backward); None means `codec`.
       name: this collective's label in `taco_jax.telemetry`.
-      residual: optional array of x's shape and dtype, the same on every rank (typed replicated
-        under `check_vma=True`), added to the sum by the kernel that decodes it, in fp32 before
-        the one rounding to x's dtype: the residual add after a row-parallel layer without
-        writing and reading back the sum. Its gradient is the output's cotangent.
       **overrides: any `CommConfig` option, applied to both directions: `group_size` (G,
         32..512), `impl` ("auto": Pallas kernels on GPU, else XLA; "xla", "pallas",
         "pallas_interpret"), `algorithm` ("auto", "one_shot", "two_shot", "fused"), `slices` (1..16
@@ -703,27 +656,8 @@ def compressed_psum(
         `telemetry`. Defaults: `CommConfig`'s.
     """
     _check_floating(x, "compressed_psum")
-    _check_residual(residual, x, axis_name)
     cfg, bwd_cfg = fwd_bwd_configs(codec, bwd_codec, **overrides)
-    return _psum(x, residual, axis_name, cfg, name, bwd_cfg)
-
-
-def _check_residual(residual: jax.Array | None, x: jax.Array, axis_name: AxisName) -> None:
-    """Raises ValueError unless `residual` is None or an array like x (shape, dtype) that is not
-    typed varying along the axis where x is (a per-rank residual makes the sum per-rank, whose
-    gradient is not psum's: add it after the collective instead)."""
-    if residual is None:
-        return
-    if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(
-            f"residual shape={residual.shape} dtype={residual.dtype} is not x's: "
-            f"shape={x.shape} dtype={x.dtype}"
-        )
-    if varies_along(residual, axis_name) and varies_along(x, axis_name):
-        raise ValueError(
-            f"residual is typed varying along {axis_name!r}: the fused add takes a residual "
-            "that is the same on every rank; add a per-rank one after compressed_psum"
-        )
+    return _psum(x, axis_name, cfg, name, bwd_cfg)
 
 
 def _transposed_pair(forward, backward):

@@ -79,22 +79,17 @@ def _copy_bwd(comm, like, ct):
 _copy.defvjp(_copy_fwd, _copy_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _reduce(x, residual, comm: TPComm):
-    return compressed_psum(
-        x, comm.axis_name, codec=comm.fwd, name="tp_reduce_fwd", residual=residual
-    )
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _reduce(x, comm: TPComm):
+    return compressed_psum(x, comm.axis_name, codec=comm.fwd, name="tp_reduce_fwd")
 
 
-def _reduce_fwd(x, residual, comm):
-    residual_type = None if residual is None else type_carrier(residual)
-    return _reduce(x, residual, comm), (type_carrier(x), residual_type)
+def _reduce_fwd(x, comm):
+    return _reduce(x, comm), type_carrier(x)
 
 
-def _reduce_bwd(comm, likes, ct):
-    like, residual_like = likes
-    residual_ct = None if residual_like is None else cast_varying(ct, comm.axis_name, residual_like)
-    return cast_varying(ct, comm.axis_name, like), residual_ct
+def _reduce_bwd(comm, like, ct):
+    return (cast_varying(ct, comm.axis_name, like),)
 
 
 _reduce.defvjp(_reduce_fwd, _reduce_bwd)
@@ -108,17 +103,11 @@ def copy_to_tp(x: jax.Array, comm: TPComm) -> jax.Array:
     return checkpoint_name(_copy(x, comm), "tp_copy")
 
 
-def reduce_from_tp(
-    x: jax.Array, comm: TPComm, *, residual: jax.Array | None = None
-) -> jax.Array:
+def reduce_from_tp(x: jax.Array, comm: TPComm) -> jax.Array:
     """Megatron g: forward `compressed_psum` (`comm.fwd`), equal to `lax.psum` up to FP8
     rounding; backward identity. Sharding: `x[B, T, D]{U_tp} -> x[B, T, D]`.
-
-    residual: optional, replicated, x's shape and dtype: returns `residual + reduce_from_tp(x)`
-    (to rounding: the sum is added in fp32 and rounded once) with the add inside the kernel
-    that decodes the sum (`compressed_psum`'s `residual`); its gradient is the cotangent.
     """
-    return checkpoint_name(_reduce(x, residual, comm), "tp_reduce")
+    return checkpoint_name(_reduce(x, comm), "tp_reduce")
 
 
 def gather_from_sp(x: jax.Array, comm: TPComm, *, axis: int = 1) -> jax.Array:
