@@ -218,10 +218,10 @@ MOSAIC_MIN_PROGRAMS = 256
 # "auto" takes the Mosaic encode from this many tiles (64 MiB of bf16): below it, one-tile
 # programs each stage the 32 KiB sign matrix and the Triton encode is faster (BENCHMARKS.md).
 MOSAIC_MIN_TILES = MOSAIC_TILES_PER_PROGRAM * MOSAIC_MIN_PROGRAMS
-# ... and only for the codecs measured and checked on a GPU through it (the other 8-bit codecs
-# with fp32 scales take it with backend="mosaic"; `int8_hadamard` measured 91% of the copy at
-# 256 MiB against Triton's 77%, but its GPU checks have not run).
-MOSAIC_ENCODE_CODECS = ("taco",)
+# ... and only for the codecs measured faster and checked on a GPU through it: `taco`, and
+# `int8_hadamard` (91% of the copy at 256 MiB against Triton's 77%, 65 against 61% at 16 MiB).
+# The codecs without a Hadamard (`fp8`, `int8`) measured faster on Triton at every size.
+MOSAIC_ENCODE_CODECS = ("taco", "int8_hadamard")
 
 
 def mosaic_launch(rows: int, tiles_per_row: int) -> MosaicLaunch:
@@ -238,15 +238,15 @@ def mosaic_launch(rows: int, tiles_per_row: int) -> MosaicLaunch:
 # Mosaic GPU decode, decode-sum and decode-sum-reencode (`decode_mosaic`): "auto" takes them for
 # the codecs of MOSAIC_DECODE_CODECS in calls of at least MOSAIC_DECODE_FROM_BYTES[op] wire
 # bytes (None: never, the Triton kernel at every size). Measured on one H200, 8 rows, in one
-# program, % of a copy (BENCHMARKS.md, "Kernels"; `kernels-2026-12-02-mosaic.json`): the decode
-# runs 96-107% from 64 MiB against Triton's 91-98% but 63-64% against 71-86% at 4-16 MiB; the
-# decode-sum of 8 peers 24-40% against 53-85% and the re-encode 24-51% against 28-102% (eight
-# peers' tiles fill shared memory: one pipeline step in flight). So none is the default yet:
-# the decode's threshold waits for its GPU checks under `vmap` and `shard_map`, the other two
-# for a pipeline that does not hold every peer's tile per step.
+# program, % of a copy, Triton / Mosaic (BENCHMARKS.md, "Kernels"; `kernels-2026-12-02-
+# mosaic-1gib.json`): the `taco` decode 93 / 97, 98 / 108 and 104 / 113% at 64 MiB, 256 MiB and
+# 1 GiB of bf16 (from 32 MiB of codes), 87 / 86% at 16 MiB; the decode-sum of 8 peers 66-93
+# against 34-42% (one step per peer, `peer_steps`: 47-55%) and the re-encode 79-113 against
+# 49-68% (67-85%) from 64 MiB. Without a Hadamard (`fp8`, `int8`) Triton's decode is the
+# faster at every size.
 MOSAIC_DECODE_CODECS = ("taco",)
 MOSAIC_DECODE_FROM_BYTES: dict[str, int | None] = {
-    "decode": None,
+    "decode": 32 << 20,
     "decode_sum": None,
     "decode_sum_reencode": None,
 }

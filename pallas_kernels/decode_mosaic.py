@@ -22,7 +22,8 @@ from 64 MiB; the decode-sum and re-encode of eight peers are slower at every siz
 step holds every peer's tile, so few steps fit in flight, and the decode-sum runs a Hadamard per
 peer. `peer_steps=True` runs them with one peer's tile per step instead, the sum carried in
 registers across a tile's N steps and, for the decode-sum, one Hadamard of the sum
-(`_summed_body`); not yet timed.
+(`_summed_body`): faster than one step per tile from 16 MiB, still slower than Triton (BENCHMARKS.md,
+"Kernels").
 
 The wire row is read through views XLA makes without a copy (bitcasts of the uint8 row): the
 codes as [W / 128, 128] of the code type, the fp32 side sections as [W / 4] fp32 and the E8M0
@@ -124,8 +125,15 @@ def decode_sum(
     once to `dtype` (as `decode`).
 
     peer_steps: one peer's tile per pipeline step, summed in the Hadamard domain and one dot on
-      the sum (`_summed_body`), instead of every peer's tile per step and a dot per peer."""
+      the sum (`_summed_body`), instead of every peer's tile per step and a dot per peer; for
+      codecs with fp32 side sections (ValueError else: `taco_e8m0`'s, read as bytes, faulted
+      on an H200 with a misaligned address)."""
     _check(codec, wire, n, dtype, interpret=interpret)
+    if peer_steps and codec.scale_format != "fp32":
+        raise ValueError(
+            f"peer_steps=True takes codecs with fp32 scales, not {codec.name!r} "
+            f"(scale_format={codec.scale_format!r}); use peer_steps=False"
+        )
     if peer_steps:
         return _summed(codec, wire, n, dtype, interpret=interpret, launch=launch).reshape(n)
     return _decoded_rows(codec, wire, n, dtype, interpret, launch, rows_summed=True).reshape(n)

@@ -138,13 +138,15 @@ def test_backend_errors_name_the_value():
 @pytest.mark.parametrize("op", ["decode", "decode_sum", "decode_sum_reencode"])
 def test_auto_takes_mosaic_by_the_size_table(monkeypatch, op):
     """`preferred`'s rule, on any machine: never where `MOSAIC_DECODE_FROM_BYTES[op]` is None
-    (the shipped table: the Triton kernels at every size, BENCHMARKS.md "Kernels"), else from
-    that many wire bytes on, for the codecs of `MOSAIC_DECODE_CODECS`."""
+    (the shipped table: the sums stay on Triton at every size, BENCHMARKS.md "Kernels"), else
+    from that many wire bytes on (the decode: 32 MiB of codes), for the codecs of
+    `MOSAIC_DECODE_CODECS`."""
     monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
     codec = codecs.get_codec("taco")
     wire, n = _wire(codec, 2, 2, 0)
-    assert config.MOSAIC_DECODE_FROM_BYTES[op] is None
-    assert not decode_mosaic.preferred(op, codec, wire, n)
+    shipped = {"decode": 32 << 20, "decode_sum": None, "decode_sum_reencode": None}[op]
+    assert config.MOSAIC_DECODE_FROM_BYTES[op] == shipped
+    assert not decode_mosaic.preferred(op, codec, wire, n)  # 33 KiB of wire: below any table
     monkeypatch.setitem(config.MOSAIC_DECODE_FROM_BYTES, op, wire.size)
     assert decode_mosaic.preferred(op, codec, wire, n)
     assert not decode_mosaic.preferred(op, codec, wire[:1], n)  # fewer bytes than the table's
@@ -215,8 +217,9 @@ def test_every_kernel_lowers_for_cuda(monkeypatch, name):
     n = MOSAIC_CODECS[name] * TILE_ELEMENTS
     wire = jax.ShapeDtypeStruct((4, codec.wire_bytes(n)), jnp.uint8)
     ops = [lambda w: decode_mosaic.decode(codec, w, n, jnp.bfloat16)]
-    ops += [lambda w, s=s: decode_mosaic.decode_sum(codec, w, n, peer_steps=s) for s in (0, 1)]
-    if name in REENCODE_CODECS:
+    ops += [lambda w: decode_mosaic.decode_sum(codec, w, n)]
+    if name in REENCODE_CODECS:  # fp32 scales: the peer-steps sums too
+        ops += [lambda w: decode_mosaic.decode_sum(codec, w, n, peer_steps=True)]
         ops += [lambda w, s=s: decode_mosaic.decode_sum_reencode(codec, w, n, peer_steps=s)
                 for s in (0, 1)]  # fmt: skip
         x = jax.ShapeDtypeStruct((4, n), jnp.bfloat16)
@@ -252,7 +255,14 @@ def test_reencoded_codes_in_the_cpu_interpreter(name):
     assert_reencodes_like_reference(codec, wire, n, fused, scales=False)
 
 
-@pytest.mark.parametrize("name", _tiered(["taco", "int8_hadamard", "fp8", "taco_e8m0"]))
+def test_peer_steps_refuse_byte_scales():
+    codec = codecs.get_codec("taco_e8m0")
+    wire, n = _wire(codec, 2, MOSAIC_CODECS["taco_e8m0"], 9)
+    with pytest.raises(ValueError, match="'taco_e8m0'.*scale_format='e8m0'"):
+        decode_mosaic.decode_sum(codec, wire, n, interpret=True, peer_steps=True)
+
+
+@pytest.mark.parametrize("name", _tiered(["taco", "int8_hadamard", "fp8"]))
 def test_peer_steps_in_the_cpu_interpreter(name):
     """The sums with one peer's tile per pipeline step: the decode-sum (one Hadamard of the sum's
     three bf16 pieces: z to fp32's 24 bits, so within the same bound) and the re-encode."""
@@ -302,6 +312,8 @@ def test_matches_reference_on_the_gpu(name, rows, tiles):
         if name in REENCODE_CODECS:
             fused = pk.decode_sum_reencode(codec, wire, n, backend="mosaic")
             assert_reencodes_like_reference(codec, wire, n, fused, scales=True)
+        if name not in REENCODE_CODECS:  # peer steps take fp32 scales only
+            continue
         total = decode_mosaic.decode_sum(codec, wire, n, peer_steps=True)
         assert_sums_like_reference(codec, wire, n, total)
         if name in REENCODE_CODECS:
@@ -322,7 +334,7 @@ def test_nonfinite_groups_stay_visible_on_the_gpu(name):
     expected[0, 0] = expected[1, -1] = True
     np.testing.assert_array_equal(np.isnan(out).all(-1), expected)
     assert bool(np.isfinite(out)[~expected].all())
-    for peer_steps in (False, True):
+    for peer_steps in (False, True) if name in REENCODE_CODECS else (False,):
         total = decode_mosaic.decode_sum(codec, wire, n, peer_steps=peer_steps)
         np.testing.assert_array_equal(np.isnan(total.reshape(-1, 128)).all(-1), expected.any(0))
 
