@@ -22,8 +22,8 @@ from 64 MiB; the decode-sum and re-encode of eight peers are slower at every siz
 step holds every peer's tile, so few steps fit in flight, and the decode-sum runs a Hadamard per
 peer. `peer_steps=True` runs them with one peer's tile per step instead, the sum carried in
 registers across a tile's N steps and, for the decode-sum, one Hadamard of the sum
-(`_summed_body`): faster than one step per tile from 16 MiB, still slower than Triton (BENCHMARKS.md,
-"Kernels").
+(`_summed_body`): faster than one step per tile from 16 MiB, still slower than Triton
+(BENCHMARKS.md, "Kernels").
 
 The wire row is read through views XLA makes without a copy (bitcasts of the uint8 row): the
 codes as [W / 128, 128] of the code type, the fp32 side sections as [W / 4] fp32 and the E8M0
