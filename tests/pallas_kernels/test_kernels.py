@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from codec_testing import DECADES, groups64, mixed_magnitudes
+from tiers import tiered
 
 import pallas_kernels as pk
 from pallas_kernels import _tile, decode_kernel, decode_sum_kernel, encode_kernel
@@ -118,6 +119,11 @@ ENCODE_CASES = [(name, 128, jnp.bfloat16) for name in codecs.CODEC_NAMES if name
 OTHER_CASES = [("taco", 128), ("taco_e8m0", 128), ("fp8", 128), ("taco_no_ds", 128),
                ("int8_hadamard", 128), ("taco", 512), ("int6_hadamard", 128),
                ("int5_hadamard", 128), ("int4_hadamard", 32)]  # fmt: skip
+# The fast tier's cases (`tiers.tiered`): the 8-bit codec with scales, E8M0 scales, a 4 + 2 bit
+# plane codec and a G = 32 4-bit one; the other codecs and group sizes run in the slow tier.
+FAST_ENCODES = [("taco", 128, jnp.bfloat16), ("taco_e8m0", 128, jnp.bfloat16),
+                ("int6_hadamard", 128, jnp.bfloat16), ("taco", 512, jnp.float32)]  # fmt: skip
+FAST_OTHERS = [("taco", 128), ("int6_hadamard", 128), ("int4_hadamard", 32)]
 # Sub-byte codes split into bit planes (codecs.code_planes): 6 = 4 + 2 and 5 = 4 + 1 bits.
 MULTI_PLANE_CODECS = ["int6_hadamard", "int5_hadamard"]
 
@@ -161,7 +167,7 @@ class KernelTest:
         if not self.INTERPRET and jax.default_backend() != "gpu":
             pytest.skip("needs a GPU")
 
-    @pytest.mark.parametrize("name,g,dtype", ENCODE_CASES)
+    @pytest.mark.parametrize("name,g,dtype", tiered(ENCODE_CASES, FAST_ENCODES))
     def test_encode_matches_reference(self, name, g, dtype):
         codec = codecs.get_codec(name, g)
         n = g * self.GROUPS
@@ -180,7 +186,7 @@ class KernelTest:
             else:
                 np.testing.assert_allclose(a, b, rtol=_tie_rtol(g), atol=0)
 
-    @pytest.mark.parametrize("name,g", OTHER_CASES)
+    @pytest.mark.parametrize("name,g", tiered(OTHER_CASES, FAST_OTHERS))
     def test_decode_ops_match_reference(self, name, g):
         codec = codecs.get_codec(name, g)
         n = g * self.GROUPS
@@ -201,7 +207,7 @@ class KernelTest:
             atol = g * FP32_EPS * rows * float(jnp.max(jnp.abs(want)))  # one Hadamard per row
             np.testing.assert_allclose(total, want, rtol=0, atol=atol)
 
-    @pytest.mark.parametrize("name,g", OTHER_CASES)
+    @pytest.mark.parametrize("name,g", tiered(OTHER_CASES, FAST_OTHERS))
     def test_decode_sum_reencode_matches_reference(self, name, g):
         codec = codecs.get_codec(name, g)
         n = g * self.GROUPS
@@ -227,7 +233,11 @@ class KernelTest:
             wanted[flipped] = own_codes[flipped]
         assert_codes_match(codec, codes, want_codes, ideal)
 
-    @pytest.mark.parametrize("name", ["taco", "taco_e8m0", "fp8", "int8_hadamard", "int6_hadamard"])
+    @pytest.mark.parametrize(
+        "name",
+        tiered(["taco", "taco_e8m0", "fp8", "int8_hadamard", "int6_hadamard"],
+               ["taco", "int6_hadamard"]),
+    )  # fmt: skip
     def test_every_magnitude_matches_reference(self, name):
         """Groups from 1e-30 to 1e30 side by side: each kernel agrees with the reference group by
         group, within the tolerances above taken relative to each group's own magnitude."""
@@ -254,14 +264,15 @@ class KernelTest:
 
     @pytest.mark.parametrize(
         "name,config",
-        # The default launch in the fast tier, the other launch variants in the slow one.
+        # The default launch in the fast tier, the launch variants in the slow one.
         [("taco", None)]
         + [pytest.param("taco", c, marks=pytest.mark.slow) for c in LAUNCH_CONFIGS[1:]]
         + [
             pytest.param(name, LAUNCH_CONFIGS[2], marks=pytest.mark.slow)
             for name in MULTI_PLANE_CODECS
         ]
-        + [("int6_hadamard", LAUNCH_CONFIGS[-1])],  # bit-plane codes, a Hadamard per peer
+        # bit-plane codes, a Hadamard per peer
+        + [pytest.param("int6_hadamard", LAUNCH_CONFIGS[-1], marks=pytest.mark.slow)],
         ids=lambda v: _config_id(v) if v is None or isinstance(v, pk.BlockConfig) else v,
     )
     def test_rows_of_several_tiles(self, name, config):
@@ -324,7 +335,11 @@ class KernelTest:
                         interpret=self.INTERPRET)  # fmt: skip
         assert bool(jnp.all(jnp.isnan(out[0, :32]))) and bool(jnp.all(jnp.isfinite(out[0, 32:])))
 
-    @pytest.mark.parametrize("name", ["taco", "fp8", "int8_hadamard", "taco_e8m0", "int6_hadamard"])
+    @pytest.mark.parametrize(
+        "name",
+        tiered(["taco", "fp8", "int8_hadamard", "taco_e8m0", "int6_hadamard"],
+               ["taco", "int6_hadamard"]),
+    )  # fmt: skip
     def test_lone_nonfinite_values_mark_their_groups(self, name):
         """One NaN or Inf among 2 x 40 groups: its group decodes to NaN, all others stay finite,
         through encode + decode and through decode-sum."""

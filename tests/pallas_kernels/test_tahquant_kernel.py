@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiers import tiered
 
 from pallas_kernels import tahquant_kernel as tk
 from taco_jax import sdp4bit, tahquant
@@ -49,6 +50,9 @@ ENCODE_CASES = (
     + [(sdp4bit.TLQ_OUTER, jnp.float32)]
 )  # fmt: skip
 
+
+# The fast tier's encodes: the 8-bit stage codec in bf16 and the 4-bit one in fp32.
+FAST_ENCODES = [ENCODE_CASES[1], ENCODE_CASES[4]]
 
 # Groups above the wide tiles' G: qWD's, and an asymmetric 8-bit G = 256 without the pivot.
 LARGE_GROUP_CASES = [
@@ -108,7 +112,7 @@ class TahQuantKernelTest:
         if not self.INTERPRET and jax.default_backend() != "gpu":
             pytest.skip("needs a GPU")
 
-    @pytest.mark.parametrize("case", ENCODE_CASES, ids=_case_id)
+    @pytest.mark.parametrize("case", tiered(ENCODE_CASES, FAST_ENCODES, _case_id, unpack=False))
     def test_encode_matches_reference(self, case):
         codec, dtype = case
         n = 128 * self.GROUPS

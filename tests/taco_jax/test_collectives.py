@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from codec_testing import group_error_bound, groups64
 from jax import lax
+from tiers import tiered
 from tp_testing import MODES, run_tp
 
 import pallas_kernels
@@ -27,7 +28,7 @@ import taco_jax as tj
 from taco_jax import codecs, tahquant, telemetry
 
 U = 2.0**-4
-TP_SIZES = (2, 4, 8)
+TP_SIZES = (2, 4, 8)  # each test's fast-tier sizes differ: together they cover all three
 MAX_TIES = 2  # rounding ties allowed to land differently in the replay test
 
 
@@ -46,7 +47,7 @@ def _assert_rank_identical(out):
 # ------------------------------------------------------------------------------ codec "none"
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("tp", tiered(TP_SIZES, (2,)))
 @pytest.mark.parametrize("mode", MODES)
 def test_none_equals_lax_exactly(tp, mode):
     x = _ranks(tp, (4, 48), seed=tp)
@@ -69,7 +70,7 @@ def test_none_equals_lax_exactly(tp, mode):
 # ------------------------------------------------------------------------------ codec "taco"
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("tp", tiered(TP_SIZES, (2, 8)))
 @pytest.mark.parametrize("mode", MODES)
 def test_psum_within_two_quantization_bound(tp, mode):
     x = _ranks(tp, (3, 1000), seed=10 + tp)  # 3000 elements: not a multiple of tp x G
@@ -82,7 +83,7 @@ def test_psum_within_two_quantization_bound(tp, mode):
     _assert_rank_identical(out)
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("tp", tiered(TP_SIZES, (4,)))
 @pytest.mark.parametrize("mode", MODES)
 def test_one_shot_psum_within_one_quantization_bound(tp, mode):
     """One-shot quantizes each rank's input once and sums in fp32: ||err|| <= u sum_r ||x_r||."""
@@ -129,7 +130,7 @@ def test_auto_is_two_shot_where_no_bytes_move():
                                            mode="shard_map"))  # fmt: skip
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("tp", tiered(TP_SIZES, (8,)))
 def test_vmap_emulation_matches_shard_map(tp):
     """Emulation runs the same math; batching may reorder fp32 sums (the Hadamard, the energy).
 
@@ -143,7 +144,7 @@ def test_vmap_emulation_matches_shard_map(tp):
     np.testing.assert_allclose(emulated, real, rtol=1e-3, atol=1e-6)
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("tp", tiered(TP_SIZES, (2,)))
 @pytest.mark.parametrize("mode", MODES)
 def test_psum_scatter_within_one_quantization_bound(tp, mode):
     x = _ranks(tp, (5, 8 * 24), seed=30 + tp)
@@ -159,7 +160,7 @@ def test_psum_scatter_within_one_quantization_bound(tp, mode):
         assert float(jnp.linalg.norm(out[r] - exact[r])) <= 1.01 * U * _rank_norms(block)
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("tp", tiered(TP_SIZES, (4,)))
 @pytest.mark.parametrize("mode", MODES)
 def test_all_gather_within_one_quantization_bound(tp, mode):
     x = _ranks(tp, (7, 33), seed=40 + tp)

@@ -49,12 +49,17 @@ def _expected(codec_name, x, perm, key=KEY):
 # Every codec over the cycle; over the chain (a partial permutation) one codec per kind:
 # none, a fixed-bit stage codec, the adaptive one, a TP codec.
 def _receiver_case(name, perm):
-    # The adaptive codec's host-side grouping makes its cases the slowest of this file.
-    marks = pytest.mark.slow if name == "tahquant_adaptive" else ()
+    # The fast tier: the cycle with no codec, a stage codec and a TP codec, and the chain with
+    # the stage codec; the other variants, and the adaptive codec (its host-side grouping makes
+    # its cases the slowest of this file), run in the slow tier.
     route = "cycle" if perm is CYCLE4 else "chain"
+    fast = (name, route) in FAST_RECEIVERS
+    marks = () if fast else pytest.mark.slow
     return pytest.param(name, perm, id=f"{name}-{route}", marks=marks)
 
 
+FAST_RECEIVERS = {("none", "cycle"), ("tahquant", "cycle"), ("taco", "cycle"),
+                  ("tahquant", "chain")}  # fmt: skip
 CYCLE_CODECS = ("none", "tahquant", "tahquant_sym", "tahquant4", "tahquant_adaptive", "taco")
 CHAIN_CODECS = ("none", "tahquant", "tahquant_adaptive", "taco")
 RECEIVER_CASES = [_receiver_case(name, CYCLE4) for name in CYCLE_CODECS] + [

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from codec_testing import DECADES, group_errors, groups64, mixed_magnitudes
+from tiers import tiered
 
 from taco_jax import codecs, tahquant
 from taco_jax.tahquant import get_stage_codec
@@ -53,8 +54,12 @@ def test_round_to_nearest_group_bound(name, make):
     assert np.all(err <= 1.01 * bound)
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "name,dtype",
+    # The fast tier: the 8-bit codec in bf16, the 4-bit one in fp32.
+    tiered([(n, d) for n in NAMES for d in (jnp.float32, jnp.bfloat16)],
+           [("tahquant", jnp.bfloat16), ("tahquant4", jnp.float32)]),
+)  # fmt: skip
 def test_every_magnitude_keeps_the_stochastic_bound(name, dtype):
     """Groups from 1e-30 to 1e30 side by side (the same power-of-two scaling as the TP codecs)."""
     codec = get_stage_codec(name)

@@ -92,6 +92,7 @@ def test_profile_steps_write_a_trace(cache, tmp_path):
     assert traces and all(t.stat().st_size > 0 for t in traces)
 
 
+@pytest.mark.slow  # ~10 s; the fast tier resumes in test_checkpoints.py (after a signal)
 def test_resume_reproduces_the_uninterrupted_run(full_run, cache, tmp_path):
     _cli(tmp_path, cache, "run.stop_at=3")  # "interrupted" after the step-3 checkpoint
     first = metrics.read_jsonl(tmp_path / "metrics.jsonl")
