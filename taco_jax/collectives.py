@@ -170,7 +170,10 @@ def axis_size(axis_name: AxisName) -> int:
     except NameError:
         raise ValueError(
             f"axis_name={axis_name!r} is not bound: call inside jax.shard_map over a "
-            "mesh with that axis, or inside jax.vmap(..., axis_name=...)"
+            "mesh with that axis, or inside jax.vmap(..., axis_name=...); under "
+            "jax.grad(jax.jit(jax.vmap(...))) JAX runs the op's custom_vjp rules without the "
+            "vmap's axis: differentiate the vmap itself, with no jit between the grad and it "
+            "(jax.jit(jax.grad(...)) around it; docs/method.md, 'Traps')"
         ) from None
 
 

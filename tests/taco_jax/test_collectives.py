@@ -648,6 +648,18 @@ def test_vjp_inside_vmap_matches_lax(op_name):
     )
 
 
+def test_grad_of_jit_of_vmap_says_to_jit_the_gradient():
+    """jax.grad(jax.jit(jax.vmap(op))) runs the custom_vjp's forward rule without the vmap's
+    axis (docs/method.md, "Traps"): an error that names the way out (`_grad_around_vmap`, the
+    jit around the grad, is tested above)."""
+    op, _ = _COUNTERPARTS["psum"]
+    x = _ranks(4, (4, 64), seed=176)
+    w = _ranks(4, (4, 64), seed=177)
+    loss = lambda v: jnp.sum(jax.jit(jax.vmap(op, axis_name="tp"))(v) * w)  # noqa: E731
+    with pytest.raises(ValueError, match=r"'tp' is not bound.*no jit between the grad"):
+        jax.grad(loss)(x)
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("op_name", sorted(_COUNTERPARTS))
 def test_grad_around_shard_map_matches_lax(op_name, check_vma):
