@@ -77,6 +77,18 @@ def test_auto_prefers_mosaic_only_for_large_calls(monkeypatch):
     assert encode_mosaic.preferred(codec, large)
 
 
+@pytest.mark.parametrize("name", ["taco", "int8_hadamard", "fp8", "int8", "taco_e5m2"])
+def test_auto_takes_the_codecs_measured_faster(monkeypatch, name):
+    """The codecs with a Hadamard measured faster through Mosaic (BENCHMARKS.md, "Kernels"): a
+    large call of `taco` or `int8_hadamard` takes it, the codecs whose Triton kernel measured
+    faster (`fp8`, `int8`) or not yet measured (`taco_e5m2`) stay on Triton."""
+    monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
+    codec = codecs.get_codec(name)
+    large = jnp.zeros((8, MOSAIC_MIN_TILES // 8 * TILE_ELEMENTS), jnp.bfloat16)
+    assert encode_mosaic.unsupported(codec, large) is None
+    assert encode_mosaic.preferred(codec, large) == (name in ("taco", "int8_hadamard"))
+
+
 def test_encode_backend_errors_name_the_value():
     codec, x = codecs.get_codec("taco"), jnp.zeros((2, TILE_ELEMENTS), jnp.bfloat16)
     with pytest.raises(ValueError, match="backend='cuda'"):

@@ -119,11 +119,12 @@ ENCODE_CASES = [(name, 128, jnp.bfloat16) for name in codecs.CODEC_NAMES if name
 OTHER_CASES = [("taco", 128), ("taco_e8m0", 128), ("fp8", 128), ("taco_no_ds", 128),
                ("int8_hadamard", 128), ("taco", 512), ("int6_hadamard", 128),
                ("int5_hadamard", 128), ("int4_hadamard", 32)]  # fmt: skip
-# The fast tier's cases (`tiers.tiered`): the 8-bit codec with scales, E8M0 scales, a 4 + 2 bit
-# plane codec and a G = 32 4-bit one; the other codecs and group sizes run in the slow tier.
+# The fast tier's cases (`tiers.tiered`): the encodes of the 8-bit codec with scales (G = 128
+# and 512), E8M0 scales and a 4 + 2 bit plane codec; the decodes of the 8-bit codec, one
+# without a Hadamard, the 4 + 2 bit planes and a G = 32 4-bit codec. The rest: the slow tier.
 FAST_ENCODES = [("taco", 128, jnp.bfloat16), ("taco_e8m0", 128, jnp.bfloat16),
                 ("int6_hadamard", 128, jnp.bfloat16), ("taco", 512, jnp.float32)]  # fmt: skip
-FAST_OTHERS = [("taco", 128), ("int6_hadamard", 128), ("int4_hadamard", 32)]
+FAST_OTHERS = [("taco", 128), ("fp8", 128), ("int6_hadamard", 128), ("int4_hadamard", 32)]
 # Sub-byte codes split into bit planes (codecs.code_planes): 6 = 4 + 2 and 5 = 4 + 1 bits.
 MULTI_PLANE_CODECS = ["int6_hadamard", "int5_hadamard"]
 
