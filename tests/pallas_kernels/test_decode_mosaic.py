@@ -238,7 +238,7 @@ def _interpreted(op):
     return lambda codec, wire, n, *dtype: fn(codec, wire, n, *dtype, interpret=True)
 
 
-@pytest.mark.parametrize("name", _tiered(MOSAIC_CODECS, fast=("taco", "int8_hadamard")))
+@pytest.mark.parametrize("name", _tiered(MOSAIC_CODECS))
 def test_decodes_in_the_cpu_interpreter(name):
     codec = codecs.get_codec(name)
     wire, n = _wire(codec, 3, MOSAIC_CODECS[name], zlib.crc32(name.encode()) % 1000)
