@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from test_encode_mosaic import assert_same_under_vmap_and_shard_map
 from test_kernels import FP32_EPS, _ideal_scaled, _tie_rtol, _x, assert_codes_match
+from tiers import tiered
 
 import pallas_kernels as pk
 from pallas_kernels import _pallas, config, decode_mosaic, encode_mosaic
@@ -39,10 +40,8 @@ MOSAIC_CODECS = {"taco": 2, "taco_e5m2": 2, "taco_no_ds": 4, "fp8": 4, "int8": 4
 REENCODE_CODECS = [name for name in MOSAIC_CODECS if name != "taco_e8m0"]
 
 
-def _tiered(names, fast=("taco",)):
-    """The interpreter tests' codecs: `fast` in the fast tier, the others in the slow one."""
-    return [pytest.param(name, marks=() if name in fast else pytest.mark.slow)
-            for name in names]  # fmt: skip
+# The interpreter tests' codecs: `taco` in the fast tier (`tiers.tiered`), the others slow.
+FAST = ("taco",)
 
 
 hopper = pytest.mark.skipif(not _pallas.hopper_gpu(), reason="needs a Hopper GPU")
@@ -208,7 +207,7 @@ def test_a_step_that_cannot_fit_is_refused():
         jax.eval_shape(lambda w: decode_mosaic.decode_sum(codec, w, n, interpret=True), wire)
 
 
-@pytest.mark.parametrize("name", _tiered(MOSAIC_CODECS))
+@pytest.mark.parametrize("name", tiered(MOSAIC_CODECS, FAST))
 def test_every_kernel_lowers_for_cuda(monkeypatch, name):
     """Mosaic GPU's lowering (layouts, wgmma operand types, TMA boxes) of every kernel of the
     codec, built for CUDA on any machine: what the interpreter does not check."""
@@ -238,7 +237,7 @@ def _interpreted(op):
     return lambda codec, wire, n, *dtype: fn(codec, wire, n, *dtype, interpret=True)
 
 
-@pytest.mark.parametrize("name", _tiered(MOSAIC_CODECS))
+@pytest.mark.parametrize("name", tiered(MOSAIC_CODECS, FAST))
 def test_decodes_in_the_cpu_interpreter(name):
     codec = codecs.get_codec(name)
     wire, n = _wire(codec, 3, MOSAIC_CODECS[name], zlib.crc32(name.encode()) % 1000)
@@ -247,7 +246,7 @@ def test_decodes_in_the_cpu_interpreter(name):
     )
 
 
-@pytest.mark.parametrize("name", _tiered(REENCODE_CODECS))
+@pytest.mark.parametrize("name", tiered(REENCODE_CODECS, FAST))
 def test_reencoded_codes_in_the_cpu_interpreter(name):
     codec = codecs.get_codec(name)
     wire, n = _wire(codec, 4, MOSAIC_CODECS[name], 5)
@@ -262,7 +261,7 @@ def test_peer_steps_refuse_byte_scales():
         decode_mosaic.decode_sum(codec, wire, n, interpret=True, peer_steps=True)
 
 
-@pytest.mark.parametrize("name", _tiered(["taco", "int8_hadamard", "fp8"]))
+@pytest.mark.parametrize("name", tiered(["taco", "int8_hadamard", "fp8"], FAST))
 def test_peer_steps_in_the_cpu_interpreter(name):
     """The sums with one peer's tile per pipeline step: the decode-sum (one Hadamard of the sum's
     three bf16 pieces: z to fp32's 24 bits, so within the same bound) and the re-encode."""
@@ -281,7 +280,7 @@ def test_peer_steps_in_the_cpu_interpreter(name):
         assert_reencodes_like_reference(codec, wire, n, fused, scales=False)
 
 
-@pytest.mark.parametrize("name", _tiered(REENCODE_CODECS, fast=("int8_hadamard",)))
+@pytest.mark.parametrize("name", tiered(REENCODE_CODECS, ("int8_hadamard",)))
 def test_encoded_codes_in_the_cpu_interpreter(name):
     codec = codecs.get_codec(name)
     x = _x(jax.random.key(3), (2, MOSAIC_CODECS[name] * TILE_ELEMENTS), jnp.bfloat16)

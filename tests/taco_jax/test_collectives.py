@@ -648,7 +648,7 @@ def test_vjp_inside_vmap_matches_lax(op_name):
     )
 
 
-def test_grad_of_jit_of_vmap_says_to_jit_the_gradient():
+def test_grad_of_jit_of_vmap_says_to_differentiate_the_vmap():
     """jax.grad(jax.jit(jax.vmap(op))) runs the custom_vjp's forward rule without the vmap's
     axis (docs/method.md, "Traps"): an error that names the way out (`_grad_around_vmap`, the
     jit around the grad, is tested above)."""
