@@ -12,10 +12,10 @@ every code and sign is exact and the accumulator sums 128 products. INT8 codes a
 operands as they are (int32 sums). FP8 codes are too, but Hopper's FP8 wgmma keeps only ~14
 bits of its sums (`_upcasts`), so FP8 codes go through registers into an fp16 tile first (fp16
 holds every E4M3 and E5M2 value) and the fp16 wgmma accumulates in fp32. Codecs without a
-Hadamard multiply by the identity instead (one nonzero product per output: exact in any
-type). The decode-sum runs one dot per peer (each peer's exact codes, as
+Hadamard need no dot: their codes are loaded from the tile into registers through fp16 (exact)
+in the accumulator's layout. The decode-sum runs one dot per peer (each peer's exact codes, as
 `config.TWO_PEERS_DOT`); the decode-sum-reencode needs no Hadamard (H H = I: the sum is
-re-encoded where it is, in the Hadamard domain), so its dots are by the identity.
+re-encoded where it is, in the Hadamard domain), so it sums the register loads.
 
 Measured against the Triton kernels (`config.MOSAIC_DECODE_FROM_BYTES`): the decode is faster
 from 64 MiB; the decode-sum and re-encode of eight peers are slower at every size: each pipeline
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from pallas_kernels import _pallas, encode_mosaic
@@ -126,8 +125,8 @@ def decode_sum(
 
     peer_steps: one peer's tile per pipeline step, summed in the Hadamard domain and one dot on
       the sum (`_summed_body`), instead of every peer's tile per step and a dot per peer; for
-      codecs with fp32 side sections (ValueError else: `taco_e8m0`'s, read as bytes, faulted
-      on an H200 with a misaligned address)."""
+      codecs with fp32 side sections (ValueError else: `taco_e8m0`'s byte blocks allow one
+      step in flight, `TMA_SMEM_ALIGN`, which would leave peer steps nothing to overlap)."""
     _check(codec, wire, n, dtype, interpret=interpret)
     if peer_steps and codec.scale_format != "fp32":
         raise ValueError(
@@ -143,14 +142,16 @@ def _decoded_rows(codec, wire, n, dtype, interpret, launch, *, rows_summed):
     """The decode (rows [R, n]) or, rows_summed, the decode-sum ([1, n]) kernel's launch."""
     rows, groups = wire.shape[0], n // GROUP_SIZE
     out_rows, peers = (1, rows) if rows_summed else (rows, 1)
-    scratch_of = lambda lc: _scratch(codec, dtype, lc, upcast=_upcasts(codec))  # noqa: E731
-    launch = _launch(launch, out_rows, groups // _TILE, scratch_of, _step_bytes(codec, n, peers))
+    scratch_of = lambda lc: _scratch(codec, dtype, lc, dot=codec.hadamard)  # noqa: E731
+    launch = _launch(
+        codec, launch, out_rows, groups // _TILE, scratch_of, _step_bytes(codec, n, peers)
+    )
     body = _pallas.partial(_decode_body, codec=codec, n=n, launch=launch, rows_summed=rows_summed)
     op = "decode_sum" if rows_summed else "decode"
     out = _pallas.mosaic_kernel(
         body,
         *_wire_views(codec, wire),
-        _dot_operand(codec, hadamard=codec.hadamard),
+        *_dot_operands(codec),
         out_shape=jax.ShapeDtypeStruct((out_rows, groups, GROUP_SIZE), dtype),
         scratch=scratch_of(launch),
         grid=(out_rows, (groups // _TILE) // launch.tiles_per_program),
@@ -175,15 +176,14 @@ def decode_sum_reencode(
     if peer_steps:
         return _summed(codec, wire, n, None, interpret=interpret, launch=launch)
     groups, peers = n // GROUP_SIZE, wire.shape[0]
-    scratch_of = lambda lc: _scratch(codec, None, lc, upcast=False)  # noqa: E731
-    launch = _launch(launch, 1, groups // _TILE, scratch_of, _step_bytes(codec, n, peers))
+    scratch_of = lambda lc: _scratch(codec, None, lc, dot=False)  # noqa: E731
+    launch = _launch(codec, launch, 1, groups // _TILE, scratch_of, _step_bytes(codec, n, peers))
     body = _pallas.partial(_reencode_body, codec=codec, n=n, launch=launch,
                            magic_round=not interpret)  # fmt: skip
     wire_rows = codec.wire_bytes(n) // ROW_BYTES
     out = _pallas.mosaic_kernel(
         body,
         *_wire_views(codec, wire),
-        _dot_operand(codec, hadamard=False),
         out_shape=jax.ShapeDtypeStruct((wire_rows, ROW_BYTES), jnp.uint8),
         scratch=scratch_of(launch),
         grid=((groups // _TILE) // launch.tiles_per_program,),
@@ -211,12 +211,26 @@ def _check(codec, wire, n, dtype, *, interpret, reencode=False):
 SMEM_BUDGET_BYTES = 200 * 1024
 
 
-def _launch(launch, rows, tiles_per_row, scratch_of, step_bytes, steps_per_tile=1):
+# TMA writes shared memory from 128-byte aligned addresses. A pipeline rotates each block
+# through one slot per step in flight, so a block of one tile's side values must fill whole
+# 128-byte units to have more than one slot: fp32 ones do (256 bytes), `taco_e8m0`'s E8M0 bytes
+# (64) do not; their second slot faulted on an H200 with a misaligned address.
+TMA_SMEM_ALIGN = 128
+
+
+def _max_steps(codec: Codec) -> int:
+    """Pipeline steps in flight the side blocks of `codec` allow (see `TMA_SMEM_ALIGN`)."""
+    aligned = all(_TILE * width % TMA_SMEM_ALIGN == 0 for _, width in codec.side_fields)
+    return MOSAIC_STEPS_IN_FLIGHT if aligned else 1
+
+
+def _launch(codec, launch, rows, tiles_per_row, scratch_of, step_bytes, steps_per_tile=1):
     """The given launch, or `mosaic_launch`'s tiles per program with as many pipeline steps in
     flight as fit `SMEM_BUDGET_BYTES` beside the kernel's own shared memory (`scratch_of`
-    the launch), each step holding `step_bytes` (at most MOSAIC_STEPS_IN_FLIGHT, and no more
+    the launch), each step holding `step_bytes` (at most `_max_steps(codec)`, and no more
     than the program's tiles x `steps_per_tile` steps). Raises ValueError where even one step
-    does not fit, or the tiles per program do not divide a row's tiles."""
+    does not fit, the tiles per program do not divide a row's tiles, or a given launch has
+    more steps in flight than the codec's side blocks allow."""
     base = launch or mosaic_launch(rows, tiles_per_row)
     fixed = _pallas.smem_bytes(scratch_of(base))
     if fixed + step_bytes > SMEM_BUDGET_BYTES:
@@ -226,8 +240,14 @@ def _launch(launch, rows, tiles_per_row, scratch_of, step_bytes, steps_per_tile=
         )
     if launch is None:
         fits = (SMEM_BUDGET_BYTES - fixed) // step_bytes
-        steps = min(MOSAIC_STEPS_IN_FLIGHT, base.tiles_per_program * steps_per_tile, fits)
+        steps = min(_max_steps(codec), base.tiles_per_program * steps_per_tile, fits)
         launch = MosaicLaunch(base.tiles_per_program, steps, base.store_slots)
+    if launch.steps_in_flight > _max_steps(codec):
+        raise ValueError(
+            f"steps_in_flight={launch.steps_in_flight}: codec {codec.name!r}'s side blocks of "
+            f"{_TILE} x {min(w for _, w in codec.side_fields)} bytes take at most "
+            f"{_max_steps(codec)} (TMA writes from {TMA_SMEM_ALIGN}-byte aligned addresses)"
+        )
     if tiles_per_row % launch.tiles_per_program:
         raise ValueError(
             f"tiles_per_program={launch.tiles_per_program} must divide the {tiles_per_row} "
@@ -263,23 +283,21 @@ def _upcasts(codec: Codec) -> bool:
     wgmma keeps only about 14 bits of its running sum (DeepSeek-V3, arXiv:2412.19437, section
     3.3.2), so a 128-term Hadamard of FP8 codes would err by ~2^-13; the fp16 wgmma accumulates
     in fp32, and fp16 holds every E4M3 and E5M2 value exactly (the hardware converts FP8 to
-    fp16, not to bf16). INT8 codes sum exactly in int32, and a dot by the identity has one
-    nonzero product per output: both stay 8-bit."""
+    fp16, not to bf16). INT8 codes sum exactly in int32: they stay 8-bit."""
     return codec.hadamard and codec.element != "int8"
 
 
-def _dot_operand(codec: Codec, *, hadamard: bool) -> jax.Array:
-    """The +-1 Sylvester matrix (hadamard) or the identity, in the type wgmma pairs with the
-    codes: INT8 with INT8 codes, FP8 E4M3 with either FP8 type, fp16 where the codes are
-    upcast (all exact)."""
-    matrix = codecs.signs_matrix(GROUP_SIZE) if hadamard else np.eye(GROUP_SIZE)
-    return jnp.asarray(matrix, _dot_dtype(codec, upcast=hadamard and _upcasts(codec)))
+def _dot_operands(codec: Codec) -> tuple[jax.Array, ...]:
+    """The decode's dot operand: for a codec with a Hadamard the +-1 Sylvester matrix, in the
+    type wgmma pairs with the codes (INT8 with INT8 codes, fp16 where FP8 codes are upcast:
+    exact); none without (the codes are loaded into registers as they are: `_decoded`)."""
+    if not codec.hadamard:
+        return ()
+    return (jnp.asarray(codecs.signs_matrix(GROUP_SIZE), _dot_dtype(codec)),)
 
 
-def _dot_dtype(codec: Codec, *, upcast: bool):
-    if upcast:
-        return jnp.float16
-    return jnp.int8 if codec.element == "int8" else jnp.float8_e4m3fn
+def _dot_dtype(codec: Codec):
+    return jnp.float16 if _upcasts(codec) else jnp.int8
 
 
 def _acc_dtype(codec: Codec):
@@ -287,16 +305,17 @@ def _acc_dtype(codec: Codec):
     return jnp.int32 if codec.element == "int8" else jnp.float32
 
 
-def _scratch(codec: Codec, dtype, launch: MosaicLaunch, *, upcast: bool) -> list:
-    """The dot operand (and its load barrier), the fp16 tile the codes are upcast into (where
-    `upcast`), then the output's slots: `launch.store_slots` decoded tiles of `dtype`, or
-    (dtype None) the re-encoded tiles of `encode_mosaic`."""
-    refs = [
-        _pallas.smem((GROUP_SIZE, GROUP_SIZE), _dot_dtype(codec, upcast=upcast), swizzled=True),
-        _pallas.barrier(),
-    ]
-    if upcast:
-        refs.append(_pallas.smem((_TILE, GROUP_SIZE), jnp.float16, swizzled=True))
+def _scratch(codec: Codec, dtype, launch: MosaicLaunch, *, dot: bool) -> list:
+    """Where `dot` (a Hadamard decode), its operand (`_dot_operands`) and load barrier and,
+    for FP8 codes, the fp16 tile they are upcast into; then the output's slots:
+    `launch.store_slots` decoded tiles of `dtype`, or (dtype None) the re-encoded tiles of
+    `encode_mosaic`."""
+    refs = []
+    if dot:
+        refs += [_pallas.smem((GROUP_SIZE, GROUP_SIZE), _dot_dtype(codec), swizzled=True),
+                 _pallas.barrier()]  # fmt: skip
+        if _upcasts(codec):
+            refs.append(_pallas.smem((_TILE, GROUP_SIZE), jnp.float16, swizzled=True))
     if dtype is None:
         return refs + encode_mosaic.encode_scratch(launch.store_slots)[2:]
     return refs + [_pallas.smem((launch.store_slots, _TILE, GROUP_SIZE), dtype)]
@@ -329,9 +348,15 @@ def _peer_refs(views, row):
 
 
 def _decoded(codec, code_smem, side_smem, dot_smem, sections, unit, upcast_smem=None):
-    """One peer's tile: its codes times the dot operand (exact; through `upcast_smem` in fp16
-    where given), scaled by its decode factor (`codecs.decode_factor` with `unit`), fp32."""
-    if upcast_smem is None:
+    """One peer's tile: its codes times the Hadamard dot operand `dot_smem` (exact; through
+    `upcast_smem` in fp16 where given) or, with none, the codes themselves, scaled by its
+    decode factor (`codecs.decode_factor` with `unit`), fp32."""
+    if dot_smem is None:
+        # Into registers through fp16 (which holds every E4M3, E5M2 and INT8 code), in a
+        # wgmma accumulator's layout, so the scaling and sums below take either. A dot by the
+        # identity did the same no faster (docs/development_history.md), in more memory.
+        v = _pallas.load_upcast(code_smem, jnp.float16)
+    elif upcast_smem is None:
         v = _pallas.wgmma_transposed(code_smem, dot_smem, (_TILE, GROUP_SIZE), _acc_dtype(codec))
     else:
         upcast_smem[...] = _pallas.load_upcast(code_smem, jnp.float16)
@@ -359,9 +384,13 @@ def _decode_body(*refs, codec, n, launch, rows_summed):
     """One program: `launch.tiles_per_program` consecutive tiles of one row (decode) or of the
     sum of all rows (decode-sum), stored into the output row."""
     views = refs[: 1 + len(codec.side_fields)]  # `_wire_views`
-    dot_gmem, out_gmem, dot_smem, dot_barrier, *upcast, out_smem = refs[len(views) :]
-    upcast_smem = upcast[0] if upcast else None
-    _pallas.copy_in(dot_gmem, dot_smem, dot_barrier)
+    dot_smem = upcast_smem = None
+    if codec.hadamard:
+        dot_gmem, out_gmem, dot_smem, dot_barrier, *upcast, out_smem = refs[len(views) :]
+        upcast_smem = upcast[0] if upcast else None
+        _pallas.copy_in(dot_gmem, dot_smem, dot_barrier)
+    else:
+        out_gmem, out_smem = refs[len(views) :]
     row = None if rows_summed else lax.axis_index("row")
     peers = views[0].shape[0] if rows_summed else 1
     first = lax.axis_index("program") * launch.tiles_per_program
@@ -395,16 +424,15 @@ def _store_decoded(out_smem, out_row, tile, x):
 
 
 def _reencode_body(*refs, codec, n, launch, magic_round):
-    """One program: the sum of the N peers' tiles, in the Hadamard domain (dots by the
-    identity), re-encoded and stored into the wire row as `encode_mosaic` stores."""
-    *views, dot_gmem, out_gmem, dot_smem, dot_barrier, codes_smem, sides = refs
-    _pallas.copy_in(dot_gmem, dot_smem, dot_barrier)
+    """One program: the sum of the N peers' tiles, in the Hadamard domain, re-encoded and
+    stored into the wire row as `encode_mosaic` stores."""
+    *views, out_gmem, codes_smem, sides = refs
     first = lax.axis_index("program") * launch.tiles_per_program
     sections = codecs.wire_sections(codec, n)
 
     def step(index, *blocks):
         (i,) = index
-        z = _peer_sum(codec, blocks, dot_smem, n, unit=1.0)
+        z = _peer_sum(codec, blocks, None, n, unit=1.0)
         encode_mosaic.encode_and_store(codec, z, 1.0, (codes_smem, sides), [out_gmem],
                                        first + i, sections, magic_round)  # fmt: skip
 
@@ -421,7 +449,7 @@ def _reencode_body(*refs, codec, n, launch, magic_round):
 # ------------------------------------------------------------------------------------------
 # Peer steps: one peer's tile per pipeline step, the sum carried in registers across a tile's
 # N steps, so that a step holds one tile whatever N (more steps in flight) and a tile costs N
-# exact identity dots plus, for the decode-sum, one Hadamard of the sum.
+# register loads plus, for the decode-sum, one Hadamard of the sum.
 
 
 def _summed(codec, wire, n, dtype, *, interpret, launch):
@@ -430,9 +458,10 @@ def _summed(codec, wire, n, dtype, *, interpret, launch):
     reencode = dtype is None
     hadamard = codec.hadamard and not reencode  # the re-encode stays in the Hadamard domain
     scratch_of = lambda lc: _summed_scratch(codec, dtype, lc, hadamard=hadamard)  # noqa: E731
-    launch = _launch(launch, 1, groups // _TILE, scratch_of, _step_bytes(codec, n, peers=1),
+    launch = _launch(codec, launch, 1, groups // _TILE, scratch_of,
+                     _step_bytes(codec, n, peers=1),
                      steps_per_tile=peers)  # fmt: skip
-    operands = [_dot_operand(codec, hadamard=False)]
+    operands = []
     if hadamard:  # the +-1 matrix in bf16, for the sum's three bf16 pieces
         operands.append(jnp.asarray(codecs.signs_matrix(GROUP_SIZE), jnp.bfloat16))
     if reencode:
@@ -458,9 +487,9 @@ def _summed(codec, wire, n, dtype, *, interpret, launch):
 
 
 def _summed_scratch(codec, dtype, launch, *, hadamard: bool) -> list:
-    """`_scratch` without an upcast tile (identity dots), then, for a Hadamard of the sum, the
-    bf16 +-1 matrix, its load barrier and the sum's three bf16 pieces."""
-    refs = _scratch(codec, dtype, launch, upcast=False)
+    """`_scratch` without a dot per peer, then, for a Hadamard of the sum, the bf16 +-1
+    matrix, its load barrier and the sum's three bf16 pieces."""
+    refs = _scratch(codec, dtype, launch, dot=False)
     if hadamard:
         refs += [
             _pallas.smem((GROUP_SIZE, GROUP_SIZE), jnp.bfloat16, swizzled=True),
@@ -485,18 +514,16 @@ def _peer_step_specs(codec: Codec, n: int, first) -> list:
 
 
 def _summed_body(*refs, codec, n, launch, peers, hadamard, reencode, magic_round):
-    """One program: per tile, z = sum_p q_p d_p over the N peers' steps (identity dots: exact),
+    """One program: per tile, z = sum_p q_p d_p over the N peers' steps (in registers),
     then on the last peer's step either encode(z) (re-encode: z is already in the Hadamard
     domain) or S z unit (decode-sum: one bf16 wgmma chain over z's three pieces), stored."""
     views = refs[: 1 + len(codec.side_fields)]  # `_wire_views`
-    operands = 2 if hadamard else 1
-    identity_gmem, *signs_gmem = refs[len(views) : len(views) + operands]
-    out_gmem, identity_smem, identity_barrier, *scratch = refs[len(views) + operands :]
+    signs_gmem = refs[len(views)] if hadamard else None
+    out_gmem, *scratch = refs[len(views) + int(hadamard) :]
     outs, extra = (scratch[:-3], scratch[-3:]) if hadamard else (scratch, ())
-    _pallas.copy_in(identity_gmem, identity_smem, identity_barrier)
     if hadamard:
         signs_smem, signs_barrier, pieces_smem = extra
-        _pallas.copy_in(signs_gmem[0], signs_smem, signs_barrier)
+        _pallas.copy_in(signs_gmem, signs_smem, signs_barrier)
     first = lax.axis_index("program") * launch.tiles_per_program
     sections = codecs.wire_sections(codec, n)
 
@@ -513,7 +540,7 @@ def _summed_body(*refs, codec, n, launch, peers, hadamard, reencode, magic_round
     def step(index, code_smem, *blocks):
         *side_smem, carry = blocks
         i, p = index
-        x = _decoded(codec, code_smem, side_smem, identity_smem, sections, unit=1.0)
+        x = _decoded(codec, code_smem, side_smem, None, sections, unit=1.0)
         # Peers summed in order 0..N-1. A cond, not a select: Mosaic GPU does not broadcast a
         # scalar predicate over a tile, and a multiply by 0 would carry a NaN into the next tile.
         z = lax.cond(p == 0, lambda: x, lambda: carry + x)

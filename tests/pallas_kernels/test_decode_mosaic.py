@@ -156,18 +156,19 @@ def test_auto_takes_mosaic_by_the_size_table(monkeypatch, op):
 
 # Shared memory per program (bytes), by hand: a 64 x 128 tile of codes is 8192, its two fp32
 # side sections 2 x 256 (`taco`); one step holds one tile per peer it reads. Buffers beside the
-# steps: the signs as fp16 (32768) and the fp16 upcast tile (16384) for a Hadamard decode; the
-# FP8 identity (16384) for a re-encode or peer steps; 2 output slots of 64 x 128 fp32 (65536),
-# or of re-encoded tiles (2 x 8192 codes + 1024 of side values); peer steps' decode-sum adds the
-# bf16 signs (32768) and three bf16 pieces (49152); 8 bytes per barrier. 512 tiles in one row
-# take 2 tiles per program (`mosaic_launch`), so at most 2 steps, or 2 x N with peer steps.
+# steps: the signs as fp16 (32768) and the fp16 upcast tile (16384) for a Hadamard decode (a
+# re-encode and peer steps load the codes into registers: no dot operand); 2 output slots of
+# 64 x 128 fp32 (65536), or of re-encoded tiles (2 x 8192 codes + 1024 of side values); peer
+# steps' decode-sum adds the bf16 signs (32768) and three bf16 pieces (49152); 8 bytes per
+# barrier. 512 tiles in one row take 2 tiles per program (`mosaic_launch`), so at most 2 steps,
+# or 2 x N with peer steps.
 @pytest.mark.parametrize(
     "op,peers,steps",
     [
         ("decode_sum", 2, 2),  # (204800 - 114696) // 17408 = 5 fit; 2 steps in a program
         ("decode_sum", 8, 1),  # (204800 - 114696) // 69632 = 1
-        ("decode_sum_reencode", 8, 2),  # (204800 - 33800) // 69632 = 2
-        ("peer_steps", 8, 3),  # (204800 - 163856) // 8704 = 4 fit; at most 3 in flight
+        ("decode_sum_reencode", 8, 2),  # (204800 - 17408) // 69632 = 2
+        ("peer_steps", 8, 3),  # (204800 - 147464) // 8704 = 6 fit; at most 3 in flight
     ],
 )
 def test_pipeline_steps_fit_shared_memory(monkeypatch, op, peers, steps):
@@ -180,6 +181,22 @@ def test_pipeline_steps_fit_shared_memory(monkeypatch, op, peers, steps):
     else:
         jax.eval_shape(lambda w: getattr(decode_mosaic, op)(codec, w, n), wire)
     assert launches[-1].tiles_per_program == 2 and launches[-1].steps_in_flight == steps
+
+
+def test_byte_side_blocks_take_one_step_in_flight(monkeypatch):
+    """`taco_e8m0`'s side blocks are 64 bytes a tile: a second pipeline slot would start off
+    TMA's 128-byte alignment (`decode_mosaic.TMA_SMEM_ALIGN`), so its launches take one step
+    in flight, and a launch asking for more is refused."""
+    codec = codecs.get_codec("taco_e8m0")
+    n = 512 * TILE_ELEMENTS
+    wire = jax.ShapeDtypeStruct((2, codec.wire_bytes(n)), jnp.uint8)
+    launches = _record_launches(monkeypatch)
+    for op in ("decode", "decode_sum"):
+        jax.eval_shape(lambda w, op=op: getattr(decode_mosaic, op)(codec, w, n), wire)
+        assert launches[-1].tiles_per_program > 1 and launches[-1].steps_in_flight == 1
+    two_steps = config.MosaicLaunch(tiles_per_program=2, steps_in_flight=2)
+    with pytest.raises(ValueError, match="steps_in_flight=2: codec 'taco_e8m0'"):
+        jax.eval_shape(lambda w: decode_mosaic.decode(codec, w, n, launch=two_steps), wire)
 
 
 def _record_launches(monkeypatch) -> list:
