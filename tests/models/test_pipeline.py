@@ -161,6 +161,7 @@ def test_stage_codecs_within_their_bound(references, codec, pp, mode):
     assert 0 < err <= eps * math.sqrt(2 * (pp - 1))
 
 
+@SLOW  # three pipelined runs (~16 s); the codec's own reproducibility is in the fast tier
 def test_stochastic_stage_codec_is_reproducible_from_its_key():
     first = _run(GPT, 1, 2, 2, 2, codec="tahquant", key=KEY)
     again = _run(GPT, 1, 2, 2, 2, codec="tahquant", key=KEY)
