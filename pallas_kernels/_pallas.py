@@ -19,7 +19,7 @@ behind the choice: docs/development_history.md):
   members: on the CPU only the codes are checked, the side bytes on the GPU. The same kind of
   kernel decodes, decode-sums and re-encodes the 8-bit codecs (`decode_mosaic`, the Hadamard a
   wgmma on the codes: INT8 as they are, FP8 through fp16), measured faster than Triton for the
-  decode from 64 MiB and slower for the eight-peer sums; "auto" keeps Triton for them until the
+  decode from 16 MiB and slower for the eight-peer sums; "auto" keeps Triton for them until the
   table in `config.py` says. The
   `taco` encode, storing into the peers' memory too (`exchange_mosaic`: `plgpu.remote_ref`,
   semaphores), is the exchange of the collectives on NVLink; the interpreter has no
@@ -216,20 +216,24 @@ def zeros_rows(shape):
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def wgmma_of_pieces(z, pieces_smem, b_smem, shape):
+def wgmma_of_pieces(z, b_smem, shape, pieces_smem=None):
     """z @ b for fp32 registers z and a bf16 operand b: z split into three bf16 pieces
-    (z = z1 + z2 + z3 to fp32's 24 bits), written to `pieces_smem` [3, ...] and multiplied in one
-    fp32 accumulator: bf16 operands, fp32 accuracy."""
-    rest = z
-    for k in range(3):
-        piece = rest.astype(jnp.bfloat16)
-        pieces_smem[k] = piece
-        rest = rest - piece.astype(jnp.float32)
-    plgpu.commit_smem()  # the threads' writes, before the tensor cores read them
+    (z = z1 + z2 + z3 to fp32's 24 bits), each the register operand of one wgmma into one fp32
+    accumulator: bf16 operands, fp32 accuracy. pieces_smem: a [3, ...] shared-memory tile the
+    pieces go through instead (Mosaic GPU's CPU interpreter reads wgmma operands from refs)."""
+    pieces, rest = [], z
+    for _ in range(3):
+        pieces.append(rest.astype(jnp.bfloat16))
+        rest = rest - pieces[-1].astype(jnp.float32)
+    if pieces_smem is not None:
+        for k, piece in enumerate(pieces):
+            pieces_smem[k] = piece
+        plgpu.commit_smem()  # the threads' writes, before the tensor cores read them
+        pieces = [pieces_smem.at[k] for k in range(3)]
 
     def dot(acc_ref):
-        for k in range(3):
-            plgpu.wgmma(acc_ref, pieces_smem.at[k], b_smem)
+        for piece in pieces:
+            plgpu.wgmma(acc_ref, piece, b_smem)
         return acc_ref[...]
 
     return pl.run_scoped(dot, plgpu.ACC(shape, jnp.float32))
@@ -290,12 +294,12 @@ def wait_signals(sem, count: int):
     pl.semaphore_wait(sem, count)
 
 
-def wgmma(a_smem, b_smem, shape):
-    """a @ b (shared-memory bf16 or fp16 operands) on the tensor cores -> fp32 registers of
-    `shape`."""
+def wgmma(a, b_smem, shape):
+    """a @ b (bf16 or fp16 operands: `a` in shared memory, or registers in the wgmma layout,
+    as `load_upcast` leaves them) on the tensor cores -> fp32 registers of `shape`."""
 
     def dot(acc_ref):
-        plgpu.wgmma(acc_ref, a_smem, b_smem)
+        plgpu.wgmma(acc_ref, a, b_smem)
         return acc_ref[...]
 
     return pl.run_scoped(dot, plgpu.ACC(shape, jnp.float32))

@@ -240,14 +240,15 @@ def mosaic_launch(rows: int, tiles_per_row: int) -> MosaicLaunch:
 # the codecs of MOSAIC_DECODE_CODECS in calls of at least MOSAIC_DECODE_FROM_BYTES[op] wire
 # bytes (None: never, the Triton kernel at every size). Measured on one H200, 8 rows, in one
 # program, % of a copy, Triton / Mosaic (BENCHMARKS.md, "Kernels"; `kernels-2026-12-02-
-# mosaic-1gib.json`): the `taco` decode 93 / 97, 98 / 108 and 104 / 113% at 64 MiB, 256 MiB
-# and 1 GiB of bf16 (from 34 MiB of wire: 32 Mi elements at 17 / 16 bytes), 87 / 86% at
-# 16 MiB; the decode-sum of 8 peers 66-93 against 34-42% (one step per peer, `peer_steps`:
-# 47-55%) and the re-encode 79-113 against 49-68% (67-85%) from 64 MiB. Without a Hadamard
-# (`fp8`, `int8`) Triton's decode is the faster at every size.
+# register-operands.json`): the `taco` decode 87 / 95, 91 / 97, 98 / 107 and 103 / 113% at
+# 16 MiB, 64 MiB, 256 MiB and 1 GiB of bf16 (from 8.5 MiB of wire: 8 Mi elements at 17 / 16
+# bytes; at 4 MiB Triton's was faster, 69 / 55%, `kernels-2026-12-02-mosaic-1gib.json`); the
+# decode-sum of 8 peers 59-93 against 35-50% (one step per peer, `peer_steps`: 41-59%) and the
+# re-encode 80-114 against 49-64% (74-94%) from 64 MiB. Without a Hadamard (`fp8`, `int8`)
+# Triton's decode is the faster at every size.
 MOSAIC_DECODE_CODECS = ("taco",)
 MOSAIC_DECODE_FROM_BYTES: dict[str, int | None] = {
-    "decode": 34 << 20,
+    "decode": 17 << 19,
     "decode_sum": None,
     "decode_sum_reencode": None,
 }

@@ -10,20 +10,23 @@ factor `codecs.decode_factor`). TMA loads a tile of 64 groups of codes into swiz
 memory and one 64 x 128 x 128 wgmma multiplies it by S (staged once per program), exactly:
 every code and sign is exact and the accumulator sums 128 products. INT8 codes are wgmma
 operands as they are (int32 sums). FP8 codes are too, but Hopper's FP8 wgmma keeps only ~14
-bits of its sums (`_upcasts`), so FP8 codes go through registers into an fp16 tile first (fp16
-holds every E4M3 and E5M2 value) and the fp16 wgmma accumulates in fp32. Codecs without a
-Hadamard need no dot: their codes are loaded from the tile into registers through fp16 (exact)
-in the accumulator's layout. The decode-sum runs one dot per peer (each peer's exact codes, as
-`config.TWO_PEERS_DOT`); the decode-sum-reencode needs no Hadamard (H H = I: the sum is
-re-encoded where it is, in the Hadamard domain), so it sums the register loads.
+bits of its sums (`_upcasts`), so FP8 codes are loaded into registers as fp16 (which holds
+every E4M3 and E5M2 value), the register operand of an fp16 wgmma accumulating in fp32.
+Codecs without a Hadamard need no dot: their codes are loaded from the tile into registers
+through fp16 (exact) in the accumulator's layout. The decode-sum runs one dot per peer (each
+peer's exact codes, as `config.TWO_PEERS_DOT`); the decode-sum-reencode needs no Hadamard
+(H H = I: the sum is re-encoded where it is, in the Hadamard domain), so it sums the register
+loads.
 
 Measured against the Triton kernels (`config.MOSAIC_DECODE_FROM_BYTES`): the decode is faster
-from 64 MiB; the decode-sum and re-encode of eight peers are slower at every size: each pipeline
+from 16 MiB; the decode-sum and re-encode of eight peers are slower at every size: each pipeline
 step holds every peer's tile, so few steps fit in flight, and the decode-sum runs a Hadamard per
 peer. `peer_steps=True` runs them with one peer's tile per step instead, the sum carried in
 registers across a tile's N steps and, for the decode-sum, one Hadamard of the sum
 (`_summed_body`): faster than one step per tile from 16 MiB, still slower than Triton
-(BENCHMARKS.md, "Kernels").
+(BENCHMARKS.md, "Kernels"). Both take 100-190 KiB of shared memory a program, so one program
+runs per SM; the peer-steps decode-sum with a bf16 output, where two fit, measured 64% of the
+copy at 64 MiB against 53% with fp32 (Triton: 62%): fewer bytes a program is the next route.
 
 The wire row is read through views XLA makes without a copy (bitcasts of the uint8 row): the
 codes as [W / 128, 128] of the code type, the fp32 side sections as [W / 4] fp32 and the E8M0
@@ -142,11 +145,12 @@ def _decoded_rows(codec, wire, n, dtype, interpret, launch, *, rows_summed):
     """The decode (rows [R, n]) or, rows_summed, the decode-sum ([1, n]) kernel's launch."""
     rows, groups = wire.shape[0], n // GROUP_SIZE
     out_rows, peers = (1, rows) if rows_summed else (rows, 1)
-    scratch_of = lambda lc: _scratch(codec, dtype, lc, dot=codec.hadamard)  # noqa: E731
+    scratch_of = lambda lc: _scratch(codec, dtype, lc, dot=codec.hadamard, staged=interpret)  # noqa: E731
     launch = _launch(
         codec, launch, out_rows, groups // _TILE, scratch_of, _step_bytes(codec, n, peers)
     )
-    body = _pallas.partial(_decode_body, codec=codec, n=n, launch=launch, rows_summed=rows_summed)
+    body = _pallas.partial(_decode_body, codec=codec, n=n, launch=launch,
+                           rows_summed=rows_summed)  # fmt: skip
     op = "decode_sum" if rows_summed else "decode"
     out = _pallas.mosaic_kernel(
         body,
@@ -305,16 +309,16 @@ def _acc_dtype(codec: Codec):
     return jnp.int32 if codec.element == "int8" else jnp.float32
 
 
-def _scratch(codec: Codec, dtype, launch: MosaicLaunch, *, dot: bool) -> list:
+def _scratch(codec: Codec, dtype, launch: MosaicLaunch, *, dot: bool, staged=False) -> list:
     """Where `dot` (a Hadamard decode), its operand (`_dot_operands`) and load barrier and,
-    for FP8 codes, the fp16 tile they are upcast into; then the output's slots:
-    `launch.store_slots` decoded tiles of `dtype`, or (dtype None) the re-encoded tiles of
-    `encode_mosaic`."""
+    `staged` with FP8 codes, the fp16 tile they go through (`_decoded`); then the output's
+    slots: `launch.store_slots` decoded tiles of `dtype`, or (dtype None) the re-encoded tiles
+    of `encode_mosaic`."""
     refs = []
     if dot:
         refs += [_pallas.smem((GROUP_SIZE, GROUP_SIZE), _dot_dtype(codec), swizzled=True),
                  _pallas.barrier()]  # fmt: skip
-        if _upcasts(codec):
+        if staged and _upcasts(codec):
             refs.append(_pallas.smem((_TILE, GROUP_SIZE), jnp.float16, swizzled=True))
     if dtype is None:
         return refs + encode_mosaic.encode_scratch(launch.store_slots)[2:]
@@ -347,27 +351,31 @@ def _peer_refs(views, row):
     return [view.at[p] for p in range(peers) for view in views]
 
 
-def _decoded(codec, code_smem, side_smem, dot_smem, sections, unit, upcast_smem=None):
-    """One peer's tile: its codes times the Hadamard dot operand `dot_smem` (exact; through
-    `upcast_smem` in fp16 where given) or, with none, the codes themselves, scaled by its
-    decode factor (`codecs.decode_factor` with `unit`), fp32."""
+def _decoded(codec, code_smem, side_smem, dot_smem, sections, unit, staged_smem=None):
+    """One peer's tile: its codes times the Hadamard dot operand `dot_smem` (exact) or, with
+    none, the codes themselves, scaled by its decode factor (`codecs.decode_factor` with
+    `unit`), fp32. staged_smem: an fp16 tile FP8 codes go through on their way to the dot,
+    for Mosaic GPU's CPU interpreter, which reads wgmma operands from refs only."""
     if dot_smem is None:
         # Into registers through fp16 (which holds every E4M3, E5M2 and INT8 code), in a
         # wgmma accumulator's layout, so the scaling and sums below take either. A dot by the
         # identity did the same no faster (docs/development_history.md), in more memory.
         v = _pallas.load_upcast(code_smem, jnp.float16)
-    elif upcast_smem is None:
-        v = _pallas.wgmma_transposed(code_smem, dot_smem, (_TILE, GROUP_SIZE), _acc_dtype(codec))
+    elif _upcasts(codec):  # FP8 codes: an fp16 register operand (exact)
+        a = _pallas.load_upcast(code_smem, jnp.float16)
+        if staged_smem is not None:
+            staged_smem[...] = a
+            _pallas.commit_smem()  # the threads' writes, before the tensor cores read them
+            a = staged_smem
+        v = _pallas.wgmma(a, dot_smem, (_TILE, GROUP_SIZE))
     else:
-        upcast_smem[...] = _pallas.load_upcast(code_smem, jnp.float16)
-        _pallas.commit_smem()  # the threads' writes, before the tensor cores read them
-        v = _pallas.wgmma(upcast_smem, dot_smem, (_TILE, GROUP_SIZE))
+        v = _pallas.wgmma_transposed(code_smem, dot_smem, (_TILE, GROUP_SIZE), _acc_dtype(codec))
     sides = {s.field: _pallas.load_rows(r) for s, r in zip(sections, side_smem, strict=True)}
     d = codecs.decode_factor(codec, sides.get("scales"), sides.get("prescales"), unit)
     return codecs.scale_rows(v.astype(jnp.float32), d)
 
 
-def _peer_sum(codec, blocks, dot_smem, n, unit, upcast_smem=None):
+def _peer_sum(codec, blocks, dot_smem, n, unit, staged_smem=None):
     """The sum, in peer order, of the decoded tiles of `blocks` (codes, then side sections,
     per peer: `_tile_specs`)."""
     sections = codecs.wire_sections(codec, n)
@@ -375,7 +383,7 @@ def _peer_sum(codec, blocks, dot_smem, n, unit, upcast_smem=None):
     total = None
     for p in range(len(blocks) // per_peer):
         code_smem, *side_smem = blocks[p * per_peer : (p + 1) * per_peer]
-        x = _decoded(codec, code_smem, side_smem, dot_smem, sections, unit, upcast_smem)
+        x = _decoded(codec, code_smem, side_smem, dot_smem, sections, unit, staged_smem)
         total = x if total is None else total + x
     return total
 
@@ -384,10 +392,10 @@ def _decode_body(*refs, codec, n, launch, rows_summed):
     """One program: `launch.tiles_per_program` consecutive tiles of one row (decode) or of the
     sum of all rows (decode-sum), stored into the output row."""
     views = refs[: 1 + len(codec.side_fields)]  # `_wire_views`
-    dot_smem = upcast_smem = None
+    dot_smem = staged_smem = None
     if codec.hadamard:
-        dot_gmem, out_gmem, dot_smem, dot_barrier, *upcast, out_smem = refs[len(views) :]
-        upcast_smem = upcast[0] if upcast else None
+        dot_gmem, out_gmem, dot_smem, dot_barrier, *staged, out_smem = refs[len(views) :]
+        staged_smem = staged[0] if staged else None
         _pallas.copy_in(dot_gmem, dot_smem, dot_barrier)
     else:
         out_gmem, out_smem = refs[len(views) :]
@@ -399,7 +407,7 @@ def _decode_body(*refs, codec, n, launch, rows_summed):
 
     def step(index, *blocks):
         (i,) = index
-        total = _peer_sum(codec, blocks, dot_smem, n, unit, upcast_smem)
+        total = _peer_sum(codec, blocks, dot_smem, n, unit, staged_smem)
         _store_decoded(out_smem, out_row, first + i, total)
 
     _pallas.pipeline(
@@ -457,7 +465,8 @@ def _summed(codec, wire, n, dtype, *, interpret, launch):
     peers, groups = wire.shape[0], n // GROUP_SIZE
     reencode = dtype is None
     hadamard = codec.hadamard and not reencode  # the re-encode stays in the Hadamard domain
-    scratch_of = lambda lc: _summed_scratch(codec, dtype, lc, hadamard=hadamard)  # noqa: E731
+    scratch_of = lambda lc: _summed_scratch(codec, dtype, lc, hadamard=hadamard,  # noqa: E731
+                                            staged=interpret)  # fmt: skip
     launch = _launch(codec, launch, 1, groups // _TILE, scratch_of,
                      _step_bytes(codec, n, peers=1),
                      steps_per_tile=peers)  # fmt: skip
@@ -469,7 +478,7 @@ def _summed(codec, wire, n, dtype, *, interpret, launch):
     else:
         out_shape = jax.ShapeDtypeStruct((1, groups, GROUP_SIZE), dtype)
     body = _pallas.partial(_summed_body, codec=codec, n=n, launch=launch, peers=peers,
-                           hadamard=hadamard, reencode=reencode,
+                           hadamard=hadamard, reencode=reencode, staged=interpret,
                            magic_round=not interpret)  # fmt: skip
     op = "decode_sum_reencode" if reencode else "decode_sum"
     out = _pallas.mosaic_kernel(
@@ -486,16 +495,18 @@ def _summed(codec, wire, n, dtype, *, interpret, launch):
     return out.reshape(-1)
 
 
-def _summed_scratch(codec, dtype, launch, *, hadamard: bool) -> list:
+def _summed_scratch(codec, dtype, launch, *, hadamard: bool, staged: bool) -> list:
     """`_scratch` without a dot per peer, then, for a Hadamard of the sum, the bf16 +-1
-    matrix, its load barrier and the sum's three bf16 pieces."""
+    matrix and its load barrier, and where `staged` a tile for the sum's three bf16 pieces
+    (`_pallas.wgmma_of_pieces`)."""
     refs = _scratch(codec, dtype, launch, dot=False)
     if hadamard:
         refs += [
             _pallas.smem((GROUP_SIZE, GROUP_SIZE), jnp.bfloat16, swizzled=True),
             _pallas.barrier(),
-            _pallas.smem((3, _TILE, GROUP_SIZE), jnp.bfloat16, swizzled=True),
         ]
+        if staged:
+            refs.append(_pallas.smem((3, _TILE, GROUP_SIZE), jnp.bfloat16, swizzled=True))
     return refs
 
 
@@ -513,16 +524,17 @@ def _peer_step_specs(codec: Codec, n: int, first) -> list:
     return [code_block, *side_blocks]
 
 
-def _summed_body(*refs, codec, n, launch, peers, hadamard, reencode, magic_round):
+def _summed_body(*refs, codec, n, launch, peers, hadamard, reencode, staged, magic_round):
     """One program: per tile, z = sum_p q_p d_p over the N peers' steps (in registers),
     then on the last peer's step either encode(z) (re-encode: z is already in the Hadamard
     domain) or S z unit (decode-sum: one bf16 wgmma chain over z's three pieces), stored."""
     views = refs[: 1 + len(codec.side_fields)]  # `_wire_views`
     signs_gmem = refs[len(views)] if hadamard else None
     out_gmem, *scratch = refs[len(views) + int(hadamard) :]
-    outs, extra = (scratch[:-3], scratch[-3:]) if hadamard else (scratch, ())
+    extra = (2 + staged) if hadamard else 0  # `_summed_scratch`
+    outs, extra_refs = scratch[: len(scratch) - extra], scratch[len(scratch) - extra :]
     if hadamard:
-        signs_smem, signs_barrier, pieces_smem = extra
+        signs_smem, signs_barrier, *pieces = extra_refs
         _pallas.copy_in(signs_gmem, signs_smem, signs_barrier)
     first = lax.axis_index("program") * launch.tiles_per_program
     sections = codecs.wire_sections(codec, n)
@@ -533,7 +545,7 @@ def _summed_body(*refs, codec, n, launch, peers, hadamard, reencode, magic_round
                                            sections, magic_round)  # fmt: skip
             return
         if hadamard:
-            z = _pallas.wgmma_of_pieces(z, pieces_smem, signs_smem, (_TILE, GROUP_SIZE))
+            z = _pallas.wgmma_of_pieces(z, signs_smem, (_TILE, GROUP_SIZE), *pieces)
             z = codecs.scale_rows(z, codecs.hadamard_unit(GROUP_SIZE))
         _store_decoded(outs[0], out_gmem.at[0], tile, z)
 

@@ -138,12 +138,12 @@ def test_backend_errors_name_the_value():
 def test_auto_takes_mosaic_by_the_size_table(monkeypatch, op):
     """`preferred`'s rule, on any machine: never where `MOSAIC_DECODE_FROM_BYTES[op]` is None
     (the shipped table: the sums stay on Triton at every size, BENCHMARKS.md "Kernels"), else
-    from that many wire bytes on (the decode: 34 MiB, 64 MiB of bf16), for the codecs of
+    from that many wire bytes on (the decode: 8.5 MiB, 16 MiB of bf16), for the codecs of
     `MOSAIC_DECODE_CODECS`."""
     monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
     codec = codecs.get_codec("taco")
     wire, n = _wire(codec, 2, 2, 0)
-    shipped = {"decode": 34 << 20, "decode_sum": None, "decode_sum_reencode": None}[op]
+    shipped = {"decode": 17 << 19, "decode_sum": None, "decode_sum_reencode": None}[op]
     assert config.MOSAIC_DECODE_FROM_BYTES[op] == shipped
     assert not decode_mosaic.preferred(op, codec, wire, n)  # 34 KiB of wire: below any table
     monkeypatch.setitem(config.MOSAIC_DECODE_FROM_BYTES, op, wire.size)
@@ -156,19 +156,19 @@ def test_auto_takes_mosaic_by_the_size_table(monkeypatch, op):
 
 # Shared memory per program (bytes), by hand: a 64 x 128 tile of codes is 8192, its two fp32
 # side sections 2 x 256 (`taco`); one step holds one tile per peer it reads. Buffers beside the
-# steps: the signs as fp16 (32768) and the fp16 upcast tile (16384) for a Hadamard decode (a
-# re-encode and peer steps load the codes into registers: no dot operand); 2 output slots of
-# 64 x 128 fp32 (65536), or of re-encoded tiles (2 x 8192 codes + 1024 of side values); peer
-# steps' decode-sum adds the bf16 signs (32768) and three bf16 pieces (49152); 8 bytes per
+# steps: the signs as fp16 (32768) for a Hadamard decode (the codes and the sum's bf16 pieces
+# are register operands; a re-encode and peer steps load the codes into registers: no dot
+# operand); 2 output slots of 64 x 128 fp32 (65536), or of re-encoded tiles (2 x 8192 codes +
+# 1024 of side values); peer steps' decode-sum adds the bf16 signs (32768); 8 bytes per
 # barrier. 512 tiles in one row take 2 tiles per program (`mosaic_launch`), so at most 2 steps,
 # or 2 x N with peer steps.
 @pytest.mark.parametrize(
     "op,peers,steps",
     [
-        ("decode_sum", 2, 2),  # (204800 - 114696) // 17408 = 5 fit; 2 steps in a program
-        ("decode_sum", 8, 1),  # (204800 - 114696) // 69632 = 1
+        ("decode_sum", 2, 2),  # (204800 - 98312) // 17408 = 6 fit; 2 steps in a program
+        ("decode_sum", 8, 1),  # (204800 - 98312) // 69632 = 1
         ("decode_sum_reencode", 8, 2),  # (204800 - 17408) // 69632 = 2
-        ("peer_steps", 8, 3),  # (204800 - 147464) // 8704 = 6 fit; at most 3 in flight
+        ("peer_steps", 8, 3),  # (204800 - 98312) // 8704 = 12 fit; at most 3 in flight
     ],
 )
 def test_pipeline_steps_fit_shared_memory(monkeypatch, op, peers, steps):
