@@ -19,7 +19,7 @@ behind the choice: docs/development_history.md):
   members: on the CPU only the codes are checked, the side bytes on the GPU. The same kind of
   kernel decodes, decode-sums and re-encodes the 8-bit codecs (`decode_mosaic`, the Hadamard a
   wgmma on the codes: INT8 as they are, FP8 through fp16), measured faster than Triton for the
-  decode from 16 MiB and slower for the eight-peer sums; "auto" keeps Triton for them until the
+  decode from 32 MiB and slower for the eight-peer sums; "auto" keeps Triton for them until the
   table in `config.py` says. The
   `taco` encode, storing into the peers' memory too (`exchange_mosaic`: `plgpu.remote_ref`,
   semaphores), is the exchange of the collectives on NVLink; the interpreter has no
@@ -308,7 +308,7 @@ def wgmma(a, b_smem, shape):
 def wgmma_transposed(a_smem, b_smem, shape, acc_dtype=jnp.float32):
     """a @ b.T on the tensor cores -> registers of `shape` in `acc_dtype` (fp32, or int32 for
     INT8 operands). 8-bit operands must be K-major, so the second is read transposed: callers
-    pass symmetric matrices (the Sylvester signs; the encode's identity), for which b.T = b."""
+    pass a symmetric matrix (the Sylvester signs, for INT8 codes), for which b.T = b."""
 
     def dot(acc_ref):
         plgpu.wgmma(acc_ref, a_smem, b_smem.T)

@@ -239,16 +239,17 @@ def mosaic_launch(rows: int, tiles_per_row: int) -> MosaicLaunch:
 # Mosaic GPU decode, decode-sum and decode-sum-reencode (`decode_mosaic`): "auto" takes them for
 # the codecs of MOSAIC_DECODE_CODECS in calls of at least MOSAIC_DECODE_FROM_BYTES[op] wire
 # bytes (None: never, the Triton kernel at every size). Measured on one H200, 8 rows, in one
-# program, % of a copy, Triton / Mosaic (BENCHMARKS.md, "Kernels"; `kernels-2026-12-02-
-# register-operands.json`): the `taco` decode 87 / 95, 91 / 97, 98 / 107 and 103 / 113% at
-# 16 MiB, 64 MiB, 256 MiB and 1 GiB of bf16 (from 8.5 MiB of wire: 8 Mi elements at 17 / 16
-# bytes; at 4 MiB Triton's was faster, 69 / 55%, `kernels-2026-12-02-mosaic-1gib.json`); the
-# decode-sum of 8 peers 59-93 against 35-50% (one step per peer, `peer_steps`: 41-59%) and the
-# re-encode 80-114 against 49-64% (74-94%) from 64 MiB. Without a Hadamard (`fp8`, `int8`)
-# Triton's decode is the faster at every size.
+# program, % of a copy, Triton / Mosaic (BENCHMARKS.md, "Kernels";
+# `kernels-2026-12-02-register-operands.json`): the `taco` decode 91 / 97, 98 / 107 and
+# 103 / 113% at 64 MiB, 256 MiB and 1 GiB of bf16; at 32 MiB 89-90 / 92-94% in three repeats,
+# at 16 MiB 84-85 / 74-90% (docs/development_history.md, "Register operands"), so from 32 MiB
+# (17 MiB of wire: 16 Mi elements at 17 / 16 bytes). From 64 MiB the decode-sum of 8 peers
+# 65-93 against 40-50% (one step per peer, `peer_steps`: 51-59%) and the re-encode 80-114
+# against 49-64% (74-94%). Without a Hadamard (`fp8`, `int8`) Triton's decode is the faster at
+# every size.
 MOSAIC_DECODE_CODECS = ("taco",)
 MOSAIC_DECODE_FROM_BYTES: dict[str, int | None] = {
-    "decode": 17 << 19,
+    "decode": 17 << 20,
     "decode_sum": None,
     "decode_sum_reencode": None,
 }

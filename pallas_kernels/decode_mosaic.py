@@ -9,8 +9,8 @@ Why the tensor cores: a decode is S q x d per group (S the +-1 Sylvester matrix,
 factor `codecs.decode_factor`). TMA loads a tile of 64 groups of codes into swizzled shared
 memory and one 64 x 128 x 128 wgmma multiplies it by S (staged once per program), exactly:
 every code and sign is exact and the accumulator sums 128 products. INT8 codes are wgmma
-operands as they are (int32 sums). FP8 codes are too, but Hopper's FP8 wgmma keeps only ~14
-bits of its sums (`_upcasts`), so FP8 codes are loaded into registers as fp16 (which holds
+operands as they are (int32 sums). FP8 codes are not: Hopper's FP8 wgmma keeps only ~14 bits
+of its sums (`_hadamard_in_fp16`), so they are loaded into registers as fp16 (which holds
 every E4M3 and E5M2 value), the register operand of an fp16 wgmma accumulating in fp32.
 Codecs without a Hadamard need no dot: their codes are loaded from the tile into registers
 through fp16 (exact) in the accumulator's layout. The decode-sum runs one dot per peer (each
@@ -19,14 +19,16 @@ peer's exact codes, as `config.TWO_PEERS_DOT`); the decode-sum-reencode needs no
 loads.
 
 Measured against the Triton kernels (`config.MOSAIC_DECODE_FROM_BYTES`): the decode is faster
-from 16 MiB; the decode-sum and re-encode of eight peers are slower at every size: each pipeline
+from 32 MiB; the decode-sum and re-encode of eight peers are slower at every size: each pipeline
 step holds every peer's tile, so few steps fit in flight, and the decode-sum runs a Hadamard per
 peer. `peer_steps=True` runs them with one peer's tile per step instead, the sum carried in
 registers across a tile's N steps and, for the decode-sum, one Hadamard of the sum
 (`_summed_body`): faster than one step per tile from 16 MiB, still slower than Triton
-(BENCHMARKS.md, "Kernels"). Both take 100-190 KiB of shared memory a program, so one program
-runs per SM; the peer-steps decode-sum with a bf16 output, where two fit, measured 64% of the
-copy at 64 MiB against 53% with fp32 (Triton: 62%): fewer bytes a program is the next route.
+(BENCHMARKS.md, "Kernels"). Their shared memory decides how many programs share an SM: the
+peer-steps re-encode takes 43 KiB, the decode-sums with an fp32 output and the one-step
+re-encode 120-165 KiB, one program per SM. A bf16 output lets two peer-steps decode-sum
+programs fit, which measured faster (docs/development_history.md, "Register operands"): fewer
+bytes a program is the next route.
 
 The wire row is read through views XLA makes without a copy (bitcasts of the uint8 row): the
 codes as [W / 128, 128] of the code type, the fp32 side sections as [W / 4] fp32 and the E8M0
@@ -57,7 +59,7 @@ from taco_jax.codecs import Codec
 GROUP_SIZE = encode_mosaic.GROUP_SIZE
 ROW_BYTES = encode_mosaic.ROW_BYTES
 _TILE = MOSAIC_GROUPS_PER_TILE
-# The dtype TMA loads each code element as (the dot operand's: `_dot_dtype`).
+# The dtype TMA loads each code element as (INT8 codes: also the Hadamard dot's operand).
 CODE_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2, "int8": jnp.int8}
 OUT_DTYPES = (jnp.float32, jnp.bfloat16)
 
@@ -234,7 +236,9 @@ def _launch(codec, launch, rows, tiles_per_row, scratch_of, step_bytes, steps_pe
     the launch), each step holding `step_bytes` (at most `_max_steps(codec)`, and no more
     than the program's tiles x `steps_per_tile` steps). Raises ValueError where even one step
     does not fit, the tiles per program do not divide a row's tiles, or a given launch has
-    more steps in flight than the codec's side blocks allow."""
+    more steps in flight than the codec's side blocks allow. In the CPU interpreter the
+    kernels' own shared memory includes the tiles their register operands are staged through,
+    so there a launch may take fewer steps, or refuse a peer count a GPU takes."""
     base = launch or mosaic_launch(rows, tiles_per_row)
     fixed = _pallas.smem_bytes(scratch_of(base))
     if fixed + step_bytes > SMEM_BUDGET_BYTES:
@@ -282,7 +286,7 @@ def _wire_views(codec: Codec, wire: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(views)
 
 
-def _upcasts(codec: Codec) -> bool:
+def _hadamard_in_fp16(codec: Codec) -> bool:
     """Whether a dot by the +-1 matrix takes the codes through fp16: FP8 codes. Hopper's FP8
     wgmma keeps only about 14 bits of its running sum (DeepSeek-V3, arXiv:2412.19437, section
     3.3.2), so a 128-term Hadamard of FP8 codes would err by ~2^-13; the fp16 wgmma accumulates
@@ -294,14 +298,14 @@ def _upcasts(codec: Codec) -> bool:
 def _dot_operands(codec: Codec) -> tuple[jax.Array, ...]:
     """The decode's dot operand: for a codec with a Hadamard the +-1 Sylvester matrix, in the
     type wgmma pairs with the codes (INT8 with INT8 codes, fp16 where FP8 codes are upcast:
-    exact); none without (the codes are loaded into registers as they are: `_decoded`)."""
+    exact); none without (the codes are loaded into registers through fp16: `_decoded`)."""
     if not codec.hadamard:
         return ()
     return (jnp.asarray(codecs.signs_matrix(GROUP_SIZE), _dot_dtype(codec)),)
 
 
 def _dot_dtype(codec: Codec):
-    return jnp.float16 if _upcasts(codec) else jnp.int8
+    return jnp.float16 if _hadamard_in_fp16(codec) else jnp.int8
 
 
 def _acc_dtype(codec: Codec):
@@ -318,7 +322,7 @@ def _scratch(codec: Codec, dtype, launch: MosaicLaunch, *, dot: bool, staged=Fal
     if dot:
         refs += [_pallas.smem((GROUP_SIZE, GROUP_SIZE), _dot_dtype(codec), swizzled=True),
                  _pallas.barrier()]  # fmt: skip
-        if staged and _upcasts(codec):
+        if staged and _hadamard_in_fp16(codec):
             refs.append(_pallas.smem((_TILE, GROUP_SIZE), jnp.float16, swizzled=True))
     if dtype is None:
         return refs + encode_mosaic.encode_scratch(launch.store_slots)[2:]
@@ -361,7 +365,7 @@ def _decoded(codec, code_smem, side_smem, dot_smem, sections, unit, staged_smem=
         # wgmma accumulator's layout, so the scaling and sums below take either. A dot by the
         # identity did the same no faster (docs/development_history.md), in more memory.
         v = _pallas.load_upcast(code_smem, jnp.float16)
-    elif _upcasts(codec):  # FP8 codes: an fp16 register operand (exact)
+    elif _hadamard_in_fp16(codec):  # FP8 codes: an fp16 register operand (exact)
         a = _pallas.load_upcast(code_smem, jnp.float16)
         if staged_smem is not None:
             staged_smem[...] = a
@@ -496,10 +500,10 @@ def _summed(codec, wire, n, dtype, *, interpret, launch):
 
 
 def _summed_scratch(codec, dtype, launch, *, hadamard: bool, staged: bool) -> list:
-    """`_scratch` without a dot per peer, then, for a Hadamard of the sum, the bf16 +-1
-    matrix and its load barrier, and where `staged` a tile for the sum's three bf16 pieces
-    (`_pallas.wgmma_of_pieces`)."""
-    refs = _scratch(codec, dtype, launch, dot=False)
+    """For a Hadamard of the sum, the bf16 +-1 matrix and its load barrier and, where
+    `staged`, a tile for the sum's three bf16 pieces (`_pallas.wgmma_of_pieces`); then
+    `_scratch` without a dot per peer."""
+    refs = []
     if hadamard:
         refs += [
             _pallas.smem((GROUP_SIZE, GROUP_SIZE), jnp.bfloat16, swizzled=True),
@@ -507,7 +511,7 @@ def _summed_scratch(codec, dtype, launch, *, hadamard: bool, staged: bool) -> li
         ]
         if staged:
             refs.append(_pallas.smem((3, _TILE, GROUP_SIZE), jnp.bfloat16, swizzled=True))
-    return refs
+    return refs + _scratch(codec, dtype, launch, dot=False)
 
 
 def _peer_step_specs(codec: Codec, n: int, first) -> list:
@@ -530,11 +534,12 @@ def _summed_body(*refs, codec, n, launch, peers, hadamard, reencode, staged, mag
     domain) or S z unit (decode-sum: one bf16 wgmma chain over z's three pieces), stored."""
     views = refs[: 1 + len(codec.side_fields)]  # `_wire_views`
     signs_gmem = refs[len(views)] if hadamard else None
-    out_gmem, *scratch = refs[len(views) + int(hadamard) :]
-    extra = (2 + staged) if hadamard else 0  # `_summed_scratch`
-    outs, extra_refs = scratch[: len(scratch) - extra], scratch[len(scratch) - extra :]
+    out_gmem, *outs = refs[len(views) + int(hadamard) :]  # outs: `_summed_scratch`
+    pieces_smem = None
     if hadamard:
-        signs_smem, signs_barrier, *pieces = extra_refs
+        signs_smem, signs_barrier, *outs = outs
+        if staged:
+            pieces_smem, *outs = outs
         _pallas.copy_in(signs_gmem, signs_smem, signs_barrier)
     first = lax.axis_index("program") * launch.tiles_per_program
     sections = codecs.wire_sections(codec, n)
@@ -545,7 +550,7 @@ def _summed_body(*refs, codec, n, launch, peers, hadamard, reencode, staged, mag
                                            sections, magic_round)  # fmt: skip
             return
         if hadamard:
-            z = _pallas.wgmma_of_pieces(z, signs_smem, (_TILE, GROUP_SIZE), *pieces)
+            z = _pallas.wgmma_of_pieces(z, signs_smem, (_TILE, GROUP_SIZE), pieces_smem)
             z = codecs.scale_rows(z, codecs.hadamard_unit(GROUP_SIZE))
         _store_decoded(outs[0], out_gmem.at[0], tile, z)
 

@@ -381,7 +381,7 @@ def _addressable(
     codec, one row decoded to fp32. The padding is
     taken at its largest (the fused kernels'), so this over-approximates a little. Slices do not
     change a value (each encodes whole groups), except where a slice falls below the Mosaic
-    kernels' thresholds (16-64 MiB of bf16, `pallas_kernels.config`): the Triton encode may round
+    kernels' thresholds (32-64 MiB of bf16, `pallas_kernels.config`): the Triton encode may round
     ties apart, and the Triton decode rounds its fp32 sums in another order.
     Raises ValueError, naming the size, where MAX_SLICES are not enough."""
     limit = _backends.max_buffer_bytes(cfg.impl)

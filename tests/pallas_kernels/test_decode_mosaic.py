@@ -138,12 +138,12 @@ def test_backend_errors_name_the_value():
 def test_auto_takes_mosaic_by_the_size_table(monkeypatch, op):
     """`preferred`'s rule, on any machine: never where `MOSAIC_DECODE_FROM_BYTES[op]` is None
     (the shipped table: the sums stay on Triton at every size, BENCHMARKS.md "Kernels"), else
-    from that many wire bytes on (the decode: 8.5 MiB, 16 MiB of bf16), for the codecs of
+    from that many wire bytes on (the decode: 17 MiB, 32 MiB of bf16), for the codecs of
     `MOSAIC_DECODE_CODECS`."""
     monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
     codec = codecs.get_codec("taco")
     wire, n = _wire(codec, 2, 2, 0)
-    shipped = {"decode": 17 << 19, "decode_sum": None, "decode_sum_reencode": None}[op]
+    shipped = {"decode": 17 << 20, "decode_sum": None, "decode_sum_reencode": None}[op]
     assert config.MOSAIC_DECODE_FROM_BYTES[op] == shipped
     assert not decode_mosaic.preferred(op, codec, wire, n)  # 34 KiB of wire: below any table
     monkeypatch.setitem(config.MOSAIC_DECODE_FROM_BYTES, op, wire.size)
