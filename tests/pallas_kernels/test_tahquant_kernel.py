@@ -125,7 +125,8 @@ class TahQuantKernelTest:
             np.testing.assert_array_equal(wire, ref)
         assert_wire_matches(codec, wire, ref, n)
 
-    @pytest.mark.parametrize("name", NAMES)
+    # The fast tier decodes the 8-bit and 4-bit asymmetric grids; the symmetric one is slow.
+    @pytest.mark.parametrize("name", tiered(NAMES, ["tahquant", "tahquant4"]))
     def test_decode_matches_reference(self, name):
         codec = get_stage_codec(name)
         n = 128 * self.GROUPS
