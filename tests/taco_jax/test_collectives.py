@@ -353,7 +353,7 @@ def test_megatron_mlp_gradients_exact_without_compression(tp, mode):
     np.testing.assert_array_equal(dx, jnp.broadcast_to(ref_dx, dx.shape))
 
 
-@pytest.mark.parametrize("tp", [4, 8])
+@pytest.mark.parametrize("tp", tiered([4, 8], (4,)))
 @pytest.mark.parametrize("mode", MODES)
 def test_megatron_mlp_gradients_with_taco(tp, mode):
     (loss, dw1, dw2, dx), (ref_loss, ref_dw1, ref_dw2, ref_dx), (x, w1, w2, ct) = (
@@ -711,7 +711,7 @@ def test_two_shot_matches_a_host_side_replay(tp):
         assert bool(np.all(diff <= 2.0**-3 * np.abs(expected) + 2 * tp * 2.0**-24 * magnitude))
 
 
-@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("tp", tiered([2, 4, 8], (8,)))
 def test_one_shot_matches_a_host_side_replay(tp):
     """One-shot is sum_r decode(encode(x_r)) in rank order. With `fp8` (no Hadamard) each output
     element depends on its own inputs and its groups' scales only, so a misrouted row or a lost
@@ -965,7 +965,7 @@ def _between_steps(name, tp, groups):
     return jnp.asarray(x), np.tile(np.arange(g) >= len(head), groups)
 
 
-@pytest.mark.parametrize("name", ["tahquant4", "tahquant"])
+@pytest.mark.parametrize("name", tiered(["tahquant4", "tahquant"], ["tahquant"]))
 def test_stochastic_tahquant_on_tp_rounds_without_bias(name):
     """The stochastic grids on TP traffic draw their noise from the message
     (`tahquant.message_key`): a value 0.3 of a step above a grid point decodes to the point or

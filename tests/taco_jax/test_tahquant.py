@@ -44,7 +44,7 @@ def _with_outliers(shape, seed=1, size=40.0, group=32):
     return _normal(shape, seed).at[:, 7::group].set(size)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", tiered(NAMES, ["tahquant"]))  # the other grids: slow tier
 @pytest.mark.parametrize("make", [_normal, _with_outliers], ids=["gaussian", "outliers"])
 def test_round_to_nearest_group_bound(name, make):
     codec = _nearest(name)
