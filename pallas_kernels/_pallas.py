@@ -226,10 +226,7 @@ def wgmma_of_pieces(z, b_smem, shape, pieces_smem=None):
         pieces.append(rest.astype(jnp.bfloat16))
         rest = rest - pieces[-1].astype(jnp.float32)
     if pieces_smem is not None:
-        for k, piece in enumerate(pieces):
-            pieces_smem[k] = piece
-        plgpu.commit_smem()  # the threads' writes, before the tensor cores read them
-        pieces = [pieces_smem.at[k] for k in range(3)]
+        pieces = [staged(piece, pieces_smem.at[k]) for k, piece in enumerate(pieces)]
 
     def dot(acc_ref):
         for piece in pieces:
@@ -237,6 +234,15 @@ def wgmma_of_pieces(z, b_smem, shape, pieces_smem=None):
         return acc_ref[...]
 
     return pl.run_scoped(dot, plgpu.ACC(shape, jnp.float32))
+
+
+def staged(value, smem_ref):
+    """`value` (registers) written to `smem_ref` and committed, so that the tensor cores may
+    read it: a wgmma operand as a ref, for Mosaic GPU's CPU interpreter (on a GPU, registers
+    are operands themselves)."""
+    smem_ref[...] = value
+    plgpu.commit_smem()  # the threads' writes, before the tensor cores read them
+    return smem_ref
 
 
 def copy_in(gmem_ref, smem_ref, done):

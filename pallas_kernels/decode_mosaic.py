@@ -368,9 +368,7 @@ def _decoded(codec, code_smem, side_smem, dot_smem, sections, unit, staged_smem=
     elif _hadamard_in_fp16(codec):  # FP8 codes: an fp16 register operand (exact)
         a = _pallas.load_upcast(code_smem, jnp.float16)
         if staged_smem is not None:
-            staged_smem[...] = a
-            _pallas.commit_smem()  # the threads' writes, before the tensor cores read them
-            a = staged_smem
+            a = _pallas.staged(a, staged_smem)
         v = _pallas.wgmma(a, dot_smem, (_TILE, GROUP_SIZE))
     else:
         v = _pallas.wgmma_transposed(code_smem, dot_smem, (_TILE, GROUP_SIZE), _acc_dtype(codec))
