@@ -204,8 +204,8 @@ class MosaicLaunch:
     store_slots: int = 2
 
     def __post_init__(self):
-        if self.tiles_per_program < 1 or self.steps_in_flight < 1 or self.store_slots < 2:
-            raise ValueError(f"{self} needs >= 1 tile and step in flight and >= 2 store slots")
+        if min(self.tiles_per_program, self.steps_in_flight, self.store_slots) < 1:
+            raise ValueError(f"{self} needs >= 1 tile, step in flight and store slot")
 
 
 # Mosaic GPU encode (`encode_mosaic`): a program pipelines up to MOSAIC_TILES_PER_PROGRAM tiles of
@@ -253,3 +253,10 @@ MOSAIC_DECODE_FROM_BYTES: dict[str, int | None] = {
     "decode_sum": None,
     "decode_sum_reencode": None,
 }
+
+# Pipeline steps in flight of the Mosaic peer-steps sums (`peer_steps=True`, one peer's tile a
+# step, one output slot), at most. One H200, `taco`, 8 rows, fp32 output, % of a copy at
+# 64 MiB / 256 MiB / 1 GiB: the decode-sum with three steps 69-71 / 79-80 / 83-84, four 73-74 /
+# 81-82 / 87-89, five 71-73 / 80 / 84; the re-encode with three 73-76 / 86 / -, eight 74-75 /
+# 90-91 / 97 (docs/development_history.md, "One output slot").
+MOSAIC_PEER_STEPS_IN_FLIGHT = {"decode_sum": 4, "decode_sum_reencode": 8}

@@ -23,12 +23,13 @@ from 32 MiB; the decode-sum and re-encode of eight peers are slower at every siz
 step holds every peer's tile, so few steps fit in flight, and the decode-sum runs a Hadamard per
 peer. `peer_steps=True` runs them with one peer's tile per step instead, the sum carried in
 registers across a tile's N steps and, for the decode-sum, one Hadamard of the sum
-(`_summed_body`): faster than one step per tile from 16 MiB, still slower than Triton
-(BENCHMARKS.md, "Kernels"). Their shared memory decides how many programs share an SM: the
-peer-steps re-encode takes 43 KiB, the decode-sums with an fp32 output and the one-step
-re-encode 120-165 KiB, one program per SM. A bf16 output lets two peer-steps decode-sum
-programs fit, which measured faster (docs/development_history.md, "Register operands"): fewer
-bytes a program is the next route.
+(`_summed_body`), with one output slot (a tile is stored once every N steps, so its slot is
+free again long before) and more steps in flight (`config.MOSAIC_PEER_STEPS_IN_FLIGHT`):
+faster than one step per tile from 16 MiB, ahead of Triton only for an fp32 decode-sum at
+64 MiB, behind from 256 MiB (docs/development_history.md, "One output slot"). Their shared
+memory decides how many programs share an SM: up to 77 KiB for the peer-steps re-encode
+(eight 8.5 KiB steps), 98 KiB for the peer-steps decode-sum with an fp32 output (four steps,
+the signs, one slot): two programs; the sums with a step per tile 120-165 KiB: one.
 
 The wire row is read through views XLA makes without a copy (bitcasts of the uint8 row): the
 codes as [W / 128, 128] of the code type, the fp32 side sections as [W / 4] fp32 and the E8M0
@@ -40,6 +41,8 @@ the codes view (`unsupported`: `taco` from two tiles, one-scale codecs four, `ta
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -49,6 +52,7 @@ from pallas_kernels.config import (
     MOSAIC_DECODE_CODECS,
     MOSAIC_DECODE_FROM_BYTES,
     MOSAIC_GROUPS_PER_TILE,
+    MOSAIC_PEER_STEPS_IN_FLIGHT,
     MOSAIC_STEPS_IN_FLIGHT,
     MosaicLaunch,
     mosaic_launch,
@@ -224,22 +228,25 @@ SMEM_BUDGET_BYTES = 200 * 1024
 TMA_SMEM_ALIGN = 128
 
 
-def _max_steps(codec: Codec) -> int:
-    """Pipeline steps in flight the side blocks of `codec` allow (see `TMA_SMEM_ALIGN`)."""
-    aligned = all(_TILE * width % TMA_SMEM_ALIGN == 0 for _, width in codec.side_fields)
-    return MOSAIC_STEPS_IN_FLIGHT if aligned else 1
+def _one_step_only(codec: Codec) -> bool:
+    """Whether the side blocks of `codec` allow only one pipeline step in flight (see
+    `TMA_SMEM_ALIGN`)."""
+    return any(_TILE * width % TMA_SMEM_ALIGN for _, width in codec.side_fields)
 
 
-def _launch(codec, launch, rows, tiles_per_row, scratch_of, step_bytes, steps_per_tile=1):
-    """The given launch, or `mosaic_launch`'s tiles per program with as many pipeline steps in
-    flight as fit `SMEM_BUDGET_BYTES` beside the kernel's own shared memory (`scratch_of`
-    the launch), each step holding `step_bytes` (at most `_max_steps(codec)`, and no more
-    than the program's tiles x `steps_per_tile` steps). Raises ValueError where even one step
-    does not fit, the tiles per program do not divide a row's tiles, or a given launch has
-    more steps in flight than the codec's side blocks allow. In the CPU interpreter the
-    kernels' own shared memory includes the tiles their register operands are staged through,
-    so there a launch may take fewer steps, or refuse a peer count a GPU takes."""
-    base = launch or mosaic_launch(rows, tiles_per_row)
+def _launch(codec, launch, rows, tiles_per_row, scratch_of, step_bytes, steps_per_tile=1,
+            most_steps=MOSAIC_STEPS_IN_FLIGHT, store_slots=2):  # fmt: skip
+    """The given launch, or `mosaic_launch`'s tiles per program with `store_slots` output
+    slots and as many pipeline steps in flight as fit `SMEM_BUDGET_BYTES` beside the kernel's
+    own shared memory (`scratch_of` the launch), each step holding `step_bytes`: at most
+    `most_steps` (one where `_one_step_only(codec)`) and the program's tiles x
+    `steps_per_tile`. Raises ValueError where the steps do not fit, the tiles per program do
+    not divide a row's tiles, or a given launch has more steps in flight than the codec's side
+    blocks allow. In the CPU interpreter the kernels' own shared memory includes the tiles
+    their register operands are staged through, so there a launch may take fewer steps, or
+    refuse a peer count a GPU takes."""
+    base = launch or dataclasses.replace(mosaic_launch(rows, tiles_per_row),
+                                         store_slots=store_slots)  # fmt: skip
     fixed = _pallas.smem_bytes(scratch_of(base))
     if fixed + step_bytes > SMEM_BUDGET_BYTES:
         raise ValueError(
@@ -248,13 +255,20 @@ def _launch(codec, launch, rows, tiles_per_row, scratch_of, step_bytes, steps_pe
         )
     if launch is None:
         fits = (SMEM_BUDGET_BYTES - fixed) // step_bytes
-        steps = min(_max_steps(codec), base.tiles_per_program * steps_per_tile, fits)
+        most = 1 if _one_step_only(codec) else most_steps
+        steps = min(most, base.tiles_per_program * steps_per_tile, fits)
         launch = MosaicLaunch(base.tiles_per_program, steps, base.store_slots)
-    if launch.steps_in_flight > _max_steps(codec):
+    if fixed + launch.steps_in_flight * step_bytes > SMEM_BUDGET_BYTES:
+        raise ValueError(
+            f"steps_in_flight={launch.steps_in_flight} of {step_bytes} bytes beside {fixed} "
+            f"bytes of buffers exceed the {SMEM_BUDGET_BYTES} bytes of shared memory a "
+            "program may take"
+        )
+    if launch.steps_in_flight > 1 and _one_step_only(codec):
         raise ValueError(
             f"steps_in_flight={launch.steps_in_flight}: codec {codec.name!r}'s side blocks of "
-            f"{_TILE} x {min(w for _, w in codec.side_fields)} bytes take at most "
-            f"{_max_steps(codec)} (TMA writes from {TMA_SMEM_ALIGN}-byte aligned addresses)"
+            f"{_TILE} x {min(w for _, w in codec.side_fields)} bytes take one step in flight "
+            f"(TMA writes from {TMA_SMEM_ALIGN}-byte aligned addresses)"
         )
     if tiles_per_row % launch.tiles_per_program:
         raise ValueError(
@@ -469,9 +483,12 @@ def _summed(codec, wire, n, dtype, *, interpret, launch):
     hadamard = codec.hadamard and not reencode  # the re-encode stays in the Hadamard domain
     scratch_of = lambda lc: _summed_scratch(codec, dtype, lc, hadamard=hadamard,  # noqa: E731
                                             staged=interpret)  # fmt: skip
+    op = "decode_sum_reencode" if reencode else "decode_sum"
+    # One output slot: a tile is stored once every N steps, so the store that last read the
+    # slot was issued N steps before (docs/development_history.md, "One output slot").
     launch = _launch(codec, launch, 1, groups // _TILE, scratch_of,
-                     _step_bytes(codec, n, peers=1),
-                     steps_per_tile=peers)  # fmt: skip
+                     _step_bytes(codec, n, peers=1), steps_per_tile=peers,
+                     most_steps=MOSAIC_PEER_STEPS_IN_FLIGHT[op], store_slots=1)  # fmt: skip
     operands = []
     if hadamard:  # the +-1 matrix in bf16, for the sum's three bf16 pieces
         operands.append(jnp.asarray(codecs.signs_matrix(GROUP_SIZE), jnp.bfloat16))
@@ -482,7 +499,6 @@ def _summed(codec, wire, n, dtype, *, interpret, launch):
     body = _pallas.partial(_summed_body, codec=codec, n=n, launch=launch, peers=peers,
                            hadamard=hadamard, reencode=reencode, staged=interpret,
                            magic_round=not interpret)  # fmt: skip
-    op = "decode_sum_reencode" if reencode else "decode_sum"
     out = _pallas.mosaic_kernel(
         body,
         *_wire_views(codec, wire),

@@ -161,26 +161,52 @@ def test_auto_takes_mosaic_by_the_size_table(monkeypatch, op):
 # operand); 2 output slots of 64 x 128 fp32 (65536), or of re-encoded tiles (2 x 8192 codes +
 # 1024 of side values); peer steps' decode-sum adds the bf16 signs (32768); 8 bytes per
 # barrier. 512 tiles in one row take 2 tiles per program (`mosaic_launch`), so at most 2 steps,
-# or 2 x N with peer steps.
+# or 2 x N with peer steps, whose sums keep one output slot and at most
+# `config.MOSAIC_PEER_STEPS_IN_FLIGHT` steps (4 for the decode-sum, 8 for the re-encode).
 @pytest.mark.parametrize(
-    "op,peers,steps",
+    "op,peers,steps,slots",
     [
-        ("decode_sum", 2, 2),  # (204800 - 98312) // 17408 = 6 fit; 2 steps in a program
-        ("decode_sum", 8, 1),  # (204800 - 98312) // 69632 = 1
-        ("decode_sum_reencode", 8, 2),  # (204800 - 17408) // 69632 = 2
-        ("peer_steps", 8, 3),  # (204800 - 98312) // 8704 = 12 fit; at most 3 in flight
+        ("decode_sum", 2, 2, 2),  # (204800 - 98312) // 17408 = 6 fit; 2 steps in a program
+        ("decode_sum", 8, 1, 2),  # (204800 - 98312) // 69632 = 1
+        ("decode_sum_reencode", 8, 2, 2),  # (204800 - 17408) // 69632 = 2
+        ("peer_steps", 8, 4, 1),  # (204800 - 65544) // 8704 = 15 fit; at most 4 in flight
+        ("peer_steps_reencode", 8, 8, 1),  # (204800 - 8712) // 8704 = 22 fit; at most 8
     ],
 )
-def test_pipeline_steps_fit_shared_memory(monkeypatch, op, peers, steps):
+def test_pipeline_steps_fit_shared_memory(monkeypatch, op, peers, steps, slots):
     codec = codecs.get_codec("taco")
     n = 512 * TILE_ELEMENTS
     wire = jax.ShapeDtypeStruct((peers, codec.wire_bytes(n)), jnp.uint8)
     launches = _record_launches(monkeypatch)
     if op == "peer_steps":
         jax.eval_shape(lambda w: decode_mosaic.decode_sum(codec, w, n, peer_steps=True), wire)
+    elif op == "peer_steps_reencode":
+        jax.eval_shape(lambda w: decode_mosaic.decode_sum_reencode(codec, w, n, peer_steps=True),
+                       wire)  # fmt: skip
     else:
         jax.eval_shape(lambda w: getattr(decode_mosaic, op)(codec, w, n), wire)
-    assert launches[-1].tiles_per_program == 2 and launches[-1].steps_in_flight == steps
+    picked = launches[-1]
+    assert (picked.tiles_per_program, picked.steps_in_flight, picked.store_slots) == (
+        2, steps, slots)  # fmt: skip
+
+
+def test_a_given_launch_is_held_to_shared_memory(monkeypatch):
+    """A given launch may take more steps than the default's cap, as long as they fit: eight
+    peer steps of 8704 bytes beside 65544 fit 204800, sixteen (204808) do not."""
+    codec = codecs.get_codec("taco")
+    n = 512 * TILE_ELEMENTS
+    wire = jax.ShapeDtypeStruct((8, codec.wire_bytes(n)), jnp.uint8)
+    launches = _record_launches(monkeypatch)
+
+    def summed(launch):
+        return jax.eval_shape(lambda w: decode_mosaic.decode_sum(
+            codec, w, n, peer_steps=True, launch=launch), wire)  # fmt: skip
+
+    summed(config.MosaicLaunch(tiles_per_program=2, steps_in_flight=8, store_slots=1))
+    assert launches[-1].steps_in_flight == 8
+    too_many = config.MosaicLaunch(tiles_per_program=2, steps_in_flight=16, store_slots=1)
+    with pytest.raises(ValueError, match="steps_in_flight=16 of 8704 bytes beside 65544"):
+        summed(too_many)
 
 
 def test_byte_side_blocks_take_one_step_in_flight(monkeypatch):

@@ -146,8 +146,10 @@ def test_codes_at_every_magnitude_in_the_cpu_interpreter():
 
 
 def test_launch_fields_are_checked():
-    with pytest.raises(ValueError, match="store slots"):
-        MosaicLaunch(4, 2, store_slots=1)
+    with pytest.raises(ValueError, match="store slot"):
+        MosaicLaunch(4, 2, store_slots=0)
+    with pytest.raises(ValueError, match="step in flight"):
+        MosaicLaunch(4, 0)
 
 
 def test_launch_must_divide_the_row():
