@@ -244,8 +244,8 @@ def mosaic_launch(rows: int, tiles_per_row: int) -> MosaicLaunch:
 # 103 / 113% at 64 MiB, 256 MiB and 1 GiB of bf16; at 32 MiB 89-90 / 92-94% in three repeats,
 # at 16 MiB 84-85 / 74-90% (docs/development_history.md, "Register operands"), so from 32 MiB
 # (17 MiB of wire: 16 Mi elements at 17 / 16 bytes). From 64 MiB the decode-sum of 8 peers
-# 65-93 against 39-50% (one step per peer, `peer_steps`: 72-87%, ahead at 64 MiB with an fp32
-# output only) and the re-encode 78-115 against 49-64% (73-97%;
+# 65-93 against 39-50% (one peer's tile a step, `peer_steps`: 72-87%, ahead at 64 MiB with an
+# fp32 output only) and the re-encode 78-115 against 49-64% (73-97%;
 # `kernels-2026-12-03-peer-steps.json`). Without a Hadamard (`fp8`, `int8`) Triton's decode is
 # the faster at every size.
 MOSAIC_DECODE_CODECS = ("taco",)

@@ -25,11 +25,11 @@ peer. `peer_steps=True` runs them with one peer's tile per step instead, the sum
 registers across a tile's N steps and, for the decode-sum, one Hadamard of the sum
 (`_summed_body`), with one output slot (a tile is stored once every N steps, so its slot is
 free again long before) and more steps in flight (`config.MOSAIC_PEER_STEPS_IN_FLIGHT`):
-faster than one step per tile from 16 MiB, ahead of Triton only for an fp32 decode-sum at
+faster than one step per tile from 64 MiB, ahead of Triton only for an fp32 decode-sum at
 64 MiB, behind from 256 MiB (docs/development_history.md, "One output slot"). Their shared
 memory decides how many programs share an SM: up to 77 KiB for the peer-steps re-encode
 (eight 8.5 KiB steps), 98 KiB for the peer-steps decode-sum with an fp32 output (four steps,
-the signs, one slot): two programs; the sums with a step per tile 120-165 KiB: one.
+the signs, one slot): two programs; the sums of eight peers with a step per tile 120-165 KiB: one.
 
 The wire row is read through views XLA makes without a copy (bitcasts of the uint8 row): the
 codes as [W / 128, 128] of the code type, the fp32 side sections as [W / 4] fp32 and the E8M0
@@ -235,11 +235,11 @@ def _one_step_only(codec: Codec) -> bool:
 
 
 def _launch(codec, launch, rows, tiles_per_row, scratch_of, step_bytes, steps_per_tile=1,
-            most_steps=MOSAIC_STEPS_IN_FLIGHT, store_slots=2):  # fmt: skip
-    """The given launch, or `mosaic_launch`'s tiles per program with `store_slots` output
-    slots and as many pipeline steps in flight as fit `SMEM_BUDGET_BYTES` beside the kernel's
+            steps_cap=MOSAIC_STEPS_IN_FLIGHT, store_slots=2):  # fmt: skip
+    """The given launch, or by default `mosaic_launch`'s tiles per program with `store_slots`
+    output slots and as many pipeline steps in flight as fit `SMEM_BUDGET_BYTES` beside the kernel's
     own shared memory (`scratch_of` the launch), each step holding `step_bytes`: at most
-    `most_steps` (one where `_one_step_only(codec)`) and the program's tiles x
+    `steps_cap` (one where `_one_step_only(codec)`) and the program's tiles x
     `steps_per_tile`. Raises ValueError where the steps do not fit, the tiles per program do
     not divide a row's tiles, or a given launch has more steps in flight than the codec's side
     blocks allow. In the CPU interpreter the kernels' own shared memory includes the tiles
@@ -255,7 +255,7 @@ def _launch(codec, launch, rows, tiles_per_row, scratch_of, step_bytes, steps_pe
         )
     if launch is None:
         fits = (SMEM_BUDGET_BYTES - fixed) // step_bytes
-        most = 1 if _one_step_only(codec) else most_steps
+        most = 1 if _one_step_only(codec) else steps_cap
         steps = min(most, base.tiles_per_program * steps_per_tile, fits)
         launch = MosaicLaunch(base.tiles_per_program, steps, base.store_slots)
     if fixed + launch.steps_in_flight * step_bytes > SMEM_BUDGET_BYTES:
@@ -488,7 +488,7 @@ def _summed(codec, wire, n, dtype, *, interpret, launch):
     # slot was issued N steps before (docs/development_history.md, "One output slot").
     launch = _launch(codec, launch, 1, groups // _TILE, scratch_of,
                      _step_bytes(codec, n, peers=1), steps_per_tile=peers,
-                     most_steps=MOSAIC_PEER_STEPS_IN_FLIGHT[op], store_slots=1)  # fmt: skip
+                     steps_cap=MOSAIC_PEER_STEPS_IN_FLIGHT[op], store_slots=1)  # fmt: skip
     operands = []
     if hadamard:  # the +-1 matrix in bf16, for the sum's three bf16 pieces
         operands.append(jnp.asarray(codecs.signs_matrix(GROUP_SIZE), jnp.bfloat16))
