@@ -16,6 +16,16 @@ the fraction of differing values and the largest difference relative to the outp
         --tiles 1 --dots 16 --per-peer 0 1
     python benchmarks/launch_sweep.py --op encode --codec int6_hadamard --groups 16 32 64 \
         --warps 4 8 --tiles 1 2
+
+`--backend mosaic` sweeps the Mosaic GPU kernels' `MosaicLaunch` instead (Hopper): the grid
+`--tiles x --steps x --store-slots x --peer-steps` (tiles per program, pipeline steps in
+flight, output slots, and for the sums one peer's tile a step), against the Mosaic default
+launch, with the Triton kernel's default launch timed beside them:
+
+    python benchmarks/launch_sweep.py --backend mosaic --op encode --peers 8 --sizes-mib 32 48 64 \
+        --tiles 4 8 16 --steps 3 4
+    python benchmarks/launch_sweep.py --backend mosaic --op decode_sum --peers 8 --peer-steps 1 \
+        --tiles 16 --steps 3 4 5 --store-slots 1 2
 """
 
 from __future__ import annotations
@@ -31,16 +41,36 @@ import numpy as np
 from _common import in_program_seconds, write_record
 
 import pallas_kernels as pk
-from pallas_kernels import decode_kernel, decode_sum_kernel, encode_kernel
+from pallas_kernels import (
+    decode_kernel,
+    decode_mosaic,
+    decode_sum_kernel,
+    encode_kernel,
+    encode_mosaic,
+)
+from pallas_kernels.config import MosaicLaunch
 from taco_jax import codecs
 
 MiB = 1 << 20
 OPS = ("encode", "decode", "decode_sum", "decode_sum_reencode")
 
 
+@dataclasses.dataclass(frozen=True)
+class MosaicCandidate:
+    """A launch of the Mosaic GPU kernels; `peer_steps` for the sums (`decode_mosaic`)."""
+
+    launch: MosaicLaunch
+    peer_steps: bool = False
+
+
+TRITON_DEFAULT = "triton default"  # the Triton kernel's own launch, beside a Mosaic sweep
+
+
 def _op(op: str, codec, n: int, config, interpret: bool):
     """The op on its input (x[P, n] bf16 for encode, else wire[P, B]) with launch `config`."""
-    kw = dict(config=config, interpret=interpret)
+    if isinstance(config, MosaicCandidate) or config == "mosaic":
+        return _mosaic_op(op, codec, n, config, interpret)
+    kw = dict(config=None if config == TRITON_DEFAULT else config, interpret=interpret)
     if op == "encode":
         return lambda x: pk.encode(codec, x, backend="triton", **kw)
     if op == "decode":
@@ -48,6 +78,20 @@ def _op(op: str, codec, n: int, config, interpret: bool):
     if op == "decode_sum":
         return lambda w: pk.decode_sum(codec, w, n, jnp.bfloat16, **kw)
     return lambda w: pk.decode_sum_reencode(codec, w, n, **kw)
+
+
+def _mosaic_op(op: str, codec, n: int, config, interpret: bool):
+    """The Mosaic GPU kernel of `op` with `config`'s launch ("mosaic": the default launch)."""
+    launch, steps = (config.launch, config.peer_steps) if config != "mosaic" else (None, False)
+    kw = dict(launch=launch, interpret=interpret)
+    if op == "encode":
+        return lambda x: encode_mosaic.encode(codec, x, **kw)
+    if op == "decode":
+        return lambda w: decode_mosaic.decode(codec, w, n, jnp.bfloat16, **kw)
+    if op == "decode_sum":
+        return lambda w: decode_mosaic.decode_sum(codec, w, n, jnp.bfloat16, peer_steps=steps,
+                                                  **kw)  # fmt: skip
+    return lambda w: decode_mosaic.decode_sum_reencode(codec, w, n, peer_steps=steps, **kw)
 
 
 def _io_bytes(op: str, codec, peers: int, n: int) -> int:
@@ -70,8 +114,10 @@ def _default(op: str, codec, peers: int, n: int) -> pk.BlockConfig:
     return decode_sum_kernel.default_config(codec, peers, n, reencode=op != "decode_sum")
 
 
-def candidates(args) -> list[pk.BlockConfig]:
-    """The grid of launches, minus the ones `BlockConfig` refuses."""
+def candidates(args) -> list:
+    """The grid of launches, minus the ones `BlockConfig` (`MosaicLaunch`) refuses."""
+    if args.backend == "mosaic":
+        return _mosaic_candidates(args)
     out = []
     grid = itertools.product(args.groups, args.warps, args.tiles, args.dots, args.per_peer)
     for groups, warps, tiles, dot, per_peer in grid:
@@ -84,7 +130,24 @@ def candidates(args) -> list[pk.BlockConfig]:
     return out
 
 
-def _label(config: pk.BlockConfig) -> str:
+def _mosaic_candidates(args) -> list[MosaicCandidate]:
+    out = []
+    peer_steps = args.peer_steps if args.op in ("decode_sum", "decode_sum_reencode") else [0]
+    for tiles, steps, slots, by_peer in itertools.product(
+        args.tiles, args.steps, args.store_slots, peer_steps
+    ):
+        try:
+            out.append(MosaicCandidate(MosaicLaunch(tiles, steps, slots), bool(by_peer)))
+        except ValueError as error:
+            print(f"skipped: {error}")
+    return out
+
+
+def _label(config) -> str:
+    if isinstance(config, MosaicCandidate):
+        launch = config.launch
+        return (f"tiles={launch.tiles_per_program} steps={launch.steps_in_flight} "
+                f"slots={launch.store_slots}" + " peer-steps" * config.peer_steps)  # fmt: skip
     return (f"groups={config.groups_per_tile} warps={config.num_warps} "
             f"tiles={config.tiles_per_program} dot={config.hadamard_dot}"
             + " per-peer" * config.hadamard_per_peer)  # fmt: skip
@@ -119,12 +182,14 @@ def run(args) -> dict:
         copy_s = in_program_seconds(jax.jit(jnp.negative), [(c,) for c in copy_inputs], args.calls)
         default = None  # the default launch's output bytes, from the first row
         configs = [("default", None)] + [(_label(c), c) for c in candidates(args)]
+        if args.backend == "mosaic":  # the Mosaic default is the reference; Triton's, timed
+            configs = [("default", "mosaic"), (TRITON_DEFAULT, TRITON_DEFAULT), *configs[1:]]
         for label, config in configs:
             fn = jax.jit(_op(args.op, codec, n, config, args.interpret))
             try:
                 out = np.asarray(fn(inputs[0])).view(np.uint8)
             except Exception as error:  # a launch the compiler refuses (e.g. shared memory)
-                if config is None:
+                if label == "default":
                     raise  # the default launch is the reference every row is compared with
                 print(f"{size_mib:7.0f} MiB {label:36s} failed: {error!r}"[:300], flush=True)
                 continue
@@ -132,10 +197,9 @@ def run(args) -> dict:
             same = bool(np.array_equal(out, default))
             differing, largest = _difference(args.op, out, default)
             seconds = in_program_seconds(fn, [(i,) for i in inputs], args.calls)
-            config_of = config or _default(args.op, codec, args.peers, n)
-            label = label if config else f"default ({_label(config_of)})"
+            config_of, label = _described(args, codec, n, label, config)
             rows.append(dict(bytes=int(size_mib * MiB), peers=args.peers, label=label,
-                             config=dataclasses.asdict(config_of), seconds=seconds,
+                             config=config_of, seconds=seconds,
                              copy_seconds=copy_s, tbps=io_bytes / seconds / 1e12,
                              of_copy=copy_s / seconds, equal_to_default=same,
                              differing_fraction=differing,
@@ -143,7 +207,18 @@ def run(args) -> dict:
             print(f"{size_mib:7.0f} MiB {label:36s} {seconds * 1e3:7.3f} ms "
                   f"{rows[-1]['tbps']:5.2f} TB/s {rows[-1]['of_copy']:4.0%} of copy "
                   f"same={same}", flush=True)  # fmt: skip
-    return {"op": args.op, "codec": args.codec, "rows": rows, "calls_per_program": args.calls}
+    return {"op": args.op, "codec": args.codec, "backend": args.backend, "rows": rows,
+            "calls_per_program": args.calls}  # fmt: skip
+
+
+def _described(args, codec, n: int, label: str, config) -> tuple[dict | None, str]:
+    """A row's launch as a dict (None: the Mosaic default, chosen inside the kernel) and label."""
+    if config == "mosaic":
+        return None, "default (Mosaic)"
+    if config is None or config == TRITON_DEFAULT:
+        triton = _default(args.op, codec, args.peers, n)
+        return dataclasses.asdict(triton), f"{label} ({_label(triton)})"
+    return dataclasses.asdict(config), label
 
 
 def main() -> None:
@@ -170,6 +245,13 @@ def main() -> None:
         choices=(0, 1),
         help="decode-sum: 1 = the Hadamard per peer (BlockConfig.hadamard_per_peer)",
     )
+    parser.add_argument("--backend", choices=("triton", "mosaic"), default="triton")
+    parser.add_argument("--steps", type=int, nargs="+", default=[3],
+                        help="Mosaic: pipeline steps in flight")  # fmt: skip
+    parser.add_argument("--store-slots", type=int, nargs="+", default=[2],
+                        help="Mosaic: output slots")  # fmt: skip
+    parser.add_argument("--peer-steps", type=int, nargs="+", default=[0], choices=(0, 1),
+                        help="Mosaic sums: 1 = one peer's tile a pipeline step")  # fmt: skip
     parser.add_argument("--calls", type=int, default=8)
     parser.add_argument(
         "--interpret", action="store_true", help="Pallas' CPU interpreter (a check)"
