@@ -70,9 +70,11 @@ def _op(op: str, codec, n: int, config, interpret: bool):
     """The op on its input (x[P, n] bf16 for encode, else wire[P, B]) with launch `config`."""
     if isinstance(config, MosaicCandidate) or config == "mosaic":
         return _mosaic_op(op, codec, n, config, interpret)
-    kw = dict(config=None if config == TRITON_DEFAULT else config, interpret=interpret)
+    # backend="triton": "auto" would take the Mosaic kernels for large `taco` messages.
+    kw = dict(config=None if config == TRITON_DEFAULT else config, interpret=interpret,
+              backend="triton")  # fmt: skip
     if op == "encode":
-        return lambda x: pk.encode(codec, x, backend="triton", **kw)
+        return lambda x: pk.encode(codec, x, **kw)
     if op == "decode":
         return lambda w: pk.decode(codec, w, n, jnp.bfloat16, **kw)
     if op == "decode_sum":
