@@ -48,7 +48,7 @@ from pallas_kernels import (
     encode_kernel,
     encode_mosaic,
 )
-from pallas_kernels.config import MosaicLaunch
+from pallas_kernels.config import MOSAIC_GROUPS_PER_TILE, MosaicLaunch, mosaic_launch
 from taco_jax import codecs
 
 MiB = 1 << 20
@@ -57,22 +57,20 @@ OPS = ("encode", "decode", "decode_sum", "decode_sum_reencode")
 
 @dataclasses.dataclass(frozen=True)
 class MosaicCandidate:
-    """A launch of the Mosaic GPU kernels; `peer_steps` for the sums (`decode_mosaic`)."""
+    """A launch of the Mosaic GPU kernels (None: the kernel's default) and, for the sums,
+    whether a pipeline step holds one peer's tile (`decode_mosaic`'s `peer_steps`)."""
 
-    launch: MosaicLaunch
+    launch: MosaicLaunch | None = None
     peer_steps: bool = False
 
 
-TRITON_DEFAULT = "triton default"  # the Triton kernel's own launch, beside a Mosaic sweep
-
-
 def _op(op: str, codec, n: int, config, interpret: bool):
-    """The op on its input (x[P, n] bf16 for encode, else wire[P, B]) with launch `config`."""
-    if isinstance(config, MosaicCandidate) or config == "mosaic":
+    """The op on its input (x[P, n] bf16 for encode, else wire[P, B]) with launch `config`
+    (a `MosaicCandidate`, else a Triton `BlockConfig`; None: the Triton default)."""
+    if isinstance(config, MosaicCandidate):
         return _mosaic_op(op, codec, n, config, interpret)
     # backend="triton": "auto" would take the Mosaic kernels for large `taco` messages.
-    kw = dict(config=None if config == TRITON_DEFAULT else config, interpret=interpret,
-              backend="triton")  # fmt: skip
+    kw = dict(config=config, interpret=interpret, backend="triton")
     if op == "encode":
         return lambda x: pk.encode(codec, x, **kw)
     if op == "decode":
@@ -82,18 +80,17 @@ def _op(op: str, codec, n: int, config, interpret: bool):
     return lambda w: pk.decode_sum_reencode(codec, w, n, **kw)
 
 
-def _mosaic_op(op: str, codec, n: int, config, interpret: bool):
-    """The Mosaic GPU kernel of `op` with `config`'s launch ("mosaic": the default launch)."""
-    launch, steps = (config.launch, config.peer_steps) if config != "mosaic" else (None, False)
-    kw = dict(launch=launch, interpret=interpret)
+def _mosaic_op(op: str, codec, n: int, config: MosaicCandidate, interpret: bool):
+    """The Mosaic GPU kernel of `op` with `config`'s launch."""
+    kw = dict(launch=config.launch, interpret=interpret)
     if op == "encode":
         return lambda x: encode_mosaic.encode(codec, x, **kw)
     if op == "decode":
         return lambda w: decode_mosaic.decode(codec, w, n, jnp.bfloat16, **kw)
+    kw["peer_steps"] = config.peer_steps
     if op == "decode_sum":
-        return lambda w: decode_mosaic.decode_sum(codec, w, n, jnp.bfloat16, peer_steps=steps,
-                                                  **kw)  # fmt: skip
-    return lambda w: decode_mosaic.decode_sum_reencode(codec, w, n, peer_steps=steps, **kw)
+        return lambda w: decode_mosaic.decode_sum(codec, w, n, jnp.bfloat16, **kw)
+    return lambda w: decode_mosaic.decode_sum_reencode(codec, w, n, **kw)
 
 
 def _io_bytes(op: str, codec, peers: int, n: int) -> int:
@@ -117,7 +114,8 @@ def _default(op: str, codec, peers: int, n: int) -> pk.BlockConfig:
 
 
 def candidates(args) -> list:
-    """The grid of launches, minus the ones `BlockConfig` (`MosaicLaunch`) refuses."""
+    """The grid of launches, minus the ones `BlockConfig` (`MosaicLaunch`) refuses; the Mosaic
+    kernels refuse the rest (tiles that do not divide a row, shared memory) when traced."""
     if args.backend == "mosaic":
         return _mosaic_candidates(args)
     out = []
@@ -133,23 +131,37 @@ def candidates(args) -> list:
 
 
 def _mosaic_candidates(args) -> list[MosaicCandidate]:
+    """`MosaicLaunch`es over tiles x steps x store slots (x peer steps for the sums), without
+    those with more steps in flight than a program has steps (the pipeline would run fewer
+    than the label says)."""
     out = []
-    peer_steps = args.peer_steps if args.op in ("decode_sum", "decode_sum_reencode") else [0]
-    for tiles, steps, slots, by_peer in itertools.product(
-        args.tiles, args.steps, args.store_slots, peer_steps
+    for tiles, steps, slots, peer_steps in itertools.product(
+        args.tiles, args.steps, args.store_slots, _peer_steps(args)
     ):
+        program_steps = tiles * (args.peers if peer_steps else 1)
+        if steps > program_steps:
+            print(f"skipped: {steps} steps in flight, {program_steps} steps a program")
+            continue
         try:
-            out.append(MosaicCandidate(MosaicLaunch(tiles, steps, slots), bool(by_peer)))
+            out.append(MosaicCandidate(MosaicLaunch(tiles, steps, slots), bool(peer_steps)))
         except ValueError as error:
             print(f"skipped: {error}")
     return out
 
 
+def _peer_steps(args) -> list[int]:
+    return args.peer_steps if args.op in ("decode_sum", "decode_sum_reencode") else [0]
+
+
 def _label(config) -> str:
+    """A launch in a few words (a `MosaicCandidate` or a Triton `BlockConfig`)."""
     if isinstance(config, MosaicCandidate):
+        peer_steps = " peer-steps" * config.peer_steps
+        if config.launch is None:
+            return "default" + peer_steps
         launch = config.launch
         return (f"tiles={launch.tiles_per_program} steps={launch.steps_in_flight} "
-                f"slots={launch.store_slots}" + " peer-steps" * config.peer_steps)  # fmt: skip
+                f"slots={launch.store_slots}" + peer_steps)  # fmt: skip
     return (f"groups={config.groups_per_tile} warps={config.num_warps} "
             f"tiles={config.tiles_per_program} dot={config.hadamard_dot}"
             + " per-peer" * config.hadamard_per_peer)  # fmt: skip
@@ -183,17 +195,15 @@ def run(args) -> dict:
         copy_inputs = [jnp.full((io_bytes // 4,), i, jnp.bfloat16) for i in (1, 2)]
         copy_s = in_program_seconds(jax.jit(jnp.negative), [(c,) for c in copy_inputs], args.calls)
         default = None  # the default launch's output bytes, from the first row
-        configs = [("default", None)] + [(_label(c), c) for c in candidates(args)]
-        if args.backend == "mosaic":  # the Mosaic default is the reference; Triton's, timed
-            configs = [("default", "mosaic"), (TRITON_DEFAULT, TRITON_DEFAULT), *configs[1:]]
-        for label, config in configs:
+        configs = _reference_rows(args) + [(_label(c), c) for c in candidates(args)]
+        for index, (label, config) in enumerate(configs):
             fn = jax.jit(_op(args.op, codec, n, config, args.interpret))
             try:
                 out = np.asarray(fn(inputs[0])).view(np.uint8)
             except Exception as error:  # a launch the compiler refuses (e.g. shared memory)
-                if label == "default":
+                if index == 0:
                     raise  # the default launch is the reference every row is compared with
-                print(f"{size_mib:7.0f} MiB {label:36s} failed: {error!r}"[:300], flush=True)
+                print(f"{size_mib:7.0f} MiB {label:44s} failed: {error!r}"[:300], flush=True)
                 continue
             default = out if default is None else default
             same = bool(np.array_equal(out, default))
@@ -206,20 +216,36 @@ def run(args) -> dict:
                              of_copy=copy_s / seconds, equal_to_default=same,
                              differing_fraction=differing,
                              max_difference_over_rms=largest))  # fmt: skip
-            print(f"{size_mib:7.0f} MiB {label:36s} {seconds * 1e3:7.3f} ms "
+            print(f"{size_mib:7.0f} MiB {label:44s} {seconds * 1e3:7.3f} ms "
                   f"{rows[-1]['tbps']:5.2f} TB/s {rows[-1]['of_copy']:4.0%} of copy "
                   f"same={same}", flush=True)  # fmt: skip
-    return {"op": args.op, "codec": args.codec, "backend": args.backend, "rows": rows,
+    return {"op": args.op, "codec": args.codec, "kernel_backend": args.backend, "rows": rows,
             "calls_per_program": args.calls}  # fmt: skip
 
 
-def _described(args, codec, n: int, label: str, config) -> tuple[dict | None, str]:
-    """A row's launch as a dict (None: the Mosaic default, chosen inside the kernel) and label."""
-    if config == "mosaic":
-        return None, "default (Mosaic)"
-    if config is None or config == TRITON_DEFAULT:
+def _reference_rows(args) -> list[tuple[str, object]]:
+    """The default launches a sweep starts with; the first is what every row is compared with.
+    A Mosaic sweep times the Triton kernel's default beside (and, for the sums, the Mosaic
+    default with peer steps)."""
+    if args.backend == "triton":
+        return [("default", None)]
+    rows = [("Mosaic default", MosaicCandidate()), ("Triton default", None)]
+    if 1 in _peer_steps(args):
+        rows.append(("Mosaic default peer-steps", MosaicCandidate(peer_steps=True)))
+    return rows
+
+
+def _described(args, codec, n: int, label: str, config) -> tuple[dict, str]:
+    """A row's launch as a dict, and its label with the default launches spelled out (the
+    Mosaic default's tiles per program; its steps in flight are fit to shared memory)."""
+    if config is None:
         triton = _default(args.op, codec, args.peers, n)
         return dataclasses.asdict(triton), f"{label} ({_label(triton)})"
+    if isinstance(config, MosaicCandidate) and config.launch is None:
+        rows = 1 if args.op in ("decode_sum", "decode_sum_reencode") else args.peers
+        tiles = mosaic_launch(rows, n // codec.group_size // MOSAIC_GROUPS_PER_TILE)
+        described = dict(tiles_per_program=tiles.tiles_per_program, peer_steps=config.peer_steps)
+        return described, f"{label} (tiles={tiles.tiles_per_program})"
     return dataclasses.asdict(config), label
 
 
@@ -235,10 +261,13 @@ def main() -> None:
         default=[64, 1024],
         help="bf16 bytes of the [peers, n] input (encode) or of what was encoded",
     )
-    parser.add_argument("--groups", type=int, nargs="+", default=[32, 64], help="groups per tile")
-    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--groups", type=int, nargs="+", default=[32, 64],
+                        help="Triton: groups per tile")  # fmt: skip
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="Triton")
     parser.add_argument("--tiles", type=int, nargs="+", default=[1, 2], help="tiles per program")
-    parser.add_argument("--dots", type=int, nargs="+", default=[16], help="Hadamard dot columns")
+    parser.add_argument(
+        "--dots", type=int, nargs="+", default=[16], help="Triton: Hadamard dot columns"
+    )
     parser.add_argument(
         "--per-peer",
         type=int,
