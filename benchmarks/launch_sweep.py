@@ -53,6 +53,7 @@ from taco_jax import codecs
 
 MiB = 1 << 20
 OPS = ("encode", "decode", "decode_sum", "decode_sum_reencode")
+SUM_OPS = ("decode_sum", "decode_sum_reencode")  # one output row; the Mosaic ones take peer steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +151,7 @@ def _mosaic_candidates(args) -> list[MosaicCandidate]:
 
 
 def _peer_steps(args) -> list[int]:
-    return args.peer_steps if args.op in ("decode_sum", "decode_sum_reencode") else [0]
+    return args.peer_steps if args.op in SUM_OPS else [0]
 
 
 def _label(config) -> str:
@@ -242,7 +243,7 @@ def _described(args, codec, n: int, label: str, config) -> tuple[dict, str]:
         triton = _default(args.op, codec, args.peers, n)
         return dataclasses.asdict(triton), f"{label} ({_label(triton)})"
     if isinstance(config, MosaicCandidate) and config.launch is None:
-        rows = 1 if args.op in ("decode_sum", "decode_sum_reencode") else args.peers
+        rows = 1 if args.op in SUM_OPS else args.peers
         tiles = mosaic_launch(rows, n // codec.group_size // MOSAIC_GROUPS_PER_TILE)
         described = dict(tiles_per_program=tiles.tiles_per_program, peer_steps=config.peer_steps)
         return described, f"{label} (tiles={tiles.tiles_per_program})"
