@@ -244,7 +244,9 @@ def _described(args, codec, n: int, label: str, config) -> tuple[dict, str]:
         return dataclasses.asdict(triton), f"{label} ({_label(triton)})"
     if isinstance(config, MosaicCandidate) and config.launch is None:
         rows = 1 if args.op in SUM_OPS else args.peers
-        tiles = mosaic_launch(rows, n // codec.group_size // MOSAIC_GROUPS_PER_TILE)
+        tiles_per_row = n // codec.group_size // MOSAIC_GROUPS_PER_TILE
+        default_of = encode_mosaic.default_launch if args.op == "encode" else mosaic_launch
+        tiles = default_of(rows, tiles_per_row)
         described = dict(tiles_per_program=tiles.tiles_per_program, peer_steps=config.peer_steps)
         return described, f"{label} (tiles={tiles.tiles_per_program})"
     return dataclasses.asdict(config), label

@@ -10,7 +10,7 @@ behind the choice: docs/development_history.md):
   CPU in interpret mode (CI). jax 0.11 deprecates this lowering (a DeprecationWarning when
   lowered for a GPU; 0.12 still warns, and interpret mode does not); it is kept while it is the
   fastest path for these kernels and the only one whose CPU interpret mode runs them.
-- Mosaic GPU (`plgpu.kernel`, below) for the `taco` encode of bf16 on Hopper from 64 MiB
+- Mosaic GPU (`plgpu.kernel`, below) for the `taco` encode of bf16 on Hopper from 24 MiB
   (`encode_mosaic`): there the Triton lowering spends a fifth of the time moving each tile
   between the dot's register and shared-memory layouts, while TMA-staged tiles that wgmma reads
   in place stream at copy speed. `plgpu.kernel` batches under `vmap` by adding a grid axis. Its
@@ -156,6 +156,11 @@ def hopper_gpu() -> bool:
     if jax.default_backend() != "gpu":
         return False
     return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+
+
+def hopper_sms() -> int | None:
+    """The default device's SMs where it is a Hopper GPU that says (None elsewhere)."""
+    return getattr(jax.devices()[0], "core_count", None) if hopper_gpu() else None
 
 
 def _swizzle(dtype) -> tuple:

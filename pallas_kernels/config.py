@@ -208,16 +208,19 @@ class MosaicLaunch:
             raise ValueError(f"{self} needs >= 1 tile, step in flight and store slot")
 
 
-# Mosaic GPU encode (`encode_mosaic`): a program pipelines up to MOSAIC_TILES_PER_PROGRAM tiles of
-# 64 groups with MOSAIC_STEPS_IN_FLIGHT TMA stages, fewer when the call is too small to give
-# every SM ~2 programs (longer programs starve a 64 MiB call).
+# Mosaic GPU kernels (`encode_mosaic`, `decode_mosaic`): a program pipelines up to
+# MOSAIC_TILES_PER_PROGRAM tiles of 64 groups with MOSAIC_STEPS_IN_FLIGHT TMA stages, fewer when
+# the call is too small to fill the GPU (`mosaic_encode_launch`, `mosaic_launch`).
 MOSAIC_GROUPS_PER_TILE = 64  # one wgmma M block of a warpgroup
 MOSAIC_TILES_PER_PROGRAM = 16
 MOSAIC_STEPS_IN_FLIGHT = 3
 MOSAIC_MIN_PROGRAMS = 256
-# "auto" takes the Mosaic encode from this many tiles (64 MiB of bf16): below it, one-tile
-# programs each stage the 32 KiB sign matrix and the Triton encode is faster (BENCHMARKS.md).
-MOSAIC_MIN_TILES = MOSAIC_TILES_PER_PROGRAM * MOSAIC_MIN_PROGRAMS
+# "auto" takes the Mosaic encode from this many tiles (24 MiB of bf16). Its speed over
+# Triton's (Triton's time / its own, same run), `taco`, 8 rows, one H200, three runs
+# (`launch_sweep-2026-12-03-wave-r*.json`): 0.85-1.07 at 12 MiB (each program stages the 32 KiB
+# sign matrix for 3 tiles), 0.98-1.03 at 16 MiB, 1.08-1.11 at 24, 0.97-1.05 at 32, 1.07-1.09
+# at 48, 1.08-1.09 at 64 MiB; `int8_hadamard`, one run: 0.98 at 16, 1.11-1.17 from 24 MiB.
+MOSAIC_MIN_TILES = 1536
 # ... and only for the codecs measured faster and checked on a GPU through it: `taco`, and
 # `int8_hadamard` (91% of the copy at 256 MiB against Triton's 77%, 65 against 61% at 16 MiB).
 # The codecs without a Hadamard (`fp8`, `int8`) measured faster on Triton at every size but
@@ -226,13 +229,44 @@ MOSAIC_ENCODE_CODECS = ("taco", "int8_hadamard")
 
 
 def mosaic_launch(rows: int, tiles_per_row: int) -> MosaicLaunch:
-    """The Mosaic kernels' launch for `rows` rows of `tiles_per_row` tiles (`decode_mosaic`
-    then fits its steps in flight to shared memory)."""
+    """The Mosaic decodes' launch for `rows` rows of `tiles_per_row` tiles (`decode_mosaic`
+    then fits its steps in flight to shared memory; the encode: `mosaic_encode_launch`)."""
     per_program = MOSAIC_TILES_PER_PROGRAM
     while per_program > 1 and (
         tiles_per_row % per_program or rows * tiles_per_row // per_program < MOSAIC_MIN_PROGRAMS
     ):
         per_program //= 2
+    return MosaicLaunch(per_program, min(MOSAIC_STEPS_IN_FLIGHT, per_program))
+
+
+# The Mosaic encode's grid is sized in waves: a Hopper SM runs two encode programs at once (97 KiB
+# of shared memory each with three steps in flight; a fourth step leaves room for one, and
+# measured 15-25 points slower), a grid whose last wave leaves SMs idle loses more than shorter
+# programs cost, and among full waves longer programs win (each stages the 32 KiB sign matrix
+# and fills its pipeline: ~0.4 of a tile's time, fit to 64 MiB below). `taco`, 8 rows, one H200,
+# % of a copy, three runs (docs/development_history.md, "Where the Mosaic encode starts"): at
+# 48 MiB 384 programs of 8 tiles (1.45 waves) 74-86%, 768 of 4 (2.9 waves) 83-94%; at 24 MiB
+# 192 of 8 (0.73) 67%, 384 of 4 (1.45) 71-73%; at 64 MiB, whole waves, 256 programs of 16 tiles
+# 91-92%, 512 of 8 87-89%, 1024 of 4 85-86%.
+HOPPER_SMS = 132  # H100 / H200 SXM, where the device does not say (the CPU interpreter)
+MOSAIC_ENCODE_PROGRAMS_PER_SM = 2
+MOSAIC_PROGRAM_OVERHEAD_TILES = 0.4
+
+
+def mosaic_encode_launch(rows: int, tiles_per_row: int, sms: int = HOPPER_SMS) -> MosaicLaunch:
+    """The Mosaic encode's launch: of the program lengths (at most MOSAIC_TILES_PER_PROGRAM
+    tiles, dividing a row), the one of most estimated throughput, the fill of the grid's last
+    wave of `sms * MOSAIC_ENCODE_PROGRAMS_PER_SM` programs times the share of a program's time
+    spent on tiles, t / (t + MOSAIC_PROGRAM_OVERHEAD_TILES); ties to the longer."""
+    at_once = sms * MOSAIC_ENCODE_PROGRAMS_PER_SM
+
+    def throughput(per_program: int) -> float:
+        programs = rows * tiles_per_row // per_program
+        fill = programs / (cdiv(programs, at_once) * at_once)
+        return fill * per_program / (per_program + MOSAIC_PROGRAM_OVERHEAD_TILES)
+
+    lengths = [t for t in range(MOSAIC_TILES_PER_PROGRAM, 0, -1) if tiles_per_row % t == 0]
+    per_program = max(lengths, key=throughput)
     return MosaicLaunch(per_program, min(MOSAIC_STEPS_IN_FLIGHT, per_program))
 
 

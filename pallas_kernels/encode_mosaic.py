@@ -31,11 +31,12 @@ from jax import lax
 
 from pallas_kernels import _pallas
 from pallas_kernels.config import (
+    HOPPER_SMS,
     MOSAIC_ENCODE_CODECS,
     MOSAIC_GROUPS_PER_TILE,
     MOSAIC_MIN_TILES,
     MosaicLaunch,
-    mosaic_launch,
+    mosaic_encode_launch,
 )
 from taco_jax import codecs
 from taco_jax.codecs import Codec
@@ -91,14 +92,14 @@ def encode(
 
     interpret: run in Mosaic GPU's CPU interpreter (tests). It does not alias `RefUnion`
       members, so there the side sections are not written: only the codes are meaningful.
-    launch: tiles per program and pipeline steps in flight; default `mosaic_launch`.
+    launch: tiles per program and pipeline steps in flight; default `default_launch`.
     """
     reason = unsupported(codec, x, need_hopper=not interpret)
     if reason is not None:
         raise ValueError(f"the Mosaic GPU encode cannot take {reason}")
     rows, n = x.shape
     groups = n // GROUP_SIZE
-    launch = launch or mosaic_launch(rows, groups // _TILE)
+    launch = launch or default_launch(rows, groups // _TILE)
     tiles_per_program = launch.tiles_per_program
     if (groups // _TILE) % tiles_per_program:
         raise ValueError(f"{tiles_per_program=} must divide the {groups // _TILE} tiles of a row")
@@ -124,6 +125,12 @@ def encode(
         interpret=interpret,
     )
     return wire.reshape(rows, wire_rows * ROW_BYTES)
+
+
+def default_launch(rows: int, tiles_per_row: int) -> MosaicLaunch:
+    """`config.mosaic_encode_launch` for this device's SMs. Under `jax.vmap` the grid is that
+    many times larger than the per-example shape this sees (an emulated TP group's ranks)."""
+    return mosaic_encode_launch(rows, tiles_per_row, _pallas.hopper_sms() or HOPPER_SMS)
 
 
 def dot_operand(codec: Codec) -> jax.Array:

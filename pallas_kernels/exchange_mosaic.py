@@ -46,7 +46,7 @@ MAX_PROGRAMS = 128
 
 def max_programs() -> int:
     """MAX_PROGRAMS, or fewer on a GPU with fewer SMs (one resident program per SM)."""
-    sms = getattr(jax.devices()[0], "core_count", None) if _pallas.hopper_gpu() else None
+    sms = _pallas.hopper_sms()
     return min(MAX_PROGRAMS, sms) if sms else MAX_PROGRAMS
 
 

@@ -23,8 +23,10 @@ from pallas_kernels import _pallas, encode_mosaic
 from pallas_kernels.config import (
     MOSAIC_MIN_PROGRAMS,
     MOSAIC_MIN_TILES,
+    MOSAIC_STEPS_IN_FLIGHT,
     MOSAIC_TILES_PER_PROGRAM,
     MosaicLaunch,
+    mosaic_encode_launch,
     mosaic_launch,
 )
 from taco_jax import codecs
@@ -112,6 +114,34 @@ def test_mosaic_launch_divides_rows_and_fills_the_gpu(rows, tiles_per_row):
 
 
 @pytest.mark.parametrize(
+    "rows,tiles_per_row,per_program",
+    [
+        (8, 128, 4),  # 16 MiB: 256 programs, one wave of 264
+        (8, 192, 6),  # 24 MiB: 4 tiles would make 384 programs (1.45 waves)
+        (8, 384, 12),  # 48 MiB: 8 tiles would make 384 programs
+        (8, 512, 16),  # 64 MiB: the longest programs, 256 of them
+        (8, 768, 12),  # 96 MiB: 512 programs of 12 tiles (0.97 of two waves), not 384 of 16
+        (3, 12, 1),  # under a wave: the most programs
+        (1, 7, 1),  # a prime number of tiles
+    ],
+)
+def test_mosaic_encode_launch_fills_its_last_wave(rows, tiles_per_row, per_program):
+    """On 132 SMs (264 programs at once): whole waves, and the longest programs among them.
+    Expected by hand from the rule's estimate, fill x t / (t + 0.4): e.g. 24 MiB, 6 tiles:
+    256 / 264 x 6 / 6.4 = 0.91 against 4 tiles' 384 / 528 x 4 / 4.4 = 0.66."""
+    launch = mosaic_encode_launch(rows, tiles_per_row, sms=132)
+    assert launch.tiles_per_program == per_program
+    assert launch.steps_in_flight == min(MOSAIC_STEPS_IN_FLIGHT, per_program)
+
+
+def test_mosaic_encode_launch_follows_the_sms():
+    """114 SMs (an H100 PCIe: 228 at once) move the waves. 24 MiB of 8 rows, by hand:
+    6 tiles 256 / 456 x 6 / 6.4 = 0.53, 4 tiles 384 / 456 x 4 / 4.4 = 0.77, 8 tiles
+    192 / 228 x 8 / 8.4 = 0.80 (the most), 1 tile 1536 / 1596 x 1 / 1.4 = 0.69."""
+    assert mosaic_encode_launch(8, 192, sms=114).tiles_per_program == 8
+
+
+@pytest.mark.parametrize(
     "rows,tiles,launch",
     [
         (1, 2, None),
@@ -181,7 +211,7 @@ def assert_encodes_like_reference(codec, x, wire):
 @pytest.mark.parametrize(
     "name", ["taco", "taco_e5m2", "taco_no_ds", "fp8", "int8", "int8_hadamard"]
 )
-@pytest.mark.parametrize("rows,tiles", [(3, 4), (3, 12), (8, 64), (8, 512)])
+@pytest.mark.parametrize("rows,tiles", [(3, 4), (3, 12), (8, 64), (8, 192), (8, 384), (8, 512)])
 def test_matches_reference_on_fresh_data(name, rows, tiles):
     codec = codecs.get_codec(name, 128)
     for seed in range(2):  # two inputs in a row: see the module docstring on unwritten bytes
