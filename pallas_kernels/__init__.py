@@ -13,7 +13,7 @@ Each op takes `backend=`: "triton" (`pl.pallas_call` on the Triton lowering: eve
 shape, interpret mode on the CPU), "mosaic" (Mosaic GPU on Hopper, for the codecs of 8-bit codes:
 `encode_mosaic`, `decode_mosaic`; their CPU interpreter runs them too, codes only), or "auto",
 the default: Mosaic where it measured faster (the encodes of `taco` and `int8_hadamard` from
-64 MiB of bf16, the decode of `taco` from 32 MiB; why: `_pallas.py`, the table:
+24 MiB of bf16, the decode of `taco` from 32 MiB; why: `_pallas.py`, the table:
 `config.py`), Triton elsewhere. All work under `jax.vmap` and inside `jax.shard_map`.
 
 This package imports the codec definitions (`taco_jax.codecs`, `taco_jax.tahquant`) and nothing

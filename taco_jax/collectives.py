@@ -38,7 +38,7 @@ MAX_SLICES = 16
 # "fused": one-shot, with the exchange done by the encode kernel itself, which stores the codes
 # straight into every peer's memory (`pallas_kernels.exchange_mosaic`; Hopper GPUs on NVLink
 # under shard_map, codec `taco`, bf16); the same arithmetic as "one_shot" (the same codes from
-# 64 MiB, where one-shot's encode is the same Mosaic kernel; below, Triton's codes may differ at
+# 24 MiB, where one-shot's encode is the same Mosaic kernel; below, Triton's codes may differ at
 # rounding ties), which runs wherever the fused kernel cannot (`policy.choose`).
 ALGORITHMS = ("auto", "one_shot", "two_shot", "fused")
 
@@ -381,7 +381,7 @@ def _addressable(
     codec, one row decoded to fp32. The padding is
     taken at its largest (the fused kernels'), so this over-approximates a little. Slices do not
     change a value (each encodes whole groups), except where a slice falls below the Mosaic
-    kernels' thresholds (32-64 MiB of bf16, `pallas_kernels.config`): the Triton encode may round
+    kernels' thresholds (24-32 MiB of bf16, `pallas_kernels.config`): the Triton encode may round
     ties apart, and the Triton decode rounds its fp32 sums in another order.
     Raises ValueError, naming the size, where MAX_SLICES are not enough."""
     limit = _backends.max_buffer_bytes(cfg.impl)
