@@ -238,7 +238,7 @@ def _reference_rows(args) -> list[tuple[str, object]]:
 
 def _described(args, codec, n: int, label: str, config) -> tuple[dict, str]:
     """A row's launch as a dict, and its label with the default launches spelled out (the
-    Mosaic default's tiles per program; its steps in flight are fit to shared memory)."""
+    Mosaic default's tiles per program; a decode's steps in flight are fit to shared memory)."""
     if config is None:
         triton = _default(args.op, codec, args.peers, n)
         return dataclasses.asdict(triton), f"{label} ({_label(triton)})"
@@ -246,9 +246,9 @@ def _described(args, codec, n: int, label: str, config) -> tuple[dict, str]:
         rows = 1 if args.op in SUM_OPS else args.peers
         tiles_per_row = n // codec.group_size // MOSAIC_GROUPS_PER_TILE
         default_of = encode_mosaic.default_launch if args.op == "encode" else mosaic_launch
-        tiles = default_of(rows, tiles_per_row)
-        described = dict(tiles_per_program=tiles.tiles_per_program, peer_steps=config.peer_steps)
-        return described, f"{label} (tiles={tiles.tiles_per_program})"
+        per_program = default_of(rows, tiles_per_row).tiles_per_program
+        described = dict(tiles_per_program=per_program, peer_steps=config.peer_steps)
+        return described, f"{label} (tiles={per_program})"
     return dataclasses.asdict(config), label
 
 

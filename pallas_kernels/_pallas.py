@@ -159,7 +159,7 @@ def hopper_gpu() -> bool:
 
 
 def hopper_sms() -> int | None:
-    """The default device's SMs where it is a Hopper GPU that says (None elsewhere)."""
+    """The SM count of the default device if it is a Hopper GPU that reports one, else None."""
     return getattr(jax.devices()[0], "core_count", None) if hopper_gpu() else None
 
 

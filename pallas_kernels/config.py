@@ -1,9 +1,10 @@
 """The one launch heuristic of the package: how each kernel splits its rows into programs.
 
-Kept in one table and one function (`block_config`, and `mosaic_launch` for the Mosaic GPU
-encode) rather than pasted into each kernel; each kernel module's `default_config` says which
-row it asks for. The values were chosen by measurement on the H200; the sweeps behind them are
-summarised in docs/development_history.md ("Kernels") and BENCHMARKS.md. What they encode:
+Kept in one table and a few functions (`block_config`; `mosaic_encode_launch` and
+`mosaic_launch` for the Mosaic GPU encode and decodes) rather than pasted into each kernel;
+each kernel module's `default_config` says which row it asks for. The values were chosen by
+measurement on the H200; the sweeps behind them are summarised in docs/development_history.md
+("Kernels") and BENCHMARKS.md. What they encode:
 - kernels that apply the Hadamard dot stage its +-1 block in shared memory once per program, so
   a program walks a few tiles with 4 warps (the 8-bit codes; the sub-byte encodes and the
   decodes of codes over several bit planes measured faster with one tile per program);
@@ -209,23 +210,25 @@ class MosaicLaunch:
 
 
 # Mosaic GPU kernels (`encode_mosaic`, `decode_mosaic`): a program pipelines up to
-# MOSAIC_TILES_PER_PROGRAM tiles of 64 groups with MOSAIC_STEPS_IN_FLIGHT TMA stages, fewer when
-# the call is too small to fill the GPU (`mosaic_encode_launch`, `mosaic_launch`).
+# MOSAIC_TILES_PER_PROGRAM tiles of 64 groups with MOSAIC_STEPS_IN_FLIGHT TMA stages, fewer where
+# longer programs would leave the GPU part-idle (`mosaic_encode_launch`, `mosaic_launch`).
 MOSAIC_GROUPS_PER_TILE = 64  # one wgmma M block of a warpgroup
 MOSAIC_TILES_PER_PROGRAM = 16
 MOSAIC_STEPS_IN_FLIGHT = 3
 MOSAIC_MIN_PROGRAMS = 256
 # "auto" takes the Mosaic encode from this many tiles (24 MiB of bf16). Its speed over
 # Triton's (Triton's time / its own, same run), `taco`, 8 rows, one H200, three runs
-# (`launch_sweep-2026-12-03-wave-r*.json`): 0.85-1.07 at 12 MiB (each program stages the 32 KiB
-# sign matrix for 3 tiles), 0.98-1.03 at 16 MiB, 1.08-1.11 at 24, 0.97-1.05 at 32, 1.07-1.09
-# at 48, 1.08-1.09 at 64 MiB; `int8_hadamard`, one run: 0.98 at 16, 1.11-1.17 from 24 MiB.
-MOSAIC_MIN_TILES = 1536
-# ... and only for the codecs measured faster and checked on a GPU through it: `taco`, and
-# `int8_hadamard` (91% of the copy at 256 MiB against Triton's 77%, 65 against 61% at 16 MiB).
-# The codecs without a Hadamard (`fp8`, `int8`) measured faster on Triton at every size but
-# one (`fp8` at 1 GiB: 120 / 121%, a tie).
-MOSAIC_ENCODE_CODECS = ("taco", "int8_hadamard")
+# (`launch_sweep-2026-12-03-wave-r*.json`; the same launch timed twice in a run differed by up
+# to 10-18%): 0.85-1.07 at 12 MiB (each program stages the 32 KiB sign matrix for 3 tiles),
+# 0.98-1.03 at 16 MiB, 1.08-1.11 at 24, 0.97-1.05 at 32, 1.07-1.09 at 48, 1.08-1.09 at 64,
+# 0.96-1.08 at 96 MiB; `int8_hadamard`, one run: 0.98 at 16, 1.11-1.17 from 24 MiB.
+MOSAIC_MIN_TILES = (24 << 20) // (2 * MOSAIC_GROUPS_PER_TILE * 128)  # 1536 tiles of bf16
+# ... and only for the codecs measured faster and checked on a GPU through it: `taco`,
+# `int8_hadamard` (91% of the copy at 256 MiB against Triton's 77%, 65 against 61% at 16 MiB)
+# and `taco_e5m2` (one run, `kernels-taco_e5m2-2026-12-03.json`: 1.11-1.15x Triton's speed at
+# 24, 64 and 256 MiB). The codecs without a Hadamard (`fp8`, `int8`) measured faster on Triton
+# at every size but one (`fp8` at 1 GiB: 120 / 121%, a tie).
+MOSAIC_ENCODE_CODECS = ("taco", "int8_hadamard", "taco_e5m2")
 
 
 def mosaic_launch(rows: int, tiles_per_row: int) -> MosaicLaunch:
@@ -241,12 +244,15 @@ def mosaic_launch(rows: int, tiles_per_row: int) -> MosaicLaunch:
 
 # The Mosaic encode's grid is sized in waves: a Hopper SM runs two encode programs at once (97 KiB
 # of shared memory each with three steps in flight; a fourth step leaves room for one, and
-# measured 15-25 points slower), a grid whose last wave leaves SMs idle loses more than shorter
+# measured 15-25 points slower; programs of 1-2 tiles need less and may fit more, which the
+# estimate ignores), a grid that leaves its last wave part-empty loses more than shorter
 # programs cost, and among full waves longer programs win (each stages the 32 KiB sign matrix
-# and fills its pipeline: ~0.4 of a tile's time, fit to 64 MiB below). `taco`, 8 rows, one H200,
+# and fills its pipeline: ~0.4 of a tile's time, fit to 64 MiB below). Under one wave the
+# estimate takes the most programs, which measured 10-30% slow at 8-12 MiB, sizes "auto" leaves
+# to Triton. `taco`, 8 rows, one H200,
 # % of a copy, three runs (docs/development_history.md, "Where the Mosaic encode starts"): at
 # 48 MiB 384 programs of 8 tiles (1.45 waves) 74-86%, 768 of 4 (2.9 waves) 83-94%; at 24 MiB
-# 192 of 8 (0.73) 67%, 384 of 4 (1.45) 71-73%; at 64 MiB, whole waves, 256 programs of 16 tiles
+# 192 of 8 (0.73) 66-67%, 384 of 4 (1.45) 71-73%; at 64 MiB, whole waves, 256 programs of 16 tiles
 # 91-92%, 512 of 8 87-89%, 1024 of 4 85-86%.
 HOPPER_SMS = 132  # H100 / H200 SXM, where the device does not say (the CPU interpreter)
 MOSAIC_ENCODE_PROGRAMS_PER_SM = 2
@@ -254,16 +260,16 @@ MOSAIC_PROGRAM_OVERHEAD_TILES = 0.4
 
 
 def mosaic_encode_launch(rows: int, tiles_per_row: int, sms: int = HOPPER_SMS) -> MosaicLaunch:
-    """The Mosaic encode's launch: of the program lengths (at most MOSAIC_TILES_PER_PROGRAM
-    tiles, dividing a row), the one of most estimated throughput, the fill of the grid's last
-    wave of `sms * MOSAIC_ENCODE_PROGRAMS_PER_SM` programs times the share of a program's time
-    spent on tiles, t / (t + MOSAIC_PROGRAM_OVERHEAD_TILES); ties to the longer."""
+    """The Mosaic encode's launch: of the program lengths t (at most MOSAIC_TILES_PER_PROGRAM
+    tiles, dividing a row), the one of most estimated throughput: the grid's occupancy over
+    whole waves of `sms * MOSAIC_ENCODE_PROGRAMS_PER_SM` programs, times the share of a
+    program's time spent on tiles, t / (t + MOSAIC_PROGRAM_OVERHEAD_TILES); ties to the longer."""
     at_once = sms * MOSAIC_ENCODE_PROGRAMS_PER_SM
 
     def throughput(per_program: int) -> float:
         programs = rows * tiles_per_row // per_program
-        fill = programs / (cdiv(programs, at_once) * at_once)
-        return fill * per_program / (per_program + MOSAIC_PROGRAM_OVERHEAD_TILES)
+        occupancy = programs / (cdiv(programs, at_once) * at_once)
+        return occupancy * per_program / (per_program + MOSAIC_PROGRAM_OVERHEAD_TILES)
 
     lengths = [t for t in range(MOSAIC_TILES_PER_PROGRAM, 0, -1) if tiles_per_row % t == 0]
     per_program = max(lengths, key=throughput)
@@ -280,9 +286,10 @@ def mosaic_encode_launch(rows: int, tiles_per_row: int, sms: int = HOPPER_SMS) -
 # (17 MiB of wire: 16 Mi elements at 17 / 16 bytes). From 64 MiB the decode-sum of 8 peers
 # 65-93 against 39-50% (one peer's tile a step, `peer_steps`: 72-87%, ahead at 64 MiB with an
 # fp32 output only) and the re-encode 78-115 against 49-64% (73-97%;
-# `kernels-2026-12-03-peer-steps.json`). Without a Hadamard (`fp8`, `int8`) Triton's decode is
-# the faster at every size.
-MOSAIC_DECODE_CODECS = ("taco",)
+# `kernels-2026-12-03-peer-steps.json`). `taco_e5m2`'s decode, one run
+# (`kernels-taco_e5m2-2026-12-03.json`): 81 / 82% at 24 MiB, 91 / 98 at 64, 99 / 107 at 256 MiB.
+# Without a Hadamard (`fp8`, `int8`) Triton's decode is the faster at every size.
+MOSAIC_DECODE_CODECS = ("taco", "taco_e5m2")
 MOSAIC_DECODE_FROM_BYTES: dict[str, int | None] = {
     "decode": 17 << 20,
     "decode_sum": None,

@@ -128,8 +128,8 @@ def encode(
 
 
 def default_launch(rows: int, tiles_per_row: int) -> MosaicLaunch:
-    """`config.mosaic_encode_launch` for this device's SMs. Under `jax.vmap` the grid is that
-    many times larger than the per-example shape this sees (an emulated TP group's ranks)."""
+    """`config.mosaic_encode_launch` for this device's SMs. Under a `jax.vmap` of B (an emulated
+    TP group's ranks) the grid is B times the one sized here from a batch element's shape."""
     return mosaic_encode_launch(rows, tiles_per_row, _pallas.hopper_sms() or HOPPER_SMS)
 
 

@@ -73,22 +73,27 @@ def test_auto_prefers_mosaic_only_for_large_calls(monkeypatch):
     monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)  # the size rule, on any machine
     codec = codecs.get_codec("taco")
     small = jnp.zeros((8, 2 * TILE_ELEMENTS), jnp.bfloat16)
+    below = jnp.zeros((8, (MOSAIC_MIN_TILES // 8 - 2) * TILE_ELEMENTS), jnp.bfloat16)
     large = jnp.zeros((8, MOSAIC_MIN_TILES // 8 * TILE_ELEMENTS), jnp.bfloat16)
-    assert encode_mosaic.unsupported(codec, small) is None
+    for x in (small, below, large):
+        assert encode_mosaic.unsupported(codec, x) is None
     assert not encode_mosaic.preferred(codec, small)
+    assert not encode_mosaic.preferred(codec, below)  # 16 tiles short (`taco`: pairs a row)
     assert encode_mosaic.preferred(codec, large)
 
 
-@pytest.mark.parametrize("name", ["taco", "int8_hadamard", "fp8", "int8", "taco_e5m2"])
+@pytest.mark.parametrize(
+    "name", ["taco", "int8_hadamard", "taco_e5m2", "fp8", "int8", "taco_no_ds"]
+)
 def test_auto_takes_the_codecs_measured_faster(monkeypatch, name):
     """The codecs with a Hadamard measured faster through Mosaic (BENCHMARKS.md, "Kernels"): a
-    large call of `taco` or `int8_hadamard` takes it, the codecs whose Triton kernel measured
-    faster (`fp8`, `int8`) or not yet measured (`taco_e5m2`) stay on Triton."""
+    large call of `taco`, `int8_hadamard` or `taco_e5m2` takes it, the codecs whose Triton
+    kernel measured faster (`fp8`, `int8`) or not yet measured (`taco_no_ds`) stay on Triton."""
     monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
     codec = codecs.get_codec(name)
     large = jnp.zeros((8, MOSAIC_MIN_TILES // 8 * TILE_ELEMENTS), jnp.bfloat16)
     assert encode_mosaic.unsupported(codec, large) is None
-    assert encode_mosaic.preferred(codec, large) == (name in ("taco", "int8_hadamard"))
+    assert encode_mosaic.preferred(codec, large) == (name in ("taco", "int8_hadamard", "taco_e5m2"))
 
 
 def test_encode_backend_errors_name_the_value():
@@ -125,9 +130,9 @@ def test_mosaic_launch_divides_rows_and_fills_the_gpu(rows, tiles_per_row):
         (1, 7, 1),  # a prime number of tiles
     ],
 )
-def test_mosaic_encode_launch_fills_its_last_wave(rows, tiles_per_row, per_program):
+def test_mosaic_encode_launch_fills_whole_waves(rows, tiles_per_row, per_program):
     """On 132 SMs (264 programs at once): whole waves, and the longest programs among them.
-    Expected by hand from the rule's estimate, fill x t / (t + 0.4): e.g. 24 MiB, 6 tiles:
+    Expected by hand from the rule's estimate, occupancy x t / (t + 0.4): e.g. 24 MiB, 6 tiles:
     256 / 264 x 6 / 6.4 = 0.91 against 4 tiles' 384 / 528 x 4 / 4.4 = 0.66."""
     launch = mosaic_encode_launch(rows, tiles_per_row, sms=132)
     assert launch.tiles_per_program == per_program
@@ -139,6 +144,13 @@ def test_mosaic_encode_launch_follows_the_sms():
     6 tiles 256 / 456 x 6 / 6.4 = 0.53, 4 tiles 384 / 456 x 4 / 4.4 = 0.77, 8 tiles
     192 / 228 x 8 / 8.4 = 0.80 (the most), 1 tile 1536 / 1596 x 1 / 1.4 = 0.69."""
     assert mosaic_encode_launch(8, 192, sms=114).tiles_per_program == 8
+
+
+def test_default_launch_asks_the_device_for_its_sms(monkeypatch):
+    monkeypatch.setattr(_pallas, "hopper_sms", lambda: 114)
+    assert encode_mosaic.default_launch(8, 192).tiles_per_program == 8  # as above
+    monkeypatch.setattr(_pallas, "hopper_sms", lambda: None)  # off Hopper: an H100 / H200's 132
+    assert encode_mosaic.default_launch(8, 192).tiles_per_program == 6
 
 
 @pytest.mark.parametrize(
@@ -211,7 +223,10 @@ def assert_encodes_like_reference(codec, x, wire):
 @pytest.mark.parametrize(
     "name", ["taco", "taco_e5m2", "taco_no_ds", "fp8", "int8", "int8_hadamard"]
 )
-@pytest.mark.parametrize("rows,tiles", [(3, 4), (3, 12), (8, 64), (8, 192), (8, 384), (8, 512)])
+# Default launches of 1, 2, 3, 6, 12, 15 and 16 tiles a program (`mosaic_encode_launch`).
+@pytest.mark.parametrize(
+    "rows,tiles", [(3, 4), (3, 12), (8, 64), (8, 96), (8, 192), (8, 384), (8, 480), (8, 512)]
+)
 def test_matches_reference_on_fresh_data(name, rows, tiles):
     codec = codecs.get_codec(name, 128)
     for seed in range(2):  # two inputs in a row: see the module docstring on unwritten bytes

@@ -253,8 +253,8 @@ def test_fused_exchange_equals_encode_then_the_lax_collective(kind, rows, tiles,
 def test_fused_pair_equals_the_nccl_pair_with_gradients():
     """Reduce-scatter then all-gather (sequence parallelism), forward and backward, through the
     fused exchanges and through NCCL's: the same codes and the same decodes, so bit for bit. The
-    all-gather's input is 1/N of the message: at N x 64 MiB per rank every encode is the Mosaic
-    one (below 64 MiB NCCL's path encodes with Triton, which may differ at rounding ties)."""
+    all-gather's input is 1/N of the message: at N x 24 MiB per rank every encode is the Mosaic
+    one (below 24 MiB NCCL's path encodes with Triton, which may differ at rounding ties)."""
     n = jax.device_count()
     mesh = _mesh(n)
     x = _sharded(mesh, (n * n * MOSAIC_MIN_TILES * TILE,), seed=7)
@@ -276,7 +276,7 @@ def test_fused_pair_equals_the_nccl_pair_with_gradients():
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_fused_psum_equals_one_shot_with_gradients(check_vma):
     """Forward and backward (a psum of the cotangent under check_vma=False), bit for bit, over
-    dependent calls (the semaphores must come back to zero between calls). 64 MiB per rank, so
+    dependent calls (the semaphores must come back to zero between calls). 24 MiB per rank, so
     that one-shot's own encode is the Mosaic one too (Triton's may differ at rounding ties)."""
     n = jax.device_count()
     mesh = _mesh(n)
