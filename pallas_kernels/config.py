@@ -249,11 +249,10 @@ def mosaic_launch(rows: int, tiles_per_row: int) -> MosaicLaunch:
 # programs cost, and among full waves longer programs win (each stages the 32 KiB sign matrix
 # and fills its pipeline: ~0.4 of a tile's time, fit to 64 MiB below). Under one wave the
 # estimate takes the most programs, which measured 10-30% slow at 8-12 MiB, sizes "auto" leaves
-# to Triton. `taco`, 8 rows, one H200,
-# % of a copy, three runs (docs/development_history.md, "Where the Mosaic encode starts"): at
-# 48 MiB 384 programs of 8 tiles (1.45 waves) 74-86%, 768 of 4 (2.9 waves) 83-94%; at 24 MiB
-# 192 of 8 (0.73) 66-67%, 384 of 4 (1.45) 71-73%; at 64 MiB, whole waves, 256 programs of 16 tiles
-# 91-92%, 512 of 8 87-89%, 1024 of 4 85-86%.
+# to Triton. `taco`, 8 rows, one H200, % of a copy, three runs (docs/development_history.md,
+# "Where the Mosaic encode starts"): at 48 MiB 384 programs of 8 tiles (1.45 waves) 74-86%, 768
+# of 4 (2.9 waves) 83-94%; at 24 MiB 192 of 8 (0.73) 66-67%, 384 of 4 (1.45) 71-73%; at 64 MiB,
+# whole waves, 256 programs of 16 tiles 91-92%, 512 of 8 87-89%, 1024 of 4 85-86%.
 HOPPER_SMS = 132  # H100 / H200 SXM, where the device does not say (the CPU interpreter)
 MOSAIC_ENCODE_PROGRAMS_PER_SM = 2
 MOSAIC_PROGRAM_OVERHEAD_TILES = 0.4
