@@ -225,7 +225,8 @@ def check(key):
     return rows
 
 
-MOSAIC_CHECK_CODECS = ("taco", "taco_e8m0", "taco_e5m2", "fp8", "int8", "int8_hadamard")
+MOSAIC_CHECK_CODECS = ("taco", "taco_e8m0", "taco_e5m2", "fp8", "int8", "int8_hadamard",
+                       "int6_hadamard", "int5_hadamard", "int4_hadamard")  # fmt: skip
 
 
 def check_mosaic(key) -> list[dict]:

@@ -316,13 +316,25 @@ def wgmma(a, b_smem, shape):
     return pl.run_scoped(dot, plgpu.ACC(shape, jnp.float32))
 
 
-def wgmma_transposed(a_smem, b_smem, shape, acc_dtype=jnp.float32):
-    """a @ b.T on the tensor cores -> registers of `shape` in `acc_dtype` (fp32, or int32 for
-    INT8 operands). 8-bit operands must be K-major, so the second is read transposed: callers
-    pass a symmetric matrix (the Sylvester signs, for INT8 codes), for which b.T = b."""
+def wgmma_sum(operands, shape):
+    """sum_k a_k @ b_k over (a_k, b_k) in `operands` (as `wgmma`), in one fp32 accumulator."""
 
     def dot(acc_ref):
-        plgpu.wgmma(acc_ref, a_smem, b_smem.T)
+        for a, b_smem in operands:
+            plgpu.wgmma(acc_ref, a, b_smem)
+        return acc_ref[...]
+
+    return pl.run_scoped(dot, plgpu.ACC(shape, jnp.float32))
+
+
+def wgmma_transposed(a, b_smem, shape, acc_dtype=jnp.float32):
+    """a @ b.T on the tensor cores (`a` in shared memory, or bf16 / fp16 registers in the wgmma
+    layout) -> registers of `shape` in `acc_dtype` (fp32, or int32 for INT8 operands). 8-bit
+    operands must be K-major, so the second is read transposed: callers pass a symmetric matrix
+    (the Sylvester signs, for INT8 codes), for which b.T = b, or b stored [N, K]."""
+
+    def dot(acc_ref):
+        plgpu.wgmma(acc_ref, a, b_smem.T)
         return acc_ref[...]
 
     return pl.run_scoped(dot, plgpu.ACC(shape, acc_dtype))
@@ -334,6 +346,11 @@ def load_upcast(smem_ref, dtype):
     shuffle)."""
     narrow = plgpu.load(smem_ref, layout=plgpu.Layout.WGMMA_UPCAST_2X)
     return plgpu.layout_cast(narrow.astype(dtype), plgpu.Layout.WGMMA)
+
+
+def load_tile(smem_ref):
+    """A shared-memory tile (not swizzled) into registers in the wgmma layout."""
+    return plgpu.load(smem_ref, layout=plgpu.Layout.WGMMA)
 
 
 def load_rows(smem_ref):

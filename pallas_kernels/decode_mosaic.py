@@ -45,6 +45,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pallas_kernels import _pallas, encode_mosaic
@@ -65,17 +66,25 @@ ROW_BYTES = encode_mosaic.ROW_BYTES
 _TILE = MOSAIC_GROUPS_PER_TILE
 # The dtype TMA loads each code element as (INT8 codes: also the Hadamard dot's operand).
 CODE_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2, "int8": jnp.int8}
+# Sub-byte codes, read as the uint8 bytes of their bit planes (`_unpack_matrices`).
+PACKED_ELEMENTS = ("int6", "int5", "int4")
 OUT_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
 def unsupported(codec: Codec, n: int, *, reencode: bool = False, need_hopper: bool = True):
     """Why these kernels cannot decode rows of `n` elements coded with `codec` (None: they can).
 
-    reencode: for `decode_sum_reencode`, whose re-encode stores fp32 side sections only."""
+    reencode: for `decode_sum_reencode`, whose re-encode stores fp32 side sections only, of
+      8-bit codes."""
     if codec.group_size != GROUP_SIZE:
         return f"group_size={codec.group_size} (needs {GROUP_SIZE})"
-    if codec.element not in CODE_DTYPES:
-        return f"codec {codec.name!r} (needs 8-bit codes: {', '.join(CODE_DTYPES)})"
+    if codec.element not in CODE_DTYPES and codec.element not in PACKED_ELEMENTS:
+        return (
+            f"codec {codec.name!r} (needs 8-bit codes: {', '.join(CODE_DTYPES)}; or "
+            f"{', '.join(PACKED_ELEMENTS)})"
+        )
+    if reencode and _packed(codec):
+        return f"codec {codec.name!r} (the re-encode needs 8-bit codes)"
     if reencode and codec.scale_format != "fp32":
         return f"codec {codec.name!r} (the re-encode needs fp32 scales)"
     reason = encode_mosaic.unfit_row(codec, n)
@@ -134,13 +143,15 @@ def decode_sum(
 
     peer_steps: one peer's tile per pipeline step, summed in the Hadamard domain and one dot on
       the sum (`_summed_body`), instead of every peer's tile per step and a dot per peer; for
-      codecs with fp32 side sections (ValueError else: `taco_e8m0`'s byte blocks allow one
-      step in flight, `TMA_SMEM_ALIGN`, which would leave peer steps nothing to overlap)."""
+      codecs with fp32 side sections and 8-bit codes (ValueError else: `taco_e8m0`'s byte
+      blocks allow one step in flight, `TMA_SMEM_ALIGN`, which would leave peer steps nothing
+      to overlap)."""
     _check(codec, wire, n, dtype, interpret=interpret)
-    if peer_steps and codec.scale_format != "fp32":
+    if peer_steps and (codec.scale_format != "fp32" or _packed(codec)):
         raise ValueError(
-            f"peer_steps=True takes codecs with fp32 scales, not {codec.name!r} "
-            f"(scale_format={codec.scale_format!r}); use peer_steps=False"
+            f"peer_steps=True takes codecs with fp32 scales and 8-bit codes, not {codec.name!r} "
+            f"(scale_format={codec.scale_format!r}, element={codec.element!r}); use "
+            "peer_steps=False"
         )
     if peer_steps:
         return _summed(codec, wire, n, dtype, interpret=interpret, launch=launch).reshape(n)
@@ -281,16 +292,20 @@ def _launch(codec, launch, rows, tiles_per_row, scratch_of, step_bytes, steps_pe
 def _step_bytes(codec: Codec, n: int, peers: int) -> int:
     """Shared memory of one pipeline step: `peers` tiles of codes and their side values."""
     side_bytes = sum(_TILE * s.width for s in codecs.wire_sections(codec, n))
-    return peers * (_TILE * GROUP_SIZE + side_bytes)
+    return peers * (_TILE * GROUP_SIZE * codec.bits // 8 + side_bytes)
 
 
 def _wire_views(codec: Codec, wire: jax.Array) -> tuple[jax.Array, ...]:
     """The wire rows [R, W] as the kernels read them (bitcasts: no copies): the codes as
-    [R, W / 128, 128] of `CODE_DTYPES`, then one view per side section ([R, W / 4] fp32 for
-    fp32 sections, the bytes [R, W] for E8M0 exponents)."""
+    [R, W / 128, 128] of `CODE_DTYPES` (sub-byte codes: per bit plane of width w the bytes as
+    [R, W / (G w / 8), G w / 8], a group's bytes of it a row), then one view per side section
+    ([R, W / 4] fp32 for fp32 sections, the bytes [R, W] for E8M0 exponents)."""
     rows, width = wire.shape
-    codes = lax.bitcast_convert_type(wire, CODE_DTYPES[codec.element])
-    views = [codes.reshape(rows, width // ROW_BYTES, ROW_BYTES)]
+    if _packed(codec):
+        views = [wire.reshape(rows, width // b, b) for b in _plane_group_bytes(codec)]
+    else:
+        codes = lax.bitcast_convert_type(wire, CODE_DTYPES[codec.element])
+        views = [codes.reshape(rows, width // ROW_BYTES, ROW_BYTES)]
     for _, side_width in codec.side_fields:
         if side_width == 4:
             words = wire.reshape(rows, width // 4, 4)
@@ -313,9 +328,66 @@ def _dot_operands(codec: Codec) -> tuple[jax.Array, ...]:
     """The decode's dot operand: for a codec with a Hadamard the +-1 Sylvester matrix, in the
     type wgmma pairs with the codes (INT8 with INT8 codes, fp16 where FP8 codes are upcast:
     exact); none without (the codes are loaded into registers through fp16: `_decoded`)."""
+    if _packed(codec):
+        return tuple(jnp.asarray(m, jnp.bfloat16) for m in _unpack_matrices(codec))
     if not codec.hadamard:
         return ()
     return (jnp.asarray(codecs.signs_matrix(GROUP_SIZE), _dot_dtype(codec)),)
+
+
+def _dot_count(codec: Codec) -> int:
+    """How many operands `_dot_operands` gives `codec`."""
+    return len(_plane_group_bytes(codec)) if _packed(codec) else int(codec.hadamard)
+
+
+def _packed(codec: Codec) -> bool:
+    return codec.element in PACKED_ELEMENTS
+
+
+def _plane_group_bytes(codec: Codec) -> list[int]:
+    """Bytes of each code plane of `codec` per group: G w / 8."""
+    return [GROUP_SIZE * p.width // 8 for p in codecs.code_planes(codec, GROUP_SIZE)]
+
+
+def _unpack_matrices(codec: Codec) -> list[np.ndarray]:
+    """Per code plane of a sub-byte codec, the [G, G] operand that takes its parts to the
+    Hadamard of the codes: the dot is linear in the parts, so the decode of a tile is
+    sum over planes of parts @ M (exact in bf16 and fp32: parts < 2^4, entries +-2^shift,
+    sums of 128 integers < 2^12).
+
+    A plane of width w holds 8 / w parts per byte (`codecs.pack_bits`: code k = j 8 / w + s
+    in bits [w s, w s + w) of byte j). The kernel lays its parts out as [64, G], column
+    c = s (G w / 8) + j (`_parts`); row c of M is then 2^shift times row k of the signs S
+    (of the identity without a Hadamard). The offset of the codes (`Codec.code_offset`, a
+    multiple of 2^shift of the top plane) is taken off that plane's parts instead."""
+    rows = codecs.signs_matrix(GROUP_SIZE) if codec.hadamard else np.eye(GROUP_SIZE)
+    matrices = []
+    for plane in codecs.code_planes(codec, GROUP_SIZE):
+        per_byte = 8 // plane.width
+        s, j = np.divmod(np.arange(GROUP_SIZE), GROUP_SIZE // per_byte)
+        matrices.append(2.0**plane.shift * rows[j * per_byte + s])
+    return matrices
+
+
+def _parts(codec: Codec, plane_smems, staged_smem=None) -> list:
+    """Per code plane, its parts of one tile as a [64, G] bf16 operand (`_unpack_matrices`):
+    the bytes [64, G w / 8] split into their 8 / w parts, side by side; the top plane's less
+    the codes' offset. staged_smem: [planes, 64, G] tiles they go through (the CPU
+    interpreter, which reads wgmma operands from refs)."""
+    planes = codecs.code_planes(codec, GROUP_SIZE)
+    out = []
+    for plane, plane_smem in zip(planes, plane_smems, strict=True):
+        data = _pallas.load_tile(plane_smem).astype(jnp.int32)  # Mosaic shifts no 8-bit values
+        mask = (1 << plane.width) - 1
+        parts = [(data >> (plane.width * s)) & mask for s in range(8 // plane.width)]
+        a = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+        if plane is planes[-1]:
+            a = a - (codec.code_offset >> plane.shift)
+        a = a.astype(jnp.bfloat16)
+        if staged_smem is not None:
+            a = _pallas.staged(a, staged_smem.at[len(out)])
+        out.append(a)
+    return out
 
 
 def _dot_dtype(codec: Codec):
@@ -333,7 +405,14 @@ def _scratch(codec: Codec, dtype, launch: MosaicLaunch, *, dot: bool, staged=Fal
     slots: `launch.store_slots` decoded tiles of `dtype`, or (dtype None) the re-encoded tiles
     of `encode_mosaic`."""
     refs = []
-    if dot:
+    if dot and _packed(codec):  # a matrix per plane (`_unpack_matrices`)
+        planes = len(_plane_group_bytes(codec))
+        for _ in range(planes):
+            refs += [_pallas.smem((GROUP_SIZE, GROUP_SIZE), jnp.bfloat16, swizzled=True),
+                     _pallas.barrier()]  # fmt: skip
+        if staged:
+            refs.append(_pallas.smem((planes, _TILE, GROUP_SIZE), jnp.bfloat16, swizzled=True))
+    elif dot:
         refs += [_pallas.smem((GROUP_SIZE, GROUP_SIZE), _dot_dtype(codec), swizzled=True),
                  _pallas.barrier()]  # fmt: skip
         if staged and _hadamard_in_fp16(codec):
@@ -351,13 +430,20 @@ def _side_start(section) -> int:
 def _tile_specs(codec: Codec, n: int, first, peers: int) -> list:
     """Pipeline blocks of one tile: per peer its codes (swizzled for wgmma), then each side
     section's 64 values; `first` is the program's first tile."""
-    code_block = _pallas.block(
-        (_TILE, GROUP_SIZE), lambda i: (first + i, 0), swizzled=True,
-        dtype=CODE_DTYPES[codec.element],
-    )  # fmt: skip
+    if _packed(codec):  # a block of each plane: 64 groups' bytes of it (`_wire_views`)
+        code_blocks = [
+            _pallas.block((_TILE, b), lambda i, s=p.offset // b // _TILE: (s + first + i, 0),
+                          dtype=jnp.uint8)
+            for p, b in zip(codecs.code_planes(codec, n), _plane_group_bytes(codec), strict=True)
+        ]  # fmt: skip
+    else:
+        code_blocks = [_pallas.block(
+            (_TILE, GROUP_SIZE), lambda i: (first + i, 0), swizzled=True,
+            dtype=CODE_DTYPES[codec.element],
+        )]  # fmt: skip
     starts = [_side_start(section) for section in codecs.wire_sections(codec, n)]
     side_blocks = [_pallas.block((_TILE,), lambda i, s=s: (s + first + i,)) for s in starts]
-    return [code_block, *side_blocks] * peers
+    return [*code_blocks, *side_blocks] * peers
 
 
 def _peer_refs(views, row):
@@ -373,8 +459,12 @@ def _decoded(codec, code_smem, side_smem, dot_smem, sections, unit, staged_smem=
     """One peer's tile: its codes times the Hadamard dot operand `dot_smem` (exact) or, with
     none, the codes themselves, scaled by its decode factor (`codecs.decode_factor` with
     `unit`), fp32. staged_smem: an fp16 tile FP8 codes go through on their way to the dot,
-    for Mosaic GPU's CPU interpreter, which reads wgmma operands from refs only."""
-    if dot_smem is None:
+    for Mosaic GPU's CPU interpreter, which reads wgmma operands from refs only. Sub-byte
+    codes: `code_smem` and `dot_smem` hold a block and a matrix per plane (`_parts`)."""
+    if _packed(codec):
+        parts = _parts(codec, code_smem, staged_smem)
+        v = _pallas.wgmma_sum(list(zip(parts, dot_smem, strict=True)), (_TILE, GROUP_SIZE))
+    elif dot_smem is None:
         # Into registers through fp16 (which holds every E4M3, E5M2 and INT8 code), in a
         # wgmma accumulator's layout, so the scaling and sums below take either. A dot by the
         # identity did the same no faster (docs/development_history.md), in more memory.
@@ -395,10 +485,13 @@ def _peer_sum(codec, blocks, dot_smem, n, unit, staged_smem=None):
     """The sum, in peer order, of the decoded tiles of `blocks` (codes, then side sections,
     per peer: `_tile_specs`)."""
     sections = codecs.wire_sections(codec, n)
-    per_peer = 1 + len(sections)
+    code_blocks = len(_plane_group_bytes(codec)) if _packed(codec) else 1
+    per_peer = code_blocks + len(sections)
     total = None
     for p in range(len(blocks) // per_peer):
-        code_smem, *side_smem = blocks[p * per_peer : (p + 1) * per_peer]
+        peer_blocks = blocks[p * per_peer : (p + 1) * per_peer]
+        code_smem, side_smem = peer_blocks[:code_blocks], peer_blocks[code_blocks:]
+        code_smem = code_smem if _packed(codec) else code_smem[0]
         x = _decoded(codec, code_smem, side_smem, dot_smem, sections, unit, staged_smem)
         total = x if total is None else total + x
     return total
@@ -407,14 +500,22 @@ def _peer_sum(codec, blocks, dot_smem, n, unit, staged_smem=None):
 def _decode_body(*refs, codec, n, launch, rows_summed):
     """One program: `launch.tiles_per_program` consecutive tiles of one row (decode) or of the
     sum of all rows (decode-sum), stored into the output row."""
-    views = refs[: 1 + len(codec.side_fields)]  # `_wire_views`
-    dot_smem = staged_smem = None
-    if codec.hadamard:
-        dot_gmem, out_gmem, dot_smem, dot_barrier, *staged, out_smem = refs[len(views) :]
-        staged_smem = staged[0] if staged else None
-        _pallas.copy_in(dot_gmem, dot_smem, dot_barrier)
-    else:
-        out_gmem, out_smem = refs[len(views) :]
+    code_views = len(_plane_group_bytes(codec)) if _packed(codec) else 1
+    views = refs[: code_views + len(codec.side_fields)]  # `_wire_views`
+    dots = _dot_count(codec)
+    dot_gmems, (out_gmem, *scratch) = (
+        refs[len(views) : len(views) + dots],
+        refs[len(views) + dots :],
+    )
+    dot_smems, barriers, (*staged, out_smem) = (
+        scratch[: 2 * dots : 2],
+        scratch[1 : 2 * dots : 2],
+        scratch[2 * dots :],
+    )
+    for gmem, smem, barrier in zip(dot_gmems, dot_smems, barriers, strict=True):
+        _pallas.copy_in(gmem, smem, barrier)
+    dot_smem = (dot_smems if _packed(codec) else dot_smems[0]) if dots else None
+    staged_smem = staged[0] if staged else None
     row = None if rows_summed else lax.axis_index("row")
     peers = views[0].shape[0] if rows_summed else 1
     first = lax.axis_index("program") * launch.tiles_per_program
@@ -452,13 +553,13 @@ def _reencode_body(*refs, codec, n, launch, magic_round):
     stored into the wire row as `encode_mosaic` stores."""
     *views, out_gmem, codes_smem, sides = refs
     first = lax.axis_index("program") * launch.tiles_per_program
-    sections = codecs.wire_sections(codec, n)
+    layout = encode_mosaic.WireLayout.of(codec, n)
 
     def step(index, *blocks):
         (i,) = index
         z = _peer_sum(codec, blocks, None, n, unit=1.0)
-        encode_mosaic.encode_and_store(codec, z, 1.0, (codes_smem, sides), [out_gmem],
-                                       first + i, sections, magic_round)  # fmt: skip
+        encode_mosaic.encode_and_store(codec, z, 1.0, ([codes_smem], sides), [out_gmem],
+                                       first + i, layout, magic_round)  # fmt: skip
 
     _pallas.pipeline(
         step,
@@ -556,12 +657,14 @@ def _summed_body(*refs, codec, n, launch, peers, hadamard, reencode, staged, mag
             pieces_smem, *outs = outs
         _pallas.copy_in(signs_gmem, signs_smem, signs_barrier)
     first = lax.axis_index("program") * launch.tiles_per_program
-    sections = codecs.wire_sections(codec, n)
+    layout = encode_mosaic.WireLayout.of(codec, n)
+    sections = layout.sections
 
     def finish(tile, z):
         if reencode:
-            encode_mosaic.encode_and_store(codec, z, 1.0, tuple(outs), [out_gmem], tile,
-                                           sections, magic_round)  # fmt: skip
+            codes_smem, sides = outs
+            encode_mosaic.encode_and_store(codec, z, 1.0, ([codes_smem], sides), [out_gmem],
+                                           tile, layout, magic_round)  # fmt: skip
             return
         if hadamard:
             z = _pallas.wgmma_of_pieces(z, signs_smem, (_TILE, GROUP_SIZE), pieces_smem)

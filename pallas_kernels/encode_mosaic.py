@@ -1,9 +1,10 @@
 """Fused encode on Hopper through Mosaic GPU: x[R, n] bf16 -> packed wire rows, G = 128.
 
 The same function as the Triton-lowered `encode_kernel.encode` (and so as
-`codecs.encode_wire(codec, x)` up to `_tile`'s rounding notes), for the codecs of 8-bit codes
-and fp32 scales: `taco`, `taco_e5m2`, `taco_no_ds`, `fp8`, `int8`, `int8_hadamard`. A codec
-without a Hadamard multiplies by the identity instead of the signs (the same kernel).
+`codecs.encode_wire(codec, x)` up to `_tile`'s rounding notes), for the codecs of fp32 scales:
+`taco`, `taco_e5m2`, `taco_no_ds`, `fp8`, `int8`, `int8_hadamard` and the sub-byte
+`int6_hadamard`, `int5_hadamard`, `int4_hadamard`. A codec without a Hadamard multiplies by
+the identity instead of the signs (the same kernel).
 
 Why a second backend for this kernel (see `_pallas.py`): the Triton lowering moves every tile
 through registers, then shared memory for the dot, then back. Here a program walks
@@ -16,13 +17,23 @@ row's side sections. The kernel issues these stores itself rather than through t
 outputs, whose predicated stores the CPU interpreter cannot run (a few percent slower, for a
 kernel that CI can run).
 
+Sub-byte codes are packed into their bit planes (`codecs.code_planes`) on the tensor cores too:
+packing is linear, a plane's byte j of a group being sum_k part_k 2^(w (k mod 8/w)) over the
+8 / w codes k it holds (part_k < 2^w the plane's bits of code k). So each plane is one more
+wgmma, of the parts (bf16, exact) by a constant [G, G w / 8] matrix (`pack_matrix`), whose
+fp32 sums are the bytes exactly (<= 255). Their [64, G w / 8] tile is stored through a
+shared-memory buffer reshaped to whole 128-byte rows.
+
 The wire row is addressed as [W / 128, 128] bytes: Mosaic GPU indexes GMEM refs but does not
 reshape them, and with 128-byte rows a tile's codes (64 rows) and each of its side sections
 (2 rows) are whole rows. TMA stores of uint8 rows tile them by 8 rows, so the row count must be
 a multiple of 8 (`taco`: whole pairs of tiles; one-scale codecs: fours). Hence `unsupported`.
+A tile's bytes of a plane of width w are G w / 16 rows: 32, 16 or 8.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +57,7 @@ ROW_BYTES = 128  # the wire row is addressed in rows of this many bytes
 _TILE = MOSAIC_GROUPS_PER_TILE
 
 
-CODE_ELEMENTS = ("e4m3", "e5m2", "int8")
+CODE_ELEMENTS = ("e4m3", "e5m2", "int8", "int6", "int5", "int4")
 
 
 def unsupported(codec: Codec, x: jax.Array, *, need_hopper: bool = True) -> str | None:
@@ -54,7 +65,10 @@ def unsupported(codec: Codec, x: jax.Array, *, need_hopper: bool = True) -> str 
     if codec.group_size != GROUP_SIZE:
         return f"group_size={codec.group_size} (needs {GROUP_SIZE})"
     if codec.element not in CODE_ELEMENTS or codec.scale_format != "fp32":
-        return f"codec {codec.name!r} (needs fp32 scales and 8-bit codes: E4M3, E5M2 or INT8)"
+        return (
+            f"codec {codec.name!r} (needs fp32 scales and codes of E4M3, E5M2 or INT8, or "
+            "4-6 bit integers)"
+        )
     if x.ndim != 2 or x.dtype != jnp.bfloat16:
         return f"x of shape={x.shape} dtype={x.dtype} (needs bf16 rows [R, n])"
     reason = unfit_row(codec, x.shape[1])
@@ -108,7 +122,7 @@ def encode(
         codec=codec,
         tiles_per_program=tiles_per_program,
         steps=launch.steps_in_flight,
-        sections=codecs.wire_sections(codec, n),
+        layout=WireLayout.of(codec, n),
         magic_round=not interpret,
     )
     wire_rows = codec.wire_bytes(n) // ROW_BYTES
@@ -117,8 +131,12 @@ def encode(
         body,
         x.reshape(rows, groups, GROUP_SIZE),
         dot_operand(codec),
+        *pack_operands(codec),
         out_shape=out_shape,
-        scratch=encode_scratch(launch.store_slots),
+        scratch=[
+            *encode_scratch(launch.store_slots, codec, interpret),
+            *pack_scratch(codec, interpret),
+        ],
         grid=(rows, (groups // _TILE) // tiles_per_program),
         grid_names=("row", "program"),
         name=f"taco_encode_mosaic_{codec.name}_g{GROUP_SIZE}",
@@ -133,6 +151,17 @@ def default_launch(rows: int, tiles_per_row: int) -> MosaicLaunch:
     return mosaic_encode_launch(rows, tiles_per_row, _pallas.hopper_sms() or HOPPER_SMS)
 
 
+class WireLayout(NamedTuple):
+    """Where a wire row of `n` codes keeps its code planes and side sections (`codecs`)."""
+
+    planes: tuple[codecs.CodePlane, ...]
+    sections: tuple[codecs.WireSection, ...]
+
+    @classmethod
+    def of(cls, codec: Codec, n: int) -> WireLayout:
+        return cls(codecs.code_planes(codec, n), codecs.wire_sections(codec, n))
+
+
 def dot_operand(codec: Codec) -> jax.Array:
     """What the wgmma multiplies each tile by, staged per program (exact in bf16): the +-1
     Sylvester matrix for a codec with a Hadamard, else the identity (the dot is then the
@@ -141,51 +170,108 @@ def dot_operand(codec: Codec) -> jax.Array:
     return jnp.asarray(matrix, jnp.bfloat16)
 
 
-def encode_scratch(slots: int = 2) -> list:
-    """Shared memory of `encode_tiles`: the signs (and their load barrier), `slots` tiles'
-    codes, `slots` tiles' fp32 sides seen also as uint8 rows (`RefUnion`) for the TMA stores."""
+def pack_matrix(width: int) -> np.ndarray:
+    """The transposed operand of the dot that packs one plane of `width` bits (1, 2 or 4) of a
+    group's G codes into its G width / 8 bytes: [G width / 8, G], entry (j, k) the weight
+    2^(width (k mod 8 / width)) of code k in byte j = k div (8 / width) (`codecs.pack_bits`:
+    consecutive codes fill a byte from its low bits up), else 0. Exact in bf16 (<= 2^7)."""
+    per_byte = 8 // width
+    k = np.arange(GROUP_SIZE)
+    matrix = np.zeros((GROUP_SIZE // per_byte, GROUP_SIZE), np.float32)
+    matrix[k // per_byte, k] = 2.0 ** (width * (k % per_byte))
+    return matrix
+
+
+def _packed_planes(codec: Codec) -> tuple[codecs.CodePlane, ...]:
+    """The planes whose bytes hold several codes each (none for 8-bit codes)."""
+    return tuple(p for p in codecs.code_planes(codec, GROUP_SIZE) if p.width < 8)
+
+
+def pack_operands(codec: Codec) -> tuple[jax.Array, ...]:
+    """`pack_matrix` of each packed plane of `codec`, in bf16 (none for 8-bit codes)."""
+    return tuple(jnp.asarray(pack_matrix(p.width), jnp.bfloat16) for p in _packed_planes(codec))
+
+
+def _tile_rows(plane: codecs.CodePlane) -> int:
+    """128-byte wire rows of one tile's bytes of `plane`: 64 groups of G width / 8 bytes."""
+    return _TILE * GROUP_SIZE * plane.width // 8 // ROW_BYTES
+
+
+def encode_scratch(slots: int = 2, codec: Codec | None = None, interpreted: bool = False) -> list:
+    """Shared memory of `encode_tiles`: the signs (and their load barrier), then `slots` tiles'
+    bytes of each code plane of `codec` (one plane of bytes where None), and `slots` tiles'
+    fp32 sides seen also as uint8 rows (`RefUnion`) for the TMA stores. A packed plane's tile
+    is [64, G w / 8] as the dot leaves it, TMA-stored into the wire rows seen as such; the CPU
+    interpreter reshapes no ref, so there it is [G w / 16, 128] (`_tile_rows`) and the
+    values are reshaped instead."""
+    planes = codecs.code_planes(codec, GROUP_SIZE) if codec is not None else ()
+    shapes = [(_TILE, GROUP_SIZE)] if not planes else [
+        (_tile_rows(p), ROW_BYTES) if interpreted else (_TILE, GROUP_SIZE * p.width // 8)
+        for p in planes
+    ]  # fmt: skip
     return [
         _pallas.smem((GROUP_SIZE, GROUP_SIZE), jnp.bfloat16, swizzled=True),
         _pallas.barrier(),
-        _pallas.smem((slots, _TILE, GROUP_SIZE), jnp.uint8),
+        *[_pallas.smem((slots, *shape), jnp.uint8) for shape in shapes],
         _pallas.smem_union(((slots, 2, _TILE), jnp.float32), ((slots, 4, ROW_BYTES), jnp.uint8)),
     ]
 
 
-def _encode_body(
-    x_gmem,
-    signs_gmem,
-    wire_gmem,
-    signs_smem,
-    signs_barrier,
-    codes_smem,
-    sides,
-    *,
-    codec,
-    tiles_per_program,
-    steps,
-    sections,
-    magic_round,
-):
+def pack_scratch(codec: Codec, staged: bool) -> list:
+    """For sub-byte codes: each packed plane's `pack_matrix` (swizzled, read transposed by
+    wgmma) and its load barrier and, `staged`, a bf16 tile the parts go through (Mosaic GPU's
+    CPU interpreter reads wgmma operands from refs)."""
+    refs = []
+    for plane in _packed_planes(codec):
+        refs += [
+            _pallas.smem((GROUP_SIZE * plane.width // 8, GROUP_SIZE), jnp.bfloat16, swizzled=True),
+            _pallas.barrier(),
+        ]
+    if refs and staged:
+        refs.append(_pallas.smem((_TILE, GROUP_SIZE), jnp.bfloat16, swizzled=True))
+    return refs
+
+
+def _encode_body(x_gmem, signs_gmem, *refs, codec, tiles_per_program, steps, layout,
+                 magic_round):  # fmt: skip
     """One program: `tiles_per_program` consecutive tiles of row `row`, into the wire row."""
+    packed = len(_packed_planes(codec))
+    pack_gmems, (wire_gmem, signs_smem, signs_barrier, *scratch) = refs[:packed], refs[packed:]
+    planes_out = scratch[: len(layout.planes)]
+    sides, *pack_refs = scratch[len(layout.planes) :]
     _pallas.copy_in(signs_gmem, signs_smem, signs_barrier)
+    for k, pack_gmem in enumerate(pack_gmems):
+        _pallas.copy_in(pack_gmem, pack_refs[2 * k], pack_refs[2 * k + 1])
+    matrices, staged = pack_refs[0 : 2 * packed : 2], pack_refs[2 * packed :]
+    packing = Packing(tuple(matrices), staged[0] if staged else None)
     row = lax.axis_index("row")
     encode_tiles(
         x_gmem.at[row],
         [wire_gmem.at[row]],
         codec=codec,
         signs_smem=signs_smem,
-        out=(codes_smem, sides),
+        out=(planes_out, sides),
         tiles_per_program=tiles_per_program,
         steps=steps,
-        sections=sections,
+        layout=layout,
         magic_round=magic_round,
+        packing=packing,
     )
     _pallas.wait_stores(0)
 
 
-def encode_tiles(x_row, wire_rows, *, codec, signs_smem, out, tiles_per_program, steps, sections,
-                 magic_round=True):  # fmt: skip
+class Packing(NamedTuple):
+    """The shared memory of the packing dots (`pack_scratch`): the matrices, the staging tile."""
+
+    matrices: tuple = ()
+    staged: object = None
+
+
+NO_PACKING = Packing()  # 8-bit codes
+
+
+def encode_tiles(x_row, wire_rows, *, codec, signs_smem, out, tiles_per_program, steps, layout,
+                 magic_round=True, packing=NO_PACKING):  # fmt: skip
     """Encodes this program's `tiles_per_program` consecutive tiles of one bf16 row `x_row`
     (GMEM, [groups, G]) and TMA-stores each tile's codes and sides into every ref of
     `wire_rows` (GMEM wire rows [W / 128, 128], local or a peer's: `exchange_mosaic`).
@@ -206,8 +292,9 @@ def encode_tiles(x_row, wire_rows, *, codec, signs_smem, out, tiles_per_program,
         out=out,
         wire_rows=wire_rows,
         first=first,
-        sections=sections,
+        layout=layout,
         magic_round=magic_round,
+        packing=packing,
     )
     tile_block = lambda i: (first + i, 0)  # noqa: E731
     _pallas.pipeline(
@@ -219,40 +306,72 @@ def encode_tiles(x_row, wire_rows, *, codec, signs_smem, out, tiles_per_program,
     )(x_row)
 
 
-def _encode_step(index, x_smem, *, codec, signs_smem, out, wire_rows, first, sections,
-                 magic_round):  # fmt: skip
+def _encode_step(index, x_smem, *, codec, signs_smem, out, wire_rows, first, layout, magic_round,
+                 packing):  # fmt: skip
     (i,) = index
     v = _pallas.wgmma(x_smem, signs_smem, (_TILE, GROUP_SIZE))  # S x (or x), fp32
     unit = codecs.hadamard_unit(GROUP_SIZE) if codec.hadamard else 1.0
-    encode_and_store(codec, v, unit, out, wire_rows, first + i, sections, magic_round)
+    encode_and_store(codec, v, unit, out, wire_rows, first + i, layout, magic_round, packing)
 
 
-def encode_and_store(codec, v, unit, out, wire_rows, tile, sections, magic_round):
+def encode_and_store(codec, v, unit, out, wire_rows, tile, layout, magic_round,
+                     packing=NO_PACKING):  # fmt: skip
     """Encodes the groups v * unit of one tile (`codecs.encode_groups`; v fp32 registers) and
-    TMA-stores its codes and side values into each of `wire_rows` (`store_tile`)."""
+    TMA-stores its code planes and side values into each of `wire_rows` (`store_tile`)."""
     codes, scale, prescale = codecs.encode_groups(codec, v, unit=unit, magic_round=magic_round)
     sides = {"scales": scale, "prescales": prescale}
-    store_tile(out, wire_rows, tile, sections, codes, sides)
+    planes = plane_bytes(codes, layout.planes, packing)
+    store_tile(out, wire_rows, tile, layout, planes, sides, packing.staged is not None)
 
 
-def store_tile(out, wire_rows, tile, sections, codes, sides):
-    """TMA-stores one tile's codes and its side values (fp32, by `Payload` field) into each row.
+def plane_bytes(codes, planes, packing: Packing) -> list:
+    """One tile's bytes of each code plane: uint8 [64, G width / 8] from its codes [64, G].
+    8-bit codes are their own bytes; a packed plane's bytes are one wgmma of its parts by its
+    `pack_matrix` (parts < 2^width and bytes <= 255: exact in bf16 and fp32)."""
+    if len(planes) == 1 and planes[0].width == 8:
+        return [codes]
+    out = []
+    for plane, matrix_smem in zip(planes, packing.matrices, strict=True):
+        bits = codes.astype(jnp.int32)  # Mosaic GPU shifts no 8-bit values
+        bits = bits >> plane.shift if plane.shift else bits
+        part = (bits & ((1 << plane.width) - 1)).astype(jnp.bfloat16)
+        if packing.staged is not None:
+            part = _pallas.staged(part, packing.staged)
+        width = GROUP_SIZE * plane.width // 8
+        packed = _pallas.wgmma_transposed(part, matrix_smem, (_TILE, width))
+        out.append(packed.astype(jnp.int32).astype(jnp.uint8))
+    return out
+
+
+def store_tile(out, wire_rows, tile, layout, planes, sides, interpreted=False):
+    """TMA-stores one tile's bytes of each code plane and its side values (fp32, by `Payload`
+    field) into each row. interpreted: in Mosaic GPU's CPU interpreter (see `encode_scratch`).
 
     The tiles rotate through the S slots of `out` (`encode_scratch`). Each tile issues
-    1 + len(sections) bulk stores per row, so waiting until at most S - 1 tiles' worth are
-    pending frees the slot of S tiles ago.
+    len(planes) + len(sections) bulk stores per row, so waiting until at most S - 1 tiles' worth
+    are pending frees the slot of S tiles ago.
     """
-    codes_smem, (sides_f32, sides_u8) = out
-    slots = codes_smem.shape[0]
+    planes_smem, (sides_f32, sides_u8) = out
+    slots = planes_smem[0].shape[0]
     slot = lax.rem(tile, slots)
-    _pallas.wait_stores((slots - 1) * (1 + len(sections)) * len(wire_rows))
-    codes_smem[slot] = codes
-    for k, section in enumerate(sections):
+    stores = len(layout.planes) + len(layout.sections)
+    _pallas.wait_stores((slots - 1) * stores * len(wire_rows))
+    for plane_smem, data in zip(planes_smem, planes, strict=True):
+        plane_smem[slot] = (
+            data if plane_smem.shape[1:] == data.shape else data.reshape(plane_smem.shape[1:])
+        )
+    for k, section in enumerate(layout.sections):
         sides_f32[slot, k] = sides[section.field]
     _pallas.commit_smem()
     for wire_row in wire_rows:
-        _pallas.copy_out(codes_smem.at[slot], wire_row.at[_pallas.ds(_TILE * tile, _TILE)])
-        for k, section in enumerate(sections):
+        for plane, plane_smem in zip(layout.planes, planes_smem, strict=True):
+            rows = _tile_rows(plane)
+            destination = wire_row.at[_pallas.ds(plane.offset // ROW_BYTES + rows * tile, rows)]
+            source = plane_smem.at[slot]
+            if source.shape[1] != ROW_BYTES:  # a packed plane's [64, G w / 8]: `rows` rows
+                source = source.reshape(rows, ROW_BYTES)
+            _pallas.copy_out(source, destination)
+        for k, section in enumerate(layout.sections):
             rows = section.width * _TILE // ROW_BYTES  # 64 fp32 values = 2 rows
             first_row = section.offset // ROW_BYTES + rows * tile
             _pallas.copy_out(

@@ -130,7 +130,7 @@ def _exchange(codec, x, axis_name, n_ranks, *, scatter: bool, replicated: bool, 
         codec=codec,
         tiles_per_program=plan.tiles_per_program,
         steps=plan.steps_in_flight,
-        sections=codecs.wire_sections(codec, n),
+        layout=encode_mosaic.WireLayout.of(codec, n),
     )
     wire_rows = codec.wire_bytes(n) // ROW_BYTES
     out_rows = () if scatter else (rows,)
@@ -189,7 +189,7 @@ def _exchange_body(
     gather: of row `row`, to every rank; a scatter: of row j, to rank j alone); then the
     handshake with the programs of the same index on the peers."""
     _pallas.copy_in(signs_gmem, signs_smem, signs_barrier)
-    encode = dict(encode, signs_smem=signs_smem, out=(codes_smem, sides))
+    encode = dict(encode, signs_smem=signs_smem, out=([codes_smem], sides))
     rank = lax.axis_index(axis_name)
     peers = [lax.rem(rank + k, n_ranks) for k in range(1, n_ranks)]
     if scatter:  # row j to rank j, this rank's own row first

@@ -33,15 +33,20 @@ from pallas_kernels import _pallas, config, decode_mosaic, encode_mosaic
 from taco_jax import codecs
 
 TILE_ELEMENTS = 64 * 128
-# The codecs with 8-bit codes: every one has a Mosaic decode; those with fp32 scales an encode
-# and a re-encode. Tiles per row: the fewest whole tiles that fill 8-row TMA boxes of the wire.
+# Every codec has a Mosaic decode and decode-sum; those with fp32 scales an encode; those with
+# fp32 scales and 8-bit codes a re-encode and the peer-steps sums. Tiles per row: the fewest
+# whole tiles that fill 8-row TMA boxes of the wire.
+SUB_BYTE_CODECS = ("int6_hadamard", "int5_hadamard", "int4_hadamard")
 MOSAIC_CODECS = {"taco": 2, "taco_e5m2": 2, "taco_no_ds": 4, "fp8": 4, "int8": 4,
-                 "int8_hadamard": 4, "taco_e8m0": 16}  # fmt: skip
-REENCODE_CODECS = [name for name in MOSAIC_CODECS if name != "taco_e8m0"]
+                 "int8_hadamard": 4, "taco_e8m0": 16,
+                 **dict.fromkeys(SUB_BYTE_CODECS, 4)}  # fmt: skip
+REENCODE_CODECS = [n for n in MOSAIC_CODECS if n != "taco_e8m0" and n not in SUB_BYTE_CODECS]
+ENCODE_CODECS = [*REENCODE_CODECS, *SUB_BYTE_CODECS]
 
 
-# The interpreter tests' codecs: `taco` in the fast tier (`tiers.tiered`), the others slow.
-FAST = ("taco",)
+# The interpreter tests' codecs: `taco` and `int6_hadamard` (two bit planes) in the fast tier
+# (`tiers.tiered`), the others slow.
+FAST = ("taco", "int6_hadamard")
 
 
 hopper = pytest.mark.skipif(not _pallas.hopper_gpu(), reason="needs a Hopper GPU")
@@ -93,7 +98,8 @@ def assert_reencodes_like_reference(codec, wire, n, fused, *, scales: bool):
     "name,group_size,tiles,reencode,reason",
     [
         ("taco", 64, 2, False, "group_size=64"),
-        ("int6_hadamard", 128, 2, False, "8-bit codes"),
+        ("int6_hadamard", 128, 4, True, "re-encode needs 8-bit codes"),
+        ("int6_hadamard", 128, 2, False, "n=16384"),  # 12800 bytes: half a box
         ("taco_e8m0", 128, 16, True, "fp32 scales"),
         ("taco", 128, 1, False, "n=8192"),  # 8.5 rows of 1024 bytes: not whole TMA boxes
         ("fp8", 128, 2, False, "n=16384"),
@@ -106,12 +112,12 @@ def test_unsupported_names_the_value(name, group_size, tiles, reencode, reason):
 
 
 @pytest.mark.parametrize("name,tiles", MOSAIC_CODECS.items())
-def test_every_8_bit_codec_applies_from_its_whole_boxes(name, tiles):
+def test_every_codec_applies_from_its_whole_boxes(name, tiles):
     codec = codecs.get_codec(name)
     assert decode_mosaic.unsupported(codec, tiles * TILE_ELEMENTS, need_hopper=False) is None
     x = jax.ShapeDtypeStruct((2, tiles * TILE_ELEMENTS), jnp.bfloat16)
     applies = encode_mosaic.unsupported(codec, x, need_hopper=False) is None
-    assert applies == (name in REENCODE_CODECS)
+    assert applies == (name in ENCODE_CODECS)
 
 
 @pytest.mark.skipif(_pallas.hopper_gpu(), reason="checks the error off Hopper")
@@ -265,10 +271,11 @@ def test_every_kernel_lowers_for_cuda(monkeypatch, name):
     wire = jax.ShapeDtypeStruct((4, codec.wire_bytes(n)), jnp.uint8)
     ops = [lambda w: decode_mosaic.decode(codec, w, n, jnp.bfloat16)]
     ops += [lambda w: decode_mosaic.decode_sum(codec, w, n)]
-    if name in REENCODE_CODECS:  # fp32 scales: the peer-steps sums too
+    if name in REENCODE_CODECS:  # fp32 scales and 8-bit codes: the peer-steps sums too
         ops += [lambda w: decode_mosaic.decode_sum(codec, w, n, peer_steps=True)]
         ops += [lambda w, s=s: decode_mosaic.decode_sum_reencode(codec, w, n, peer_steps=s)
                 for s in (0, 1)]  # fmt: skip
+    if name in ENCODE_CODECS:
         x = jax.ShapeDtypeStruct((4, n), jnp.bfloat16)
         ops += [lambda _: encode_mosaic.encode(codec, jnp.zeros(x.shape, x.dtype))]
     for op in ops:
@@ -304,10 +311,13 @@ def test_reencoded_codes_in_the_cpu_interpreter(name):
     assert_reencodes_like_reference(codec, wire, n, fused, scales=False)
 
 
-def test_peer_steps_refuse_byte_scales():
-    codec = codecs.get_codec("taco_e8m0")
-    wire, n = _wire(codec, 2, MOSAIC_CODECS["taco_e8m0"], 9)
-    with pytest.raises(ValueError, match="'taco_e8m0'.*scale_format='e8m0'"):
+@pytest.mark.parametrize(
+    "name,reason", [("taco_e8m0", "scale_format='e8m0'"), ("int6_hadamard", "element='int6'")]
+)
+def test_peer_steps_refuse_byte_scales_and_sub_byte_codes(name, reason):
+    codec = codecs.get_codec(name)
+    wire, n = _wire(codec, 2, MOSAIC_CODECS[name], 9)
+    with pytest.raises(ValueError, match=f"'{name}'.*{reason}"):
         decode_mosaic.decode_sum(codec, wire, n, interpret=True, peer_steps=True)
 
 
@@ -330,15 +340,18 @@ def test_peer_steps_in_the_cpu_interpreter(name):
         assert_reencodes_like_reference(codec, wire, n, fused, scales=False)
 
 
-@pytest.mark.parametrize("name", tiered(REENCODE_CODECS, ("int8_hadamard",)))
+@pytest.mark.parametrize("name", tiered(ENCODE_CODECS, ("int8_hadamard", "int6_hadamard")))
 def test_encoded_codes_in_the_cpu_interpreter(name):
+    """The codes as the wire holds them, packed into bit planes for the sub-byte codecs (the
+    packing dots, `encode_mosaic.pack_matrix`)."""
     codec = codecs.get_codec(name)
     x = _x(jax.random.key(3), (2, MOSAIC_CODECS[name] * TILE_ELEMENTS), jnp.bfloat16)
     n = x.shape[1]
     wire = encode_mosaic.encode(codec, x, interpret=True)
     want = codecs.unpack(codec, pk.encode_reference(codec, x), n)
     ideal = _ideal_scaled(codec, np.asarray(x, np.float64), want)
-    assert_codes_match(codec, np.asarray(wire)[:, :n], want.codes, ideal)
+    got = codecs.unpack(codec, wire, n).codes  # the interpreter writes no side bytes
+    assert_codes_match(codec, np.asarray(got), want.codes, ideal)
 
 
 # ------------------------------------------------------------------------------------------
@@ -372,7 +385,7 @@ def test_matches_reference_on_the_gpu(name, rows, tiles):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("name", ["taco", "int8_hadamard", "taco_e8m0"])
+@pytest.mark.parametrize("name", ["taco", "int8_hadamard", "taco_e8m0", "int6_hadamard"])
 def test_nonfinite_groups_stay_visible_on_the_gpu(name):
     codec = codecs.get_codec(name)
     n = MOSAIC_CODECS[name] * TILE_ELEMENTS

@@ -44,7 +44,7 @@ def _x_tiles(key, rows, tiles):
     "name,group_size,dtype,tiles,reason",
     [
         ("taco", 64, jnp.bfloat16, 2, "group_size=64"),
-        ("int6_hadamard", 128, jnp.bfloat16, 2, "8-bit codes"),
+        ("int6_hadamard", 128, jnp.bfloat16, 2, "n=16384"),  # 12800 wire bytes: half a box
         ("taco_e8m0", 128, jnp.bfloat16, 16, "fp32 scales"),
         ("fp8", 128, jnp.bfloat16, 2, "n=16384"),  # one scale: whole boxes from four tiles
         ("taco", 128, jnp.float32, 2, "dtype=float32"),
@@ -83,12 +83,13 @@ def test_auto_prefers_mosaic_only_for_large_calls(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "name", ["taco", "int8_hadamard", "taco_e5m2", "fp8", "int8", "taco_no_ds"]
+    "name", ["taco", "int8_hadamard", "taco_e5m2", "fp8", "int8", "taco_no_ds", "int6_hadamard"]
 )
 def test_auto_takes_the_codecs_measured_faster(monkeypatch, name):
     """The codecs with a Hadamard measured faster through Mosaic (BENCHMARKS.md, "Kernels"): a
     large call of `taco`, `int8_hadamard` or `taco_e5m2` takes it, the codecs whose Triton
-    kernel measured faster (`fp8`, `int8`) or not yet measured (`taco_no_ds`) stay on Triton."""
+    kernel measured faster (`fp8`, `int8`) or not yet measured (`taco_no_ds`, `int6_hadamard`)
+    stay on Triton."""
     monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
     codec = codecs.get_codec(name)
     large = jnp.zeros((8, MOSAIC_MIN_TILES // 8 * TILE_ELEMENTS), jnp.bfloat16)
@@ -221,8 +222,10 @@ def assert_encodes_like_reference(codec, x, wire):
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize(
-    "name", ["taco", "taco_e5m2", "taco_no_ds", "fp8", "int8", "int8_hadamard"]
-)
+    "name",
+    ["taco", "taco_e5m2", "taco_no_ds", "fp8", "int8", "int8_hadamard", "int6_hadamard",
+     "int5_hadamard", "int4_hadamard"],
+)  # fmt: skip
 # Default launches of 1, 2, 3, 6, 12, 15 and 16 tiles a program (`mosaic_encode_launch`).
 @pytest.mark.parametrize(
     "rows,tiles", [(3, 4), (3, 12), (8, 64), (8, 96), (8, 192), (8, 384), (8, 480), (8, 512)]
