@@ -10,8 +10,9 @@ the `taco` encodes that store their codes into the peers' memory (all-gather, al
 the collectives on NVLink.
 
 Each op takes `backend=`: "triton" (`pl.pallas_call` on the Triton lowering: every codec and
-shape, interpret mode on the CPU), "mosaic" (Mosaic GPU on Hopper, for the codecs of 8-bit codes:
-`encode_mosaic`, `decode_mosaic`; their CPU interpreter runs them too, codes only), or "auto",
+shape, interpret mode on the CPU), "mosaic" (Mosaic GPU on Hopper, for the TP codecs of fp32 or
+E8M0 scales, 8-bit or sub-byte codes: `encode_mosaic`, `decode_mosaic`; the sub-byte ones encode,
+decode and decode-sum; their CPU interpreter runs them too, codes only), or "auto",
 the default: Mosaic where it measured faster (the encodes of `taco`, `taco_e5m2` and
 `int8_hadamard` from 24 MiB of bf16, the decodes of `taco` and `taco_e5m2` from 32 MiB; why:
 `_pallas.py`, the table: `config.py`), Triton elsewhere. All work under `jax.vmap` and inside

@@ -20,7 +20,10 @@ behind the choice: docs/development_history.md):
   kernel decodes, decode-sums and re-encodes the 8-bit codecs (`decode_mosaic`, the Hadamard a
   wgmma on the codes: INT8 as they are, FP8 through fp16), measured faster than Triton for the
   decode from 32 MiB and slower for the eight-peer sums; "auto" keeps Triton for them until the
-  table in `config.py` says. The
+  table in `config.py` says. The sub-byte codecs' encode, decode and decode-sum have Mosaic
+  kernels too (their bit planes packed and unpacked by wgmma), their encode and decode measured
+  1.1-1.9x slower than Triton's from 64 MiB (the sums 3x): their per-element integer work, with
+  few programs per SM, bounds them. The
   `taco` encode, storing into the peers' memory too (`exchange_mosaic`: `plgpu.remote_ref`,
   semaphores), is the exchange of the collectives on NVLink; the interpreter has no
   semaphores, so that one runs only on GPUs (on the CPU it is lowered for CUDA, not run).
@@ -128,7 +131,8 @@ def _typed_like(out_shape, like):
 partial = functools.partial
 
 # The backends a public kernel op takes (`backend=`): "triton" (every codec and shape, interpret
-# mode, launch configs), "mosaic" (Hopper; 8-bit codes, G = 128, whole tiles), or "auto".
+# mode, launch configs), "mosaic" (Hopper; 8-bit or sub-byte codes, G = 128, whole tiles), or
+# "auto".
 BACKENDS = ("auto", "triton", "mosaic")
 
 

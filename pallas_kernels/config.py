@@ -253,6 +253,14 @@ def mosaic_launch(rows: int, tiles_per_row: int) -> MosaicLaunch:
 # "Where the Mosaic encode starts"): at 48 MiB 384 programs of 8 tiles (1.45 waves) 74-86%, 768
 # of 4 (2.9 waves) 83-94%; at 24 MiB 192 of 8 (0.73) 66-67%, 384 of 4 (1.45) 71-73%; at 64 MiB,
 # whole waves, 256 programs of 16 tiles 91-92%, 512 of 8 87-89%, 1024 of 4 85-86%.
+# The sub-byte Mosaic kernels take at most two steps in flight: with three, the encode's packing
+# matrices and plane slots take 122 KiB of shared memory and the decode's two [128, 128]
+# unpacking matrices and fp32 slots 118 KiB, one program per SM; two steps leave room for two.
+# `int6_hadamard`, 8 rows, 16 tiles a program, one H200, % of the copy at 64 / 256 MiB, one /
+# two / three steps: encode 38 / 39, 42 / 44, 30 / 30 (`launch_sweep-2026-12-03-int6-scratch.json`);
+# decode 48 / 56, 64 / 68, 43 / 44 (`launch_sweep-2026-12-03-int6-decode.json`; Triton 81 / 89).
+# docs/development_history.md, "The sub-byte codecs on Mosaic GPU".
+MOSAIC_PACKED_STEPS_IN_FLIGHT = 2
 HOPPER_SMS = 132  # H100 / H200 SXM, where the device does not say (the CPU interpreter)
 MOSAIC_ENCODE_PROGRAMS_PER_SM = 2
 MOSAIC_PROGRAM_OVERHEAD_TILES = 0.4

@@ -1,9 +1,11 @@
-"""Decode, decode-sum and decode-sum-reencode on Hopper through Mosaic GPU: 8-bit codes, G = 128.
+"""Decode, decode-sum and decode-sum-reencode on Hopper through Mosaic GPU, G = 128.
 
 The same functions as the Triton-lowered `decode_kernel.decode` and `decode_sum_kernel`
 (and so as `codecs.decode_wire`, `codecs.decode_sum_wire`, `codecs.decode_sum_reencode_wire`,
 up to fp32 rounding; re-encoded codes up to rounding ties), for the codecs whose codes are one
-byte (`taco`, `taco_e8m0`, `taco_e5m2`, `taco_no_ds`, `fp8`, `int8`, `int8_hadamard`).
+byte (`taco`, `taco_e8m0`, `taco_e5m2`, `taco_no_ds`, `fp8`, `int8`, `int8_hadamard`); the
+decode and decode-sum also for the sub-byte ones (`int6_hadamard`, `int5_hadamard`,
+`int4_hadamard`), whose bit planes are unpacked on the way into the dot (`_unpack_matrices`).
 
 Why the tensor cores: a decode is S q x d per group (S the +-1 Sylvester matrix, d the group's
 factor `codecs.decode_factor`). TMA loads a tile of 64 groups of codes into swizzled shared
@@ -53,6 +55,7 @@ from pallas_kernels.config import (
     MOSAIC_DECODE_CODECS,
     MOSAIC_DECODE_FROM_BYTES,
     MOSAIC_GROUPS_PER_TILE,
+    MOSAIC_PACKED_STEPS_IN_FLIGHT,
     MOSAIC_PEER_STEPS_IN_FLIGHT,
     MOSAIC_STEPS_IN_FLIGHT,
     MosaicLaunch,
@@ -163,9 +166,13 @@ def _decoded_rows(codec, wire, n, dtype, interpret, launch, *, rows_summed):
     rows, groups = wire.shape[0], n // GROUP_SIZE
     out_rows, peers = (1, rows) if rows_summed else (rows, 1)
     scratch_of = lambda lc: _scratch(codec, dtype, lc, dot=codec.hadamard, staged=interpret)  # noqa: E731
+    # A sub-byte decode's matrices leave room for one program per SM with three steps in flight
+    # (`config.MOSAIC_PACKED_STEPS_IN_FLIGHT`); its decode-sum fits fewer steps anyway.
+    cap = MOSAIC_PACKED_STEPS_IN_FLIGHT if _packed(codec) else MOSAIC_STEPS_IN_FLIGHT
     launch = _launch(
-        codec, launch, out_rows, groups // _TILE, scratch_of, _step_bytes(codec, n, peers)
-    )
+        codec, launch, out_rows, groups // _TILE, scratch_of, _step_bytes(codec, n, peers),
+        steps_cap=cap,
+    )  # fmt: skip
     body = _pallas.partial(_decode_body, codec=codec, n=n, launch=launch,
                            rows_summed=rows_summed)  # fmt: skip
     op = "decode_sum" if rows_summed else "decode"

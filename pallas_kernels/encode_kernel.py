@@ -70,7 +70,8 @@ def encode(
     out_init: optional buffer of the output's shape, aliased to it (checks poison it).
     config: the Triton launch (default: `default_config`).
     backend: "triton" (Pallas, Triton lowering: every codec and shape, interpret mode), "mosaic"
-      (`encode_mosaic`: Hopper, 8-bit codes with fp32 scales, bf16, G = 128, whole tiles), or
+      (`encode_mosaic`: Hopper, 8-bit or sub-byte codes with fp32 scales, bf16, G = 128, whole
+      tiles), or
       "auto": Mosaic where `encode_mosaic.preferred` (it applies, at a size where it measured
       faster: BENCHMARKS.md, "Kernels") and no Triton option (interpret, out_init, config) is
       asked for, else Triton.

@@ -46,6 +46,7 @@ from pallas_kernels.config import (
     MOSAIC_ENCODE_CODECS,
     MOSAIC_GROUPS_PER_TILE,
     MOSAIC_MIN_TILES,
+    MOSAIC_PACKED_STEPS_IN_FLIGHT,
     MosaicLaunch,
     mosaic_encode_launch,
 )
@@ -113,7 +114,7 @@ def encode(
         raise ValueError(f"the Mosaic GPU encode cannot take {reason}")
     rows, n = x.shape
     groups = n // GROUP_SIZE
-    launch = launch or default_launch(rows, groups // _TILE)
+    launch = launch or default_launch(rows, groups // _TILE, codec)
     tiles_per_program = launch.tiles_per_program
     if (groups // _TILE) % tiles_per_program:
         raise ValueError(f"{tiles_per_program=} must divide the {groups // _TILE} tiles of a row")
@@ -145,10 +146,17 @@ def encode(
     return wire.reshape(rows, wire_rows * ROW_BYTES)
 
 
-def default_launch(rows: int, tiles_per_row: int) -> MosaicLaunch:
+def default_launch(rows: int, tiles_per_row: int, codec: Codec | None = None) -> MosaicLaunch:
     """`config.mosaic_encode_launch` for this device's SMs. Under a `jax.vmap` of B (an emulated
-    TP group's ranks) the grid is B times the one sized here from a batch element's shape."""
-    return mosaic_encode_launch(rows, tiles_per_row, _pallas.hopper_sms() or HOPPER_SMS)
+    TP group's ranks) the grid is B times the one sized here from a batch element's shape.
+
+    Sub-byte codecs (`codec`) take at most MOSAIC_PACKED_STEPS_IN_FLIGHT steps: with three,
+    their packing matrices and plane slots take 122 KiB of shared memory, one program per SM."""
+    launch = mosaic_encode_launch(rows, tiles_per_row, _pallas.hopper_sms() or HOPPER_SMS)
+    if codec is not None and _packed_planes(codec):
+        steps = min(launch.steps_in_flight, MOSAIC_PACKED_STEPS_IN_FLIGHT)
+        launch = MosaicLaunch(launch.tiles_per_program, steps)
+    return launch
 
 
 class WireLayout(NamedTuple):

@@ -199,6 +199,18 @@ def test_pipeline_steps_fit_shared_memory(monkeypatch, op, peers, steps, slots):
         2, steps, slots)  # fmt: skip
 
 
+@pytest.mark.parametrize("name,steps", [("int6_hadamard", 2), ("int4_hadamard", 2), ("taco", 3)])
+def test_sub_byte_decodes_take_two_steps_in_flight(monkeypatch, name, steps):
+    """Three would leave one program per SM (`config.MOSAIC_PACKED_STEPS_IN_FLIGHT`); 4096 tiles
+    in 8 rows take 16 tiles a program (`mosaic_launch`), room for three steps."""
+    codec = codecs.get_codec(name)
+    n = 512 * TILE_ELEMENTS
+    wire = jax.ShapeDtypeStruct((8, codec.wire_bytes(n)), jnp.uint8)
+    launches = _record_launches(monkeypatch)
+    jax.eval_shape(lambda w: decode_mosaic.decode(codec, w, n), wire)
+    assert (launches[-1].tiles_per_program, launches[-1].steps_in_flight) == (16, steps)
+
+
 def test_a_given_launch_is_held_to_shared_memory(monkeypatch):
     """A given launch may take more steps than the default's cap, as long as they fit: eight
     peer steps of 8704 bytes beside 65544 fit 204800, sixteen (204808) do not. (That one

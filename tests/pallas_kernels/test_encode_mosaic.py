@@ -154,6 +154,14 @@ def test_default_launch_asks_the_device_for_its_sms(monkeypatch):
     assert encode_mosaic.default_launch(8, 192).tiles_per_program == 6
 
 
+def test_sub_byte_codecs_take_two_steps_in_flight():
+    """Their packing matrices and plane slots beside three steps would leave one program per SM
+    (`config.MOSAIC_PACKED_STEPS_IN_FLIGHT`); the 8-bit codecs keep three."""
+    for name, steps in (("int6_hadamard", 2), ("int4_hadamard", 2), ("taco", 3)):
+        launch = encode_mosaic.default_launch(8, 512, codecs.get_codec(name))
+        assert (launch.tiles_per_program, launch.steps_in_flight) == (16, steps)
+
+
 @pytest.mark.parametrize(
     "rows,tiles,launch",
     [
