@@ -253,14 +253,6 @@ def mosaic_launch(rows: int, tiles_per_row: int) -> MosaicLaunch:
 # "Where the Mosaic encode starts"): at 48 MiB 384 programs of 8 tiles (1.45 waves) 74-86%, 768
 # of 4 (2.9 waves) 83-94%; at 24 MiB 192 of 8 (0.73) 66-67%, 384 of 4 (1.45) 71-73%; at 64 MiB,
 # whole waves, 256 programs of 16 tiles 91-92%, 512 of 8 87-89%, 1024 of 4 85-86%.
-# The sub-byte Mosaic kernels take at most two steps in flight: with three, the encode's packing
-# matrices and plane slots take 122 KiB of shared memory and the decode's two [128, 128]
-# unpacking matrices and fp32 slots 118 KiB, one program per SM; two steps leave room for two.
-# `int6_hadamard`, 8 rows, 16 tiles a program, one H200, % of the copy at 64 / 256 MiB, one /
-# two / three steps: encode 38 / 39, 42 / 44, 30 / 30 (`launch_sweep-2026-12-03-int6-scratch.json`);
-# decode 48 / 56, 64 / 68, 43 / 44 (`launch_sweep-2026-12-03-int6-decode.json`; Triton 81 / 89).
-# docs/development_history.md, "The sub-byte codecs on Mosaic GPU".
-MOSAIC_PACKED_STEPS_IN_FLIGHT = 2
 HOPPER_SMS = 132  # H100 / H200 SXM, where the device does not say (the CPU interpreter)
 MOSAIC_ENCODE_PROGRAMS_PER_SM = 2
 MOSAIC_PROGRAM_OVERHEAD_TILES = 0.4
@@ -281,6 +273,29 @@ def mosaic_encode_launch(rows: int, tiles_per_row: int, sms: int = HOPPER_SMS) -
     lengths = [t for t in range(MOSAIC_TILES_PER_PROGRAM, 0, -1) if tiles_per_row % t == 0]
     per_program = max(lengths, key=throughput)
     return MosaicLaunch(per_program, min(MOSAIC_STEPS_IN_FLIGHT, per_program))
+
+
+# Two Mosaic programs share a Hopper SM where each takes at most (228 KiB - 2 x 1 KiB the driver
+# reserves) / 2 = 113 KiB of shared memory, counting what Mosaic GPU adds beside a kernel's own
+# buffers (Nsight Compute against `_pallas.smem_bytes`: 2.0 KiB for the sub-byte encode, 0.2
+# KiB for its decode). The sub-byte kernels take the most steps in flight, up to their usual
+# cap, that leave room for two (`two_programs_steps`); the 8-bit ones keep their measured
+# launches. `int6_hadamard` (three steps: 117 KiB for the encode's matrices, plane slots and
+# tiles, 115 KiB for the decode with bf16 slots; two fit), 8 rows, 16 tiles a program, one H200,
+# % of the copy at 64 / 256 MiB, one / two / three steps: encode 38 / 39, 42 / 44, 30 / 30
+# (`launch_sweep-2026-12-03-int6-scratch.json`); decode 48 / 56, 64 / 68, 43 / 44
+# (`launch_sweep-2026-12-03-int6-decode.json`; Triton 81 / 89). docs/development_history.md,
+# "The sub-byte codecs on Mosaic GPU".
+TWO_PROGRAMS_SMEM_BYTES = 113 << 10
+MOSAIC_OWN_SMEM_BYTES = {"encode": 2 << 10, "decode": 512}
+
+
+def two_programs_steps(fixed_bytes: int, step_bytes: int, cap: int, kernel: str) -> int:
+    """Steps in flight, at most `cap`, for two programs of `kernel` ("encode", "decode") to share
+    an SM, given a program's other shared memory and each step's; `cap` where not even one
+    step leaves room for two."""
+    room = TWO_PROGRAMS_SMEM_BYTES - MOSAIC_OWN_SMEM_BYTES[kernel] - fixed_bytes
+    return min(cap, room // step_bytes) if room >= step_bytes else cap
 
 
 # Mosaic GPU decode, decode-sum and decode-sum-reencode (`decode_mosaic`): "auto" takes them for

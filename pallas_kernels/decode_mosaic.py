@@ -34,7 +34,8 @@ memory decides how many programs share an SM: up to 77 KiB for the peer-steps re
 the signs, one slot): two programs; the sums of eight peers with a step per tile 120-165 KiB: one.
 
 The wire row is read through views XLA makes without a copy (bitcasts of the uint8 row): the
-codes as [W / 128, 128] of the code type, the fp32 side sections as [W / 4] fp32 and the E8M0
+codes as [W / 128, 128] of the code type (sub-byte codes: per bit plane its bytes as
+[W / (G w / 8), G w / 8], a group's a row), the fp32 side sections as [W / 4] fp32 and the E8M0
 ones as [W] bytes, each tile's side values one 1-D block. Outputs are stored by the kernel
 itself, not by the pipeline (whose predicated stores Mosaic GPU's CPU interpreter cannot run),
 so that CI runs these kernels too. Rows must hold whole tiles and fill whole 8-row TMA boxes of
@@ -55,11 +56,11 @@ from pallas_kernels.config import (
     MOSAIC_DECODE_CODECS,
     MOSAIC_DECODE_FROM_BYTES,
     MOSAIC_GROUPS_PER_TILE,
-    MOSAIC_PACKED_STEPS_IN_FLIGHT,
     MOSAIC_PEER_STEPS_IN_FLIGHT,
     MOSAIC_STEPS_IN_FLIGHT,
     MosaicLaunch,
     mosaic_launch,
+    two_programs_steps,
 )
 from taco_jax import codecs
 from taco_jax.codecs import Codec
@@ -83,8 +84,8 @@ def unsupported(codec: Codec, n: int, *, reencode: bool = False, need_hopper: bo
         return f"group_size={codec.group_size} (needs {GROUP_SIZE})"
     if codec.element not in CODE_DTYPES and codec.element not in PACKED_ELEMENTS:
         return (
-            f"codec {codec.name!r} (needs 8-bit codes: {', '.join(CODE_DTYPES)}; or "
-            f"{', '.join(PACKED_ELEMENTS)})"
+            f"codec {codec.name!r} with element={codec.element!r} (needs 8-bit codes: "
+            f"{', '.join(CODE_DTYPES)}; or {', '.join(PACKED_ELEMENTS)})"
         )
     if reencode and _packed(codec):
         return f"codec {codec.name!r} (the re-encode needs 8-bit codes)"
@@ -148,7 +149,8 @@ def decode_sum(
       the sum (`_summed_body`), instead of every peer's tile per step and a dot per peer; for
       codecs with fp32 side sections and 8-bit codes (ValueError else: `taco_e8m0`'s byte
       blocks allow one step in flight, `TMA_SMEM_ALIGN`, which would leave peer steps nothing
-      to overlap)."""
+      to overlap; sub-byte codes are several blocks a tile, which the peer steps' one block of
+      `CODE_DTYPES` does not read)."""
     _check(codec, wire, n, dtype, interpret=interpret)
     if peer_steps and (codec.scale_format != "fp32" or _packed(codec)):
         raise ValueError(
@@ -165,13 +167,12 @@ def _decoded_rows(codec, wire, n, dtype, interpret, launch, *, rows_summed):
     """The decode (rows [R, n]) or, rows_summed, the decode-sum ([1, n]) kernel's launch."""
     rows, groups = wire.shape[0], n // GROUP_SIZE
     out_rows, peers = (1, rows) if rows_summed else (rows, 1)
-    scratch_of = lambda lc: _scratch(codec, dtype, lc, dot=codec.hadamard, staged=interpret)  # noqa: E731
-    # A sub-byte decode's matrices leave room for one program per SM with three steps in flight
-    # (`config.MOSAIC_PACKED_STEPS_IN_FLIGHT`); its decode-sum fits fewer steps anyway.
-    cap = MOSAIC_PACKED_STEPS_IN_FLIGHT if _packed(codec) else MOSAIC_STEPS_IN_FLIGHT
+    dot = codec.hadamard or _packed(codec)  # sub-byte codes: a dot by `_unpack_matrices`
+    scratch_of = lambda lc: _scratch(codec, dtype, lc, dot=dot, staged=interpret)  # noqa: E731
+    # A sub-byte decode takes the steps that leave two programs an SM (its matrices are large).
     launch = _launch(
         codec, launch, out_rows, groups // _TILE, scratch_of, _step_bytes(codec, n, peers),
-        steps_cap=cap,
+        two_programs=_packed(codec) and not rows_summed,
     )  # fmt: skip
     body = _pallas.partial(_decode_body, codec=codec, n=n, launch=launch,
                            rows_summed=rows_summed)  # fmt: skip
@@ -253,16 +254,17 @@ def _one_step_only(codec: Codec) -> bool:
 
 
 def _launch(codec, launch, rows, tiles_per_row, scratch_of, step_bytes, steps_per_tile=1,
-            steps_cap=MOSAIC_STEPS_IN_FLIGHT, store_slots=2):  # fmt: skip
+            steps_cap=MOSAIC_STEPS_IN_FLIGHT, store_slots=2, two_programs=False):  # fmt: skip
     """The given launch, or by default `mosaic_launch`'s tiles per program with `store_slots`
     output slots and as many pipeline steps in flight as fit `SMEM_BUDGET_BYTES` beside the kernel's
     own shared memory (`scratch_of` the launch), each step holding `step_bytes`: at most
     `steps_cap` (one where `_one_step_only(codec)`) and the program's tiles x
-    `steps_per_tile`. Raises ValueError where the steps do not fit, the tiles per program do
-    not divide a row's tiles, or a given launch has more steps in flight than the codec's side
-    blocks allow. In the CPU interpreter the kernels' own shared memory includes the tiles
-    their register operands are staged through, so there a launch may take fewer steps, or
-    refuse a peer count a GPU takes."""
+    `steps_per_tile`, and with `two_programs` no more than leave room for two programs per SM
+    (`config.two_programs_steps`). Raises ValueError where the steps do not fit, the tiles per
+    program do not divide a row's tiles, or a given launch has more steps in flight than the
+    codec's side blocks allow. In the CPU interpreter the kernels' own shared memory includes
+    the tiles their register operands are staged through, so there a launch may take fewer
+    steps, or refuse a peer count a GPU takes."""
     base = launch or dataclasses.replace(mosaic_launch(rows, tiles_per_row),
                                          store_slots=store_slots)  # fmt: skip
     fixed = _pallas.smem_bytes(scratch_of(base))
@@ -275,6 +277,8 @@ def _launch(codec, launch, rows, tiles_per_row, scratch_of, step_bytes, steps_pe
         fits = (SMEM_BUDGET_BYTES - fixed) // step_bytes
         most = 1 if _one_step_only(codec) else steps_cap
         steps = min(most, base.tiles_per_program * steps_per_tile, fits)
+        if two_programs:  # `config.two_programs_steps`
+            steps = two_programs_steps(fixed, step_bytes, steps, "decode")
         launch = MosaicLaunch(base.tiles_per_program, steps, base.store_slots)
     if fixed + launch.steps_in_flight * step_bytes > SMEM_BUDGET_BYTES:
         raise ValueError(

@@ -20,7 +20,8 @@ kernel that CI can run).
 Sub-byte codes are packed into their bit planes (`codecs.code_planes`) on the tensor cores too:
 packing is linear, a plane's byte j of a group being sum_k part_k 2^(w (k mod 8/w)) over the
 8 / w codes k it holds (part_k < 2^w the plane's bits of code k). So each plane is one more
-wgmma, of the parts (bf16, exact) by a constant [G, G w / 8] matrix (`pack_matrix`), whose
+wgmma, of the parts (bf16, exact) by a constant [G, G w / 8] matrix (`pack_matrix`, stored
+transposed), whose
 fp32 sums are the bytes exactly (<= 255). Their [64, G w / 8] tile is stored through a
 shared-memory buffer reshaped to whole 128-byte rows.
 
@@ -46,9 +47,9 @@ from pallas_kernels.config import (
     MOSAIC_ENCODE_CODECS,
     MOSAIC_GROUPS_PER_TILE,
     MOSAIC_MIN_TILES,
-    MOSAIC_PACKED_STEPS_IN_FLIGHT,
     MosaicLaunch,
     mosaic_encode_launch,
+    two_programs_steps,
 )
 from taco_jax import codecs
 from taco_jax.codecs import Codec
@@ -65,11 +66,10 @@ def unsupported(codec: Codec, x: jax.Array, *, need_hopper: bool = True) -> str 
     """Why this kernel cannot encode `x` with `codec` (None: it can)."""
     if codec.group_size != GROUP_SIZE:
         return f"group_size={codec.group_size} (needs {GROUP_SIZE})"
-    if codec.element not in CODE_ELEMENTS or codec.scale_format != "fp32":
-        return (
-            f"codec {codec.name!r} (needs fp32 scales and codes of E4M3, E5M2 or INT8, or "
-            "4-6 bit integers)"
-        )
+    if codec.scale_format != "fp32":
+        return f"codec {codec.name!r} with scale_format={codec.scale_format!r} (needs fp32 scales)"
+    if codec.element not in CODE_ELEMENTS:
+        return f"codec {codec.name!r} with element={codec.element!r} (needs one of {CODE_ELEMENTS})"
     if x.ndim != 2 or x.dtype != jnp.bfloat16:
         return f"x of shape={x.shape} dtype={x.dtype} (needs bf16 rows [R, n])"
     reason = unfit_row(codec, x.shape[1])
@@ -150,11 +150,15 @@ def default_launch(rows: int, tiles_per_row: int, codec: Codec | None = None) ->
     """`config.mosaic_encode_launch` for this device's SMs. Under a `jax.vmap` of B (an emulated
     TP group's ranks) the grid is B times the one sized here from a batch element's shape.
 
-    Sub-byte codecs (`codec`) take at most MOSAIC_PACKED_STEPS_IN_FLIGHT steps: with three,
-    their packing matrices and plane slots take 122 KiB of shared memory, one program per SM."""
+    Sub-byte codecs (`codec`) take the steps in flight that leave room for two programs per SM
+    beside their packing matrices and plane slots (`config.two_programs_steps`)."""
     launch = mosaic_encode_launch(rows, tiles_per_row, _pallas.hopper_sms() or HOPPER_SMS)
     if codec is not None and _packed_planes(codec):
-        steps = min(launch.steps_in_flight, MOSAIC_PACKED_STEPS_IN_FLIGHT)
+        fixed = _pallas.smem_bytes(
+            encode_scratch(launch.store_slots, codec) + pack_scratch(codec, False)
+        )
+        step = _TILE * GROUP_SIZE * 2  # a bf16 tile
+        steps = two_programs_steps(fixed, step, launch.steps_in_flight, "encode")
         launch = MosaicLaunch(launch.tiles_per_program, steps)
     return launch
 
@@ -328,8 +332,7 @@ def encode_and_store(codec, v, unit, out, wire_rows, tile, layout, magic_round,
     TMA-stores its code planes and side values into each of `wire_rows` (`store_tile`)."""
     codes, scale, prescale = codecs.encode_groups(codec, v, unit=unit, magic_round=magic_round)
     sides = {"scales": scale, "prescales": prescale}
-    planes = plane_bytes(codes, layout.planes, packing)
-    store_tile(out, wire_rows, tile, layout, planes, sides, packing.staged is not None)
+    store_tile(out, wire_rows, tile, layout, plane_bytes(codes, layout.planes, packing), sides)
 
 
 def plane_bytes(codes, planes, packing: Packing) -> list:
@@ -351,9 +354,10 @@ def plane_bytes(codes, planes, packing: Packing) -> list:
     return out
 
 
-def store_tile(out, wire_rows, tile, layout, planes, sides, interpreted=False):
+def store_tile(out, wire_rows, tile, layout, planes, sides):
     """TMA-stores one tile's bytes of each code plane and its side values (fp32, by `Payload`
-    field) into each row. interpreted: in Mosaic GPU's CPU interpreter (see `encode_scratch`).
+    field) into each row. A slot shaped otherwise than its plane's bytes is the CPU
+    interpreter's (`encode_scratch`): the bytes are reshaped to it.
 
     The tiles rotate through the S slots of `out` (`encode_scratch`). Each tile issues
     len(planes) + len(sections) bulk stores per row, so waiting until at most S - 1 tiles' worth

@@ -1,6 +1,7 @@
 """The Mosaic GPU decode, decode-sum and decode-sum-reencode (`pallas_kernels.decode_mosaic`) and
-the 8-bit codecs of the Mosaic encode: when they apply, which backend "auto" takes, and that they
-compute the references' functions, in Mosaic GPU's CPU interpreter and on a Hopper GPU.
+the codecs of the Mosaic encode (8-bit and sub-byte): when they apply, which backend "auto"
+takes, and that they compute the references' functions, in Mosaic GPU's CPU interpreter and on
+a Hopper GPU.
 
 Tolerances (u = 2^-24):
 - Decoded values: a group's output is d times a G-term sum of exact products s_j q_j; a
@@ -18,6 +19,7 @@ In the interpreter only codes are checked (it does not alias the fp32 and uint8 
 side buffer); on the GPU the scales too. Unwritten bytes: each GPU check decodes two different
 inputs in a row."""
 
+import dataclasses
 import zlib
 
 import jax
@@ -199,15 +201,25 @@ def test_pipeline_steps_fit_shared_memory(monkeypatch, op, peers, steps, slots):
         2, steps, slots)  # fmt: skip
 
 
-@pytest.mark.parametrize("name,steps", [("int6_hadamard", 2), ("int4_hadamard", 2), ("taco", 3)])
-def test_sub_byte_decodes_take_two_steps_in_flight(monkeypatch, name, steps):
-    """Three would leave one program per SM (`config.MOSAIC_PACKED_STEPS_IN_FLIGHT`); 4096 tiles
-    in 8 rows take 16 tiles a program (`mosaic_launch`), room for three steps."""
+@pytest.mark.parametrize(
+    "name,dtype,steps",
+    [
+        ("int6_hadamard", jnp.bfloat16, 2),  # 96 KiB + 3 x 6400 bytes = 114.8 KiB > 112.5; two fit
+        ("int6_hadamard", jnp.float32, 3),  # 128 KiB of matrices and slots: never two programs
+        ("int5_hadamard", jnp.bfloat16, 3),  # 96 KiB + 3 x 5376 = 111.8 KiB: two programs
+        ("int4_hadamard", jnp.float32, 3),  # 96 KiB + 3 x 4352 = 108.8 KiB
+        ("taco", jnp.bfloat16, 3),  # 8-bit codes keep their measured launch
+    ],
+)
+def test_sub_byte_decodes_leave_two_programs_per_sm(monkeypatch, name, dtype, steps):
+    """`config.two_programs_steps` with the decode's 0.5 KiB of Mosaic's own (113 KiB in all a
+    program); 4096 tiles in 8 rows take 16 tiles a program (`mosaic_launch`). Buffers by hand:
+    the unpacking matrices 32 KiB a plane, the output slots 2 x 64 x 128 of `dtype`."""
     codec = codecs.get_codec(name)
     n = 512 * TILE_ELEMENTS
     wire = jax.ShapeDtypeStruct((8, codec.wire_bytes(n)), jnp.uint8)
     launches = _record_launches(monkeypatch)
-    jax.eval_shape(lambda w: decode_mosaic.decode(codec, w, n), wire)
+    jax.eval_shape(lambda w: decode_mosaic.decode(codec, w, n, dtype), wire)
     assert (launches[-1].tiles_per_program, launches[-1].steps_in_flight) == (16, steps)
 
 
@@ -386,13 +398,12 @@ def test_matches_reference_on_the_gpu(name, rows, tiles):
         if name in REENCODE_CODECS:
             fused = pk.decode_sum_reencode(codec, wire, n, backend="mosaic")
             assert_reencodes_like_reference(codec, wire, n, fused, scales=True)
-        if name not in REENCODE_CODECS:  # peer steps take fp32 scales only
+        if name not in REENCODE_CODECS:  # peer steps take fp32 scales and 8-bit codes only
             continue
         total = decode_mosaic.decode_sum(codec, wire, n, peer_steps=True)
         assert_sums_like_reference(codec, wire, n, total)
-        if name in REENCODE_CODECS:
-            fused = decode_mosaic.decode_sum_reencode(codec, wire, n, peer_steps=True)
-            assert_reencodes_like_reference(codec, wire, n, fused, scales=True)
+        fused = decode_mosaic.decode_sum_reencode(codec, wire, n, peer_steps=True)
+        assert_reencodes_like_reference(codec, wire, n, fused, scales=True)
 
 
 @pytest.mark.gpu
@@ -425,3 +436,49 @@ def test_composes_with_vmap_and_shard_map():
         np.testing.assert_array_equal(
             batched[b], pk.decode_sum(codec, wires[b], n, backend="mosaic")
         )
+
+
+# ------------------------------------------------------------------------------------------
+# The sub-byte kernels' constant matrices, in numpy (exact integers: compared exactly).
+
+
+@pytest.mark.parametrize("width", [4, 2, 1])
+def test_packing_dot_is_pack_bits(width):
+    """parts @ pack_matrix.T is `codecs.pack_bits` of the parts, byte for byte."""
+    parts = np.random.default_rng(width).integers(0, 1 << width, (64, 128))
+    packed = parts @ encode_mosaic.pack_matrix(width).T
+    want = np.asarray(codecs.pack_bits(jnp.asarray(parts, jnp.uint8), width))
+    np.testing.assert_array_equal(packed, want)
+
+
+@pytest.mark.parametrize("name", SUB_BYTE_CODECS)
+@pytest.mark.parametrize("hadamard", [True, False])
+def test_unpacking_dots_are_the_hadamard_of_the_codes(name, hadamard):
+    """sum over planes of parts @ `_unpack_matrices` = (codes - offset) @ S (or the codes less
+    their offset, without a Hadamard), the parts laid out as `_parts` does: [s (G w / 8) + j]
+    = bits [w s, w s + w) of byte j, the top plane's less the offset's share."""
+    codec = dataclasses.replace(codecs.get_codec(name), hadamard=hadamard)
+    codes = np.random.default_rng(7).integers(1, 1 << codec.bits, (64, 128))
+    planes = codecs.code_planes(codec, 128)
+    total = 0
+    for plane, matrix in zip(planes, decode_mosaic._unpack_matrices(codec), strict=True):
+        data = np.asarray(codecs.plane_bytes(jnp.asarray(codes, jnp.uint8), plane), np.int64)
+        mask = (1 << plane.width) - 1
+        parts = np.concatenate([(data >> (plane.width * s)) & mask
+                                for s in range(8 // plane.width)], axis=1)  # fmt: skip
+        if plane is planes[-1]:
+            parts = parts - (codec.code_offset >> plane.shift)
+        total = total + parts @ matrix
+    rows = codecs.signs_matrix(128) if hadamard else np.eye(128)
+    np.testing.assert_array_equal(total, (codes - codec.code_offset) @ rows)
+
+
+@pytest.mark.slow
+def test_a_sub_byte_codec_without_a_hadamard_decodes_in_the_cpu_interpreter():
+    """The unpacking dots by the identity's rows (no sub-byte codec of `codecs` lacks a
+    Hadamard; the kernels take one that does)."""
+    codec = dataclasses.replace(codecs.get_codec("int6_hadamard"), name="int6", hadamard=False)
+    wire, n = _wire(codec, 2, 4, 11)
+    assert_decodes_like_reference(
+        codec, wire, n, _interpreted("decode"), _interpreted("decode_sum")
+    )

@@ -88,7 +88,7 @@ def test_auto_prefers_mosaic_only_for_large_calls(monkeypatch):
 def test_auto_takes_the_codecs_measured_faster(monkeypatch, name):
     """The codecs with a Hadamard measured faster through Mosaic (BENCHMARKS.md, "Kernels"): a
     large call of `taco`, `int8_hadamard` or `taco_e5m2` takes it, the codecs whose Triton
-    kernel measured faster (`fp8`, `int8`) or not yet measured (`taco_no_ds`, `int6_hadamard`)
+    kernel measured faster (`fp8`, `int8`, `int6_hadamard`) or not yet measured (`taco_no_ds`)
     stay on Triton."""
     monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
     codec = codecs.get_codec(name)
@@ -154,12 +154,17 @@ def test_default_launch_asks_the_device_for_its_sms(monkeypatch):
     assert encode_mosaic.default_launch(8, 192).tiles_per_program == 6
 
 
-def test_sub_byte_codecs_take_two_steps_in_flight():
-    """Their packing matrices and plane slots beside three steps would leave one program per SM
-    (`config.MOSAIC_PACKED_STEPS_IN_FLIGHT`); the 8-bit codecs keep three."""
-    for name, steps in (("int6_hadamard", 2), ("int4_hadamard", 2), ("taco", 3)):
-        launch = encode_mosaic.default_launch(8, 512, codecs.get_codec(name))
-        assert (launch.tiles_per_program, launch.steps_in_flight) == (16, steps)
+@pytest.mark.parametrize(
+    "name,steps", [("int6_hadamard", 2), ("int5_hadamard", 2), ("int4_hadamard", 3), ("taco", 3)]
+)
+def test_steps_in_flight_leave_two_programs_per_sm(name, steps):
+    """`config.two_programs_steps`: a program's shared memory (`encode_scratch`, `pack_scratch`)
+    plus 16 KiB a step and Mosaic's own 2 KiB within 113 KiB. By hand, the buffers: signs 32
+    KiB, sides 1, per plane of width w 2w KiB of slots and a 4w KiB matrix: int6 69.0 KiB
+    (3 steps: 117.0 + 2 > 113; 2: 101.0 + 2), int5 63.0 (111.0 + 2 > 113), int4 57.0 (105.0
+    + 2 <= 113: three stay)."""
+    launch = encode_mosaic.default_launch(8, 512, codecs.get_codec(name))
+    assert (launch.tiles_per_program, launch.steps_in_flight) == (16, steps)
 
 
 @pytest.mark.parametrize(
