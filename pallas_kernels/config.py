@@ -278,14 +278,14 @@ def mosaic_encode_launch(rows: int, tiles_per_row: int, sms: int = HOPPER_SMS) -
 # Two Mosaic programs share a Hopper SM where each takes at most (228 KiB - 2 x 1 KiB the driver
 # reserves) / 2 = 113 KiB of shared memory, counting what Mosaic GPU adds beside a kernel's own
 # buffers (Nsight Compute against `_pallas.smem_bytes`: 2.0 KiB for the sub-byte encode, 0.2
-# KiB for its decode). The sub-byte kernels take the most steps in flight, up to their usual
-# cap, that leave room for two (`two_programs_steps`); the 8-bit ones keep their measured
-# launches. `int6_hadamard` (three steps: 117 KiB for the encode's matrices, plane slots and
-# tiles, 115 KiB for the decode with bf16 slots; two fit), 8 rows, 16 tiles a program, one H200,
-# % of the copy at 64 / 256 MiB, one / two / three steps: encode 38 / 39, 42 / 44, 30 / 30
-# (`launch_sweep-2026-12-03-int6-scratch.json`); decode 48 / 56, 64 / 68, 43 / 44
-# (`launch_sweep-2026-12-03-int6-decode.json`; Triton 81 / 89). docs/development_history.md,
-# "The sub-byte codecs on Mosaic GPU".
+# KiB for its decode, taken as 0.5 for a margin). The sub-byte kernels take the most steps in
+# flight, up to their usual cap, that leave room for two (`two_programs_steps`); the 8-bit ones
+# keep their measured launches. `int6_hadamard` (three steps: 117 KiB for the encode's
+# matrices, plane slots and tiles, 115 KiB for the decode with bf16 slots; two fit), 8 rows,
+# 16 tiles a program, one H200, % of the copy at 64 / 256 MiB, one / two / three steps:
+# encode 38 / 39, 42 / 44, 30 / 30 (`launch_sweep-2026-12-03-int6-scratch.json`); decode
+# 48 / 56, 64 / 68, 43 / 44 (`launch_sweep-2026-12-03-int6-decode.json`; Triton 81 / 89).
+# docs/development_history.md, "The sub-byte codecs on Mosaic GPU".
 TWO_PROGRAMS_SMEM_BYTES = 113 << 10
 MOSAIC_OWN_SMEM_BYTES = {"encode": 2 << 10, "decode": 512}
 
