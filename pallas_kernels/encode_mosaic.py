@@ -77,7 +77,18 @@ def unsupported(codec: Codec, x: jax.Array, *, need_hopper: bool = True) -> str 
         return reason
     if need_hopper and not _pallas.hopper_gpu():
         return "the default device is not a Hopper GPU (wgmma)"
+    if need_hopper and _packed_planes(codec) and not PACKED_ENCODE_LOWERS:
+        return (
+            f"codec {codec.name!r} with jax {jax.__version__}: Mosaic GPU's layout inference "
+            "finds no solution for the sub-byte encode after 0.11 (use backend='triton')"
+        )
     return None
+
+
+# Mosaic GPU's layout inference (JAX 0.12.0.1) searches the sub-byte encode for minutes and ends
+# with "Layout inference failed to find a solution"; JAX 0.11.2 lowers it, and the CPU
+# interpreter runs it on either.
+PACKED_ENCODE_LOWERS = jax.__version_info__ < (0, 12)
 
 
 def unfit_row(codec: Codec, n: int) -> str | None:
