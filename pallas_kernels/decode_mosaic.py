@@ -357,7 +357,7 @@ def _packed(codec: Codec) -> bool:
 
 def _plane_group_bytes(codec: Codec) -> list[int]:
     """Bytes of each code plane of `codec` per group: G w / 8."""
-    return [GROUP_SIZE * p.width // 8 for p in codecs.code_planes(codec, GROUP_SIZE)]
+    return [encode_mosaic.group_bytes(p) for p in codecs.code_planes(codec, GROUP_SIZE)]
 
 
 def _unpack_matrices(codec: Codec) -> list[np.ndarray]:

@@ -215,9 +215,14 @@ def pack_operands(codec: Codec) -> tuple[jax.Array, ...]:
     return tuple(jnp.asarray(pack_matrix(p.width), jnp.bfloat16) for p in _packed_planes(codec))
 
 
+def group_bytes(plane: codecs.CodePlane) -> int:
+    """Bytes of `plane` a group's G codes take: G width / 8."""
+    return GROUP_SIZE * plane.width // 8
+
+
 def _tile_rows(plane: codecs.CodePlane) -> int:
     """128-byte wire rows of one tile's bytes of `plane`: 64 groups of G width / 8 bytes."""
-    return _TILE * GROUP_SIZE * plane.width // 8 // ROW_BYTES
+    return _TILE * group_bytes(plane) // ROW_BYTES
 
 
 def encode_scratch(slots: int = 2, codec: Codec | None = None, interpreted: bool = False) -> list:
@@ -229,7 +234,7 @@ def encode_scratch(slots: int = 2, codec: Codec | None = None, interpreted: bool
     values are reshaped instead."""
     planes = codecs.code_planes(codec, GROUP_SIZE) if codec is not None else ()
     shapes = [(_TILE, GROUP_SIZE)] if not planes else [
-        (_tile_rows(p), ROW_BYTES) if interpreted else (_TILE, GROUP_SIZE * p.width // 8)
+        (_tile_rows(p), ROW_BYTES) if interpreted else (_TILE, group_bytes(p))
         for p in planes
     ]  # fmt: skip
     return [
@@ -247,7 +252,7 @@ def pack_scratch(codec: Codec, staged: bool) -> list:
     refs = []
     for plane in _packed_planes(codec):
         refs += [
-            _pallas.smem((GROUP_SIZE * plane.width // 8, GROUP_SIZE), jnp.bfloat16, swizzled=True),
+            _pallas.smem((group_bytes(plane), GROUP_SIZE), jnp.bfloat16, swizzled=True),
             _pallas.barrier(),
         ]
     if refs and staged:
@@ -359,8 +364,7 @@ def plane_bytes(codes, planes, packing: Packing) -> list:
         part = (bits & ((1 << plane.width) - 1)).astype(jnp.bfloat16)
         if packing.staged is not None:
             part = _pallas.staged(part, packing.staged)
-        width = GROUP_SIZE * plane.width // 8
-        packed = _pallas.wgmma_transposed(part, matrix_smem, (_TILE, width))
+        packed = _pallas.wgmma_transposed(part, matrix_smem, (_TILE, group_bytes(plane)))
         out.append(packed.astype(jnp.int32).astype(jnp.uint8))
     return out
 
