@@ -15,8 +15,10 @@ record `kernels-<date>.json`:
    (an XLA negate; from 64 MiB also torch's `copy_`, timed with CUDA events, where torch is
    installed), the XLA-fused jnp references (unless `--no-reference`) and the kernels of each
    op (encode, decode, decode-sum, decode-sum-reencode) for each of `--backends`: "auto" (as
-   the collectives call them), "triton", "mosaic", "mosaic_steps" (the Mosaic sums with one
-   peer's tile per pipeline step), Mosaic only at sizes its kernels take. Two
+   the collectives call them), "triton", "mosaic" (the public ops' Mosaic kernels: the sums
+   with peer steps by `decode_mosaic.default_peer_steps`), "mosaic_steps" and "mosaic_rows"
+   (the Mosaic sums with one peer's tile, or every peer's, per pipeline step), Mosaic only at
+   sizes its kernels take. Two
    timings: host-dispatched batches (`kernel_s`, `_common.batched_seconds`) and 16 dependent
    calls inside one jitted program (`kernel_in_program_s`, `_common.in_program_seconds`, no
    per-call dispatch, which at 64 MiB lasts as long as a kernel). Inputs rotate over >= 256 MiB
@@ -93,21 +95,26 @@ def _ops(codec, backends=("auto",)):
             lambda el: (PEERS + 1) * wb(m(el)),
         ),
     }
-    # "mosaic_steps": the Mosaic sums with one peer's tile per pipeline step (`peer_steps`).
-    steps = {
-        "decode_sum": lambda w: decode_mosaic.decode_sum(codec, w, n_of(w), peer_steps=True),
-        "decode_sum_reencode": lambda w: decode_mosaic.decode_sum_reencode(
-            codec, w, n_of(w), peer_steps=True
-        ),
+    # "mosaic_steps" / "mosaic_rows": the Mosaic sums with `peer_steps` on / off.
+    sums = {
+        f"mosaic_{kind}": {
+            "decode_sum": lambda w, s=steps: decode_mosaic.decode_sum(
+                codec, w, n_of(w), peer_steps=s
+            ),
+            "decode_sum_reencode": lambda w, s=steps: decode_mosaic.decode_sum_reencode(
+                codec, w, n_of(w), peer_steps=s
+            ),
+        }
+        for kind, steps in (("steps", True), ("rows", False))
     }
     out = {}
     for op, (fused, reference, kind, io) in ops.items():
         for backend in backends:
             if backend.startswith("mosaic") and not _mosaic_applies(op, codec):
                 continue
-            if backend == "mosaic_steps" and op not in steps:
+            if backend in sums and op not in sums[backend]:
                 continue
-            fn = steps[op] if backend == "mosaic_steps" else fused(backend)
+            fn = sums[backend][op] if backend in sums else fused(backend)
             name = op if backend == "auto" else f"{op}_{backend}"
             out[name] = (jax.jit(fn), jax.jit(reference), kind, io)
     return out
@@ -398,12 +405,16 @@ def main():
         "--backends",
         nargs="+",
         default=["auto"],
-        choices=(*_pallas.BACKENDS, "mosaic_steps"),
+        choices=(*_pallas.BACKENDS, "mosaic_steps", "mosaic_rows"),
         help="kernels timed per op: auto (as the collectives call), triton, mosaic, "
-        "mosaic_steps (the Mosaic sums with one peer's tile per pipeline step)",
+        "mosaic_steps / mosaic_rows (the Mosaic sums with one peer's / every peer's tile per "
+        "pipeline step)",
     )
+    p.add_argument("--peers", type=int, default=PEERS, help="rows of each message (TP group)")
     p.add_argument("--no-reference", action="store_true", help="do not time the jnp references")
     args = p.parse_args()
+    global PEERS
+    PEERS = args.peers
     key = jax.random.key(int(time.time()))  # fresh data every run
     t0 = time.time()
     checks = [] if args.skip_check else check_mosaic(key)

@@ -16,7 +16,9 @@ decode and decode-sum; their CPU interpreter runs them too, codes only), or "aut
 the default: Mosaic where it measured faster (the encodes of `taco`, `taco_e5m2` and
 `int8_hadamard` from 24 MiB of bf16, the decodes of `taco` and `taco_e5m2` from 32 MiB; why:
 `_pallas.py`, the table: `config.py`), Triton elsewhere. All work under `jax.vmap` and inside
-`jax.shard_map`.
+`jax.shard_map`. With `TACO_JAX_TRITON=0` in the environment, or a JAX whose Pallas has no
+Triton lowering (`triton_unavailable`), "auto" lowers nothing through Triton: Mosaic GPU
+wherever its kernel takes the call, the jnp reference elsewhere (with a warning naming why).
 
 This package imports the codec definitions (`taco_jax.codecs`, `taco_jax.tahquant`) and nothing
 else of taco_jax; the
@@ -26,6 +28,7 @@ dispatch from the collectives to these kernels lives in `taco_jax._backends`.
 from __future__ import annotations
 
 from pallas_kernels import decode_mosaic, encode_mosaic, exchange_mosaic, tahquant_kernel
+from pallas_kernels._pallas import TRITON_ENV, triton_unavailable
 from pallas_kernels.config import BlockConfig, block_config
 from pallas_kernels.decode_kernel import decode, decode_reference
 from pallas_kernels.decode_sum_kernel import (
@@ -37,6 +40,7 @@ from pallas_kernels.decode_sum_kernel import (
 from pallas_kernels.encode_kernel import encode, encode_reference
 
 __all__ = [
+    "TRITON_ENV",
     "BlockConfig",
     "block_config",
     "decode",
@@ -51,4 +55,5 @@ __all__ = [
     "encode_reference",
     "exchange_mosaic",
     "tahquant_kernel",
+    "triton_unavailable",
 ]

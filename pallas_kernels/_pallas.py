@@ -41,17 +41,24 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import warnings
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import config
 
-load = pltriton.load
-store = pltriton.store
+# Why this JAX cannot lower through Triton (None: it can).
+_TRITON_IMPORT_ERROR: str | None = None
+try:
+    from jax.experimental.pallas import triton as pltriton
+except ImportError as error:  # a JAX whose Pallas no longer has the Triton lowering
+    pltriton = None
+    _TRITON_IMPORT_ERROR = f"jax {jax.__version__} has no Pallas Triton lowering ({error})"
+
 program_id = pl.program_id
 ds = pl.ds
 
@@ -75,6 +82,8 @@ def call(
     pass a poisoned buffer to catch unwritten elements.
     """
     check_addressable(name, *args, out_shape)
+    if pltriton is None:
+        raise ValueError(f"kernel {name} is Triton-lowered, and {_TRITON_IMPORT_ERROR}")
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     out_shape = _typed_like(out_shape, args[0])
     if out_init is None:
@@ -99,6 +108,16 @@ def call(
         compiler_params=params,
         input_output_aliases={len(args): 0},
     )(*args, out_init)
+
+
+def load(*args, **kwargs):
+    """`pltriton.load` (masked loads of the Triton-lowered kernels)."""
+    return pltriton.load(*args, **kwargs)
+
+
+def store(*args, **kwargs):
+    """`pltriton.store` (masked stores of the Triton-lowered kernels)."""
+    return pltriton.store(*args, **kwargs)
 
 
 def check_addressable(name: str, *arrays) -> None:
@@ -135,17 +154,63 @@ partial = functools.partial
 # "auto".
 BACKENDS = ("auto", "triton", "mosaic")
 
+# Set to 0 (or off / false / no) to keep "auto" off the Triton lowering: the Mosaic GPU kernel
+# wherever it takes the call, the jnp reference elsewhere. Read whenever an op is traced.
+TRITON_ENV = "TACO_JAX_TRITON"
+_ENV_VALUES = {"1": True, "on": True, "true": True, "yes": True,
+               "0": False, "off": False, "false": False, "no": False}  # fmt: skip
 
-def use_mosaic(op: str, backend: str, *, triton_options: bool, preferred) -> bool:
-    """Whether `op` runs its Mosaic GPU kernel: backend "mosaic", or "auto" where
-    `preferred()` (it applies, at a size where it measured faster) and no Triton-only option
-    (interpret, out_init, config) is asked for. Raises ValueError for an unknown backend or
-    "mosaic" with Triton-only options."""
+
+def triton_unavailable() -> str | None:
+    """Why "auto" may not lower a kernel through Triton (None: it may): this JAX has no Pallas
+    Triton lowering, or `TRITON_ENV` turns it off. Raises ValueError for a value of
+    `TRITON_ENV` that is not one of `_ENV_VALUES`."""
+    if pltriton is None:
+        return _TRITON_IMPORT_ERROR
+    value = os.environ.get(TRITON_ENV, "1")
+    if value.strip().lower() not in _ENV_VALUES:
+        raise ValueError(f"{TRITON_ENV}={value!r}: choose one of {sorted(_ENV_VALUES)}")
+    return None if _ENV_VALUES[value.strip().lower()] else f"{TRITON_ENV}={value}"
+
+
+def kernel_for(op: str, backend: str, *, triton_options: bool, preferred, unsupported) -> str:
+    """Which implementation runs `op`: "mosaic", "triton" or "reference" (the jnp definition).
+
+    backend "mosaic" and "triton" are taken as asked, as are Triton-only options (interpret,
+    out_init, config). "auto" takes Mosaic GPU where `preferred()` (it applies, at a size where
+    it measured faster), else Triton; where "auto" may not use Triton (`triton_unavailable`),
+    Mosaic GPU unless `unsupported()` says why not (then the reference, with a warning once).
+    Raises ValueError for an unknown backend, "mosaic" with Triton-only options, or Triton
+    asked for where this JAX has none."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown {op} {backend=}; choose one of {BACKENDS}")
-    if backend == "mosaic" and triton_options:
-        raise ValueError(f"{op} backend='mosaic' takes no interpret, out_init or config")
-    return backend == "mosaic" or (backend == "auto" and not triton_options and preferred())
+    if backend == "mosaic":
+        if triton_options:
+            raise ValueError(f"{op} backend='mosaic' takes no interpret, out_init or config")
+        return "mosaic"
+    if backend == "triton" or triton_options:
+        if pltriton is None:
+            raise ValueError(f"{op} on the Triton lowering (backend='triton', interpret, "
+                             f"out_init or config): {_TRITON_IMPORT_ERROR}")  # fmt: skip
+        return "triton"
+    no_triton = triton_unavailable()
+    if no_triton is None:
+        return "mosaic" if preferred() else "triton"
+    no_mosaic = unsupported()
+    if no_mosaic is None:
+        return "mosaic"
+    _warn_reference(op, no_triton, no_mosaic)
+    return "reference"
+
+
+@functools.cache
+def _warn_reference(op: str, no_triton: str, no_mosaic: str) -> None:
+    warnings.warn(
+        f"pallas_kernels: {op} runs the jnp reference, far slower than a fused kernel: the "
+        f"Triton lowering is off ({no_triton}) and the Mosaic GPU kernel cannot take {no_mosaic}",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 # ------------------------------------------------------------------------------------------

@@ -324,3 +324,10 @@ MOSAIC_DECODE_FROM_BYTES: dict[str, int | None] = {
 # 81-82 / 87-89, five 71-73 / 80 / 84; the re-encode with three 73-76 / 86 / -, eight 74-75 /
 # 90-91 / 97 (docs/development_history.md, "One output slot").
 MOSAIC_PEER_STEPS_IN_FLIGHT = {"decode_sum": 4, "decode_sum_reencode": 8}
+
+# Where the public ops' Mosaic decode-sum takes peer steps (`decode_mosaic.default_peer_steps`):
+# from this many bytes of wire. Eight peers of `taco`, % of a copy, every peer's tile a step /
+# peer steps (`kernels-2026-12-03-peer-steps.json`): 28 / 19 at 4 MiB of bf16 (2.1 MiB of
+# wire), 37 / 32 at 16 MiB (8.5), 39 / 72 at 64 MiB (34). Between those, 16 MiB of wire
+# (30 MiB of bf16) is not measured.
+MOSAIC_PEER_STEPS_FROM_BYTES = 16 << 20

@@ -66,10 +66,17 @@ def decode(
     """wire[R, codec.wire_bytes(n)] -> x[R, n] of `dtype` (out_init, config, backend: as
     `encode`; the Mosaic GPU kernel is `decode_mosaic.decode`)."""
     check_wire(codec, wire, n)
-    triton_options = interpret or out_init is not None or config is not None
-    preferred = lambda: decode_mosaic.preferred("decode", codec, wire, n, dtype)  # noqa: E731
-    if _pallas.use_mosaic("decode", backend, triton_options=triton_options, preferred=preferred):
+    kernel = _pallas.kernel_for(
+        "decode",
+        backend,
+        triton_options=interpret or out_init is not None or config is not None,
+        preferred=lambda: decode_mosaic.preferred("decode", codec, wire, n, dtype),
+        unsupported=lambda: decode_mosaic.unsupported_call("decode", codec, wire, n, dtype),
+    )
+    if kernel == "mosaic":
         return decode_mosaic.decode(codec, wire, n, dtype)
+    if kernel == "reference":
+        return decode_reference(codec, wire, n, dtype)
     rows = wire.shape[0]
     groups = n // codec.group_size
     cfg = config or default_config(codec, rows, n)

@@ -56,6 +56,7 @@ from pallas_kernels.config import (
     MOSAIC_DECODE_CODECS,
     MOSAIC_DECODE_FROM_BYTES,
     MOSAIC_GROUPS_PER_TILE,
+    MOSAIC_PEER_STEPS_FROM_BYTES,
     MOSAIC_PEER_STEPS_IN_FLIGHT,
     MOSAIC_STEPS_IN_FLIGHT,
     MosaicLaunch,
@@ -99,6 +100,16 @@ def unsupported(codec: Codec, n: int, *, reencode: bool = False, need_hopper: bo
     return None
 
 
+def unsupported_call(op: str, codec: Codec, wire: jax.Array, n: int, dtype=jnp.float32):
+    """Why the Mosaic kernel of `op` ("decode", "decode_sum", "decode_sum_reencode") cannot take
+    this call (None: it can): `unsupported`, or output dtype, or wire rank."""
+    if op != "decode_sum_reencode" and jnp.dtype(dtype) not in OUT_DTYPES:
+        return f"{dtype=} (writes one of {[jnp.dtype(d).name for d in OUT_DTYPES]})"
+    if wire.ndim != 2:
+        return f"wire of shape={wire.shape} (needs rows [R, B])"
+    return unsupported(codec, n, reencode=op == "decode_sum_reencode")
+
+
 def preferred(op: str, codec: Codec, wire: jax.Array, n: int, dtype=jnp.float32) -> bool:
     """Whether "auto" takes the Mosaic kernel of `op` ("decode", "decode_sum",
     "decode_sum_reencode"): it applies, the codec is one of `config.MOSAIC_DECODE_CODECS`,
@@ -107,11 +118,25 @@ def preferred(op: str, codec: Codec, wire: jax.Array, n: int, dtype=jnp.float32)
     threshold = MOSAIC_DECODE_FROM_BYTES[op]
     if threshold is None or codec.name not in MOSAIC_DECODE_CODECS:
         return False
-    if jnp.dtype(dtype) not in OUT_DTYPES or wire.ndim != 2:
-        return False
-    if unsupported(codec, n, reencode=op == "decode_sum_reencode") is not None:
+    if unsupported_call(op, codec, wire, n, dtype) is not None:
         return False
     return wire.size >= threshold
+
+
+def peer_steps_apply(codec: Codec) -> bool:
+    """Whether the sums of `codec` can take `peer_steps`: fp32 scales and 8-bit codes."""
+    return codec.scale_format == "fp32" and not _packed(codec)
+
+
+def default_peer_steps(op: str, codec: Codec, wire: jax.Array) -> bool:
+    """Whether the public ops' Mosaic sum ("decode_sum", "decode_sum_reencode") takes
+    `peer_steps`: where it applies, for the re-encode always and for the decode-sum from
+    `config.MOSAIC_PEER_STEPS_FROM_BYTES` of wire. Eight peers of `taco` (BENCHMARKS.md,
+    "Kernels"): the re-encode with peer steps ran 1.2-1.5x the other from 4 MiB of bf16, the
+    decode-sum 0.7-0.9x at 4-16 MiB and 1.7-1.9x from 64 MiB."""
+    if not peer_steps_apply(codec):
+        return False
+    return op == "decode_sum_reencode" or wire.size >= MOSAIC_PEER_STEPS_FROM_BYTES
 
 
 def decode(
@@ -152,7 +177,7 @@ def decode_sum(
       to overlap; sub-byte codes are several blocks a tile, which the peer steps' one block of
       `CODE_DTYPES` does not read)."""
     _check(codec, wire, n, dtype, interpret=interpret)
-    if peer_steps and (codec.scale_format != "fp32" or _packed(codec)):
+    if peer_steps and not peer_steps_apply(codec):
         raise ValueError(
             f"peer_steps=True takes codecs with fp32 scales and 8-bit codes, not {codec.name!r} "
             f"(scale_format={codec.scale_format!r}, element={codec.element!r}); use "

@@ -133,12 +133,18 @@ def decode_sum(
     """wire[N, B] -> [n] of `dtype`, the fp32 sum of the N decoded rows, rounded once to `dtype`
     (out_init, config, backend: as `encode`; Mosaic GPU: `decode_mosaic.decode_sum`)."""
     check_wire(codec, wire, n)
-    triton_options = interpret or out_init is not None or config is not None
-    preferred = lambda: decode_mosaic.preferred("decode_sum", codec, wire, n, dtype)  # noqa: E731
-    if _pallas.use_mosaic(
-        "decode_sum", backend, triton_options=triton_options, preferred=preferred
-    ):
-        return decode_mosaic.decode_sum(codec, wire, n, dtype)
+    kernel = _pallas.kernel_for(
+        "decode_sum",
+        backend,
+        triton_options=interpret or out_init is not None or config is not None,
+        preferred=lambda: decode_mosaic.preferred("decode_sum", codec, wire, n, dtype),
+        unsupported=lambda: decode_mosaic.unsupported_call("decode_sum", codec, wire, n, dtype),
+    )
+    if kernel == "mosaic":
+        peer_steps = decode_mosaic.default_peer_steps("decode_sum", codec, wire)
+        return decode_mosaic.decode_sum(codec, wire, n, dtype, peer_steps=peer_steps)
+    if kernel == "reference":
+        return decode_sum_reference(codec, wire, n, dtype)
     out = jax.ShapeDtypeStruct((1, n), dtype)
     name = "taco_decode_sum"
     return _launch(
@@ -159,11 +165,19 @@ def decode_sum_reencode(
     """wire[N, B] -> wire[B] holding encode(sum of the N decoded rows) (as `decode_sum`;
     Mosaic GPU: `decode_mosaic.decode_sum_reencode`)."""
     check_wire(codec, wire, n)
-    triton_options = interpret or out_init is not None or config is not None
     op = "decode_sum_reencode"
-    preferred = lambda: decode_mosaic.preferred(op, codec, wire, n)  # noqa: E731
-    if _pallas.use_mosaic(op, backend, triton_options=triton_options, preferred=preferred):
-        return decode_mosaic.decode_sum_reencode(codec, wire, n)
+    kernel = _pallas.kernel_for(
+        op,
+        backend,
+        triton_options=interpret or out_init is not None or config is not None,
+        preferred=lambda: decode_mosaic.preferred(op, codec, wire, n),
+        unsupported=lambda: decode_mosaic.unsupported_call(op, codec, wire, n),
+    )
+    if kernel == "mosaic":
+        peer_steps = decode_mosaic.default_peer_steps(op, codec, wire)
+        return decode_mosaic.decode_sum_reencode(codec, wire, n, peer_steps=peer_steps)
+    if kernel == "reference":
+        return decode_sum_reencode_reference(codec, wire, n)
     out = jax.ShapeDtypeStruct((1, codec.wire_bytes(n)), jnp.uint8)
     name = "taco_decode_sum_reencode"
     return _launch(

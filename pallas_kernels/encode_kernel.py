@@ -74,15 +74,24 @@ def encode(
       tiles), or
       "auto": Mosaic where `encode_mosaic.preferred` (it applies, at a size where it measured
       faster: BENCHMARKS.md, "Kernels") and no Triton option (interpret, out_init, config) is
-      asked for, else Triton.
+      asked for, else Triton. With Triton off (`TACO_JAX_TRITON=0`, or a JAX without the
+      Triton lowering: `_pallas.kernel_for`), "auto" takes Mosaic wherever it applies and
+      `encode_reference` elsewhere.
     """
     codecs.check_encodable(codec, x)
     if x.ndim != 2:
         raise ValueError(f"encode takes rows [R, n], got shape={x.shape}")
-    triton_options = interpret or out_init is not None or config is not None
-    preferred = lambda: encode_mosaic.preferred(codec, x)  # noqa: E731
-    if _pallas.use_mosaic("encode", backend, triton_options=triton_options, preferred=preferred):
+    kernel = _pallas.kernel_for(
+        "encode",
+        backend,
+        triton_options=interpret or out_init is not None or config is not None,
+        preferred=lambda: encode_mosaic.preferred(codec, x),
+        unsupported=lambda: encode_mosaic.unsupported(codec, x),
+    )
+    if kernel == "mosaic":
         return encode_mosaic.encode(codec, x)
+    if kernel == "reference":
+        return encode_reference(codec, x)
     rows, n = x.shape
     groups = n // codec.group_size
     cfg = config or default_config(codec, rows, n)

@@ -103,6 +103,16 @@ def unfit_row(codec: Codec, n: int) -> str | None:
     return None
 
 
+def row_multiple(codec: Codec) -> int:
+    """The fewest elements a row may be a multiple of for these kernels to take it
+    (`unfit_row`): whole tiles whose wire fills whole 8-row TMA boxes (`taco`: 16384)."""
+    tile = _TILE * GROUP_SIZE
+    for tiles in range(1, 8 * ROW_BYTES + 1):  # wire_bytes(1024 tiles) is a multiple of 1024
+        if unfit_row(codec, tiles * tile) is None:
+            return tiles * tile
+    raise ValueError(f"codec {codec.name!r}: no row of whole tiles fits the TMA boxes")
+
+
 def preferred(codec: Codec, x: jax.Array) -> bool:
     """Whether "auto" takes this kernel: it applies, the codec is one of MOSAIC_ENCODE_CODECS
     (measured and checked on a GPU), and the call has >= MOSAIC_MIN_TILES tiles."""

@@ -144,10 +144,27 @@ def _stage_collective_ops(stage: StageOps) -> CodecOps:
 
 
 def _stage_op(kernel, reference, interpret: bool, codec, *args):
-    """The kernel where it takes the codec's groups (G <= MAX_KERNEL_GROUP), else the reference."""
-    if codec.group_size > _kernels().tahquant_kernel.MAX_KERNEL_GROUP:
+    """The kernel where it takes the codec's groups (G <= MAX_KERNEL_GROUP) and may lower, else
+    the reference. The TAH-Quant kernels are Triton-lowered only: with Triton off
+    (`pallas_kernels.triton_unavailable`) the compiled ones give way to the reference."""
+    kernels = _kernels()
+    if codec.group_size > kernels.tahquant_kernel.MAX_KERNEL_GROUP:
+        return reference(codec, *args)
+    no_triton = None if interpret else kernels.triton_unavailable()
+    if no_triton is not None:
+        _warn_stage_reference(codec.name, no_triton)
         return reference(codec, *args)
     return kernel(codec, *args, interpret=interpret)
+
+
+@functools.cache
+def _warn_stage_reference(codec_name: str, no_triton: str) -> None:
+    warnings.warn(
+        f"taco_jax: the TAH-Quant codec {codec_name!r} runs its jnp reference: its fused "
+        f"kernels are Triton-lowered only, and the Triton lowering is off ({no_triton})",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 # The fused all-gather takes rows of a multiple of this many elements: 16 tiles of 64 groups of
@@ -177,6 +194,23 @@ def fused_exchange(kind: str, impl: str, codec: Codec, x: jax.Array, axis_name: 
     )
 
 
+def kernel_row_multiple(impl: str, codec: Codec | tahquant.TahQuant) -> int:
+    """What the collectives pad each row (per slice) to for `impl`'s kernels: whole groups, and
+    where compiled kernels run on a Hopper GPU with the Triton lowering off
+    (`pallas_kernels.triton_unavailable`), whole rows of the Mosaic GPU kernels
+    (`encode_mosaic.row_multiple`; zero groups after the message, as any padding), so that
+    they, not the jnp reference, take every row."""
+    if not isinstance(codec, Codec) or impl not in ("auto", "pallas") or get_ops(impl) is XLA_OPS:
+        return codec.group_size
+    kernels = _kernels()
+    if kernels.triton_unavailable() is None or not kernels._pallas.hopper_gpu():
+        return codec.group_size
+    multiple = kernels.encode_mosaic.row_multiple(codec)
+    if kernels.decode_mosaic.unsupported(codec, multiple) is not None:
+        return codec.group_size
+    return multiple
+
+
 def max_buffer_bytes(impl: str) -> int | None:
     """The most bytes an operand or result of one kernel call may hold where `impl` runs the
     kernels (their offsets are 32-bit: `pallas_kernels.config.MAX_BUFFER_BYTES`); None for the
@@ -192,7 +226,9 @@ def get_ops(impl: str) -> CodecOps:
 
     "auto" picks the fused kernels on a GPU backend, else "xla". On a GPU where the kernels
     cannot be imported it falls back to "xla" and warns once, naming the import error; "pallas"
-    raises that error instead.
+    raises that error instead. Which kernel runs each op (Triton- or Mosaic GPU-lowered, or,
+    with the Triton lowering off, the reference where no Mosaic kernel takes the call) is the
+    kernels' "auto" backend (`pallas_kernels`).
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown {impl=}; choose one of {IMPLS}")

@@ -352,9 +352,10 @@ def _exchange_fused(x: jax.Array, axis_name: AxisName, cfg: CommConfig, n_ranks:
 
 
 def _row_multiple(cfg: CommConfig, fused: bool) -> int:
-    """What each row of a collective is padded to: whole groups per slice, and for the fused
-    kernels whole `_backends.FUSED_ROW_MULTIPLE`s per slice."""
-    multiple = cfg.codec.group_size * cfg.slices
+    """What each row of a collective is padded to: whole groups per slice (whole rows of the
+    Mosaic GPU kernels where those replace Triton's: `_backends.kernel_row_multiple`), and for
+    the fused kernels whole `_backends.FUSED_ROW_MULTIPLE`s per slice."""
+    multiple = _backends.kernel_row_multiple(cfg.impl, cfg.codec) * cfg.slices
     return math.lcm(multiple, _backends.FUSED_ROW_MULTIPLE * cfg.slices) if fused else multiple
 
 
