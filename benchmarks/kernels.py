@@ -389,6 +389,7 @@ def launch_floor():
 
 
 def main():
+    global PEERS  # --peers: the rows of every message timed
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--sizes-mib", default="1,4,16,64,256,1024")
@@ -413,7 +414,6 @@ def main():
     p.add_argument("--peers", type=int, default=PEERS, help="rows of each message (TP group)")
     p.add_argument("--no-reference", action="store_true", help="do not time the jnp references")
     args = p.parse_args()
-    global PEERS
     PEERS = args.peers
     key = jax.random.key(int(time.time()))  # fresh data every run
     t0 = time.time()

@@ -9,7 +9,9 @@ behind the choice: docs/development_history.md):
   streams at HBM speed, works under `jax.vmap` and `shard_map`, and runs the same bodies on the
   CPU in interpret mode (CI). jax 0.11 deprecates this lowering (a DeprecationWarning when
   lowered for a GPU; 0.12 still warns, and interpret mode does not); it is kept while it is the
-  fastest path for these kernels and the only one whose CPU interpret mode runs them.
+  fastest path for these kernels and the only one whose CPU interpret mode runs them. Where it
+  is off (`TRITON_ENV`, or a JAX without it: `triton_unavailable`), "auto" takes Mosaic GPU
+  wherever it applies and the jnp reference elsewhere (`kernel_for`).
 - Mosaic GPU (`plgpu.kernel`, below) for the `taco` encode of bf16 on Hopper from 24 MiB
   (`encode_mosaic`): there the Triton lowering spends a fifth of the time moving each tile
   between the dot's register and shared-memory layouts, while TMA-staged tiles that wgmma reads

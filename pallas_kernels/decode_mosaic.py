@@ -57,6 +57,7 @@ from pallas_kernels.config import (
     MOSAIC_DECODE_FROM_BYTES,
     MOSAIC_GROUPS_PER_TILE,
     MOSAIC_PEER_STEPS_FROM_BYTES,
+    MOSAIC_PEER_STEPS_FROM_PEERS,
     MOSAIC_PEER_STEPS_IN_FLIGHT,
     MOSAIC_STEPS_IN_FLIGHT,
     MosaicLaunch,
@@ -129,12 +130,11 @@ def peer_steps_apply(codec: Codec) -> bool:
 
 
 def default_peer_steps(op: str, codec: Codec, wire: jax.Array) -> bool:
-    """Whether the public ops' Mosaic sum ("decode_sum", "decode_sum_reencode") takes
-    `peer_steps`: where it applies, for the re-encode always and for the decode-sum from
-    `config.MOSAIC_PEER_STEPS_FROM_BYTES` of wire. Eight peers of `taco` (BENCHMARKS.md,
-    "Kernels"): the re-encode with peer steps ran 1.2-1.5x the other from 4 MiB of bf16, the
-    decode-sum 0.7-0.9x at 4-16 MiB and 1.7-1.9x from 64 MiB."""
-    if not peer_steps_apply(codec):
+    """Whether the public ops' Mosaic sum ("decode_sum", "decode_sum_reencode") of wire[N, B]
+    takes `peer_steps`: where it applies, from `config.MOSAIC_PEER_STEPS_FROM_PEERS` peers, the
+    re-encode always and the decode-sum from `config.MOSAIC_PEER_STEPS_FROM_BYTES` of wire
+    (the measurements: there)."""
+    if not peer_steps_apply(codec) or wire.shape[0] < MOSAIC_PEER_STEPS_FROM_PEERS:
         return False
     return op == "decode_sum_reencode" or wire.size >= MOSAIC_PEER_STEPS_FROM_BYTES
 
