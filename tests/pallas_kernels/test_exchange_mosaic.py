@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from tiers import tiered
 
 import taco_jax as tj
 from pallas_kernels import _pallas, encode_mosaic, exchange_mosaic
@@ -116,8 +117,14 @@ def _stand_in_exchange(calls):
     return fused_exchange
 
 
-@pytest.mark.parametrize("ranks,slices", [(2, 1), (4, 3)])
-@pytest.mark.parametrize("op", ["psum", "psum_scatter", "all_gather"])
+# The fast tier: every op at 2 ranks, the all-reduce also at 4 ranks in 3 slices.
+@pytest.mark.parametrize(
+    "op,ranks,slices",
+    tiered(
+        [(op, *rs) for op in ("psum", "psum_scatter", "all_gather") for rs in ((2, 1), (4, 3))],
+        [("psum", 2, 1), ("psum_scatter", 2, 1), ("all_gather", 2, 1), ("psum", 4, 3)],
+    ),
+)
 def test_the_fused_path_equals_one_shot_around_its_exchange(monkeypatch, ranks, slices, op):
     """With a stand-in for the kernels: "fused" pads rows to whole kernel tiles (odd sizes here),
     slices, exchanges through `_backends.fused_exchange` and trims back, bit for bit as one-shot

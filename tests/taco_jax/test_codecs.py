@@ -21,6 +21,7 @@ from codec_testing import (
     group_errors,
     mixed_magnitudes,
 )
+from tiers import tiered
 
 from taco_jax import codecs
 from taco_jax.codecs import Codec, get_codec
@@ -29,6 +30,15 @@ FLOAT_CODECS = ["taco", "taco_e8m0", "taco_e5m2", "fp8"]
 # Every codec with a post-scale: those the group error bound applies to.
 SUB_BYTE_CODECS = ["int6_hadamard", "int5_hadamard", "int4_hadamard"]
 BOUNDED_CODECS = FLOAT_CODECS + ["int8", "int8_hadamard"] + SUB_BYTE_CODECS
+CODING_CODECS = [n for n in codecs.CODEC_NAMES if n != "none"]
+# The fast tier's codecs (`tiers.tiered`), one per code path: FP8 after a Hadamard with fp32
+# scales, E8M0 scales, FP8 without a Hadamard, the INT8 grid, bit planes. The slow tier adds
+# the rest (E5M2, no DS, INT8 after a Hadamard, 5 and 4 bits).
+FAST_CODECS = ["taco", "taco_e8m0", "fp8", "int8", "int6_hadamard"]
+
+
+def _fast_codecs(names):
+    return tiered(names, FAST_CODECS)
 
 
 def _normal(shape, seed=0, scale=1.0):
@@ -41,8 +51,14 @@ def _heavy_tailed(shape, seed=0):
     return jnp.exp(2.5 * jax.random.normal(k1, shape)) * jnp.sign(jax.random.normal(k2, shape))
 
 
-@pytest.mark.parametrize("name", BOUNDED_CODECS)
-@pytest.mark.parametrize("group_size", [32, 128, 512])
+@pytest.mark.parametrize(
+    "name, group_size",
+    # The fast tier: every codec path at G = 128, and `taco` at the smallest and largest G.
+    tiered(
+        [(n, g) for n in BOUNDED_CODECS for g in (32, 128, 512)],
+        [(n, 128) for n in FAST_CODECS] + [("taco", 32), ("taco", 512)],
+    ),
+)
 def test_group_error_bound(name, group_size):
     codec = get_codec(name, group_size)
     x = _normal((16, 2048), seed=group_size)
@@ -130,8 +146,13 @@ def test_e8m0_scales_cost_little_accuracy():
     assert rel["taco"] <= rel["taco_e8m0"] <= 1.2 * rel["taco"]
 
 
-@pytest.mark.parametrize("name", [n for n in codecs.CODEC_NAMES if n != "none"])
-@pytest.mark.parametrize("shape", [(4, 512), (64, 4096)])  # 16 and 2048 groups
+@pytest.mark.parametrize(
+    "name, shape",  # 16 and 2048 groups; the fast tier: its codecs at the large shape
+    tiered(
+        [(n, shape) for n in CODING_CODECS for shape in ((4, 512), (64, 4096))],
+        [(n, (64, 4096)) for n in FAST_CODECS],
+    ),
+)
 def test_nonfinite_groups_decode_to_nan(name, shape):
     """Each group holding one NaN or Inf decodes to NaN, every other group stays finite.
 
@@ -150,7 +171,7 @@ def test_nonfinite_groups_decode_to_nan(name, shape):
     assert bool(jnp.all(jnp.isfinite(y.reshape(rows, groups, 128))[~expected]))
 
 
-@pytest.mark.parametrize("name", [n for n in codecs.CODEC_NAMES if n != "none"])
+@pytest.mark.parametrize("name", _fast_codecs(CODING_CODECS))
 def test_zero_groups_decode_to_zero(name):
     codec = get_codec(name)
     y = codec.decode(codec.encode(jnp.zeros((2, 256))))
@@ -167,8 +188,14 @@ def test_outliers():
 # ------------------------------------------------------------- magnitudes (docs/method.md, "Range")
 
 
-@pytest.mark.parametrize("name", BOUNDED_CODECS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "name, dtype",
+    tiered(
+        [(n, dtype) for n in BOUNDED_CODECS for dtype in (jnp.float32, jnp.bfloat16)],
+        [(n, jnp.float32) for n in FAST_CODECS] + [("taco", jnp.bfloat16)],
+        ids=lambda case: f"{case[0]}-{jnp.dtype(case[1]).name}",
+    ),
+)
 def test_group_error_bound_at_every_magnitude(name, dtype):
     """Groups from 1e-30 to 1e30 side by side in one message each keep the bound."""
     codec = get_codec(name)
@@ -177,7 +204,7 @@ def test_group_error_bound_at_every_magnitude(name, dtype):
     assert np.all(err <= 1.01 * group_error_bound(codec, x))
 
 
-@pytest.mark.parametrize("name", BOUNDED_CODECS)
+@pytest.mark.parametrize("name", _fast_codecs(BOUNDED_CODECS))
 def test_group_error_bound_over_the_float16_range(name):
     """fp16 (normal 6e-5 .. 65504): groups at 1e-4 .. 1e4, the largest about 4e4."""
     codec = get_codec(name)
@@ -186,7 +213,7 @@ def test_group_error_bound_over_the_float16_range(name):
     assert np.all(err <= 1.01 * group_error_bound(codec, x))
 
 
-@pytest.mark.parametrize("name", [n for n in codecs.CODEC_NAMES if n != "none"])
+@pytest.mark.parametrize("name", _fast_codecs(CODING_CODECS))
 @pytest.mark.parametrize("power", [-100, -60, -20, 20, 60, 100])
 def test_power_of_two_scaling_is_exact(name, power):
     """encode(2^k x) has the codes of encode(x) and decodes to exactly 2^k decode(x).
@@ -203,7 +230,7 @@ def test_power_of_two_scaling_is_exact(name, power):
     np.testing.assert_array_equal(codec.decode(scaled), codec.decode(plain) * factor)
 
 
-@pytest.mark.parametrize("name", [n for n in codecs.CODEC_NAMES if n != "none"])
+@pytest.mark.parametrize("name", _fast_codecs(CODING_CODECS))
 def test_below_the_range_groups_flush_toward_zero(name):
     """Groups whose decode step max|H x| / (qmax sqrt(G)) is below fp32's smallest normal (XLA
     flushes subnormals to zero) decode to finite values no larger than the group itself allows:
@@ -252,20 +279,23 @@ def test_roundtrip_pads_odd_sizes():
     assert float(jnp.linalg.norm(y - x) / jnp.linalg.norm(x)) <= 2.0**-4
 
 
+BITS_PER_ELEMENT = {
+    "taco": 8.5,
+    "taco_e8m0": 8.0625,
+    "taco_e5m2": 8.5,
+    "fp8": 8.25,
+    "taco_no_ds": 8.25,
+    "int8": 8.25,
+    "int8_hadamard": 8.25,
+    "int6_hadamard": 6.25,
+    "int5_hadamard": 5.25,
+    "int4_hadamard": 4.25,
+}
+
+
 @pytest.mark.parametrize(
     "name, bits",
-    [
-        ("taco", 8.5),
-        ("taco_e8m0", 8.0625),
-        ("taco_e5m2", 8.5),
-        ("fp8", 8.25),
-        ("taco_no_ds", 8.25),
-        ("int8", 8.25),
-        ("int8_hadamard", 8.25),
-        ("int6_hadamard", 6.25),
-        ("int5_hadamard", 5.25),
-        ("int4_hadamard", 4.25),
-    ],
+    tiered(list(BITS_PER_ELEMENT.items()), [(n, BITS_PER_ELEMENT[n]) for n in FAST_CODECS]),
 )
 def test_wire_bytes_match_bits_per_element(name, bits):
     codec = get_codec(name)

@@ -201,7 +201,14 @@ def _integer_grid_psum_bound(codec, x) -> float:
     return e1 + np.sqrt(codec.group_size) / (2 * codec.qmax) * (np.linalg.norm(amax) + e1)
 
 
-@pytest.mark.parametrize("name", [n for n in tj.CODEC_NAMES if n not in ("none", "taco_no_ds")])
+# The fast tier: one codec per code path (as test_codecs.py's), the others slow.
+@pytest.mark.parametrize(
+    "name",
+    tiered(
+        [n for n in tj.CODEC_NAMES if n not in ("none", "taco_no_ds")],
+        ["taco", "taco_e8m0", "fp8", "int8", "int6_hadamard"],
+    ),
+)
 def test_every_codec_through_psum(name):
     tp = 4
     x = _ranks(tp, (1024,), seed=60)

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiers import tiered
 from train_testing import (
     REPO,
     assert_same_state,
@@ -66,6 +65,9 @@ def _empty_metadata(step_dir):
     path.write_bytes(b"")
 
 
+# The tests of a finished run (`finished`: 18 s on two cores before the first) are the slow
+# tier's; the fast tier checks saves, pruning, and a resume after a signal on runs of its own.
+@pytest.mark.slow
 def test_a_finished_run_leaves_good_checkpoints(finished):
     """Saved asynchronously, the last one too is complete with its manifest once the run ends,
     and each save's pause is recorded in metrics.jsonl."""
@@ -118,8 +120,8 @@ def test_an_async_save_keeps_the_state_of_its_step_when_the_next_step_donates_it
     np.testing.assert_array_equal(final_state(tmp_path, 1)["x"], np.arange(1024.0))
 
 
-# The fast tier: a truncated file; flipped bytes and empty metadata in the slow tier.
-@pytest.mark.parametrize("harm", tiered([_truncate, _flip_bytes, _empty_metadata], [_truncate]))
+@pytest.mark.slow  # `finished`
+@pytest.mark.parametrize("harm", [_truncate, _flip_bytes, _empty_metadata])
 def test_damaged_newest_checkpoint_falls_back_in_one_line(harm, finished, cache, tmp_path, capsys):
     run = _copy(finished, tmp_path)
     harm(run / "checkpoints" / "6")
@@ -135,6 +137,7 @@ def test_damaged_newest_checkpoint_falls_back_in_one_line(harm, finished, cache,
     assert damage(run / "checkpoints" / "6") is None  # saved again, good
 
 
+@pytest.mark.slow  # `finished`
 def test_no_usable_checkpoint_is_one_line(finished, cache, tmp_path, capsys):
     run = _copy(finished, tmp_path)
     for step in ("3", "6"):
