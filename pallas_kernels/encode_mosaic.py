@@ -356,27 +356,61 @@ def encode_and_store(codec, v, unit, out, wire_rows, tile, layout, magic_round,
                      packing=NO_PACKING):  # fmt: skip
     """Encodes the groups v * unit of one tile (`codecs.encode_groups`; v fp32 registers) and
     TMA-stores its code planes and side values into each of `wire_rows` (`store_tile`)."""
-    codes, scale, prescale = codecs.encode_groups(codec, v, unit=unit, magic_round=magic_round)
+    packed = bool(packing.matrices)  # sub-byte codes: their fp32 values, for `plane_parts`
+    codes, scale, prescale = codecs.encode_groups(
+        codec, v, unit=unit, magic_round=magic_round, float_codes=packed
+    )
     sides = {"scales": scale, "prescales": prescale}
-    store_tile(out, wire_rows, tile, layout, plane_bytes(codes, layout.planes, packing), sides)
+    planes = plane_bytes(codes, layout.planes, packing, codec.bits, magic_round)
+    store_tile(out, wire_rows, tile, layout, planes, sides)
 
 
-def plane_bytes(codes, planes, packing: Packing) -> list:
-    """One tile's bytes of each code plane: uint8 [64, G width / 8] from its codes [64, G].
-    8-bit codes are their own bytes; a packed plane's bytes are one wgmma of its parts by its
-    `pack_matrix` (parts < 2^width and bytes <= 255: exact in bf16 and fp32)."""
+def plane_bytes(codes, planes, packing: Packing, bits: int = 8, magic_round: bool = True) -> list:
+    """One tile's bytes of each code plane: uint8 [64, G width / 8] from its codes [64, G]
+    (8-bit: uint8, their own bytes; sub-byte: fp32 values of `bits` bits). A packed plane's
+    bytes are one wgmma of its parts (`plane_parts`) by its `pack_matrix` (parts < 2^width and
+    bytes <= 255: exact in bf16 and fp32)."""
     if len(planes) == 1 and planes[0].width == 8:
         return [codes]
     out = []
-    for plane, matrix_smem in zip(planes, packing.matrices, strict=True):
-        bits = codes.astype(jnp.int32)  # Mosaic GPU shifts no 8-bit values
-        bits = bits >> plane.shift if plane.shift else bits
-        part = (bits & ((1 << plane.width) - 1)).astype(jnp.bfloat16)
+    parts = plane_parts(codes, planes, bits, magic_round)
+    for plane, part, matrix_smem in zip(planes, parts, packing.matrices, strict=True):
+        part = part.astype(jnp.bfloat16)
         if packing.staged is not None:
             part = _pallas.staged(part, packing.staged)
         packed = _pallas.wgmma_transposed(part, matrix_smem, (_TILE, group_bytes(plane)))
         out.append(packed.astype(jnp.int32).astype(jnp.uint8))
     return out
+
+
+def plane_parts(codes, planes, bits: int, magic_round: bool) -> list:
+    """Each plane's bits of the codes c (fp32, exact integers < 2^bits), as fp32: with
+    F_t = floor(c / 2^t) (F_0 = c, F_bits = 0), a plane of `width` bits from `shift` holds
+    F_shift - 2^width F_(shift + width). Exact in fp32 arithmetic, and with only floating-point
+    operations: a widening, a shift and a mask per plane through int32 cost these kernels more
+    instructions than the rest of the encode (docs/development_history.md)."""
+    floors = {0: codes, bits: None}
+
+    def floor_at(t):  # F_t; None for F_bits = 0
+        if t not in floors:
+            floors[t] = _floor(codes * np.float32(2.0**-t), t, magic_round)
+        return floors[t]
+
+    parts = []
+    for plane in planes:
+        part, above = floor_at(plane.shift), floor_at(plane.shift + plane.width)
+        parts.append(part if above is None else part - np.float32(1 << plane.width) * above)
+    return parts
+
+
+def _floor(y, t: int, magic_round: bool):
+    """floor(y) for y = c / 2^t, c a non-negative integer: y - 1/2 + 2^-(t+1) lies strictly
+    within 1/2 of floor(y), so rounding it to the nearest integer (`codecs.ROUND_MAGIC`: Mosaic
+    GPU has no floor) is exact; the CPU interpreter, where XLA folds the magic add away, floors."""
+    if not magic_round:
+        return jnp.floor(y)
+    nearest = y - np.float32(0.5 - 2.0 ** -(t + 1))
+    return (nearest + codecs.ROUND_MAGIC) - codecs.ROUND_MAGIC
 
 
 def store_tile(out, wire_rows, tile, layout, planes, sides):

@@ -405,18 +405,23 @@ def e8m0_value(biased: jax.Array) -> jax.Array:
     return jnp.where(biased == E8M0_NAN, jnp.nan, value)
 
 
-def quantize(codec: Codec, scaled: jax.Array, *, magic_round: bool = False) -> jax.Array:
+def quantize(
+    codec: Codec, scaled: jax.Array, *, magic_round: bool = False, float_codes: bool = False
+) -> jax.Array:
     """fp32 values already divided by their scale -> uint8 codes (saturating).
 
     The integer grids round half to even: with `jnp.round`, or with `magic_round` by adding and
     subtracting 1.5 * 2^23 (for the Triton lowering, which has no `round`; XLA on the CPU folds
     that add away, so the reference and interpret mode use `jnp.round`). INT8 stores two's
-    complement, the sub-byte grids offset binary (`Codec.code_offset`)."""
+    complement, the sub-byte grids offset binary (`Codec.code_offset`). float_codes: a sub-byte
+    grid's codes as their fp32 values (exact integers), not narrowed to uint8."""
     clipped = jnp.clip(scaled, -codec.qmax, codec.qmax)
     if codec.is_integer:
         rounded = (clipped + ROUND_MAGIC) - ROUND_MAGIC if magic_round else jnp.round(clipped)
         if codec.bits == 8:
             return lax.bitcast_convert_type(rounded.astype(jnp.int8), jnp.uint8)
+        if float_codes:
+            return rounded + np.float32(codec.code_offset)
         return (rounded.astype(jnp.int32) + codec.code_offset).astype(jnp.uint8)
     return lax.bitcast_convert_type(clipped.astype(FLOAT8_DTYPES[codec.element]), jnp.uint8)
 
@@ -437,12 +442,15 @@ def scale_rows(q: jax.Array, d) -> jax.Array:
     return q * lax.broadcast_in_dim(d, q.shape, (0,))
 
 
-def encode_groups(codec: Codec, v, *, unit: float, magic_round: bool = False):
+def encode_groups(
+    codec: Codec, v, *, unit: float, magic_round: bool = False, float_codes: bool = False
+):
     """Encodes the groups v * unit, v [T, G] fp32: after the Hadamard (v = S x, unit =
     `hadamard_unit(G)`), or the raw groups without one (unit = 1).
 
     Returns (codes uint8 [T, G], scale [T] or None, prescale [T] or None) with the `Payload`
     meaning: scale is fp32 s (or the uint8 E8M0 exponent of s / alpha), prescale is alpha.
+    float_codes: sub-byte codes as fp32 values (`quantize`).
 
     Every per-element quantity is computed on w = p v, p the power of two that brings the
     group's absmax into [1, 2) (`group_normalizer`): y / s = qmax v / max|v| = qmax w / max|w|
@@ -456,7 +464,8 @@ def encode_groups(codec: Codec, v, *, unit: float, magic_round: bool = False):
     amax_w = amax * p
     alpha = ash_prescale(mean_square(w, unit), p) if codec.prescale else None
     if not codec.postscale:  # w/o DS: the pre-scale is the only scale; a NaN one marks the group
-        codes = quantize(codec, scale_rows(v, alpha * np.float32(unit)), magic_round=magic_round)
+        scaled = scale_rows(v, alpha * np.float32(unit))
+        codes = quantize(codec, scaled, magic_round=magic_round, float_codes=float_codes)
         return codes, None, mark_nonfinite(alpha, v)
     if codec.scale_format == "e8m0":
         # One byte holds s / alpha = max|v| unit / qmax, rounded up to 2^e; y / (2^e alpha) =
@@ -464,9 +473,14 @@ def encode_groups(codec: Codec, v, *, unit: float, magic_round: bool = False):
         e = ceil_log2(amax_w * np.float32(unit / codec.qmax)) - k
         exponent = e8m0_exponent(e, mark_nonfinite(amax, v))
         factor = np.float32(unit) / e8m0_value(exponent)
-        return quantize(codec, scale_rows(v, factor), magic_round=magic_round), exponent, None
+        codes = quantize(
+            codec, scale_rows(v, factor), magic_round=magic_round, float_codes=float_codes
+        )
+        return codes, exponent, None
     to_code = jnp.where(amax_w > 0, codec.qmax / amax_w, 0.0)  # zero groups stay zero
-    codes = quantize(codec, scale_rows(w, to_code), magic_round=magic_round)
+    codes = quantize(
+        codec, scale_rows(w, to_code), magic_round=magic_round, float_codes=float_codes
+    )
     to_y = alpha * np.float32(unit) if codec.prescale else np.float32(unit)  # y = v * to_y
     s = mark_nonfinite(amax * to_y / codec.qmax, v)
     return codes, s, alpha
