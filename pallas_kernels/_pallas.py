@@ -24,7 +24,7 @@ behind the choice: docs/development_history.md):
   decode from 32 MiB and slower for the eight-peer sums; "auto" keeps Triton for them until the
   table in `config.py` says. The sub-byte codecs' encode, decode and decode-sum have Mosaic
   kernels too (their bit planes packed and unpacked by wgmma), their encode and decode measured
-  1.1-1.9x slower than Triton's from 64 MiB (the sums 2-3.5x): their per-element integer work, with
+  1.1-1.4x slower than Triton's from 64 MiB (the sums 2-3.5x): their per-element work, with
   few programs per SM, bounds them. The
   `taco` encode, storing into the peers' memory too (`exchange_mosaic`: `plgpu.remote_ref`,
   semaphores), is the exchange of the collectives on NVLink; the interpreter has no

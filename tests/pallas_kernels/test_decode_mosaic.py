@@ -457,6 +457,22 @@ def test_packing_dot_is_pack_bits(width):
 
 
 @pytest.mark.parametrize("name", SUB_BYTE_CODECS)
+@pytest.mark.parametrize("magic_round", [True, False])
+def test_plane_parts_are_the_planes_bits(name, magic_round):
+    """`encode_mosaic.plane_parts` of every code c (fp32) is (c >> shift) & (2^width - 1) per
+    plane, exactly: by magic rounding in numpy fp32 as on the GPU (XLA on the CPU would fold the
+    magic add away), by floor in jnp as in the interpreter."""
+    codec = codecs.get_codec(name)
+    codes = np.arange(1 << codec.bits)
+    values = codes.astype(np.float32) if magic_round else jnp.asarray(codes, jnp.float32)
+    planes = codecs.code_planes(codec, 128)
+    parts = encode_mosaic.plane_parts(values, planes, codec.bits, magic_round)
+    for plane, part in zip(planes, parts, strict=True):
+        want = (codes >> plane.shift) & ((1 << plane.width) - 1)
+        np.testing.assert_array_equal(np.asarray(part), want.astype(np.float32))
+
+
+@pytest.mark.parametrize("name", SUB_BYTE_CODECS)
 @pytest.mark.parametrize("hadamard", [True, False])
 def test_unpacking_dots_are_the_hadamard_of_the_codes(name, hadamard):
     """sum over planes of parts @ `_unpack_matrices` = (codes - offset) @ S (or the codes less
