@@ -66,13 +66,8 @@ def decode(
     """wire[R, codec.wire_bytes(n)] -> x[R, n] of `dtype` (out_init, config, backend: as
     `encode`; the Mosaic GPU kernel is `decode_mosaic.decode`)."""
     check_wire(codec, wire, n)
-    kernel = _pallas.kernel_for(
-        "decode",
-        backend,
-        triton_options=interpret or out_init is not None or config is not None,
-        preferred=lambda: decode_mosaic.preferred("decode", codec, wire, n, dtype),
-        unsupported=lambda: decode_mosaic.unsupported_call("decode", codec, wire, n, dtype),
-    )
+    triton_options = interpret or out_init is not None or config is not None
+    kernel = decode_mosaic.kernel_for("decode", backend, triton_options, codec, wire, n, dtype)
     if kernel == "mosaic":
         return decode_mosaic.decode(codec, wire, n, dtype)
     if kernel == "reference":

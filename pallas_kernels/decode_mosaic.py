@@ -124,6 +124,18 @@ def preferred(op: str, codec: Codec, wire: jax.Array, n: int, dtype=jnp.float32)
     return wire.size >= threshold
 
 
+def kernel_for(op: str, backend: str, triton_options: bool, codec, wire, n, dtype=jnp.float32):
+    """`_pallas.kernel_for` of the public `op` ("decode", "decode_sum", "decode_sum_reencode")
+    on this call: "mosaic", "triton" or "reference"."""
+    return _pallas.kernel_for(
+        op,
+        backend,
+        triton_options=triton_options,
+        preferred=lambda: preferred(op, codec, wire, n, dtype),
+        unsupported=lambda: unsupported_call(op, codec, wire, n, dtype),
+    )
+
+
 def peer_steps_apply(codec: Codec) -> bool:
     """Whether the sums of `codec` can take `peer_steps`: fp32 scales and 8-bit codes."""
     return codec.scale_format == "fp32" and not _packed(codec)

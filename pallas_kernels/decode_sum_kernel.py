@@ -133,13 +133,8 @@ def decode_sum(
     """wire[N, B] -> [n] of `dtype`, the fp32 sum of the N decoded rows, rounded once to `dtype`
     (out_init, config, backend: as `encode`; Mosaic GPU: `decode_mosaic.decode_sum`)."""
     check_wire(codec, wire, n)
-    kernel = _pallas.kernel_for(
-        "decode_sum",
-        backend,
-        triton_options=interpret or out_init is not None or config is not None,
-        preferred=lambda: decode_mosaic.preferred("decode_sum", codec, wire, n, dtype),
-        unsupported=lambda: decode_mosaic.unsupported_call("decode_sum", codec, wire, n, dtype),
-    )
+    triton_options = interpret or out_init is not None or config is not None
+    kernel = decode_mosaic.kernel_for("decode_sum", backend, triton_options, codec, wire, n, dtype)
     if kernel == "mosaic":
         peer_steps = decode_mosaic.default_peer_steps("decode_sum", codec, wire)
         return decode_mosaic.decode_sum(codec, wire, n, dtype, peer_steps=peer_steps)
@@ -166,13 +161,8 @@ def decode_sum_reencode(
     Mosaic GPU: `decode_mosaic.decode_sum_reencode`)."""
     check_wire(codec, wire, n)
     op = "decode_sum_reencode"
-    kernel = _pallas.kernel_for(
-        op,
-        backend,
-        triton_options=interpret or out_init is not None or config is not None,
-        preferred=lambda: decode_mosaic.preferred(op, codec, wire, n),
-        unsupported=lambda: decode_mosaic.unsupported_call(op, codec, wire, n),
-    )
+    triton_options = interpret or out_init is not None or config is not None
+    kernel = decode_mosaic.kernel_for(op, backend, triton_options, codec, wire, n)
     if kernel == "mosaic":
         peer_steps = decode_mosaic.default_peer_steps(op, codec, wire)
         return decode_mosaic.decode_sum_reencode(codec, wire, n, peer_steps=peer_steps)
