@@ -157,7 +157,8 @@ partial = functools.partial
 BACKENDS = ("auto", "triton", "mosaic")
 
 # Set to 0 (or off / false / no) to keep "auto" off the Triton lowering: the Mosaic GPU kernel
-# wherever it takes the call, the jnp reference elsewhere. Read whenever an op is traced.
+# wherever it takes the call, the jnp reference elsewhere. Read whenever an op is traced, so set
+# it before the first trace: a jitted function already traced keeps the kernels it took.
 TRITON_ENV = "TACO_JAX_TRITON"
 _ENV_VALUES = {"1": True, "on": True, "true": True, "yes": True,
                "0": False, "off": False, "false": False, "no": False}  # fmt: skip
@@ -169,10 +170,10 @@ def triton_unavailable() -> str | None:
     `TRITON_ENV` that is not one of `_ENV_VALUES`."""
     if pltriton is None:
         return _TRITON_IMPORT_ERROR
-    value = os.environ.get(TRITON_ENV, "1")
-    if value.strip().lower() not in _ENV_VALUES:
+    value = os.environ.get(TRITON_ENV, "").strip() or "1"  # set but empty: as unset
+    if value.lower() not in _ENV_VALUES:
         raise ValueError(f"{TRITON_ENV}={value!r}: choose one of {sorted(_ENV_VALUES)}")
-    return None if _ENV_VALUES[value.strip().lower()] else f"{TRITON_ENV}={value}"
+    return None if _ENV_VALUES[value.lower()] else f"{TRITON_ENV}={value}"
 
 
 def kernel_for(op: str, backend: str, *, triton_options: bool, preferred, unsupported) -> str:

@@ -327,11 +327,13 @@ MOSAIC_PEER_STEPS_IN_FLIGHT = {"decode_sum": 4, "decode_sum_reencode": 8}
 
 # Where the public ops' Mosaic sums take peer steps (`decode_mosaic.default_peer_steps`): from
 # four peers, the re-encode at every size and the decode-sum from 16 MiB of wire. One H200,
-# `taco`, in one program, % of a copy, every peer's tile a step / one peer's a step, at 16 / 32 /
-# 64 MiB of bf16 over all rows (`kernels-2026-12-03-p{2,4,8}.json`; 32 MiB of bf16 = 17 MiB of
-# wire): decode-sum, 8 peers 37 / 38, 37 / 63, 41 / 72 (4 MiB: 28 / 19 in
-# `kernels-2026-12-03-peer-steps.json`), 4 peers 47 / 51, 55 / 62, 66 / 71, 2 peers (16 / 64 /
+# `taco`, fp32 out (the collectives write bf16: not measured), one run, in one program, % of a
+# copy, every peer's tile a step / one peer's a step, at 16 / 32 / 64 MiB of bf16 over all rows
+# (`kernels-2026-12-03-p{2,4,8}.json`; 32 MiB of bf16 = 17 MiB of wire): decode-sum, 8 peers
+# 37 / 38, 37 / 63, 41 / 72 (4 MiB, before the peer steps' one output slot: 28 / 19 in
+# `kernels-2026-12-02-mosaic-1gib.json`), 4 peers 47 / 51, 55 / 62, 66 / 71, 2 peers (16 / 64 /
 # 128 MiB) 59 / 62, 84 / 73, 92 / 76; re-encode, 8 peers 30 / 30, 54 / 55, 49 / 76, 4 peers
-# 32 / 37, 62 / 47, 61 / 73, 2 peers 42 / 32, 83 / 72, 93 / 78.
+# 32 / 37, 62 / 47 (against the trend on either side; one run), 61 / 73, 2 peers 42 / 32,
+# 83 / 72, 93 / 78.
 MOSAIC_PEER_STEPS_FROM_PEERS = 4
 MOSAIC_PEER_STEPS_FROM_BYTES = 16 << 20

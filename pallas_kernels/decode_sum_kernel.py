@@ -131,7 +131,8 @@ def decode_sum(
     backend: str = "auto",
 ):
     """wire[N, B] -> [n] of `dtype`, the fp32 sum of the N decoded rows, rounded once to `dtype`
-    (out_init, config, backend: as `encode`; Mosaic GPU: `decode_mosaic.decode_sum`)."""
+    (out_init, config, backend: as `encode`; Mosaic GPU: `decode_mosaic.decode_sum`, with
+    `peer_steps` by `decode_mosaic.default_peer_steps`)."""
     check_wire(codec, wire, n)
     triton_options = interpret or out_init is not None or config is not None
     kernel = decode_mosaic.kernel_for("decode_sum", backend, triton_options, codec, wire, n, dtype)
@@ -158,7 +159,7 @@ def decode_sum_reencode(
     backend: str = "auto",
 ):
     """wire[N, B] -> wire[B] holding encode(sum of the N decoded rows) (as `decode_sum`;
-    Mosaic GPU: `decode_mosaic.decode_sum_reencode`)."""
+    Mosaic GPU: `decode_mosaic.decode_sum_reencode`, `peer_steps` as there)."""
     check_wire(codec, wire, n)
     op = "decode_sum_reencode"
     triton_options = interpret or out_init is not None or config is not None

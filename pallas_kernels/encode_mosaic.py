@@ -361,11 +361,11 @@ def encode_and_store(codec, v, unit, out, wire_rows, tile, layout, magic_round,
         codec, v, unit=unit, magic_round=magic_round, float_codes=packed
     )
     sides = {"scales": scale, "prescales": prescale}
-    planes = plane_bytes(codes, layout.planes, packing, codec.bits, magic_round)
+    planes = plane_bytes(codes, layout.planes, packing, bits=codec.bits, magic_round=magic_round)
     store_tile(out, wire_rows, tile, layout, planes, sides)
 
 
-def plane_bytes(codes, planes, packing: Packing, bits: int = 8, magic_round: bool = True) -> list:
+def plane_bytes(codes, planes, packing: Packing, *, bits: int, magic_round: bool) -> list:
     """One tile's bytes of each code plane: uint8 [64, G width / 8] from its codes [64, G]
     (8-bit: uint8, their own bytes; sub-byte: fp32 values of `bits` bits). A packed plane's
     bytes are one wgmma of its parts (`plane_parts`) by its `pack_matrix` (parts < 2^width and

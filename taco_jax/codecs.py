@@ -415,6 +415,10 @@ def quantize(
     that add away, so the reference and interpret mode use `jnp.round`). INT8 stores two's
     complement, the sub-byte grids offset binary (`Codec.code_offset`). float_codes: a sub-byte
     grid's codes as their fp32 values (exact integers), not narrowed to uint8."""
+    if float_codes and not (codec.is_integer and codec.bits < 8):
+        raise ValueError(
+            f"float_codes=True takes a sub-byte integer grid, not codec {codec.name!r}"
+        )
     clipped = jnp.clip(scaled, -codec.qmax, codec.qmax)
     if codec.is_integer:
         rounded = (clipped + ROUND_MAGIC) - ROUND_MAGIC if magic_round else jnp.round(clipped)
@@ -450,7 +454,9 @@ def encode_groups(
 
     Returns (codes uint8 [T, G], scale [T] or None, prescale [T] or None) with the `Payload`
     meaning: scale is fp32 s (or the uint8 E8M0 exponent of s / alpha), prescale is alpha.
-    float_codes: sub-byte codes as fp32 values (`quantize`).
+    float_codes: a sub-byte grid's codes as their fp32 values (exact integers), not uint8
+      (`quantize`); the codes of a non-finite group are then NaN, where uint8 ones are
+      unspecified (its scale is NaN either way, and every decode of it NaN).
 
     Every per-element quantity is computed on w = p v, p the power of two that brings the
     group's absmax into [1, 2) (`group_normalizer`): y / s = qmax v / max|v| = qmax w / max|w|

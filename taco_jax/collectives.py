@@ -351,11 +351,22 @@ def _exchange_fused(x: jax.Array, axis_name: AxisName, cfg: CommConfig, n_ranks:
     return cfg.algorithm == "auto" and n_ranks == 2 and _fused_runs(x, axis_name, cfg)
 
 
-def _row_multiple(cfg: CommConfig, fused: bool) -> int:
-    """What each row of a collective is padded to: whole groups per slice (whole rows of the
-    Mosaic GPU kernels where those replace Triton's: `_backends.kernel_row_multiple`), and for
-    the fused kernels whole `_backends.FUSED_ROW_MULTIPLE`s per slice."""
-    multiple = _backends.kernel_row_multiple(cfg.impl, cfg.codec) * cfg.slices
+# Where the Mosaic kernels replace Triton's (`_backends.kernel_row_multiple`), a row is padded to
+# their whole rows while that adds at most this share of its elements (and of its wire bytes);
+# a shorter row keeps whole groups, and its ops run the jnp reference.
+MAX_MOSAIC_PADDING = 1 / 8
+
+
+def _row_multiple(cfg: CommConfig, fused: bool, row_elements: int) -> int:
+    """What each row of a collective (`row_elements` before padding) is padded to: whole groups
+    per slice (whole Mosaic rows per slice where those replace Triton's, up to
+    MAX_MOSAIC_PADDING), and for the fused kernels whole `_backends.FUSED_ROW_MULTIPLE`s per
+    slice."""
+    multiple = cfg.codec.group_size * cfg.slices
+    mosaic = _backends.kernel_row_multiple(cfg.impl, cfg.codec) * cfg.slices
+    padded = math.ceil(row_elements / mosaic) * mosaic
+    if mosaic != multiple and padded <= (1 + MAX_MOSAIC_PADDING) * row_elements:
+        multiple = mosaic
     return math.lcm(multiple, _backends.FUSED_ROW_MULTIPLE * cfg.slices) if fused else multiple
 
 
@@ -365,7 +376,8 @@ def _rows_for(
     """Pads flat [M] so that each of `rows` rows is a multiple of G x slices (and, `fused`, of
     the fused kernel's row multiple x slices); returns [rows, m]. Padding adds whole zero groups
     after the message, so the message's own groups and codes do not depend on it."""
-    padded, size = codecs.pad_to_multiple(flat, rows * _row_multiple(cfg, fused))
+    multiple = _row_multiple(cfg, fused, math.ceil(flat.size / rows))
+    padded, size = codecs.pad_to_multiple(flat, rows * multiple)
     return padded.reshape(rows, -1), size
 
 
@@ -388,7 +400,12 @@ def _addressable(
     limit = _backends.max_buffer_bytes(cfg.impl)
     if limit is None:
         return cfg
-    padding = math.lcm(cfg.codec.group_size, _backends.FUSED_ROW_MULTIPLE)
+    # The largest padding any row takes: the fused kernels', a multiple of the Mosaic rows'.
+    padding = math.lcm(
+        cfg.codec.group_size,
+        _backends.FUSED_ROW_MULTIPLE,
+        _backends.kernel_row_multiple(cfg.impl, cfg.codec),
+    )
     itemsize = jnp.dtype(x.dtype).itemsize
     for slices in range(cfg.slices, MAX_SLICES + 1):
         row = math.ceil(x.size / rows / slices / padding) * padding  # a slice's row, padded
@@ -515,7 +532,8 @@ def _compressed_reduce_scatter(
     cfg = _addressable(cfg, x, n_ranks, rows=n_ranks)
     moved = jnp.moveaxis(x, dim, 0)
     block_shape = (moved.shape[0] // n_ranks,) + moved.shape[1:]
-    rows, size = codecs.pad_to_multiple(moved.reshape(n_ranks, -1), _row_multiple(cfg, fused))
+    multiple = _row_multiple(cfg, fused, moved.size // n_ranks)
+    rows, size = codecs.pad_to_multiple(moved.reshape(n_ranks, -1), multiple)
 
     def reduce_scatter(piece):  # piece: [N, m / slices], row j for rank j
         exchange = fused and _fused_exchange("all_to_all", piece, axis_name, cfg)
@@ -563,7 +581,7 @@ def _compressed_all_gather(
     """The compressed all-gather of this device's x: encode, all-gather the wire, decode."""
     cfg = _addressable(cfg, x, n_ranks, rows=1, gathers=True)
     ops = _backends.codec_ops(cfg.impl, cfg.codec)
-    row, size = codecs.pad_to_multiple(x.reshape(1, -1), _row_multiple(cfg, fused))
+    row, size = codecs.pad_to_multiple(x.reshape(1, -1), _row_multiple(cfg, fused, x.size))
 
     def gather(piece):  # piece: [1, n]
         n = piece.shape[-1]
@@ -754,7 +772,8 @@ def wire_bytes_per_rank(num_elements: int, n_ranks: int, cfg: CommConfig) -> int
     `algorithm="auto"` counts as two-shot, what it runs off a real link (on GPUs
     `taco_jax.policy` may choose one-shot, or no compression at all); "fused" as one-shot, what
     it runs off NVLink (where its kernel runs, it pads to `_backends.FUSED_ROW_MULTIPLE` x
-    slices elements, not counted here).
+    slices elements, not counted here; nor is the padding to whole Mosaic rows with the Triton
+    lowering off, at most `MAX_MOSAIC_PADDING`).
     """
     one_shot = cfg.algorithm in ("one_shot", "fused")
     rows = 1 if one_shot else n_ranks

@@ -383,6 +383,23 @@ def test_encoded_codes_in_the_cpu_interpreter(name):
     assert_codes_match(codec, np.asarray(got), want.codes, ideal)
 
 
+@pytest.mark.slow
+def test_a_non_finite_group_leaves_its_neighbours_codes_alone_in_the_interpreter():
+    """A NaN and an Inf group of `int6_hadamard` (codes NaN through the packing dot: their bytes
+    are unspecified, their scales NaN): every other group's codes as the reference's."""
+    codec = codecs.get_codec("int6_hadamard")
+    x = _x(jax.random.key(4), (2, MOSAIC_CODECS["int6_hadamard"] * TILE_ELEMENTS), jnp.bfloat16)
+    x = x.at[0, 5].set(jnp.nan).at[1, 300].set(jnp.inf)  # groups 0 of row 0, 2 of row 1
+    n = x.shape[1]
+    want = codecs.unpack(codec, pk.encode_reference(codec, x), n)
+    got = np.asarray(codecs.unpack(codec, encode_mosaic.encode(codec, x, interpret=True), n).codes)
+    finite = np.ones((2, n // 128), bool)
+    finite[0, 0] = finite[1, 2] = False
+    ideal = _ideal_scaled(codec, np.asarray(x, np.float64), want)
+    pick = lambda a: np.asarray(a).reshape(2, -1, 128)[finite]  # noqa: E731
+    assert_codes_match(codec, pick(got), pick(want.codes), pick(ideal))
+
+
 # ------------------------------------------------------------------------------------------
 # On a Hopper GPU: the compiled kernels, scales included.
 

@@ -8,6 +8,7 @@ Hopper one where a test says so; what the kernels compute is tested in their own
 GPU at the end of this one.
 """
 
+import math
 import warnings
 
 import jax
@@ -70,6 +71,7 @@ def _taco_ops(rows: int, n: int):
 def test_auto_takes_mosaic_for_every_op_where_triton_is_off(hopper, launches, monkeypatch):
     """At 4 x 16384 elements, below every size where "auto" prefers Mosaic: Triton with the
     lowering on (so the record tells them apart), Mosaic GPU with it off."""
+    monkeypatch.delenv(pk.TRITON_ENV, raising=False)
     for op in _taco_ops(4, TILES_ROW):
         op()
     assert [lowering for lowering, _ in launches] == ["triton"] * 4
@@ -96,6 +98,9 @@ def test_the_sums_take_peer_steps_where_they_measured_faster():
     assert not decode_mosaic.default_peer_steps("decode_sum", TACO, below)
     assert decode_mosaic.default_peer_steps("decode_sum", TACO, at)
     assert decode_mosaic.default_peer_steps("decode_sum_reencode", TACO, below)
+    three_peers = jax.ShapeDtypeStruct((3, at.shape[1] * 8 // 3), jnp.uint8)
+    for op in ("decode_sum", "decode_sum_reencode"):  # fewer than four peers: every peer a step
+        assert not decode_mosaic.default_peer_steps(op, TACO, three_peers)
     for name in ("taco_e8m0", "int6_hadamard"):  # byte scales, bit planes: no peer steps
         codec = codecs.get_codec(name)
         assert not decode_mosaic.default_peer_steps("decode_sum", codec, at)
@@ -158,20 +163,38 @@ def test_tahquant_stages_take_their_reference(triton_off):
 
 
 def test_collectives_pad_rows_to_whole_mosaic_rows(hopper, triton_off, launches):
-    """A 4-rank two-shot all-reduce of 3000 elements a rank (no multiple of anything): rows of
-    one `TILES_ROW`, every kernel Mosaic's; with Triton on, the rows stay whole groups."""
+    """A 4-rank two-shot all-reduce of 64000 elements a rank: rows of 16000, padded to one
+    `TILES_ROW` (2.4% more), every op Mosaic's; with Triton on, rows of whole groups."""
     assert _backends.kernel_row_multiple("pallas", TACO) == TILES_ROW
     assert _backends.kernel_row_multiple("xla", TACO) == TACO.group_size
 
     def psum(x):
         return collectives.compressed_psum(x, "tp", impl="pallas", algorithm="two_shot")
 
-    x = jax.ShapeDtypeStruct((4, 3, 1000), jnp.bfloat16)
-    jax.eval_shape(jax.vmap(psum, axis_name="tp"), x)
-    assert launches and {lowering for lowering, _ in launches} == {"mosaic"}, launches
+    x = jax.ShapeDtypeStruct((4, 16, 4000), jnp.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no op falls to the reference
+        out = jax.eval_shape(jax.vmap(psum, axis_name="tp"), x)
+    assert out.shape == x.shape
+    assert launches == [
+        ("mosaic", "taco_encode_mosaic_taco_g128"),
+        ("mosaic", "taco_decode_sum_reencode_peer_steps_mosaic_taco_g128"),
+        ("mosaic", "taco_decode_mosaic_taco_g128"),
+    ]
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(pk.TRITON_ENV, "1")
         assert _backends.kernel_row_multiple("pallas", TACO) == TACO.group_size
+
+
+def test_rows_far_below_a_mosaic_row_keep_their_groups(hopper, triton_off, launches):
+    """3000 elements a rank (rows of 750): a Mosaic row would be 22 times the row, more than
+    `collectives.MAX_MOSAIC_PADDING` allows, so the rows keep whole groups and the reference
+    runs (saying so); nothing launches."""
+    x = jax.ShapeDtypeStruct((4, 3, 1000), jnp.bfloat16)
+    fn = lambda v: collectives.compressed_psum(v, "tp", impl="pallas", algorithm="two_shot")  # noqa: E731
+    with pytest.warns(RuntimeWarning, match="n=768"):
+        jax.eval_shape(jax.vmap(fn, axis_name="tp"), x)
+    assert launches == []
 
 
 # ------------------------------------------------------------------------------------------
@@ -184,16 +207,19 @@ TRITON_DEPRECATION = ".*Pallas Triton backend is deprecated.*"
 @pytest.mark.skipif(not _pallas.hopper_gpu(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("algorithm", ["two_shot", "one_shot"])
 def test_collectives_without_triton_on_the_gpu(triton_off, algorithm):
-    """The all-reduce of 4 emulated ranks through Mosaic GPU only, against the reference codec:
-    no Triton deprecation warning while it lowers, and the same result up to rounding.
+    """The all-reduce of 4 emulated ranks through Mosaic GPU only (no Triton deprecation warning,
+    no op on the reference while it lowers) against the reference codec, up to rounding.
 
     Tolerance, as in test_collectives_pallas.py: both quantize the same values and differ where
     a code sits at a rounding tie (one code step of a group, <= 2^-3 of its l2 norm, in each of
     the two quantizations) and else by fp32 sums of G terms (4 G 2^-24 max|out|) and the bf16
-    output's rounding of those (2^-8 max|out|); MAX_TIE_GROUPS groups may exceed the latter."""
-    max_tie_groups = 4
+    output's rounding of those (2^-8 max|out|). Ties: at most 3 codes in 16384 (the GPU checks
+    of docs/development_history.md), of the 5 x 64000 codes a two-shot all-reduce quantizes here
+    (each rank's message, then the sums), so at most 59 of rank 0's 500 groups beyond the latter
+    (every rank holds the same output)."""
     group = TACO.group_size
-    x = jax.random.normal(jax.random.key(3), (4, 24, 4000), jnp.float32).astype(jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(3), (4, 16, 4000), jnp.float32).astype(jnp.bfloat16)
+    max_tie_groups = math.ceil(3 * 5 * x[0].size / 16384)
 
     def psum(impl):
         fn = lambda v: collectives.compressed_psum(v, "tp", impl=impl, algorithm=algorithm)  # noqa: E731
@@ -201,10 +227,11 @@ def test_collectives_without_triton_on_the_gpu(triton_off, algorithm):
 
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=TRITON_DEPRECATION)
-        got = np.asarray(psum("pallas")(x), np.float64)
-    want = np.asarray(psum("xla")(x), np.float64)
-    norms = np.linalg.norm(want.reshape(4, -1, group), axis=-1).max()
+        warnings.filterwarnings("error", message=".*runs the jnp reference.*")
+        got = np.asarray(psum("pallas")(x), np.float64)[0]
+    want = np.asarray(psum("xla")(x), np.float64)[0]
+    norms = np.linalg.norm(want.reshape(-1, group), axis=-1).max()
     np.testing.assert_allclose(got, want, rtol=0, atol=2 * 2.0**-3 * norms)
     noise = (4 * group * 2.0**-24 + 2.0**-8) * np.abs(want).max()
-    beyond = (np.abs(got - want).reshape(4, -1, group).max(axis=-1) > noise).sum()
-    assert beyond <= 4 * max_tie_groups, f"{beyond} groups beyond rounding (4 ranks)"
+    beyond = (np.abs(got - want).reshape(-1, group).max(axis=-1) > noise).sum()
+    assert beyond <= max_tie_groups, f"{beyond} groups beyond rounding"

@@ -150,7 +150,7 @@ def test_e8m0_scales_cost_little_accuracy():
     "name, shape",  # 16 and 2048 groups; the fast tier: its codecs at the large shape
     tiered(
         [(n, shape) for n in CODING_CODECS for shape in ((4, 512), (64, 4096))],
-        [(n, (64, 4096)) for n in FAST_CODECS],
+        [(n, (64, 4096)) for n in [*FAST_CODECS, "taco_no_ds"]],  # and the no-DS branch
     ),
 )
 def test_nonfinite_groups_decode_to_nan(name, shape):

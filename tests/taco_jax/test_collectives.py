@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from codec_testing import group_error_bound, groups64
 from jax import lax
+from test_codecs import FAST_CODECS
 from tiers import tiered
 from tp_testing import MODES, run_tp
 
@@ -201,12 +202,12 @@ def _integer_grid_psum_bound(codec, x) -> float:
     return e1 + np.sqrt(codec.group_size) / (2 * codec.qmax) * (np.linalg.norm(amax) + e1)
 
 
-# The fast tier: one codec per code path (as test_codecs.py's), the others slow.
+# The fast tier: one codec per code path (test_codecs.py's FAST_CODECS), the others slow.
 @pytest.mark.parametrize(
     "name",
     tiered(
         [n for n in tj.CODEC_NAMES if n not in ("none", "taco_no_ds")],
-        ["taco", "taco_e8m0", "fp8", "int8", "int6_hadamard"],
+        FAST_CODECS,
     ),
 )
 def test_every_codec_through_psum(name):
