@@ -28,7 +28,7 @@ dispatch from the collectives to these kernels lives in `taco_jax._backends`.
 from __future__ import annotations
 
 from pallas_kernels import decode_mosaic, encode_mosaic, exchange_mosaic, tahquant_kernel
-from pallas_kernels._pallas import TRITON_ENV, hopper_gpu, triton_unavailable
+from pallas_kernels._pallas import TRITON_ENV, triton_unavailable
 from pallas_kernels.config import BlockConfig, block_config
 from pallas_kernels.decode_kernel import decode, decode_reference
 from pallas_kernels.decode_sum_kernel import (
@@ -53,7 +53,6 @@ __all__ = [
     "encode",
     "encode_mosaic",
     "encode_reference",
-    "hopper_gpu",
     "exchange_mosaic",
     "tahquant_kernel",
     "triton_unavailable",

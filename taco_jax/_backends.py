@@ -203,7 +203,7 @@ def kernel_row_multiple(impl: str, codec: Codec | tahquant.TahQuant) -> int:
     if not isinstance(codec, Codec) or impl not in ("auto", "pallas") or get_ops(impl) is XLA_OPS:
         return codec.group_size
     kernels = _kernels()
-    if kernels.triton_unavailable() is None or not kernels.hopper_gpu():
+    if kernels.triton_unavailable() is None or not kernels._pallas.hopper_gpu():
         return codec.group_size
     multiple = kernels.encode_mosaic.row_multiple(codec)
     if kernels.decode_mosaic.unsupported(codec, multiple) is not None:
