@@ -107,6 +107,25 @@ def test_a_save_that_fails_leaves_the_previous_good_checkpoint(asynchronous, tmp
     np.testing.assert_array_equal(restored["x"], state["x"])
 
 
+def test_a_damaged_newest_checkpoint_is_set_aside_in_one_line(tmp_path, capsys):
+    """The fast tier's damaged checkpoint (the whole run's resume: the slow tier): a truncated
+    newest file makes `restore_newest_good` say so in one line, move it aside and restore the
+    one before it."""
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=2, asynchronous=False)
+    state = {"x": jnp.arange(1024.0)}
+    ckpt.save(1, state)
+    ckpt.save(2, {"x": state["x"] + 1})
+    _truncate(tmp_path / "checkpoints" / "2")
+    restored, step = ckpt.restore_newest_good({"x": jax.ShapeDtypeStruct((1024,), jnp.float32)})
+    ckpt.close()
+    assert step == 1
+    np.testing.assert_array_equal(restored["x"], state["x"])
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "checkpoint 2 in" in err, err
+    assert "is not usable: its file" in err, err
+    assert (tmp_path / "checkpoints" / "2.unusable").is_dir()
+
+
 def test_an_async_save_keeps_the_state_of_its_step_when_the_next_step_donates_it(tmp_path):
     """`train_step` donates the state; an asynchronous save returns before the files are written,
     so it must already hold its own copy: the checkpoint has the values of its step."""
