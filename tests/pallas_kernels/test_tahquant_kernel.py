@@ -51,8 +51,8 @@ ENCODE_CASES = (
 )  # fmt: skip
 
 
-# The fast tier's encodes: the 8-bit stage codec in bf16 and the 4-bit one in fp32.
-FAST_ENCODES = [ENCODE_CASES[1], ENCODE_CASES[4]]
+# The fast tier's encode: the 8-bit stage codec in bf16 (the 4-bit one decodes there).
+FAST_ENCODES = [ENCODE_CASES[1]]
 
 # Groups above the wide tiles' G: qWD's, and an asymmetric 8-bit G = 256 without the pivot.
 LARGE_GROUP_CASES = [

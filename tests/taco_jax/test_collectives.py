@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 from codec_testing import group_error_bound, groups64
 from jax import lax
-from test_codecs import FAST_CODECS
 from tiers import tiered
 from tp_testing import MODES, run_tp
 
@@ -71,7 +70,7 @@ def test_none_equals_lax_exactly(tp, mode):
 # ------------------------------------------------------------------------------ codec "taco"
 
 
-@pytest.mark.parametrize("tp", tiered(TP_SIZES, (2, 8)))
+@pytest.mark.parametrize("tp", tiered(TP_SIZES, (8,)))
 @pytest.mark.parametrize("mode", MODES)
 def test_psum_within_two_quantization_bound(tp, mode):
     x = _ranks(tp, (3, 1000), seed=10 + tp)  # 3000 elements: not a multiple of tp x G
@@ -175,7 +174,7 @@ def test_all_gather_within_one_quantization_bound(tp, mode):
         assert err <= 1.01 * U * float(jnp.linalg.norm(x[r]))
 
 
-@pytest.mark.parametrize("slices", [2, 4])
+@pytest.mark.parametrize("slices", tiered([2, 4], (4,)))
 def test_slices_keep_the_bound(slices):
     tp = 4
     x = _ranks(tp, (4096,), seed=50)
@@ -202,12 +201,13 @@ def _integer_grid_psum_bound(codec, x) -> float:
     return e1 + np.sqrt(codec.group_size) / (2 * codec.qmax) * (np.linalg.norm(amax) + e1)
 
 
-# The fast tier: one codec per code path (test_codecs.py's FAST_CODECS), the others slow.
+# The fast tier: FP8, INT8 and bit-plane codes (the codecs' own tests take every path), the
+# others slow.
 @pytest.mark.parametrize(
     "name",
     tiered(
         [n for n in tj.CODEC_NAMES if n not in ("none", "taco_no_ds")],
-        FAST_CODECS,
+        ["taco", "int8", "int6_hadamard"],  # of test_codecs.py's FAST_CODECS: FP8, INT8, bit planes
     ),
 )
 def test_every_codec_through_psum(name):
@@ -349,7 +349,7 @@ def _sharded_mlp_grads(tp, mode, codec):
     return (loss, dw1, dw2, dx), (ref_loss, *ref_grads, ref_dx), (x, w1, w2, ct)
 
 
-@pytest.mark.parametrize("tp", [4, 8])
+@pytest.mark.parametrize("tp", tiered([4, 8], (4,)))
 @pytest.mark.parametrize("mode", MODES)
 def test_megatron_mlp_gradients_exact_without_compression(tp, mode):
     (loss, dw1, dw2, dx), (ref_loss, ref_dw1, ref_dw2, ref_dx), _ = _sharded_mlp_grads(
@@ -362,7 +362,7 @@ def test_megatron_mlp_gradients_exact_without_compression(tp, mode):
 
 
 @pytest.mark.parametrize("tp", tiered([4, 8], (4,)))
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", tiered(MODES, ("shard_map",)))
 def test_megatron_mlp_gradients_with_taco(tp, mode):
     (loss, dw1, dw2, dx), (ref_loss, ref_dw1, ref_dw2, ref_dx), (x, w1, w2, ct) = (
         _sharded_mlp_grads(tp, mode, "taco")

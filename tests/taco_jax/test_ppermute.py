@@ -58,8 +58,7 @@ def _receiver_case(name, perm):
     return pytest.param(name, perm, id=f"{name}-{route}", marks=marks)
 
 
-FAST_RECEIVERS = {("none", "cycle"), ("tahquant", "cycle"), ("taco", "cycle"),
-                  ("tahquant", "chain")}  # fmt: skip
+FAST_RECEIVERS = {("tahquant", "cycle"), ("taco", "cycle"), ("tahquant", "chain")}
 CYCLE_CODECS = ("none", "tahquant", "tahquant_sym", "tahquant4", "tahquant_adaptive", "taco")
 CHAIN_CODECS = ("none", "tahquant", "tahquant_adaptive", "taco")
 RECEIVER_CASES = [_receiver_case(name, CYCLE4) for name in CYCLE_CODECS] + [
