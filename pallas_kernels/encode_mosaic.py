@@ -405,12 +405,9 @@ def plane_parts(codes, planes, bits: int, magic_round: bool) -> list:
 
 def _floor(y, t: int, magic_round: bool):
     """floor(y) for y = c / 2^t, c a non-negative integer: y - 1/2 + 2^-(t+1) lies strictly
-    within 1/2 of floor(y), so rounding it to the nearest integer (`codecs.ROUND_MAGIC`: Mosaic
-    GPU has no floor) is exact; the CPU interpreter, where XLA folds the magic add away, floors."""
-    if not magic_round:
-        return jnp.floor(y)
-    nearest = y - np.float32(0.5 - 2.0 ** -(t + 1))
-    return (nearest + codecs.ROUND_MAGIC) - codecs.ROUND_MAGIC
+    within 1/2 of floor(y), so rounding it to the nearest integer is exact (Mosaic GPU has no
+    floor, and rounds by `codecs.round_even`'s magic number)."""
+    return codecs.round_even(y - np.float32(0.5 - 2.0 ** -(t + 1)), magic_round)
 
 
 def store_tile(out, wire_rows, tile, layout, planes, sides):

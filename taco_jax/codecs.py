@@ -68,6 +68,15 @@ ASH_TARGET_RMS = QMAX["e4m3"]
 # 1.5 * 2^23: adding and subtracting it rounds an fp32 |v| < 2^22 to the nearest integer, ties to
 # even (IEEE add), which is jnp.round's rule; the Triton lowering of Pallas has no `round`.
 ROUND_MAGIC = 12582912.0
+
+
+def round_even(v: jax.Array, magic_round: bool) -> jax.Array:
+    """fp32 v (|v| < 2^22) rounded to the nearest integer, ties to even: by `ROUND_MAGIC` where
+    `magic_round` (the GPU lowerings have no `round`; XLA on the CPU folds the magic add away, so
+    the reference and interpret mode use `jnp.round`)."""
+    return (v + ROUND_MAGIC) - ROUND_MAGIC if magic_round else jnp.round(v)
+
+
 # E8M0 (OCP MX): a biased power-of-two exponent byte; 0xFF is NaN.
 E8M0_BIAS = 127.0
 E8M0_NAN = 255
@@ -421,7 +430,7 @@ def quantize(
         )
     clipped = jnp.clip(scaled, -codec.qmax, codec.qmax)
     if codec.is_integer:
-        rounded = (clipped + ROUND_MAGIC) - ROUND_MAGIC if magic_round else jnp.round(clipped)
+        rounded = round_even(clipped, magic_round)
         if codec.bits == 8:
             return lax.bitcast_convert_type(rounded.astype(jnp.int8), jnp.uint8)
         if float_codes:

@@ -312,9 +312,7 @@ def _rounded(v: jax.Array, noise: jax.Array | None, magic_round: bool) -> jax.Ar
     """floor(v + u) with u in (0, 1) (`uniform_noise`: stochastic), or round half to even."""
     if noise is not None:
         return jnp.floor(v + noise)
-    if magic_round:  # the Triton lowering has no `round` (see codecs.quantize)
-        return (v + codecs.ROUND_MAGIC) - codecs.ROUND_MAGIC
-    return jnp.round(v)
+    return codecs.round_even(v, magic_round)
 
 
 def quantize_groups(codec: TahQuant, y: jax.Array, noise: jax.Array | None, *,
