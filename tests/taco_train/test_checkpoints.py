@@ -221,38 +221,6 @@ def test_kill_during_saves_never_loses_the_last_good_checkpoint(cache, tmp_path)
     )
 
 
-def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resumes_exactly(
-    finished, cache, tmp_path, capsys, monkeypatch
-):
-    """SIGTERM delivered while the run writes its first train record (step 2 of 6): the run
-    finishes the step, saves a good checkpoint of it, says so in one line and exits with
-    128 + 15; the plain rerun ends with the uninterrupted run's metrics and state."""
-    write = metrics.MetricsWriter.write
-
-    def write_then_signal(self, record):
-        write(self, record)
-        if record["kind"] == "train" and record["step"] == 2:
-            signal.raise_signal(signal.SIGTERM)
-
-    run = tmp_path / "run"
-    with monkeypatch.context() as patch:
-        patch.setattr(metrics.MetricsWriter, "write", write_then_signal)
-        with pytest.raises(SystemExit) as exit_info:
-            main(_args(run, cache))
-    assert exit_info.value.code == 128 + signal.SIGTERM
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last == "taco-train: SIGTERM: stopped at step 2; run the same command to resume"
-    assert (
-        _checkpoint_steps(run / "checkpoints") == [2] and damage(run / "checkpoints" / "2") is None
-    )
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
-    main(_args(run, cache))
-    assert "at step 2" in capsys.readouterr().err
-    ours = untimed(metrics.read_jsonl(run / "metrics.jsonl"))
-    assert ours == untimed(metrics.read_jsonl(finished / "metrics.jsonl"))
-    assert_same_state(run, finished, 6)
-
-
 def test_a_second_signal_exits_at_once(monkeypatch, capsys):
     """The first SIGINT asks for a stop after the step; the second ends the process at once
     with 128 + 2 (os._exit, replaced here so that the test process survives)."""

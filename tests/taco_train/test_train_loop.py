@@ -1,16 +1,18 @@
 """End to end on configs/tiny.toml: the CLI's outputs, and resume == uninterrupted, bit for bit."""
 
 import json
+import signal
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from train_testing import TINY, tiny_args, untimed
+from train_testing import TINY, assert_same_state, tiny_args, untimed
 
 import taco_jax
 from models import spmd
 from taco_train import metrics, trainer
+from taco_train.checkpointing import damage
 from taco_train.config import load_config
 from taco_train.main import main
 
@@ -92,7 +94,39 @@ def test_profile_steps_write_a_trace(cache, tmp_path):
     assert traces and all(t.stat().st_size > 0 for t in traces)
 
 
-@pytest.mark.slow  # ~10 s; the fast tier resumes in test_checkpoints.py (after a signal)
+def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resumes_exactly(
+    full_run, cache, tmp_path, capsys, monkeypatch
+):
+    """SIGTERM delivered while the run writes its first train record (step 2 of 6): the run
+    finishes the step, saves a good checkpoint of it, says so in one line and exits with
+    128 + 15; the plain rerun ends with the uninterrupted run's metrics and state. (Here, beside
+    `full_run`, its step is compiled once; the signalled process: test_checkpoints.py.)"""
+    write = metrics.MetricsWriter.write
+
+    def write_then_signal(self, record):
+        write(self, record)
+        if record["kind"] == "train" and record["step"] == 2:
+            signal.raise_signal(signal.SIGTERM)
+
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(metrics.MetricsWriter, "write", write_then_signal)
+        with pytest.raises(SystemExit) as exit_info:
+            _cli(run, cache)
+    assert exit_info.value.code == 128 + signal.SIGTERM
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "taco-train: SIGTERM: stopped at step 2; run the same command to resume"
+    steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == [2] and damage(run / "checkpoints" / "2") is None
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
+    _cli(run, cache)
+    assert "at step 2" in capsys.readouterr().err
+    ours = untimed(metrics.read_jsonl(run / "metrics.jsonl"))
+    assert ours == untimed(metrics.read_jsonl(full_run / "metrics.jsonl"))
+    assert_same_state(run, full_run, 6)
+
+
+@pytest.mark.slow  # ~10 s; the fast tier resumes after a signal (above)
 def test_resume_reproduces_the_uninterrupted_run(full_run, cache, tmp_path):
     _cli(tmp_path, cache, "run.stop_at=3")  # "interrupted" after the step-3 checkpoint
     first = metrics.read_jsonl(tmp_path / "metrics.jsonl")
