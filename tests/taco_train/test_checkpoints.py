@@ -66,7 +66,8 @@ def _empty_metadata(step_dir):
 
 
 # The tests of a finished run (`finished`: 18 s on two cores before the first) are the slow
-# tier's; the fast tier checks saves, pruning, and a resume after a signal on runs of its own.
+# tier's; the fast tier checks saves, pruning and a second signal here (a resume after a
+# signal: test_train_loop.py, beside its own finished run).
 @pytest.mark.slow
 def test_a_finished_run_leaves_good_checkpoints(finished):
     """Saved asynchronously, the last one too is complete with its manifest once the run ends,
