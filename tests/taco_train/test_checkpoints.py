@@ -16,6 +16,7 @@ import pytest
 from train_testing import (
     REPO,
     assert_same_state,
+    checkpoint_steps,
     final_state,
     subprocess_env,
     tiny_args,
@@ -73,7 +74,7 @@ def test_a_finished_run_leaves_good_checkpoints(finished):
     """Saved asynchronously, the last one too is complete with its manifest once the run ends,
     and each save's pause is recorded in metrics.jsonl."""
     checkpoints = finished / "checkpoints"
-    assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == [3, 6]
+    assert checkpoint_steps(checkpoints) == [3, 6]
     assert damage(checkpoints / "3") is None and damage(checkpoints / "6") is None
     records = metrics.read_jsonl(finished / "metrics.jsonl")
     saves = [r for r in records if r["kind"] == "checkpoint"]
@@ -99,7 +100,7 @@ def test_a_save_that_fails_leaves_the_previous_good_checkpoint(asynchronous, tmp
         ckpt.save(2, {"x": state["x"] + 1})
         ckpt.wait()
     monkeypatch.undo()
-    assert _checkpoint_steps(tmp_path / "checkpoints") == [1, 2]
+    assert checkpoint_steps(tmp_path / "checkpoints") == [1, 2]
     assert damage(tmp_path / "checkpoints" / "1") is None
     assert damage(tmp_path / "checkpoints" / "2") == "it was never completed (no manifest)"
     restored, step = ckpt.restore_newest_good({"x": jax.ShapeDtypeStruct((4,), jnp.float32)})
@@ -271,10 +272,6 @@ def test_a_signalled_process_stops_in_one_line_and_resumes_exactly(signum, cache
     assert_same_state(run, reference, step + 2)
 
 
-def _checkpoint_steps(directory):
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
-
-
 def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
     """keep=2 with good checkpoints 5 and 6 in the directory: saving step 1 keeps 1 and the
     newest other one; the checkpoint just written counts as the newest whatever its number."""
@@ -283,7 +280,7 @@ def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
     for step in (5, 6, 1):
         ckpt.save(step, state)
     ckpt.close()
-    assert _checkpoint_steps(tmp_path / "checkpoints") == [1, 6]
+    assert checkpoint_steps(tmp_path / "checkpoints") == [1, 6]
     assert damage(tmp_path / "checkpoints" / "1") is None
 
 
@@ -332,10 +329,10 @@ def test_starting_over_archives_the_earlier_run_and_reruns_resume_the_new_one(
     assert len(moved) == 1 and moved[0].startswith("run.resume=false: the earlier run in"), err
     (archived,) = (run / "archive").iterdir()
     assert moved[0].endswith(str(archived))
-    assert _checkpoint_steps(archived / "checkpoints") == [3, 6]
+    assert checkpoint_steps(archived / "checkpoints") == [3, 6]
     assert (archived / "metrics.jsonl").read_text() == old_metrics
     assert (archived / "config.json").exists() and (archived / "loss.png").exists()
-    assert _checkpoint_steps(run / "checkpoints") == [1, 2]
+    assert checkpoint_steps(run / "checkpoints") == [1, 2]
     assert {r["step"] for r in metrics.read_jsonl(run / "metrics.jsonl")} <= {1, 2}
     main(_args(run, cache, *new))  # the plain rerun
     err = capsys.readouterr().err

@@ -10,6 +10,7 @@ import pytest
 from train_testing import (
     REPO,
     assert_same_state,
+    checkpoint_steps,
     subprocess_env,
     tiny_overrides,
     untimed,
@@ -83,7 +84,7 @@ ONE_STAGE_PER_PROCESS = (
 
 
 def _steps(run) -> list[int]:
-    return sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    return checkpoint_steps(run / "checkpoints")
 
 
 @pytest.mark.slow

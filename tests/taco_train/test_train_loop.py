@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from train_testing import TINY, assert_same_state, tiny_args, untimed
+from train_testing import TINY, assert_same_state, checkpoint_steps, tiny_args, untimed
 
 import taco_jax
 from models import spmd
@@ -116,8 +116,8 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resumes_exactly(
     assert exit_info.value.code == 128 + signal.SIGTERM
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last == "taco-train: SIGTERM: stopped at step 2; run the same command to resume"
-    steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
-    assert steps == [2] and damage(run / "checkpoints" / "2") is None
+    assert checkpoint_steps(run / "checkpoints") == [2]
+    assert damage(run / "checkpoints" / "2") is None
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
     _cli(run, cache)
     assert "at step 2" in capsys.readouterr().err

@@ -8,6 +8,11 @@ REPO = Path(__file__).parents[2]
 TINY = str(REPO / "configs" / "tiny.toml")
 
 
+def checkpoint_steps(directory: Path) -> list[int]:
+    """The steps of the checkpoint directories under `directory`, ascending."""
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
 def untimed(records: list[dict]) -> list[dict]:
     """Metrics records without their timing fields, which differ between runs, and without the
     checkpoint records (the timing of saves, which differ between an interrupted run and one
