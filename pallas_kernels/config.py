@@ -314,9 +314,15 @@ def two_programs_steps(fixed_bytes: int, step_bytes: int, cap: int, kernel: str)
 MOSAIC_DECODE_CODECS = ("taco", "taco_e5m2")
 MOSAIC_DECODE_FROM_BYTES: dict[str, int | None] = {
     "decode": 17 << 20,
-    "decode_sum": None,
+    "decode_sum": 17 << 20,
     "decode_sum_reencode": None,
 }
+# The decode-sum's table applies at these peer counts only: two peers' tiles a step, one output
+# slot and two programs an SM, 1.2-1.25x Triton's speed from 64 MiB of bf16 (two rows,
+# `launch_sweep-2026-12-04-decode_sum-p2.json`: 90 / 74% of the copy at 64 MiB, 101 / 81% at
+# 256 MiB); from four peers Triton leads from 256 MiB (`-decode_sum-p8.json`: peer steps
+# 76 / 81, 81 / 87% at 256 MiB / 1 GiB).
+MOSAIC_DECODE_SUM_PEERS = (2,)
 
 # Pipeline steps in flight of the Mosaic peer-steps sums (`peer_steps=True`, one peer's tile a
 # step, one output slot), at most. One H200, `taco`, 8 rows, fp32 output, % of a copy at

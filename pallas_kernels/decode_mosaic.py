@@ -20,8 +20,9 @@ peer's exact codes, as `config.TWO_PEERS_DOT`); the decode-sum-reencode needs no
 (H H = I: the sum is re-encoded where it is, in the Hadamard domain), so it sums the register
 loads.
 
-Measured against the Triton kernels (`config.MOSAIC_DECODE_FROM_BYTES`): the decode is faster
-from 32 MiB; the decode-sum and re-encode of eight peers are slower at every size: each pipeline
+Measured against the Triton kernels (`config.MOSAIC_DECODE_FROM_BYTES`): the decode, and the
+decode-sum of two peers (one output slot, so that two programs share an SM), are faster from
+32 MiB; the decode-sum and re-encode of eight peers are slower at every size: each pipeline
 step holds every peer's tile, so few steps fit in flight, and the decode-sum runs a Hadamard per
 peer. `peer_steps=True` runs them with one peer's tile per step instead, the sum carried in
 registers across a tile's N steps and, for the decode-sum, one Hadamard of the sum
@@ -55,6 +56,7 @@ from pallas_kernels import _pallas, encode_mosaic
 from pallas_kernels.config import (
     MOSAIC_DECODE_CODECS,
     MOSAIC_DECODE_FROM_BYTES,
+    MOSAIC_DECODE_SUM_PEERS,
     MOSAIC_GROUPS_PER_TILE,
     MOSAIC_PEER_STEPS_FROM_BYTES,
     MOSAIC_PEER_STEPS_FROM_PEERS,
@@ -114,10 +116,12 @@ def unsupported_call(op: str, codec: Codec, wire: jax.Array, n: int, dtype=jnp.f
 def preferred(op: str, codec: Codec, wire: jax.Array, n: int, dtype=jnp.float32) -> bool:
     """Whether "auto" takes the Mosaic kernel of `op` ("decode", "decode_sum",
     "decode_sum_reencode"): it applies, the codec is one of `config.MOSAIC_DECODE_CODECS`,
-    and the call moves at least `config.MOSAIC_DECODE_FROM_BYTES[op]` bytes of wire (None:
-    Triton at every size)."""
+    a decode-sum has `config.MOSAIC_DECODE_SUM_PEERS` peers, and the call moves at least
+    `config.MOSAIC_DECODE_FROM_BYTES[op]` bytes of wire (None: Triton at every size)."""
     threshold = MOSAIC_DECODE_FROM_BYTES[op]
     if threshold is None or codec.name not in MOSAIC_DECODE_CODECS:
+        return False
+    if op == "decode_sum" and wire.shape[0] not in MOSAIC_DECODE_SUM_PEERS:
         return False
     if unsupported_call(op, codec, wire, n, dtype) is not None:
         return False
@@ -206,10 +210,16 @@ def _decoded_rows(codec, wire, n, dtype, interpret, launch, *, rows_summed):
     out_rows, peers = (1, rows) if rows_summed else (rows, 1)
     dot = codec.hadamard or _packed(codec)  # sub-byte codes: a dot by `_unpack_matrices`
     scratch_of = lambda lc: _scratch(codec, dtype, lc, dot=dot, staged=interpret)  # noqa: E731
-    # A sub-byte decode takes the steps that leave two programs an SM (its matrices are large).
+    # A sub-byte decode, and an 8-bit decode-sum (every peer's tile a step), take the steps that
+    # leave two programs an SM: a sub-byte decode's matrices are large; the decode-sum stores a
+    # tile once a step of N peers' tiles, so one output slot serves it, and two programs of one
+    # slot and three steps ran 1.2-1.35x faster than one of two slots (two peers, bf16;
+    # docs/development_history.md, "The Mosaic sums' launches").
+    summed_8bit = rows_summed and not _packed(codec)
     launch = _launch(
         codec, launch, out_rows, groups // _TILE, scratch_of, _step_bytes(codec, n, peers),
-        two_programs=_packed(codec) and not rows_summed,
+        store_slots=1 if summed_8bit else 2,
+        two_programs=summed_8bit or (_packed(codec) and not rows_summed),
     )  # fmt: skip
     body = _pallas.partial(_decode_body, codec=codec, n=n, launch=launch,
                            rows_summed=rows_summed)  # fmt: skip

@@ -148,13 +148,13 @@ def test_backend_errors_name_the_value():
 @pytest.mark.parametrize("op", ["decode", "decode_sum", "decode_sum_reencode"])
 def test_auto_takes_mosaic_by_the_size_table(monkeypatch, op):
     """`preferred`'s rule, on any machine: never where `MOSAIC_DECODE_FROM_BYTES[op]` is None
-    (the shipped table: the sums stay on Triton at every size, BENCHMARKS.md "Kernels"), else
-    from that many wire bytes on (the decode: 17 MiB, 32 MiB of bf16), for the codecs of
-    `MOSAIC_DECODE_CODECS`."""
+    (the shipped table: the re-encode stays on Triton at every size, BENCHMARKS.md "Kernels"),
+    else from that many wire bytes on (the decode and the two-peer decode-sum: 17 MiB, 32 MiB
+    of bf16), for the codecs of `MOSAIC_DECODE_CODECS`."""
     monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
     codec = codecs.get_codec("taco")
     wire, n = _wire(codec, 2, 2, 0)
-    shipped = {"decode": 17 << 20, "decode_sum": None, "decode_sum_reencode": None}[op]
+    shipped = {"decode": 17 << 20, "decode_sum": 17 << 20, "decode_sum_reencode": None}[op]
     assert config.MOSAIC_DECODE_FROM_BYTES[op] == shipped
     assert not decode_mosaic.preferred(op, codec, wire, n)  # 34 KiB of wire: below any table
     monkeypatch.setitem(config.MOSAIC_DECODE_FROM_BYTES, op, wire.size)
@@ -168,20 +168,34 @@ def test_auto_takes_mosaic_by_the_size_table(monkeypatch, op):
     assert not decode_mosaic.preferred(op, other, other_wire, other_n)
 
 
+def test_auto_takes_the_mosaic_decode_sum_of_two_peers_only(monkeypatch):
+    """Two peers' decode-sum (one output slot, two programs an SM) measured 1.2-1.25x Triton's
+    from 64 MiB; from four peers Triton's leads from 256 MiB (`config.MOSAIC_DECODE_SUM_PEERS`)."""
+    monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
+    codec = codecs.get_codec("taco")
+    assert config.MOSAIC_DECODE_SUM_PEERS == (2,)
+    for peers in (2, 3, 4, 8):
+        wire, n = _wire(codec, peers, 2, 0)
+        monkeypatch.setitem(config.MOSAIC_DECODE_FROM_BYTES, "decode_sum", wire.size)
+        assert decode_mosaic.preferred("decode_sum", codec, wire, n) == (peers == 2), peers
+
+
 # Shared memory per program (bytes), by hand: a 64 x 128 tile of codes is 8192, its two fp32
 # side sections 2 x 256 (`taco`); one step holds one tile per peer it reads. Buffers beside the
 # steps: the signs as fp16 (32768) for a Hadamard decode (the codes and the sum's bf16 pieces
 # are register operands; a re-encode and peer steps load the codes into registers: no dot
-# operand); 2 output slots of 64 x 128 fp32 (65536), or of re-encoded tiles (2 x 8192 codes +
-# 1024 of side values); peer steps' decode-sum adds the bf16 signs (32768); 8 bytes per
+# operand); output slots of 64 x 128 fp32 (32768 each), or of re-encoded tiles (2 x 8192 codes
+# + 1024 of side values); peer steps' decode-sum adds the bf16 signs (32768); 8 bytes per
 # barrier. 512 tiles in one row take 2 tiles per program (`mosaic_launch`), so at most 2 steps,
-# or 2 x N with peer steps, whose sums keep one output slot and at most
-# `config.MOSAIC_PEER_STEPS_IN_FLIGHT` steps (4 for the decode-sum, 8 for the re-encode).
+# or 2 x N with peer steps. The sums keep one output slot; the decode-sum (every peer a step)
+# takes the steps that leave two programs an SM (`config.two_programs_steps`: 115712 - 512
+# bytes less its buffers), the peer steps at most `config.MOSAIC_PEER_STEPS_IN_FLIGHT` (4 for
+# the decode-sum, 8 for the re-encode).
 @pytest.mark.parametrize(
     "op,peers,steps,slots",
     [
-        ("decode_sum", 2, 2, 2),  # (204800 - 98312) // 17408 = 6 fit; 2 steps in a program
-        ("decode_sum", 8, 1, 2),  # (204800 - 98312) // 69632 = 1
+        ("decode_sum", 2, 2, 1),  # (115712 - 512 - 65544) // 17408 = 2 leave two programs
+        ("decode_sum", 8, 1, 1),  # (204800 - 65544) // 69632 = 1 fits; none leaves two programs
         ("decode_sum_reencode", 8, 2, 2),  # (204800 - 17408) // 69632 = 2
         ("peer_steps", 8, 4, 1),  # (204800 - 65544) // 8704 = 15 fit; at most 4 in flight
         ("peer_steps_reencode", 8, 8, 1),  # (204800 - 8704) // 8704 = 22 fit; at most 8
