@@ -318,12 +318,12 @@ MOSAIC_DECODE_FROM_BYTES: dict[str, int | None] = {
     "decode_sum_reencode": None,
 }
 # The decode-sum's table applies at these peer counts only: two peers' tiles a step, one output
-# slot and two programs an SM, 1.14-1.25x Triton's speed from 64 MiB of bf16 (two rows, % of
-# the copy: bf16 out 92 / 73 at 64 MiB, 102 / 83 at 256 MiB, 85 / 67 and 72 / 72 at 32 and
-# 48 MiB, `launch_sweep-2026-12-04-decode_sum-p2-sizes.json`; fp32 out 90 / 76, 96 / 82,
-# 102 / 89 at 32 / 64 / 256 MiB, `kernels-2026-12-04-p2.json`); from four peers Triton leads
-# from 256 MiB (`launch_sweep-2026-12-04-decode_sum-p8.json`: peer steps 76 / 81, 81 / 87% at
-# 256 MiB / 1 GiB).
+# slot and two programs an SM (`decode_mosaic._decoded_rows`), `taco`, % of the copy, Mosaic /
+# Triton: bf16 out 85 / 67 and 72 / 72 at 32 and 48 MiB, 92 / 73 at 64 MiB, 102 / 83 at
+# 256 MiB (`launch_sweep-2026-12-04-decode_sum-p2-sizes.json`, 1.23-1.26x from 64 MiB); fp32
+# out 90 / 76, 96 / 82, 102 / 89 at 32 / 64 / 256 MiB (`kernels-2026-12-04-p2.json`,
+# 1.14-1.18x). At eight peers Triton's leads from 256 MiB
+# (`launch_sweep-2026-12-04-decode_sum-p8.json`: peer steps 76 / 81, 81 / 87% at 256 MiB / 1 GiB).
 MOSAIC_DECODE_SUM_PEERS = (2,)
 
 # Pipeline steps in flight of the Mosaic peer-steps sums (`peer_steps=True`, one peer's tile a

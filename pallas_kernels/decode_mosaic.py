@@ -121,9 +121,9 @@ def preferred(op: str, codec: Codec, wire: jax.Array, n: int, dtype=jnp.float32)
     threshold = MOSAIC_DECODE_FROM_BYTES[op]
     if threshold is None or codec.name not in MOSAIC_DECODE_CODECS:
         return False
-    if op == "decode_sum" and wire.shape[0] not in MOSAIC_DECODE_SUM_PEERS:
-        return False
     if unsupported_call(op, codec, wire, n, dtype) is not None:
+        return False
+    if op == "decode_sum" and wire.shape[0] not in MOSAIC_DECODE_SUM_PEERS:
         return False
     return wire.size >= threshold
 
@@ -210,16 +210,16 @@ def _decoded_rows(codec, wire, n, dtype, interpret, launch, *, rows_summed):
     out_rows, peers = (1, rows) if rows_summed else (rows, 1)
     dot = codec.hadamard or _packed(codec)  # sub-byte codes: a dot by `_unpack_matrices`
     scratch_of = lambda lc: _scratch(codec, dtype, lc, dot=dot, staged=interpret)  # noqa: E731
-    # A sub-byte decode, and an 8-bit decode-sum (every peer's tile a step), take the steps that
-    # leave two programs an SM: a sub-byte decode's matrices are large; the decode-sum stores a
-    # tile once a step of N peers' tiles, so one output slot serves it, and two programs of one
-    # slot and three steps ran 1.2-1.35x faster than one of two slots (two peers, bf16;
-    # docs/development_history.md, "The Mosaic sums' launches").
-    summed_8bit = rows_summed and not _packed(codec)
+    # A sub-byte decode, and the 8-bit decode-sum of two peers, take the steps that leave two
+    # programs an SM: a sub-byte decode's matrices are large; the decode-sum stores a tile once
+    # a step of both peers' tiles, so one output slot serves it, and two programs of one slot
+    # ran 1.3x faster than one of two slots (bf16; docs/development_history.md, "The Mosaic
+    # sums' launches"). More peers keep two slots: there two programs would leave one step.
+    two_peer_sum = rows_summed and not _packed(codec) and peers in MOSAIC_DECODE_SUM_PEERS
     launch = _launch(
         codec, launch, out_rows, groups // _TILE, scratch_of, _step_bytes(codec, n, peers),
-        store_slots=1 if summed_8bit else 2,
-        two_programs=summed_8bit or (_packed(codec) and not rows_summed),
+        store_slots=1 if two_peer_sum else 2,
+        two_programs=two_peer_sum or (_packed(codec) and not rows_summed),
     )  # fmt: skip
     body = _pallas.partial(_decode_body, codec=codec, n=n, launch=launch,
                            rows_summed=rows_summed)  # fmt: skip
