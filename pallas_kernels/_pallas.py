@@ -288,9 +288,10 @@ def when(condition, fn):
     pl.when(condition)(fn)
 
 
-def zeros_rows(shape):
-    """fp32 zeros in the wgmma accumulator's layout (a carry that accumulators add to)."""
-    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+def zeros_rows(shape, layout=None):
+    """fp32 zeros in `layout`, by default the wgmma accumulator's (a carry that accumulators add
+    to)."""
+    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout or ACCUMULATOR)
 
 
 def wgmma_of_pieces(z, b_smem, shape, pieces_smem=None):
@@ -420,15 +421,28 @@ def load_upcast(smem_ref, dtype):
     return plgpu.layout_cast(narrow.astype(dtype), plgpu.Layout.WGMMA)
 
 
+# A wgmma accumulator's register layout, and the one an 8-bit tile loads in (`load_upcast`): a
+# warp shuffle away from the former.
+ACCUMULATOR = plgpu.Layout.WGMMA
+NARROW_LOAD = plgpu.Layout.WGMMA_UPCAST_2X
+
+
+def load_widened(smem_ref):
+    """An 8-bit shared-memory tile (swizzled, as TMA loaded it) into fp32 registers in the
+    layout of its load (`NARROW_LOAD`): no shuffle into the wgmma layout, for sums and encodes
+    that run no wgmma."""
+    return plgpu.load(smem_ref, layout=NARROW_LOAD).astype(jnp.float32)
+
+
 def load_tile(smem_ref):
     """A shared-memory tile (not swizzled) into registers in the wgmma layout."""
     return plgpu.load(smem_ref, layout=plgpu.Layout.WGMMA)
 
 
-def load_rows(smem_ref):
-    """A shared-memory vector of one value per row of a wgmma tile, laid out to scale that
-    tile's rows (`codecs.scale_rows` on a wgmma accumulator)."""
-    return plgpu.load(smem_ref, layout=plgpu.Layout.WGMMA.reduce(1))
+def load_rows(smem_ref, layout=None):
+    """A shared-memory vector of one value per row of a tile in `layout` (by default a wgmma
+    accumulator's), laid out to scale that tile's rows (`codecs.scale_rows`)."""
+    return plgpu.load(smem_ref, layout=(layout or ACCUMULATOR).reduce(1))
 
 
 def _retyped(out, like, replicated_along):

@@ -17,8 +17,9 @@ every E4M3 and E5M2 value), the register operand of an fp16 wgmma accumulating i
 Codecs without a Hadamard need no dot: their codes are loaded from the tile into registers
 through fp16 (exact) in the accumulator's layout. The decode-sum runs one dot per peer (each
 peer's exact codes, as `config.TWO_PEERS_DOT`); the decode-sum-reencode needs no Hadamard
-(H H = I: the sum is re-encoded where it is, in the Hadamard domain), so it sums the register
-loads.
+(H H = I: the sum is re-encoded where it is, in the Hadamard domain), so it sums and encodes
+the tiles in the layout of their 8-bit loads, with no shuffle into the wgmma layout
+(`_pallas.load_widened`: 1.1x faster at eight peers).
 
 Measured against the Triton kernels (`config.MOSAIC_DECODE_FROM_BYTES`): the decode, and the
 decode-sum of two peers (one output slot, so that two programs share an SM), are faster from
@@ -28,8 +29,9 @@ peer. `peer_steps=True` runs them with one peer's tile per step instead, the sum
 registers across a tile's N steps and, for the decode-sum, one Hadamard of the sum
 (`_summed_body`), with one output slot (a tile is stored once every N steps, so its slot is
 free again long before) and more steps in flight (`config.MOSAIC_PEER_STEPS_IN_FLIGHT`):
-faster than one step per tile from 64 MiB, ahead of Triton only for an fp32 decode-sum at
-64 MiB, behind from 256 MiB (docs/development_history.md, "One output slot"). Their shared
+faster than one step per tile from 64 MiB; the decode-sum ahead of Triton only in fp32 at
+64 MiB, the re-encode level with it to 256 MiB and behind at 1 GiB (docs/development_history.md,
+"One output slot", "The Mosaic sums' launches"). Their shared
 memory decides how many programs share an SM: up to 77 KiB for the peer-steps re-encode
 (eight 8.5 KiB steps), 98 KiB for the peer-steps decode-sum with an fp32 output (four steps,
 the signs, one slot): two programs; the sums of eight peers with a step per tile 120-165 KiB: one.
@@ -513,13 +515,20 @@ def _peer_refs(views, row):
     return [view.at[p] for p in range(peers) for view in views]
 
 
-def _decoded(codec, code_smem, side_smem, dot_smem, sections, unit, staged_smem=None):
+def _decoded(codec, code_smem, side_smem, dot_smem, sections, unit, staged_smem=None,
+             widened=False):  # fmt: skip
     """One peer's tile: its codes times the Hadamard dot operand `dot_smem` (exact) or, with
     none, the codes themselves, scaled by its decode factor (`codecs.decode_factor` with
     `unit`), fp32. staged_smem: an fp16 tile FP8 codes go through on their way to the dot,
     for Mosaic GPU's CPU interpreter, which reads wgmma operands from refs only. Sub-byte
-    codes: `code_smem` and `dot_smem` hold a block and a matrix per plane (`_parts`)."""
-    if _packed(codec):
+    codes: `code_smem` and `dot_smem` hold a block and a matrix per plane (`_parts`).
+    widened (no dot): the tile in the layout of its 8-bit load (`_pallas.NARROW_LOAD`), not a
+    wgmma accumulator's, for the re-encodes, which take it into no wgmma."""
+    rows_layout = _pallas.NARROW_LOAD if widened else _pallas.ACCUMULATOR
+    if widened:
+        assert dot_smem is None and not _packed(codec), "a widened tile takes no dot"
+        v = _pallas.load_widened(code_smem)
+    elif _packed(codec):
         parts = _parts(codec, code_smem, staged_smem)
         v = _pallas.wgmma_sum(list(zip(parts, dot_smem, strict=True)), (_TILE, GROUP_SIZE))
     elif dot_smem is None:
@@ -534,14 +543,15 @@ def _decoded(codec, code_smem, side_smem, dot_smem, sections, unit, staged_smem=
         v = _pallas.wgmma(a, dot_smem, (_TILE, GROUP_SIZE))
     else:
         v = _pallas.wgmma_transposed(code_smem, dot_smem, (_TILE, GROUP_SIZE), _acc_dtype(codec))
-    sides = {s.field: _pallas.load_rows(r) for s, r in zip(sections, side_smem, strict=True)}
+    sides = {s.field: _pallas.load_rows(r, rows_layout) for s, r in zip(sections, side_smem,
+                                                                        strict=True)}  # fmt: skip
     d = codecs.decode_factor(codec, sides.get("scales"), sides.get("prescales"), unit)
     return codecs.scale_rows(v.astype(jnp.float32), d)
 
 
-def _peer_sum(codec, blocks, dot_smem, n, unit, staged_smem=None):
+def _peer_sum(codec, blocks, dot_smem, n, unit, staged_smem=None, widened=False):
     """The sum, in peer order, of the decoded tiles of `blocks` (codes, then side sections,
-    per peer: `_tile_specs`)."""
+    per peer: `_tile_specs`); widened: as `_decoded`."""
     sections = codecs.wire_sections(codec, n)
     code_blocks = len(_plane_group_bytes(codec)) if _packed(codec) else 1
     per_peer = code_blocks + len(sections)
@@ -550,7 +560,7 @@ def _peer_sum(codec, blocks, dot_smem, n, unit, staged_smem=None):
         peer_blocks = blocks[p * per_peer : (p + 1) * per_peer]
         code_smem, side_smem = peer_blocks[:code_blocks], peer_blocks[code_blocks:]
         code_smem = code_smem if _packed(codec) else code_smem[0]
-        x = _decoded(codec, code_smem, side_smem, dot_smem, sections, unit, staged_smem)
+        x = _decoded(codec, code_smem, side_smem, dot_smem, sections, unit, staged_smem, widened)
         total = x if total is None else total + x
     return total
 
@@ -615,7 +625,7 @@ def _reencode_body(*refs, codec, n, launch, magic_round):
 
     def step(index, *blocks):
         (i,) = index
-        z = _peer_sum(codec, blocks, None, n, unit=1.0)
+        z = _peer_sum(codec, blocks, None, n, unit=1.0, widened=True)
         encode_mosaic.encode_and_store(codec, z, 1.0, ([codes_smem], sides), [out_gmem],
                                        first + i, layout, magic_round)  # fmt: skip
 
@@ -732,7 +742,7 @@ def _summed_body(*refs, codec, n, launch, peers, hadamard, reencode, staged, mag
     def step(index, code_smem, *blocks):
         *side_smem, carry = blocks
         i, p = index
-        x = _decoded(codec, code_smem, side_smem, None, sections, unit=1.0)
+        x = _decoded(codec, code_smem, side_smem, None, sections, unit=1.0, widened=reencode)
         # Peers summed in order 0..N-1. A cond, not a select: Mosaic GPU does not broadcast a
         # scalar predicate over a tile, and a multiply by 0 would carry a NaN into the next tile.
         z = lax.cond(p == 0, lambda: x, lambda: carry + x)
@@ -745,6 +755,8 @@ def _summed_body(*refs, codec, n, launch, peers, hadamard, reencode, staged, mag
         in_specs=_peer_step_specs(codec, n, first),
         out_specs=[],
         in_flight=launch.steps_in_flight,
-        init_carry=_pallas.zeros_rows((_TILE, GROUP_SIZE)),
+        init_carry=_pallas.zeros_rows(
+            (_TILE, GROUP_SIZE), _pallas.NARROW_LOAD if reencode else _pallas.ACCUMULATOR
+        ),
     )(*views)
     _pallas.wait_stores(0)
