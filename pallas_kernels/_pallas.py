@@ -288,10 +288,18 @@ def when(condition, fn):
     pl.when(condition)(fn)
 
 
+# A wgmma accumulator's register layout, and the one an 8-bit tile loads in (`load_upcast`): a
+# warp shuffle away from the former.
+ACCUMULATOR = plgpu.Layout.WGMMA
+NARROW_LOAD = plgpu.Layout.WGMMA_UPCAST_2X
+
+
 def zeros_rows(shape, layout=None):
     """fp32 zeros in `layout`, by default the wgmma accumulator's (a carry that accumulators add
     to)."""
-    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout or ACCUMULATOR)
+    return plgpu.layout_cast(
+        jnp.zeros(shape, jnp.float32), ACCUMULATOR if layout is None else layout
+    )
 
 
 def wgmma_of_pieces(z, b_smem, shape, pieces_smem=None):
@@ -417,14 +425,8 @@ def load_upcast(smem_ref, dtype):
     """An 8-bit shared-memory tile (swizzled, as TMA loaded it for wgmma) into registers as
     `dtype`, laid out as a wgmma operand (8-bit loads in the layout that upcasts with one warp
     shuffle)."""
-    narrow = plgpu.load(smem_ref, layout=plgpu.Layout.WGMMA_UPCAST_2X)
-    return plgpu.layout_cast(narrow.astype(dtype), plgpu.Layout.WGMMA)
-
-
-# A wgmma accumulator's register layout, and the one an 8-bit tile loads in (`load_upcast`): a
-# warp shuffle away from the former.
-ACCUMULATOR = plgpu.Layout.WGMMA
-NARROW_LOAD = plgpu.Layout.WGMMA_UPCAST_2X
+    narrow = plgpu.load(smem_ref, layout=NARROW_LOAD)
+    return plgpu.layout_cast(narrow.astype(dtype), ACCUMULATOR)
 
 
 def load_widened(smem_ref):
@@ -436,13 +438,13 @@ def load_widened(smem_ref):
 
 def load_tile(smem_ref):
     """A shared-memory tile (not swizzled) into registers in the wgmma layout."""
-    return plgpu.load(smem_ref, layout=plgpu.Layout.WGMMA)
+    return plgpu.load(smem_ref, layout=ACCUMULATOR)
 
 
 def load_rows(smem_ref, layout=None):
     """A shared-memory vector of one value per row of a tile in `layout` (by default a wgmma
     accumulator's), laid out to scale that tile's rows (`codecs.scale_rows`)."""
-    return plgpu.load(smem_ref, layout=(layout or ACCUMULATOR).reduce(1))
+    return plgpu.load(smem_ref, layout=(ACCUMULATOR if layout is None else layout).reduce(1))
 
 
 def _retyped(out, like, replicated_along):
