@@ -14,7 +14,8 @@ shape, interpret mode on the CPU), "mosaic" (Mosaic GPU on Hopper, for the TP co
 E8M0 scales, 8-bit or sub-byte codes: `encode_mosaic`, `decode_mosaic`; the sub-byte ones encode,
 decode and decode-sum; their CPU interpreter runs them too, codes only), or "auto",
 the default: Mosaic where it measured faster (the encodes of `taco`, `taco_e5m2` and
-`int8_hadamard` from 24 MiB of bf16, the decodes of `taco` and `taco_e5m2` from 32 MiB; why:
+`int8_hadamard` from 24 MiB of bf16, the decodes of `taco` and `taco_e5m2` and their two-peer
+decode-sum from 32 MiB, their two-peer re-encode from 64 MiB; why:
 `_pallas.py`, the table: `config.py`), Triton elsewhere. All work under `jax.vmap` and inside
 `jax.shard_map`. With `TACO_JAX_TRITON=0` in the environment, or a JAX whose Pallas has no
 Triton lowering (`triton_unavailable`), "auto" lowers nothing through Triton: Mosaic GPU

@@ -21,14 +21,15 @@ behind the choice: docs/development_history.md):
   members: on the CPU only the codes are checked, the side bytes on the GPU. The same kind of
   kernel decodes, decode-sums and re-encodes the 8-bit codecs (`decode_mosaic`, the Hadamard a
   wgmma on the codes: INT8 as they are, FP8 through fp16), measured faster than Triton for the
-  decode from 32 MiB and slower for the eight-peer sums; "auto" keeps Triton for them until the
-  table in `config.py` says. The sub-byte codecs' encode, decode and decode-sum have Mosaic
-  kernels too (their bit planes packed and unpacked by wgmma), their encode and decode measured
-  1.1-1.4x slower than Triton's from 64 MiB (the sums 2-3.5x): their per-element work, with
-  few programs per SM, bounds them. The
-  `taco` encode, storing into the peers' memory too (`exchange_mosaic`: `plgpu.remote_ref`,
-  semaphores), is the exchange of the collectives on NVLink; the interpreter has no
-  semaphores, so that one runs only on GPUs (on the CPU it is lowered for CUDA, not run).
+  decode and the two-peer decode-sum from 32 MiB and the two-peer re-encode from 64 MiB, and
+  level or slower at some size for the sums of four and eight peers; "auto" keeps Triton for
+  those until the table in `config.py` says. The sub-byte codecs' encode, decode and
+  decode-sum have Mosaic kernels too (their bit planes packed and unpacked by wgmma), their
+  encode and decode measured 1.1-1.4x slower than Triton's from 64 MiB (the sums 2-3.5x): their
+  per-element work, with few programs per SM, bounds them. The `taco` encode, storing into the
+  peers' memory too (`exchange_mosaic`: `plgpu.remote_ref`, semaphores), is the exchange of the
+  collectives on NVLink; the interpreter has no semaphores, so that one runs only on GPUs (on
+  the CPU it is lowered for CUDA, not run).
 - jax-triton (raw Triton): not used. Its 0.4.1 release needs triton >= 3.7 (the GPU image has
   3.6) and does not batch under `vmap`, which TP emulation needs.
 
@@ -305,12 +306,15 @@ def zeros_rows(shape, layout=None):
 def wgmma_of_pieces(z, b_smem, shape, pieces_smem=None):
     """z @ b for fp32 registers z and a bf16 operand b: z split into three bf16 pieces
     (z = z1 + z2 + z3 to fp32's 24 bits), each the register operand of one wgmma into one fp32
-    accumulator: bf16 operands, fp32 accuracy. pieces_smem: a [3, ...] shared-memory tile the
-    pieces go through instead (Mosaic GPU's CPU interpreter reads wgmma operands from refs)."""
+    accumulator: bf16 operands, fp32 accuracy. z may be in `ACCUMULATOR` or `NARROW_LOAD`
+    layout: the pieces take the operand's layout (a 16-bit shuffle, as `load_upcast`'s; an fp32
+    one does not lower). pieces_smem: a [3, ...] shared-memory tile the pieces go through
+    instead (Mosaic GPU's CPU interpreter reads wgmma operands from refs)."""
     pieces, rest = [], z
     for _ in range(3):
-        pieces.append(rest.astype(jnp.bfloat16))
-        rest = rest - pieces[-1].astype(jnp.float32)
+        piece = rest.astype(jnp.bfloat16)
+        rest = rest - piece.astype(jnp.float32)
+        pieces.append(plgpu.layout_cast(piece, ACCUMULATOR))
     if pieces_smem is not None:
         pieces = [staged(piece, pieces_smem.at[k]) for k, piece in enumerate(pieces)]
 

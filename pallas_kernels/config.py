@@ -305,26 +305,37 @@ def two_programs_steps(fixed_bytes: int, step_bytes: int, cap: int, kernel: str)
 # `kernels-2026-12-02-register-operands.json`): the `taco` decode 91 / 97, 98 / 107 and
 # 103 / 113% at 64 MiB, 256 MiB and 1 GiB of bf16; at 32 MiB 89-90 / 92-94% in three repeats,
 # at 16 MiB 84-85 / 74-90% (docs/development_history.md, "Register operands"), so from 32 MiB
-# (17 MiB of wire: 16 Mi elements at 17 / 16 bytes). From 64 MiB the decode-sum of 8 peers
-# 65-93 against 39-50% (one peer's tile a step, `peer_steps`: 72-87%, ahead at 64 MiB with an
-# fp32 output only) and the re-encode 78-115 against 49-64% (73-97%;
-# `kernels-2026-12-03-peer-steps.json`). `taco_e5m2`'s decode, one run
-# (`kernels-taco_e5m2-2026-12-03.json`): 81 / 82% at 24 MiB, 91 / 98 at 64, 99 / 107 at 256 MiB.
-# Without a Hadamard (`fp8`, `int8`) Triton's decode is the faster at every size.
+# (17 MiB of wire: 16 Mi elements at 17 / 16 bytes). The sums of eight peers with one peer's
+# tile a step (`peer_steps`), fp32 out, at 16 / 64 / 256 MiB / 1 GiB: the decode-sum 47 / 38,
+# 67 / 75, 85 / 86, 94 / 96 (bf16 out: 67 / 74, 81 / 79, 85 / 84 from 64 MiB,
+# `launch_sweep-2026-12-04-decode_sum-p8-widened.json`), the re-encode 33 / 37, 80 / 81,
+# 99 / 99, 116 / 110 (`kernels-2026-12-04-widened.json`): not ahead at every size from one on.
+# `taco_e5m2`'s decode, one run (`kernels-taco_e5m2-2026-12-03.json`): 81 / 82% at 24 MiB,
+# 91 / 98 at 64, 99 / 107 at 256 MiB. Without a Hadamard (`fp8`, `int8`) Triton's decode is
+# the faster at every size.
 MOSAIC_DECODE_CODECS = ("taco", "taco_e5m2")
 MOSAIC_DECODE_FROM_BYTES: dict[str, int | None] = {
     "decode": 17 << 20,
     "decode_sum": 17 << 20,
-    "decode_sum_reencode": None,
+    "decode_sum_reencode": 34 << 20,
 }
 # The decode-sum's table applies at these peer counts only: two peers' tiles a step, one output
 # slot and two programs an SM (`decode_mosaic._decoded_rows`), `taco`, % of the copy, Mosaic /
 # Triton: bf16 out 85 / 67 and 72 / 72 at 32 and 48 MiB, 92 / 73 at 64 MiB, 102 / 83 at
 # 256 MiB (`launch_sweep-2026-12-04-decode_sum-p2-sizes.json`, 1.23-1.26x from 64 MiB); fp32
 # out 90 / 76, 96 / 82, 102 / 89 at 32 / 64 / 256 MiB (`kernels-2026-12-04-p2.json`,
-# 1.14-1.18x). At eight peers Triton's leads from 256 MiB
-# (`launch_sweep-2026-12-04-decode_sum-p8.json`: peer steps 76 / 81, 81 / 87% at 256 MiB / 1 GiB).
+# 1.14-1.18x). At four and eight peers Triton's leads at 256 MiB in bf16 (peer steps, four:
+# 69 / 71, `launch_sweep-2026-12-04-decode_sum-p4-widened.json`; eight: 79 / 81, above).
 MOSAIC_DECODE_SUM_PEERS = (2,)
+# The re-encode's table applies at these peer counts only: two peers' tiles a step, `taco`, %
+# of the copy, Mosaic / Triton, 32 calls a program
+# (`launch_sweep-2026-12-04-reencode-p2-sizes.json`): 83 / 87, 90 / 92 at 32 and 48 MiB,
+# 94 / 93 at 64 MiB, 107 / 96 at 128 MiB, 105 / 98 at 256 MiB, 119 / 100 at 1 GiB; in
+# `kernels-2026-12-04-p2-widened.json` 53 / 81 at 32 MiB, 89 / 86 at 64 MiB, 100 / 96 and
+# 122 / 104 from 256 MiB. So from 64 MiB (34 MiB of wire). At four peers (peer steps)
+# 89 / 94% at 64 MiB, 100 / 104 at 256 (`launch_sweep-2026-12-04-reencode-p4-widened.json`);
+# at eight: above.
+MOSAIC_REENCODE_PEERS = (2,)
 
 # Pipeline steps in flight of the Mosaic peer-steps sums (`peer_steps=True`, one peer's tile a
 # step, one output slot), at most. One H200, `taco`, 8 rows, fp32 output, % of a copy at

@@ -24,15 +24,19 @@ tiles in one step).
 
 Measured against the Triton kernels (`config.MOSAIC_DECODE_FROM_BYTES`): the decode, and the
 decode-sum of two peers (one output slot, so that two programs share an SM), are faster from
-32 MiB; the decode-sum and re-encode of eight peers are slower at every size: each pipeline
-step holds every peer's tile, so few steps fit in flight, and the decode-sum runs a Hadamard per
-peer. `peer_steps=True` runs them with one peer's tile per step instead, the sum carried in
-registers across a tile's N steps and, for the decode-sum, one Hadamard of the sum
-(`_summed_body`), with one output slot (a tile is stored once every N steps, so its slot is
-free again long before) and more steps in flight (`config.MOSAIC_PEER_STEPS_IN_FLIGHT`):
-faster than one step per tile from 64 MiB; the decode-sum ahead of Triton only in fp32 at
-64 MiB, the re-encode level with it to 256 MiB and behind at 1 GiB (docs/development_history.md,
-"One output slot", "The Mosaic sums' launches"). Their shared
+32 MiB, the re-encode of two peers level from 64 MiB and faster from 128 MiB; the decode-sum
+and re-encode of eight peers are slower at every size: each pipeline step holds every peer's
+tile, so few steps fit in flight, and the decode-sum runs a Hadamard per peer.
+`peer_steps=True` runs them with one peer's tile per step instead, the sum carried in
+registers across a tile's N steps, in the layout of the 8-bit loads, and, for the
+decode-sum, one Hadamard of the sum (`_summed_body`; only its three bf16 pieces take the
+shuffle into the wgmma layout), with one output slot (a tile is stored once every N steps, so
+its slot is free again long before) and more steps in flight
+(`config.MOSAIC_PEER_STEPS_IN_FLIGHT`): faster than one step per tile from 64 MiB; at eight
+peers the decode-sum ahead of Triton at 64 MiB and level from 256 MiB (bf16 out: 1-2 points
+behind there), the re-encode level to 256 MiB and behind at 1 GiB (docs/development_history.md,
+"One output slot", "The Mosaic sums' launches", "The peer-steps decode-sum in the layout of
+its loads"). Their shared
 memory decides how many programs share an SM: up to 77 KiB for the peer-steps re-encode
 (eight 8.5 KiB steps), 98 KiB for the peer-steps decode-sum with an fp32 output (four steps,
 the signs, one slot): two programs; the sums of eight peers with a step per tile 120-165 KiB: one.
@@ -64,6 +68,7 @@ from pallas_kernels.config import (
     MOSAIC_PEER_STEPS_FROM_BYTES,
     MOSAIC_PEER_STEPS_FROM_PEERS,
     MOSAIC_PEER_STEPS_IN_FLIGHT,
+    MOSAIC_REENCODE_PEERS,
     MOSAIC_STEPS_IN_FLIGHT,
     MosaicLaunch,
     mosaic_launch,
@@ -119,14 +124,16 @@ def unsupported_call(op: str, codec: Codec, wire: jax.Array, n: int, dtype=jnp.f
 def preferred(op: str, codec: Codec, wire: jax.Array, n: int, dtype=jnp.float32) -> bool:
     """Whether "auto" takes the Mosaic kernel of `op` ("decode", "decode_sum",
     "decode_sum_reencode"): it applies, the codec is one of `config.MOSAIC_DECODE_CODECS`,
-    a decode-sum has `config.MOSAIC_DECODE_SUM_PEERS` peers, and the call moves at least
+    a sum has the peers of its table (`config.MOSAIC_DECODE_SUM_PEERS`,
+    `config.MOSAIC_REENCODE_PEERS`), and the call moves at least
     `config.MOSAIC_DECODE_FROM_BYTES[op]` bytes of wire (None: Triton at every size)."""
     threshold = MOSAIC_DECODE_FROM_BYTES[op]
     if threshold is None or codec.name not in MOSAIC_DECODE_CODECS:
         return False
     if unsupported_call(op, codec, wire, n, dtype) is not None:
         return False
-    if op == "decode_sum" and wire.shape[0] not in MOSAIC_DECODE_SUM_PEERS:
+    peers = {"decode_sum": MOSAIC_DECODE_SUM_PEERS, "decode_sum_reencode": MOSAIC_REENCODE_PEERS}
+    if op in peers and wire.shape[0] not in peers[op]:
         return False
     return wire.size >= threshold
 
@@ -743,7 +750,7 @@ def _summed_body(*refs, codec, n, launch, peers, hadamard, reencode, staged, mag
     def step(index, code_smem, *blocks):
         *side_smem, carry = blocks
         i, p = index
-        x = _decoded(codec, code_smem, side_smem, None, sections, unit=1.0, widened=reencode)
+        x = _decoded(codec, code_smem, side_smem, None, sections, unit=1.0, widened=True)
         # Peers summed in order 0..N-1. A cond, not a select: Mosaic GPU does not broadcast a
         # scalar predicate over a tile, and a multiply by 0 would carry a NaN into the next tile.
         z = lax.cond(p == 0, lambda: x, lambda: carry + x)
@@ -756,8 +763,6 @@ def _summed_body(*refs, codec, n, launch, peers, hadamard, reencode, staged, mag
         in_specs=_peer_step_specs(codec, n, first),
         out_specs=[],
         in_flight=launch.steps_in_flight,
-        init_carry=_pallas.zeros_rows(
-            (_TILE, GROUP_SIZE), _pallas.NARROW_LOAD if reencode else _pallas.ACCUMULATOR
-        ),
+        init_carry=_pallas.zeros_rows((_TILE, GROUP_SIZE), _pallas.NARROW_LOAD),
     )(*views)
     _pallas.wait_stores(0)

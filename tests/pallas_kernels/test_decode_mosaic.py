@@ -147,16 +147,18 @@ def test_backend_errors_name_the_value():
 
 @pytest.mark.parametrize("op", ["decode", "decode_sum", "decode_sum_reencode"])
 def test_auto_takes_mosaic_by_the_size_table(monkeypatch, op):
-    """`preferred`'s rule, on any machine: never where `MOSAIC_DECODE_FROM_BYTES[op]` is None
-    (the shipped table: the re-encode stays on Triton at every size, BENCHMARKS.md "Kernels"),
-    else from that many wire bytes on (the decode and the two-peer decode-sum: 17 MiB, 32 MiB
-    of bf16), for the codecs of `MOSAIC_DECODE_CODECS`."""
+    """`preferred`'s rule, on any machine: never where `MOSAIC_DECODE_FROM_BYTES[op]` is None,
+    else from that many wire bytes on (the shipped table, BENCHMARKS.md "Kernels": the decode
+    and the two-peer decode-sum from 17 MiB, 32 MiB of bf16; the two-peer re-encode from
+    34 MiB, 64 MiB of bf16), for the codecs of `MOSAIC_DECODE_CODECS`."""
     monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
     codec = codecs.get_codec("taco")
     wire, n = _wire(codec, 2, 2, 0)
-    shipped = {"decode": 17 << 20, "decode_sum": 17 << 20, "decode_sum_reencode": None}[op]
+    shipped = {"decode": 17 << 20, "decode_sum": 17 << 20, "decode_sum_reencode": 34 << 20}[op]
     assert config.MOSAIC_DECODE_FROM_BYTES[op] == shipped
     assert not decode_mosaic.preferred(op, codec, wire, n)  # 34 KiB of wire: below any table
+    monkeypatch.setitem(config.MOSAIC_DECODE_FROM_BYTES, op, None)
+    assert not decode_mosaic.preferred(op, codec, wire, n)  # None: Triton at every size
     monkeypatch.setitem(config.MOSAIC_DECODE_FROM_BYTES, op, wire.size)
     assert decode_mosaic.preferred(op, codec, wire, n)
     monkeypatch.setitem(config.MOSAIC_DECODE_FROM_BYTES, op, wire.size + 1)
@@ -169,16 +171,19 @@ def test_auto_takes_mosaic_by_the_size_table(monkeypatch, op):
     assert not decode_mosaic.preferred(op, other, other_wire, other_n)
 
 
-def test_auto_takes_the_mosaic_decode_sum_of_two_peers_only(monkeypatch):
+@pytest.mark.parametrize("op", ["decode_sum", "decode_sum_reencode"])
+def test_auto_takes_the_mosaic_sums_of_two_peers_only(monkeypatch, op):
     """Two peers' decode-sum (one output slot, two programs an SM) measured 1.14-1.26x Triton's
-    from 64 MiB; at eight peers Triton's leads from 256 MiB (`config.MOSAIC_DECODE_SUM_PEERS`)."""
+    from 64 MiB, their re-encode level or ahead from 64 MiB; at four and eight peers Triton's
+    sums lead at some size from 64 MiB on (`config.MOSAIC_DECODE_SUM_PEERS`,
+    `config.MOSAIC_REENCODE_PEERS`)."""
     monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
     codec = codecs.get_codec("taco")
-    assert config.MOSAIC_DECODE_SUM_PEERS == (2,)
+    assert config.MOSAIC_DECODE_SUM_PEERS == config.MOSAIC_REENCODE_PEERS == (2,)
     for peers in (2, 3, 4, 8):
         wire, n = _wire(codec, peers, 2, 0)
-        monkeypatch.setitem(config.MOSAIC_DECODE_FROM_BYTES, "decode_sum", wire.size)
-        assert decode_mosaic.preferred("decode_sum", codec, wire, n) == (peers == 2), peers
+        monkeypatch.setitem(config.MOSAIC_DECODE_FROM_BYTES, op, wire.size)
+        assert decode_mosaic.preferred(op, codec, wire, n) == (peers == 2), peers
 
 
 # Shared memory per program (bytes), by hand: a 64 x 128 tile of codes is 8192, its two fp32
