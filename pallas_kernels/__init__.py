@@ -7,7 +7,8 @@ compressing codec of `taco_jax.CODEC_NAMES` is fused; the identity codec "none" 
 no arithmetic) has no kernel, and `taco_jax` runs its reference there. The pipeline codecs of
 `taco_jax.tahquant` have their encode and decode in `tahquant_kernel`. `exchange_mosaic` holds
 the `taco` encodes that store their codes into the peers' memory (all-gather, all-to-all) for
-the collectives on NVLink.
+the collectives on NVLink. `matmul_encode` encodes a product in its matmul's epilogue
+(`matmul_encode_mosaic`, Hopper), its groups in `tile_major` order.
 
 Each op takes `backend=`: "triton" (`pl.pallas_call` on the Triton lowering: every codec and
 shape, interpret mode on the CPU), "mosaic" (Mosaic GPU on Hopper, for the TP codecs of fp32 or
@@ -28,7 +29,13 @@ dispatch from the collectives to these kernels lives in `taco_jax._backends`.
 
 from __future__ import annotations
 
-from pallas_kernels import decode_mosaic, encode_mosaic, exchange_mosaic, tahquant_kernel
+from pallas_kernels import (
+    decode_mosaic,
+    encode_mosaic,
+    exchange_mosaic,
+    matmul_encode_mosaic,
+    tahquant_kernel,
+)
 from pallas_kernels._pallas import TRITON_ENV, triton_unavailable
 from pallas_kernels.config import BlockConfig, block_config
 from pallas_kernels.decode_kernel import decode, decode_reference
@@ -39,6 +46,7 @@ from pallas_kernels.decode_sum_kernel import (
     decode_sum_reference,
 )
 from pallas_kernels.encode_kernel import encode, encode_reference
+from pallas_kernels.matmul_encode_mosaic import matmul_encode, matmul_encode_reference
 
 __all__ = [
     "TRITON_ENV",
@@ -55,6 +63,9 @@ __all__ = [
     "encode_mosaic",
     "encode_reference",
     "exchange_mosaic",
+    "matmul_encode",
+    "matmul_encode_mosaic",
+    "matmul_encode_reference",
     "tahquant_kernel",
     "triton_unavailable",
 ]

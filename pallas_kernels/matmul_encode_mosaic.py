@@ -1,0 +1,259 @@
+"""A matmul whose epilogue encodes: a[M, K] @ b[K, H] -> one wire row, on Hopper (Mosaic GPU).
+
+`matmul_encode(codec, a, b)` equals `encode(codec, tile_major(a @ b)[None])` (the product
+rounded to bf16, then the fused encode) up to the rounding of the product: the encode of the
+output of a row-parallel projection without the product ever reaching HBM in bf16. The wire
+holds the product's groups in `tile_major` order: 128 x 128 tiles, row block after row block,
+each tile's 128 rows (one group of 128 columns each) in order; `from_tile_major` puts decoded
+values back.
+
+The kernel is JAX's warp-specialized Hopper matmul (`jax.experimental.pallas.ops.gpu.
+hopper_matmul_mgpu`: a persistent grid, one memory warpgroup feeding a TMA pipeline over K, two
+compute warpgroups of 128 x 128 accumulators side by side along H) with the encode of
+`encode_mosaic` in its epilogue: each compute warpgroup encodes its accumulator in two 64-row
+halves (`encode_mosaic.encode_and_store`) and TMA-stores their codes and side values, while the
+memory warpgroup already loads the next tile's operands. The Hadamard is folded into the
+weight, b' = b S per 128-column group (`fold_hadamard`, bf16, exact signs), so the accumulator
+holds v = S y per group already and the epilogue needs no second dot: v carries the rounding of
+b' to bf16 (2^-9 of each of its elements) where the unfused path carries that of y.
+
+Measured (one H200, `benchmarks/matmul_encode.py`; docs/development_history.md, "The encode in
+a warp-specialized matmul's epilogue"): the kernel as fast as XLA's matmul alone at GPT-125M's
+and GPT-1.3B's row-parallel shapes (16384 x 192 and 768 x 768, 8192 x 1024 and 4096 x 2048);
+with the fold on every call, 1.15-1.7x faster than the matmul, the transpose into
+`tile_major` order and the encode. The fold is a pass over the weight (8.5-12 us there): once
+per weight and step, not per call, pays.
+
+Mosaic GPU's CPU interpreter blocks on warp-specialized kernels, so this kernel is checked on
+the GPU only; on the CPU it is lowered for CUDA (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _pallas, encode_kernel, encode_mosaic
+from pallas_kernels.config import HOPPER_SMS, MATMUL_ENCODE_FROM_ELEMENTS
+from taco_jax import codecs
+from taco_jax.codecs import Codec
+
+GROUP_SIZE = encode_mosaic.GROUP_SIZE
+ROW_BYTES = encode_mosaic.ROW_BYTES
+HALF = encode_mosaic._TILE  # the encode's tile: 64 groups
+# A compute warpgroup's accumulator (two encode tiles), the K step of the pipeline, and the
+# steps in flight: 3 x 48 KiB of operands beside the output slots (2 x 2 x 8.5 KiB) fit the
+# SM's 227 KiB, 4 do not.
+TILE_M, TILE_N, TILE_K = 128, 128, 64
+COMPUTE_WARPGROUPS = 2
+STEPS_IN_FLIGHT = 3
+STORE_SLOTS = 2
+CODE_ELEMENTS = ("e4m3", "e5m2", "int8")
+
+
+def unsupported(codec: Codec, a: jax.Array, b: jax.Array, *, need_hopper: bool = True):
+    """Why this kernel cannot take a @ b with `codec` (None: it can)."""
+    if codec.group_size != GROUP_SIZE or codec.scale_format != "fp32":
+        return (f"codec {codec.name!r} with group_size={codec.group_size}, scale_format="
+                f"{codec.scale_format!r} (needs {GROUP_SIZE} and fp32 scales)")  # fmt: skip
+    if codec.element not in CODE_ELEMENTS:
+        return f"codec {codec.name!r} with element={codec.element!r} (needs {CODE_ELEMENTS})"
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        return f"a of shape={a.shape}, b of shape={b.shape} (needs a[M, K] and b[K, H])"
+    if a.dtype != jnp.bfloat16 or b.dtype != jnp.bfloat16:
+        return f"a.dtype={a.dtype}, b.dtype={b.dtype} (needs bfloat16)"
+    (m, k), h = a.shape, b.shape[1]
+    if m % TILE_M or k % TILE_K or h % (COMPUTE_WARPGROUPS * TILE_N):
+        return (f"M={m}, K={k}, H={h} (needs multiples of {TILE_M}, {TILE_K} and "
+                f"{COMPUTE_WARPGROUPS * TILE_N})")  # fmt: skip
+    reason = encode_mosaic.unfit_row(codec, m * h)
+    if reason is not None:
+        return reason
+    if need_hopper and not _pallas.hopper_gpu():
+        return "the default device is not a Hopper GPU (wgmma)"
+    return None
+
+
+def tile_major(y: jax.Array) -> jax.Array:
+    """y[M, H] -> [M H] in the wire's group order: 128 x 128 tiles, row block after row block,
+    each tile's rows in order (M, H multiples of 128)."""
+    m, h = y.shape
+    tiles = y.reshape(m // TILE_M, TILE_M, h // GROUP_SIZE, GROUP_SIZE)
+    return tiles.transpose(0, 2, 1, 3).reshape(m * h)
+
+
+def from_tile_major(flat: jax.Array, m: int, h: int) -> jax.Array:
+    """The inverse of `tile_major`: [M H] (or [..., M H]) -> [..., M, H]."""
+    lead = flat.shape[:-1]
+    tiles = flat.reshape(*lead, m // TILE_M, h // GROUP_SIZE, TILE_M, GROUP_SIZE)
+    return jnp.swapaxes(tiles, -3, -2).reshape(*lead, m, h)
+
+
+def fold_hadamard(codec: Codec, b: jax.Array) -> jax.Array:
+    """b' [K, H] bf16 with a @ b' = (a @ b) S on each 128-column group (b itself for a codec
+    without a Hadamard): one bf16 matmul of b by the +-1 signs, fp32 sums rounded once."""
+    if not codec.hadamard:
+        return b
+    k, h = b.shape
+    signs = jnp.asarray(codecs.signs_matrix(GROUP_SIZE), jnp.bfloat16)  # exact
+    folded = jnp.matmul(b.reshape(k, h // GROUP_SIZE, GROUP_SIZE), signs,
+                        preferred_element_type=jnp.float32)  # fmt: skip
+    return folded.reshape(k, h).astype(jnp.bfloat16)
+
+
+def matmul_encode_reference(codec: Codec, a: jax.Array, b: jax.Array) -> jax.Array:
+    """What `matmul_encode` equals up to the product's rounding: XLA's matmul, rounded to bf16,
+    in `tile_major` order, encoded by the jnp reference -> wire[1, W]."""
+    return codecs.encode_wire(codec, _product(a, b).reshape(1, -1))
+
+
+def _product(a, b):
+    """a @ b rounded to bf16, in `tile_major` order."""
+    return tile_major(jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+
+
+def preferred(codec: Codec, a: jax.Array, b: jax.Array) -> bool:
+    """Whether "auto" takes the fused kernel: it applies, and the product has at least
+    `config.MATMUL_ENCODE_FROM_ELEMENTS` elements (where it measured faster)."""
+    if unsupported(codec, a, b) is not None:
+        return False
+    return a.shape[0] * b.shape[1] >= MATMUL_ENCODE_FROM_ELEMENTS
+
+
+def matmul_encode(codec: Codec, a: jax.Array, b: jax.Array, *, backend: str = "auto"):
+    """a[M, K] @ b[K, H] encoded -> wire[1, codec.wire_bytes(M H)], the product's groups in
+    `tile_major` order (M and H multiples of 128). Equals `encode(codec, tile_major((a @
+    b).astype(bf16))[None])` (plain JAX: `matmul_encode_reference`) up to rounding: the fused
+    kernel encodes a @ `fold_hadamard(codec, b)` summed in fp32, the weight's bf16 rounding in
+    place of the product's, so a code may differ by one step where its value lies near a
+    rounding edge (8% of `taco`'s codes on normal data), at the same error against the exact
+    product (docs/development_history.md).
+
+    backend: "mosaic" (the fused kernel: Hopper, bf16, 8-bit codes with fp32 scales, M and H
+      multiples of 128 and 256, K of 64; ValueError naming what else), "unfused" (XLA's matmul,
+      then `pallas_kernels.encode` on a GPU, the jnp reference elsewhere), or "auto": the
+      fused kernel where `preferred`, else unfused.
+    """
+    if backend not in ("auto", "mosaic", "unfused"):
+        raise ValueError(f"unknown matmul_encode {backend=}; choose auto, mosaic or unfused")
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0] or (a.shape[0] | b.shape[1]) % 128:
+        raise ValueError(
+            f"matmul_encode takes a[M, K] and b[K, H] with M and H multiples of 128 (whole "
+            f"128 x 128 tiles of the product), got a.shape={a.shape}, b.shape={b.shape}"
+        )
+    if backend == "mosaic" or (backend == "auto" and preferred(codec, a, b)):
+        return matmul_encode_folded(codec, a, fold_hadamard(codec, b))
+    rows = _product(a, b).reshape(1, -1)
+    if jax.default_backend() != "gpu":  # the kernels are GPU kernels: the jnp reference
+        return codecs.encode_wire(codec, rows)
+    return encode_kernel.encode(codec, rows)
+
+
+def matmul_encode_folded(codec: Codec, a: jax.Array, b_folded: jax.Array, *,
+                         sms: int | None = None) -> jax.Array:  # fmt: skip
+    """The fused kernel: `matmul_encode` given b_folded = `fold_hadamard(codec, b)`
+    (ValueError where `unsupported`). sms: the persistent grid's programs (default: the
+    device's SMs)."""
+    reason = unsupported(codec, a, b_folded)
+    if reason is not None:
+        raise ValueError(f"the Mosaic GPU matmul-encode cannot take {reason}")
+    (m, k), h = a.shape, b_folded.shape[1]
+    wire_rows = codec.wire_bytes(m * h) // ROW_BYTES
+    body = functools.partial(_kernel, codec=codec, shape=(m, k, h), magic_round=True)
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((wire_rows, ROW_BYTES), jnp.uint8),
+        grid=(sms or _pallas.hopper_sms() or HOPPER_SMS,),
+        grid_names=("program",),
+        num_threads=COMPUTE_WARPGROUPS + 1,
+        thread_name="wg",
+        kernel_name=f"taco_matmul_encode_mosaic_{codec.name}_g{GROUP_SIZE}",
+    )
+    _pallas.check_addressable("matmul_encode", a, b_folded)
+    return kernel(a, b_folded).reshape(1, wire_rows * ROW_BYTES)
+
+
+def _operand_block(shape, index_map):
+    """A pipeline block of a bf16 operand in shared memory, tiled and swizzled for wgmma."""
+    return _pallas.block(shape, index_map, swizzled=True)
+
+
+def _kernel(a_gmem, b_gmem, wire_gmem, *, codec, shape, magic_round):
+    """Each program walks output tiles of TILE_M x (2 TILE_N) (`plgpu.nd_loop`); per tile, the
+    pipeline over K feeds both compute warpgroups, and each encodes and stores its 128 columns."""
+    m, k, h = shape
+    cta_n = COMPUTE_WARPGROUPS * TILE_N
+    m_tiles, n_tiles = m // TILE_M, h // cta_n
+    layout = encode_mosaic.WireLayout.of(codec, m * h)
+    unit = codecs.hadamard_unit(GROUP_SIZE) if codec.hadamard else 1.0
+
+    def pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k // TILE_K,),
+            memory_registers=40,
+            in_specs=[
+                _operand_block((TILE_M, TILE_K), lambda s: (0, s)),
+                _operand_block((TILE_K, cta_n), lambda s: (s, 0)),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=COMPUTE_WARPGROUPS,
+            max_concurrent_steps=STEPS_IN_FLIGHT,
+            compute_context=compute_context,
+        )
+
+    ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+        codes_smem=plgpu.SMEM((COMPUTE_WARPGROUPS, STORE_SLOTS, HALF, GROUP_SIZE), jnp.uint8),
+        sides=plgpu.RefUnion(
+            plgpu.SMEM((COMPUTE_WARPGROUPS, STORE_SLOTS, 2, HALF), jnp.float32),
+            plgpu.SMEM((COMPUTE_WARPGROUPS, STORE_SLOTS, 4, ROW_BYTES), jnp.uint8),
+        ),
+        collective_axes="wg",
+    )
+    def scope(allocations, codes_smem, sides):
+        wg = lax.axis_index("wg")
+        sides_f32, sides_u8 = sides
+        out = ([codes_smem.at[wg]], (sides_f32.at[wg], sides_u8.at[wg]))  # this warpgroup's
+
+        @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="program")
+        def output_tile(info):
+            (index,) = info.index
+            row_block, col_block = index // n_tiles, index % n_tiles
+            column_group = col_block * COMPUTE_WARPGROUPS + wg  # this warpgroup's 128 columns
+
+            def encode_accumulator(run_pipeline):
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((TILE_M, TILE_N)))
+                def accumulate(acc_ref):
+                    run_pipeline(acc_ref)
+                    acc = acc_ref[...]
+                    first = (row_block * (h // GROUP_SIZE) + column_group) * (TILE_M // HALF)
+                    for half in range(TILE_M // HALF):
+                        # A warpgroup's consecutive stores are consecutive tiles, so they take
+                        # its two slots in turn (`encode_mosaic.store_tile`).
+                        v = acc[half * HALF : (half + 1) * HALF]
+                        tile = first + half
+                        encode_mosaic.encode_and_store(
+                            codec, v, unit, out, [wire_gmem], tile, layout, magic_round
+                        )
+
+            def multiply(_, a_smem, b_smem, acc_ref):
+                plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, pl.ds(wg * TILE_N, TILE_N)])
+                plgpu.wgmma_wait(0)
+                return acc_ref
+
+            pipeline(multiply, encode_accumulator)(
+                a_gmem.at[pl.ds(row_block * TILE_M, TILE_M), :],
+                b_gmem.at[:, pl.ds(col_block * cta_n, cta_n)],
+                allocations=allocations,
+            )
+
+    _pallas.wait_stores(0)

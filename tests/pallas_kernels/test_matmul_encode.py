@@ -1,0 +1,217 @@
+"""The matmul with the encode in its epilogue (`pallas_kernels.matmul_encode_mosaic`): its wire
+order, the weight's folded Hadamard, its unfused path, when it applies, its lowering for CUDA
+on any machine, and its values on a Hopper GPU (Mosaic GPU's interpreter cannot run its
+warp-specialized pipeline).
+
+Tolerances (u = 2^-24):
+- The fold: b' = bf16(b S) per group; the fp32 sum of 128 exact +-b terms errs by at most
+  127 u sum|b|, and the rounding to bf16 by half a step, 2^-8 of |b S|, so
+  |b' - b S| <= 2^-8 |b S| + 2^-17 sum|b| (127 u < 2^-17).
+- The kernel's codes: it encodes v = a @ b' summed in fp32 over K terms, off the exact value by
+  at most K u (|a| @ |b'|) per element; the encode scales v by its group's stored factor (one
+  more rounding: u |v|). So each code is the quantization of a value within
+  tol = f (K u (|a| @ |b'|) + 2 u |v|) of the ideal f v (v exact, f the stored factor), and
+  quantize is monotone: the code lies between quantize(ideal - tol) and quantize(ideal + tol).
+- Its fp32 scales: amax moves by at most the largest error above, so rtol
+  K u max(|a| @ |b'|) / amax + 2 u per group.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiers import tiered
+
+import pallas_kernels as pk
+from pallas_kernels import _pallas, config
+from pallas_kernels import matmul_encode_mosaic as mem
+from taco_jax import codecs
+
+U = 2.0**-24
+CODECS = ("taco", "taco_e5m2", "taco_no_ds", "fp8", "int8", "int8_hadamard")
+hopper = pytest.mark.skipif(not _pallas.hopper_gpu(), reason="needs a Hopper GPU")
+
+
+def _operands(m, k, h, seed=0):
+    ka, kb = jax.random.split(jax.random.key(seed))
+    a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
+    b = (0.05 * jax.random.normal(kb, (k, h), jnp.float32)).astype(jnp.bfloat16)
+    return a, b
+
+
+def test_tile_major_takes_128_by_128_tiles_row_block_first():
+    m, h = 256, 512
+    y = jnp.arange(m * h, dtype=jnp.float32).reshape(m, h)
+    flat = mem.tile_major(y)
+    tile = 128 * 128
+    np.testing.assert_array_equal(flat[:tile].reshape(128, 128), y[:128, :128])
+    np.testing.assert_array_equal(flat[tile : 2 * tile].reshape(128, 128), y[:128, 128:256])
+    np.testing.assert_array_equal(flat[4 * tile : 5 * tile].reshape(128, 128), y[128:, :128])
+    np.testing.assert_array_equal(mem.from_tile_major(flat, m, h), y)
+    np.testing.assert_array_equal(mem.from_tile_major(jnp.stack([flat, flat]), m, h)[1], y)
+
+
+@pytest.mark.parametrize("name", ["taco", "fp8"])
+def test_the_folded_weight_carries_the_hadamard(name):
+    codec = codecs.get_codec(name)
+    _, b = _operands(128, 192, 512)
+    folded = np.asarray(mem.fold_hadamard(codec, b), np.float64)
+    b64 = np.asarray(b, np.float64)
+    if not codec.hadamard:
+        np.testing.assert_array_equal(folded, b64)
+        return
+    signs = codecs.signs_matrix(128).astype(np.float64)
+    exact = (b64.reshape(192, 4, 128) @ signs).reshape(192, 512)
+    row_l1 = np.repeat(np.abs(b64).reshape(192, 4, 128).sum(-1), 128, axis=-1)
+    bound = 2.0**-8 * np.abs(exact) + 2.0**-17 * row_l1  # module docstring
+    assert (np.abs(folded - exact) <= bound).all()
+    assert (folded != b64).any()  # the signs were applied
+
+
+def test_the_unfused_path_is_the_reference_off_hopper():
+    """Off a Hopper GPU "auto" runs XLA's matmul then the encode (the jnp reference on a CPU):
+    exactly `matmul_encode_reference`."""
+    if _pallas.hopper_gpu():
+        pytest.skip("checks the unfused path of a machine without wgmma")
+    codec = codecs.get_codec("taco")
+    a, b = _operands(256, 64, 512)
+    got = pk.matmul_encode(codec, a, b)
+    assert got.shape == (1, codec.wire_bytes(256 * 512))
+    np.testing.assert_array_equal(got, pk.matmul_encode_reference(codec, a, b))
+    np.testing.assert_array_equal(pk.matmul_encode(codec, a, b, backend="unfused"), got)
+
+
+@pytest.mark.parametrize(
+    "name,shapes,reason",
+    [
+        ("taco", ((256, 64), (64, 512)), None),
+        ("taco_e8m0", ((256, 64), (64, 512)), "scale_format='e8m0'"),
+        ("int6_hadamard", ((256, 64), (64, 512)), "element='int6'"),
+        ("taco", ((200, 64), (64, 512)), "M=200"),
+        ("taco", ((256, 64), (64, 384)), "H=384"),
+        ("taco", ((256, 96), (96, 512)), "K=96"),
+        ("taco", ((256, 64), (32, 512)), "b of shape=(32, 512)"),
+    ],
+)
+def test_unsupported_names_the_value(name, shapes, reason):
+    codec = codecs.get_codec(name)
+    a, b = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes)
+    got = mem.unsupported(codec, a, b, need_hopper=False)
+    assert got is None if reason is None else reason in got, got
+    fp32 = jax.ShapeDtypeStruct(shapes[0], jnp.float32)
+    if reason is None:
+        assert "a.dtype=float32" in mem.unsupported(codec, fp32, b, need_hopper=False)
+
+
+def test_mosaic_backend_off_hopper_says_why_and_backends_are_named():
+    codec = codecs.get_codec("taco")
+    a, b = _operands(256, 64, 512)
+    with pytest.raises(ValueError, match="backend='triton'"):
+        pk.matmul_encode(codec, a, b, backend="triton")
+    with pytest.raises(ValueError, match=r"a.shape=\(200, 64\), b.shape=\(64, 512\)"):
+        pk.matmul_encode(codec, a[:200], b)  # not whole tiles: named, not reshaped wrongly
+    if not _pallas.hopper_gpu():
+        with pytest.raises(ValueError, match="not a Hopper GPU"):
+            pk.matmul_encode(codec, a, b, backend="mosaic")
+
+
+def test_auto_fuses_from_the_size_table(monkeypatch):
+    monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
+    codec = codecs.get_codec("taco")
+    a, b = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((256, 64), (64, 512)))
+    assert config.MATMUL_ENCODE_FROM_ELEMENTS > 256 * 512
+    assert not mem.preferred(codec, a, b)
+    monkeypatch.setattr(mem, "MATMUL_ENCODE_FROM_ELEMENTS", 256 * 512)
+    assert mem.preferred(codec, a, b)
+    assert not mem.preferred(codecs.get_codec("taco_e8m0"), a, b)  # does not apply
+
+
+@pytest.mark.parametrize("name", tiered(CODECS, ("taco",)))
+def test_lowers_for_cuda(monkeypatch, name):
+    """Mosaic GPU's lowering (layouts, the warp-specialized pipeline, TMA boxes), built for CUDA
+    on any machine."""
+    monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
+    codec = codecs.get_codec(name)
+    a, b = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((512, 192), (192, 512)))
+    op = lambda a, b: pk.matmul_encode(codec, a, b, backend="mosaic")  # noqa: E731
+    text = jax.jit(op).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+# ------------------------------------------------------------------------------------------
+# On a Hopper GPU.
+
+
+def _assert_encodes_its_product(codec, a, b, wire):
+    """The kernel's codes and scales against the exact product a @ b' (module docstring)."""
+    (m, k), h = a.shape, b.shape[1]
+    folded = np.asarray(mem.fold_hadamard(codec, b), np.float64)
+    a64 = np.asarray(a, np.float64)
+    v = mem.tile_major(a64 @ folded).reshape(-1, 128)  # numpy: float64 throughout
+    err = k * U * mem.tile_major(np.abs(a64) @ np.abs(folded)).reshape(-1, 128)
+    payload = codecs.unpack(codec, wire, m * h)
+    unit = codecs.hadamard_unit(128) if codec.hadamard else 1.0
+    alpha = np.asarray(payload.prescales, np.float64).reshape(-1) if codec.prescale else 1.0
+    factor = np.broadcast_to(unit * alpha, v.shape[:1])  # y = v unit alpha (`encode_groups`)
+    if codec.postscale:
+        scales = np.asarray(payload.scales, np.float64).reshape(-1)
+        amax = np.abs(v).max(-1)
+        want = amax * factor / codec.qmax  # s = max|y| / qmax
+        rtol = err.max(-1) / amax + 2 * U
+        np.testing.assert_array_less(np.abs(scales - want), rtol * want * (1 + 1e-9))
+        factor = factor / scales
+    ideal = v * factor[:, None]
+    tol = factor[:, None] * (err + 2 * U * np.abs(v))
+    codes = np.asarray(payload.codes).reshape(v.shape)
+    got = np.asarray(codecs.dequantize(codec, jnp.asarray(codes)), np.float64)
+    qmax = codec.qmax
+    lo, hi = (
+        np.asarray(codecs.dequantize(codec, codecs.quantize(
+            codec, jnp.asarray(np.clip(ideal + d, -qmax, qmax), jnp.float32))), np.float64)
+        for d in (-tol, tol)
+    )  # fmt: skip
+    bad = ~((lo <= got) & (got <= hi))
+    assert not bad.any(), f"{int(bad.sum())} of {got.size} codes off their ideal {ideal[bad][:4]}"
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize(
+    "name,shape",
+    [("taco", (512, 256, 512)), ("taco", (1024, 192, 768)), ("int8_hadamard", (512, 256, 512)),
+     ("fp8", (512, 256, 512))],
+)  # fmt: skip
+def test_encodes_its_product_on_the_gpu(name, shape):
+    """Fewer output tiles than SMs (512 x 512) and several a program (1024 x 768, three K
+    steps); two inputs in a row, so that an unwritten byte would keep the first's value."""
+    codec = codecs.get_codec(name)
+    m, k, h = shape
+    for seed in range(2):
+        a, b = _operands(m, k, h, seed)
+        wire = pk.matmul_encode(codec, a, b, backend="mosaic")
+        assert wire.shape == (1, codec.wire_bytes(m * h))
+        _assert_encodes_its_product(codec, a, b, wire)
+
+
+@pytest.mark.gpu
+@hopper
+def test_a_non_finite_token_stays_visible_on_the_gpu():
+    codec = codecs.get_codec("taco")
+    a, b = _operands(512, 256, 512)
+    a = a.at[7].set(jnp.nan)
+    wire = pk.matmul_encode(codec, a, b, backend="mosaic")
+    decoded = mem.from_tile_major(pk.decode_reference(codec, wire, 512 * 512)[0], 512, 512)
+    nan_rows = np.isnan(np.asarray(decoded)).all(-1)
+    np.testing.assert_array_equal(nan_rows, np.arange(512) == 7)
+    assert np.isfinite(np.asarray(decoded)[~nan_rows]).all()
+
+
+@pytest.mark.gpu
+@hopper
+def test_batches_under_vmap_on_the_gpu():
+    codec = codecs.get_codec("taco")
+    pairs = [_operands(512, 256, 512, seed) for seed in range(2)]
+    a, b = (jnp.stack(x) for x in zip(*pairs, strict=True))
+    batched = jax.vmap(lambda a, b: pk.matmul_encode(codec, a, b, backend="mosaic"))(a, b)
+    for i, (ai, bi) in enumerate(pairs):
+        np.testing.assert_array_equal(batched[i], pk.matmul_encode(codec, ai, bi, backend="mosaic"))
