@@ -20,7 +20,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from taco_jax import TPComm, comm_config, copy_to_tp, gather_from_sp, reduce_from_tp, scatter_to_sp
+from taco_jax import (
+    TPComm,
+    comm_config,
+    copy_to_tp,
+    gather_from_sp,
+    reduce_from_tp,
+    reduce_matmul_from_tp,
+    scatter_to_sp,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +40,7 @@ class TPContext:
     dtype: compute dtype of matmuls and activations (parameters stay fp32).
     overlap_chunks: independent batch chunks through the blocks (`ParallelConfig.overlap_chunks`).
     ranks_vmapped: the ranks run under `jax.vmap` (emulated TP, `models.spmd`).
+    matmul_encode: `exit_product` encodes the product in its matmul (`ParallelConfig`).
     """
 
     comm: TPComm | None = None
@@ -40,6 +49,7 @@ class TPContext:
     attention: str = "auto"  # "auto" | "xla" | "cudnn", see `attention`
     overlap_chunks: int = 1
     ranks_vmapped: bool = False
+    matmul_encode: bool = False
 
     @property
     def sharded(self) -> bool:
@@ -80,6 +90,16 @@ class TPContext:
         if self.sequence_parallel:
             return scatter_to_sp(x, self.comm, axis=1)
         return reduce_from_tp(x, self.comm)
+
+    def exit_product(self, subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
+        """`exit(jnp.einsum(subscripts, x, w))` of a row-parallel layer: x [B, T, ...] and
+        w [..., D] contract over x's trailing (local) axes. With `matmul_encode` (and no
+        sequence parallelism) the product is encoded in its matmul, on x and w flattened to
+        [B, T, K] and [K, D] (`reduce_matmul_from_tp`)."""
+        if self.sharded and self.matmul_encode and not self.sequence_parallel:
+            d = w.shape[-1]
+            return reduce_matmul_from_tp(x.reshape(*x.shape[:2], -1), w.reshape(-1, d), self.comm)
+        return self.exit(jnp.einsum(subscripts, x, w))
 
     def psum_exact(self, x: jax.Array) -> jax.Array:
         """Exact `lax.psum` over TP with Megatron semantics (identity backward), differentiable."""

@@ -71,8 +71,7 @@ class Attention(nnx.Module):
         if self.rope_theta is not None:
             q, key = layers.rotary(q, self.rope_theta), layers.rotary(key, self.rope_theta)
         o = layers.attention(q, key, value, ctx.attention, ctx.ranks_vmapped)  # [B, T, N, H]
-        out = jnp.einsum("BTNH,NHD->BTD", o, self.wo[...].astype(ctx.dtype))  # partial sum
-        out = ctx.exit(out)
+        out = ctx.exit_product("BTNH,NHD->BTD", o, self.wo[...].astype(ctx.dtype))
         return out if self.bo is None else out + self.bo[...].astype(ctx.dtype)
 
 
@@ -101,7 +100,7 @@ class Mlp(nnx.Module):
         else:
             gate_up = jnp.einsum("BTD,DCF->BTCF", x, w_up)  # C = 2: gate, up
             hidden = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]  # [B, T, F] local F
-        out = ctx.exit(jnp.einsum("BTF,FD->BTD", hidden, self.w_down[...].astype(ctx.dtype)))
+        out = ctx.exit_product("BTF,FD->BTD", hidden, self.w_down[...].astype(ctx.dtype))
         return out + self.b_down[...].astype(ctx.dtype) if self.gpt else out
 
 

@@ -74,6 +74,10 @@ class ParallelConfig:
     independent chunks, so that XLA can run one chunk's TP collectives while it computes another
     chunk's matmuls (docs/method.md, "Overlapping TP collectives with compute": two chunks paid
     over host shared memory, compressed or not, and cost a few percent on NVLink).
+    matmul_encode: the row-parallel projections' all-reduces encode the product in its matmul's
+    epilogue (`taco_jax.reduce_matmul_from_tp`) where the one-shot compressed all-reduce runs;
+    the same values where the kernels run unfused (not sequence parallelism, whose
+    reduce-scatter is another collective).
     """
 
     dp: int = 1
@@ -90,6 +94,7 @@ class ParallelConfig:
     repeats: int = 1
     overlap_chunks: int = 1
     dp_intra: int = 1
+    matmul_encode: bool = False
 
     def __post_init__(self):
         if self.dp < 1 or self.tp < 1 or self.pp < 1:
@@ -316,6 +321,7 @@ def _context(parallel: ParallelConfig, comm: taco_jax.TPComm | None) -> TPContex
         parallel.attention,
         parallel.overlap_chunks,
         ranks_vmapped=emulated,
+        matmul_encode=parallel.matmul_encode,
     )
 
 

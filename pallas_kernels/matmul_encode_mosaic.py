@@ -44,12 +44,14 @@ from taco_jax import codecs
 from taco_jax.codecs import Codec
 
 GROUP_SIZE = encode_mosaic.GROUP_SIZE
+# The wire's group order (128 x 128 tiles, row block first): `codecs.tile_major`.
+tile_major, from_tile_major = codecs.tile_major, codecs.from_tile_major
 ROW_BYTES = encode_mosaic.ROW_BYTES
 HALF = encode_mosaic._TILE  # the encode's tile: 64 groups
 # A compute warpgroup's accumulator (two encode tiles), the K step of the pipeline, and the
 # steps in flight: 3 x 48 KiB of operands beside the output slots (2 x 2 x 8.5 KiB) fit the
 # SM's 227 KiB, 4 do not.
-TILE_M, TILE_N, TILE_K = 128, 128, 64
+TILE_M, TILE_N, TILE_K = codecs.PRODUCT_TILE, codecs.PRODUCT_TILE, 64
 COMPUTE_WARPGROUPS = 2
 STEPS_IN_FLIGHT = 3
 STORE_SLOTS = 2
@@ -79,21 +81,6 @@ def unsupported(codec: Codec, a: jax.Array, b: jax.Array, *, need_hopper: bool =
     return None
 
 
-def tile_major(y: jax.Array) -> jax.Array:
-    """y[M, H] -> [M H] in the wire's group order: 128 x 128 tiles, row block after row block,
-    each tile's rows in order (M, H multiples of 128)."""
-    m, h = y.shape
-    tiles = y.reshape(m // TILE_M, TILE_M, h // GROUP_SIZE, GROUP_SIZE)
-    return tiles.transpose(0, 2, 1, 3).reshape(m * h)
-
-
-def from_tile_major(flat: jax.Array, m: int, h: int) -> jax.Array:
-    """The inverse of `tile_major`: [M H] (or [..., M H]) -> [..., M, H]."""
-    lead = flat.shape[:-1]
-    tiles = flat.reshape(*lead, m // TILE_M, h // GROUP_SIZE, TILE_M, GROUP_SIZE)
-    return jnp.swapaxes(tiles, -3, -2).reshape(*lead, m, h)
-
-
 def fold_hadamard(codec: Codec, b: jax.Array) -> jax.Array:
     """b' [K, H] bf16 with a @ b' = (a @ b) S on each 128-column group (b itself for a codec
     without a Hadamard): one bf16 matmul of b by the +-1 signs, fp32 sums rounded once."""
@@ -107,14 +94,16 @@ def fold_hadamard(codec: Codec, b: jax.Array) -> jax.Array:
 
 
 def matmul_encode_reference(codec: Codec, a: jax.Array, b: jax.Array) -> jax.Array:
-    """What `matmul_encode` equals up to the product's rounding: XLA's matmul, rounded to bf16,
-    in `tile_major` order, encoded by the jnp reference -> wire[1, W]."""
+    """What `matmul_encode` equals up to the product's rounding: XLA's matmul, rounded to the
+    operands' dtype, in `tile_major` order, encoded by the jnp reference -> wire[1, W]."""
     return codecs.encode_wire(codec, _product(a, b).reshape(1, -1))
 
 
 def _product(a, b):
-    """a @ b rounded to bf16, in `tile_major` order."""
-    return tile_major(jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    """a @ b, summed in fp32 and rounded to the operands' dtype (bf16 for the kernel), in
+    `tile_major` order."""
+    y = jnp.matmul(a, b, preferred_element_type=jnp.float32)
+    return tile_major(y.astype(jnp.result_type(a, b)))
 
 
 def preferred(codec: Codec, a: jax.Array, b: jax.Array) -> bool:

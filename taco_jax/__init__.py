@@ -5,6 +5,7 @@ Public API:
   compressed_ppermute: pipeline stage-to-stage sends                 (ppermute.py)
   CommConfig, comm_config: the collective options and their defaults
   TPComm, copy_to_tp, reduce_from_tp, gather_from_sp, scatter_to_sp (tp.py: Megatron f / g)
+  reduce_matmul_from_tp: g of a row-parallel product, encoded in its matmul's epilogue (tp.py)
   gspmd: column_parallel_dense, row_parallel_dense for GSPMD (pjit-style) models
   Codec, Payload, get_codec, CODEC_NAMES, roundtrip                 (codecs.py)
   tahquant: TAH-Quant, the stage codecs (get_stage_codec, STAGE_CODEC_NAMES)
@@ -27,7 +28,14 @@ from taco_jax.collectives import (
     wire_bytes_per_rank,
 )
 from taco_jax.ppermute import compressed_ppermute
-from taco_jax.tp import TPComm, copy_to_tp, gather_from_sp, reduce_from_tp, scatter_to_sp
+from taco_jax.tp import (
+    TPComm,
+    copy_to_tp,
+    gather_from_sp,
+    reduce_from_tp,
+    reduce_matmul_from_tp,
+    scatter_to_sp,
+)
 
 __all__ = [
     "CODEC_NAMES",
@@ -46,6 +54,7 @@ __all__ = [
     "gspmd",
     "policy",
     "reduce_from_tp",
+    "reduce_matmul_from_tp",
     "roundtrip",
     "scatter_to_sp",
     "sdp4bit",

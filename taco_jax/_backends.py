@@ -90,6 +90,18 @@ def _warn_fallback(error: str) -> None:
     )
 
 
+def matmul_encode(impl: str, codec: Codec, x: jax.Array, w: jax.Array) -> jax.Array:
+    """wire[1, B] of x[M, K] @ w[K, H] in `codecs.tile_major` order: `pallas_kernels.
+    matmul_encode` (the encode in the matmul's epilogue where its kernel takes the call) where
+    `get_ops(impl)` runs the compiled kernels, else the product, rounded to x's dtype, then that
+    impl's encode (the jnp reference, or the kernels in the CPU interpreter)."""
+    ops = get_ops(impl)
+    if ops is not XLA_OPS and impl != "pallas_interpret" and not codec.is_identity:
+        return _kernels().matmul_encode(codec, x, w)
+    y = jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    return ops.encode(codec, codecs.tile_major(y)[None])
+
+
 @dataclasses.dataclass(frozen=True)
 class StageOps:
     """Packed-wire operations of the TAH-Quant codecs (`taco_jax.tahquant`)."""

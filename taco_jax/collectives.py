@@ -479,6 +479,43 @@ def _compressed_all_reduce(
     return out.reshape(-1)[:size].reshape(x.shape)
 
 
+def matmul_all_reduce(
+    x: jax.Array, w: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str
+) -> jax.Array:
+    """`lax.psum(x @ w, axis_name)` of this rank's x [M, K] and w [K, H], compressed with `cfg`
+    (no vjp: `taco_jax.reduce_matmul_from_tp`). Where the policy takes the one-shot compressed
+    all-reduce of the product (one slice, a TP codec, no telemetry, M and H whole 128 x 128
+    tiles), the product is encoded in its matmul's epilogue (`_backends.matmul_encode`: its
+    groups in `codecs.tile_major` order), gathered, decode-summed and put back in place: the
+    one-shot `compressed_psum` of the product, the same groups in another order. Elsewhere that
+    collective of x @ w itself."""
+    n_ranks = axis_size(axis_name)
+    product = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype)
+    choice = cfg.choice("all_reduce", product, axis_name, n_ranks)
+    if not (
+        n_ranks > 1
+        and choice.compress
+        and choice.algorithm == "one_shot"
+        and cfg.slices == 1
+        and isinstance(cfg.codec, Codec)
+        and not cfg.telemetry
+    ):
+        return _all_reduce(x @ w, axis_name, cfg, tag)
+
+    def one_shot(x, w):  # this device's block (`_local`)
+        (m, _), h = x.shape, w.shape[1]
+        if m % codecs.PRODUCT_TILE or h % codecs.PRODUCT_TILE:  # not whole tiles: unfused
+            return _compressed_all_reduce(x @ w, axis_name=axis_name, cfg=cfg,
+                                          algorithm="one_shot", n_ranks=n_ranks)  # fmt: skip
+        wire = _backends.matmul_encode(cfg.impl, cfg.codec, x, w)[0]
+        gathered = _all_gather_wire(wire, axis_name, invariant=varies_along(x, axis_name))
+        ops = _backends.codec_ops(cfg.impl, cfg.codec)
+        total = ops.decode_sum(cfg.codec, gathered, m * h, x.dtype)
+        return codecs.from_tile_major(total, m, h)
+
+    return _local.on_local_blocks(one_shot, x, w)
+
+
 def _reduce_scatter(
     x: jax.Array,
     axis_name: AxisName,
