@@ -41,6 +41,10 @@ memory decides how many programs share an SM: up to 77 KiB for the peer-steps re
 (eight 8.5 KiB steps), 98 KiB for the peer-steps decode-sum with an fp32 output (four steps,
 the signs, one slot): two programs; the sums of eight peers with a step per tile 120-165 KiB: one.
 
+A decode-sum of a product's groups in `codecs.tile_major` order (`decode_sum(product=)`, the
+all-reduce of `matmul_encode`) stores each tile at its place in the product [M, H] (a TMA store
+of 64 rows of one 128-column group): the product's sum in row-major order, no transpose after.
+
 The wire row is read through views XLA makes without a copy (bitcasts of the uint8 row): the
 codes as [W / 128, 128] of the code type (sub-byte codes: per bit plane its bytes as
 [W / (G w / 8), G w / 8], a group's a row), the fp32 side sections as [W / 4] fp32 and the E8M0
@@ -192,9 +196,15 @@ def decode_sum(
     interpret: bool = False,
     launch: MosaicLaunch | None = None,
     peer_steps: bool = False,
+    product: tuple[int, int] | None = None,
 ) -> jax.Array:
     """wire[N, B] -> [n] of `dtype`: the fp32 sum of the N decoded rows, in peer order, rounded
     once to `dtype` (as `decode`).
+
+    product: (M, H) where the wire holds an [M, H] product's groups in `codecs.tile_major` order
+      (`matmul_encode_mosaic`): each decoded tile is stored at its place, so the output is the
+      product's sum in row-major order, `codecs.from_tile_major` of the sum without the
+      transpose.
 
     peer_steps: one peer's tile per pipeline step, summed in the Hadamard domain and one dot on
       the sum (`_summed_body`), instead of every peer's tile per step and a dot per peer; for
@@ -209,13 +219,51 @@ def decode_sum(
             f"(scale_format={codec.scale_format!r}, element={codec.element!r}); use "
             "peer_steps=False"
         )
+    check_product(product, n)
     if peer_steps:
-        return _summed(codec, wire, n, dtype, interpret=interpret, launch=launch).reshape(n)
-    return _decoded_rows(codec, wire, n, dtype, interpret, launch, rows_summed=True).reshape(n)
+        out = _summed(codec, wire, n, dtype, interpret=interpret, launch=launch, product=product)
+        return out.reshape(n)
+    out = _decoded_rows(codec, wire, n, dtype, interpret, launch, rows_summed=True,
+                        product=product)  # fmt: skip
+    return out.reshape(n)
 
 
-def _decoded_rows(codec, wire, n, dtype, interpret, launch, *, rows_summed):
-    """The decode (rows [R, n]) or, rows_summed, the decode-sum ([1, n]) kernel's launch."""
+def check_product(product, n: int) -> None:
+    """ValueError unless `product` is None or (M, H), whole 128 x 128 tiles of n values."""
+    if product is None:
+        return
+    m, h = product
+    tile = codecs.PRODUCT_TILE
+    if m * h != n or m % tile or h % tile:
+        raise ValueError(
+            f"product={product} must be whole {tile} x {tile} tiles of the n={n} decoded values"
+        )
+
+
+def _out_struct(n: int, dtype, product) -> jax.ShapeDtypeStruct:
+    """The decode-sum's output: one row of tiles [1, n / G, G], or the product [M, H / G, G]."""
+    if product is None:
+        return jax.ShapeDtypeStruct((1, n // GROUP_SIZE, GROUP_SIZE), dtype)
+    m, h = product
+    return jax.ShapeDtypeStruct((m, h // GROUP_SIZE, GROUP_SIZE), dtype)
+
+
+def _tile_place(out, tile, product):
+    """Where decoded tile `tile` (64 groups) goes: 64 rows of the row of tiles `out` [n / G, G],
+    or, for a product's groups in `codecs.tile_major` order (`out` [M, H / G, G]), one half of a
+    128 x 128 tile: 64 rows of one column group."""
+    if product is None:
+        return out.at[_pallas.ds(_TILE * tile, _TILE)]
+    halves = codecs.PRODUCT_TILE // _TILE
+    block, half = tile // halves, lax.rem(tile, halves)
+    columns = product[1] // GROUP_SIZE
+    row_block, column = block // columns, lax.rem(block, columns)
+    return out.at[_pallas.ds(row_block * codecs.PRODUCT_TILE + half * _TILE, _TILE), column]
+
+
+def _decoded_rows(codec, wire, n, dtype, interpret, launch, *, rows_summed, product=None):
+    """The decode (rows [R, n]) or, rows_summed, the decode-sum ([1, n], or a product's
+    [M, H] in place: `decode_sum`) kernel's launch."""
     rows, groups = wire.shape[0], n // GROUP_SIZE
     out_rows, peers = (1, rows) if rows_summed else (rows, 1)
     dot = codec.hadamard or _packed(codec)  # sub-byte codes: a dot by `_unpack_matrices`
@@ -232,13 +280,14 @@ def _decoded_rows(codec, wire, n, dtype, interpret, launch, *, rows_summed):
         two_programs=two_peer_sum or (_packed(codec) and not rows_summed),
     )  # fmt: skip
     body = _pallas.partial(_decode_body, codec=codec, n=n, launch=launch,
-                           rows_summed=rows_summed)  # fmt: skip
+                           rows_summed=rows_summed, product=product)  # fmt: skip
     op = "decode_sum" if rows_summed else "decode"
+    rows_out = jax.ShapeDtypeStruct((out_rows, groups, GROUP_SIZE), dtype)
     out = _pallas.mosaic_kernel(
         body,
         *_wire_views(codec, wire),
         *_dot_operands(codec),
-        out_shape=jax.ShapeDtypeStruct((out_rows, groups, GROUP_SIZE), dtype),
+        out_shape=rows_out if product is None else _out_struct(n, dtype, product),
         scratch=scratch_of(launch),
         grid=(out_rows, (groups // _TILE) // launch.tiles_per_program),
         grid_names=("row", "program"),
@@ -573,7 +622,7 @@ def _peer_sum(codec, blocks, dot_smem, n, unit, staged_smem=None, widened=False)
     return total
 
 
-def _decode_body(*refs, codec, n, launch, rows_summed):
+def _decode_body(*refs, codec, n, launch, rows_summed, product=None):
     """One program: `launch.tiles_per_program` consecutive tiles of one row (decode) or of the
     sum of all rows (decode-sum), stored into the output row."""
     code_views = len(_plane_group_bytes(codec)) if _packed(codec) else 1
@@ -596,12 +645,12 @@ def _decode_body(*refs, codec, n, launch, rows_summed):
     peers = views[0].shape[0] if rows_summed else 1
     first = lax.axis_index("program") * launch.tiles_per_program
     unit = codecs.hadamard_unit(GROUP_SIZE) if codec.hadamard else 1.0
-    out_row = out_gmem.at[0 if rows_summed else row]
+    out = out_gmem if product is not None else out_gmem.at[0 if rows_summed else row]
 
     def step(index, *blocks):
         (i,) = index
         total = _peer_sum(codec, blocks, dot_smem, n, unit, staged_smem)
-        _store_decoded(out_smem, out_row, first + i, total)
+        _store_decoded(out_smem, _tile_place(out, first + i, product), first + i, total)
 
     _pallas.pipeline(
         step,
@@ -613,15 +662,16 @@ def _decode_body(*refs, codec, n, launch, rows_summed):
     _pallas.wait_stores(0)
 
 
-def _store_decoded(out_smem, out_row, tile, x):
-    """TMA-stores one decoded tile through the slots of `out_smem` (slot = tile mod S; waiting
-    until at most S - 1 stores are pending frees the slot of S tiles ago)."""
+def _store_decoded(out_smem, destination, tile, x):
+    """TMA-stores one decoded tile into `destination` (`_tile_place`) through the slots of
+    `out_smem` (slot = tile mod S; waiting until at most S - 1 stores are pending frees the slot
+    of S tiles ago)."""
     slots = out_smem.shape[0]
     slot = lax.rem(tile, slots)
     _pallas.wait_stores(slots - 1)
     out_smem[slot] = x.astype(out_smem.dtype)
     _pallas.commit_smem()
-    _pallas.copy_out(out_smem.at[slot], out_row.at[_pallas.ds(_TILE * tile, _TILE)])
+    _pallas.copy_out(out_smem.at[slot], destination)
 
 
 def _reencode_body(*refs, codec, n, launch, magic_round):
@@ -653,7 +703,7 @@ def _reencode_body(*refs, codec, n, launch, magic_round):
 # register loads plus, for the decode-sum, one Hadamard of the sum.
 
 
-def _summed(codec, wire, n, dtype, *, interpret, launch):
+def _summed(codec, wire, n, dtype, *, interpret, launch, product=None):
     """decode_sum (dtype given) or decode_sum_reencode (dtype None) with peer steps."""
     peers, groups = wire.shape[0], n // GROUP_SIZE
     reencode = dtype is None
@@ -672,10 +722,10 @@ def _summed(codec, wire, n, dtype, *, interpret, launch):
     if reencode:
         out_shape = jax.ShapeDtypeStruct((codec.wire_bytes(n) // ROW_BYTES, ROW_BYTES), jnp.uint8)
     else:
-        out_shape = jax.ShapeDtypeStruct((1, groups, GROUP_SIZE), dtype)
+        out_shape = _out_struct(n, dtype, product)
     body = _pallas.partial(_summed_body, codec=codec, n=n, launch=launch, peers=peers,
                            hadamard=hadamard, reencode=reencode, staged=interpret,
-                           magic_round=not interpret)  # fmt: skip
+                           magic_round=not interpret, product=product)  # fmt: skip
     out = _pallas.mosaic_kernel(
         body,
         *_wire_views(codec, wire),
@@ -719,7 +769,8 @@ def _peer_step_specs(codec: Codec, n: int, first) -> list:
     return [code_block, *side_blocks]
 
 
-def _summed_body(*refs, codec, n, launch, peers, hadamard, reencode, staged, magic_round):
+def _summed_body(*refs, codec, n, launch, peers, hadamard, reencode, staged, magic_round,
+                 product=None):  # fmt: skip
     """One program: per tile, z = sum_p q_p d_p over the N peers' steps (in registers),
     then on the last peer's step either encode(z) (re-encode: z is already in the Hadamard
     domain) or S z unit (decode-sum: one bf16 wgmma chain over z's three pieces), stored."""
@@ -745,7 +796,8 @@ def _summed_body(*refs, codec, n, launch, peers, hadamard, reencode, staged, mag
         if hadamard:
             z = _pallas.wgmma_of_pieces(z, signs_smem, (_TILE, GROUP_SIZE), pieces_smem)
             z = codecs.scale_rows(z, codecs.hadamard_unit(GROUP_SIZE))
-        _store_decoded(outs[0], out_gmem.at[0], tile, z)
+        out = out_gmem if product is not None else out_gmem.at[0]
+        _store_decoded(outs[0], _tile_place(out, tile, product), tile, z)
 
     def step(index, code_smem, *blocks):
         *side_smem, carry = blocks

@@ -129,23 +129,31 @@ def decode_sum(
     out_init=None,
     config=None,
     backend: str = "auto",
+    product: tuple[int, int] | None = None,
 ):
     """wire[N, B] -> [n] of `dtype`, the fp32 sum of the N decoded rows, rounded once to `dtype`
     (out_init, config, backend: as `encode`; Mosaic GPU: `decode_mosaic.decode_sum`, with
-    `peer_steps` by `decode_mosaic.default_peer_steps`)."""
+    `peer_steps` by `decode_mosaic.default_peer_steps`).
+
+    product: (M, H) where the rows hold an [M, H] product's groups in `codecs.tile_major` order
+      (`matmul_encode`): the sum comes back in the product's row-major order,
+      `codecs.from_tile_major` of it (the Mosaic kernel stores each tile in its place; the
+      others transpose after)."""
     check_wire(codec, wire, n)
+    decode_mosaic.check_product(product, n)
     triton_options = interpret or out_init is not None or config is not None
     kernel = decode_mosaic.kernel_for("decode_sum", backend, triton_options, codec, wire, n, dtype)
     if kernel == "mosaic":
         peer_steps = decode_mosaic.default_peer_steps("decode_sum", codec, wire)
-        return decode_mosaic.decode_sum(codec, wire, n, dtype, peer_steps=peer_steps)
+        return decode_mosaic.decode_sum(codec, wire, n, dtype, peer_steps=peer_steps,
+                                        product=product)  # fmt: skip
     if kernel == "reference":
-        return decode_sum_reference(codec, wire, n, dtype)
-    out = jax.ShapeDtypeStruct((1, n), dtype)
-    name = "taco_decode_sum"
-    return _launch(
-        _decode_sum_kernel, codec, wire, n, out, name, interpret, out_init, config, signs=True
-    )[0]
+        out = decode_sum_reference(codec, wire, n, dtype)
+    else:
+        out_struct = jax.ShapeDtypeStruct((1, n), dtype)
+        out = _launch(_decode_sum_kernel, codec, wire, n, out_struct, "taco_decode_sum",
+                      interpret, out_init, config, signs=True)[0]  # fmt: skip
+    return out if product is None else codecs.from_tile_major(out, *product).reshape(n)
 
 
 def decode_sum_reencode(

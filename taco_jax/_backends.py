@@ -102,6 +102,19 @@ def matmul_encode(impl: str, codec: Codec, x: jax.Array, w: jax.Array) -> jax.Ar
     return ops.encode(codec, codecs.tile_major(y)[None])
 
 
+def decode_sum_product(impl: str, codec: Codec, wire: jax.Array, m: int, h: int, dtype):
+    """The decode-sum of wire[N, B] holding an [M, H] product's groups in `codecs.tile_major`
+    order (`matmul_encode`) -> the sum [M, H]: `pallas_kernels.decode_sum(product=(M, H))`
+    where `get_ops(impl)` runs the kernels (the Mosaic kernel stores each tile in its place),
+    else the reference's sum put back in place (`codecs.from_tile_major`)."""
+    ops = get_ops(impl)
+    if ops is XLA_OPS:
+        return codecs.from_tile_major(ops.decode_sum(codec, wire, m * h, dtype), m, h)
+    interpret = impl == "pallas_interpret"
+    total = _kernels().decode_sum(codec, wire, m * h, dtype, interpret=interpret, product=(m, h))
+    return total.reshape(m, h)
+
+
 @dataclasses.dataclass(frozen=True)
 class StageOps:
     """Packed-wire operations of the TAH-Quant codecs (`taco_jax.tahquant`)."""

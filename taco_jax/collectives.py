@@ -486,8 +486,9 @@ def matmul_all_reduce(
     (no vjp: `taco_jax.reduce_matmul_from_tp`). Where the policy takes the one-shot compressed
     all-reduce of the product (one slice, a TP codec, no telemetry, M and H whole 128 x 128
     tiles), the product is encoded in its matmul's epilogue (`_backends.matmul_encode`: its
-    groups in `codecs.tile_major` order), gathered, decode-summed and put back in place: the
-    one-shot `compressed_psum` of the product, the same groups in another order. Elsewhere that
+    groups in `codecs.tile_major` order), gathered, and decode-summed into place
+    (`_backends.decode_sum_product`): the one-shot `compressed_psum` of the product, the same
+    groups in another order. Elsewhere that
     collective of x @ w itself."""
     n_ranks = axis_size(axis_name)
     product = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype)
@@ -509,9 +510,7 @@ def matmul_all_reduce(
                                           algorithm="one_shot", n_ranks=n_ranks)  # fmt: skip
         wire = _backends.matmul_encode(cfg.impl, cfg.codec, x, w)[0]
         gathered = _all_gather_wire(wire, axis_name, invariant=varies_along(x, axis_name))
-        ops = _backends.codec_ops(cfg.impl, cfg.codec)
-        total = ops.decode_sum(cfg.codec, gathered, m * h, x.dtype)
-        return codecs.from_tile_major(total, m, h)
+        return _backends.decode_sum_product(cfg.impl, cfg.codec, gathered, m, h, x.dtype)
 
     return _local.on_local_blocks(one_shot, x, w)
 

@@ -55,6 +55,7 @@ FAST_DECODES = ("taco",)
 
 
 hopper = pytest.mark.skipif(not _pallas.hopper_gpu(), reason="needs a Hopper GPU")
+SLOW = pytest.mark.slow
 
 
 def _wire(codec, rows, tiles, seed):
@@ -344,6 +345,9 @@ def test_every_kernel_lowers_for_cuda(monkeypatch, name):
     ops += [lambda w: decode_mosaic.decode_sum(codec, w, n)]
     if name in REENCODE_CODECS:  # fp32 scales and 8-bit codes: the peer-steps sums too
         ops += [lambda w: decode_mosaic.decode_sum(codec, w, n, peer_steps=True)]
+        ops += [lambda w, s=s: decode_mosaic.decode_sum(codec, w, n, jnp.bfloat16, peer_steps=s,
+                                                        product=(128, n // 128))
+                for s in (0, 1)]  # fmt: skip  (each tile stored at its place in [M, H])
         ops += [lambda w, s=s: decode_mosaic.decode_sum_reencode(codec, w, n, peer_steps=s)
                 for s in (0, 1)]  # fmt: skip
     if name in ENCODE_CODECS and (
@@ -382,6 +386,29 @@ def test_reencoded_codes_in_the_cpu_interpreter(name):
     wire, n = _wire(codec, 4, MOSAIC_CODECS[name], 5)
     fused = decode_mosaic.decode_sum_reencode(codec, wire, n, interpret=True)
     assert_reencodes_like_reference(codec, wire, n, fused, scales=False)
+
+
+@pytest.mark.parametrize("peers,peer_steps", [(2, False), pytest.param(4, True, marks=SLOW)])
+def test_a_products_sum_is_stored_in_place_in_the_interpreter(peers, peer_steps):
+    """`decode_sum(product=(M, H))` of a wire holding a product's groups in `codecs.tile_major`
+    order stores each tile at its place: the same values as the row of tiles put back by
+    `codecs.from_tile_major`, bit for bit (only the stores' addresses differ)."""
+    codec = codecs.get_codec("taco")
+    m, h = 256, 384
+    wire, n = _wire(codec, peers, m * h // TILE_ELEMENTS, 11)
+    run = dict(interpret=True, peer_steps=peer_steps)
+    flat = decode_mosaic.decode_sum(codec, wire, n, jnp.bfloat16, **run)
+    placed = decode_mosaic.decode_sum(codec, wire, n, jnp.bfloat16, product=(m, h), **run)
+    np.testing.assert_array_equal(placed, codecs.from_tile_major(flat, m, h).reshape(n))
+    assert not np.array_equal(placed, flat)  # the tiles did move
+
+
+def test_a_product_must_be_whole_tiles_of_the_values():
+    codec = codecs.get_codec("taco")
+    wire, n = _wire(codec, 2, 4, 0)
+    for product in ((128, 128), (64, 512)):  # 16384 of 32768 values; rows not whole tiles
+        with pytest.raises(ValueError, match=rf"product=\({product[0]}, {product[1]}\)"):
+            pk.decode_sum(codec, wire, n, product=product, backend="mosaic")
 
 
 @pytest.mark.parametrize(
@@ -488,6 +515,21 @@ def test_nonfinite_groups_stay_visible_on_the_gpu(name):
     for peer_steps in (False, True) if name in REENCODE_CODECS else (False,):
         total = decode_mosaic.decode_sum(codec, wire, n, peer_steps=peer_steps)
         np.testing.assert_array_equal(np.isnan(total.reshape(-1, 128)).all(-1), expected.any(0))
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("peers,peer_steps", [(2, False), (4, True)])
+def test_a_products_sum_is_stored_in_place_on_the_gpu(peers, peer_steps):
+    """The strided TMA stores of `decode_sum(product=)` (each 64 x 128 half tile into rows of
+    H values): the row of tiles put back, bit for bit."""
+    codec = codecs.get_codec("taco")
+    m, h = 512, 768
+    wire, n = _wire(codec, peers, m * h // TILE_ELEMENTS, 12)
+    flat = decode_mosaic.decode_sum(codec, wire, n, jnp.bfloat16, peer_steps=peer_steps)
+    placed = decode_mosaic.decode_sum(codec, wire, n, jnp.bfloat16, peer_steps=peer_steps,
+                                      product=(m, h))  # fmt: skip
+    np.testing.assert_array_equal(placed, codecs.from_tile_major(flat, m, h).reshape(n))
 
 
 @pytest.mark.gpu
