@@ -5,8 +5,9 @@ time of one call inside one jitted program of `--calls` dependent calls
 (`_common.in_program_seconds`): XLA's matmul alone; XLA's matmul then `pallas_kernels.encode`
 ("auto") of the product as it lies (what the collectives encode today) and in the fused
 kernel's `tile_major` order (`matmul_encode(backend="unfused")`, an XLA transpose more); the
-fused kernel given the folded weight (`matmul_encode_folded`); and the fold of a weight, which
-a step needs once per weight. The record is rewritten after each shape. Findings:
+fused kernel given the folded weight (`matmul_encode_kernel`), the fold of a weight, which a
+step needs once per weight, and the fused kernel with the Hadamard in its epilogue instead
+(no fold: `hadamard="epilogue"`). The record is rewritten after each shape. Findings:
 docs/development_history.md, "The encode in a warp-specialized matmul's epilogue".
 
     python benchmarks/matmul_encode.py --out $OUT
@@ -49,12 +50,16 @@ def time_shape(codec, shape: str, calls: int) -> dict:
     row["xla_matmul_us"] = us(lambda x: x @ b)
     row["unfused_us"] = us(lambda x: pk.encode(codec, (x @ b).reshape(1, -1)))
     row["unfused_tile_major_us"] = us(lambda x: pk.matmul_encode(codec, x, b, backend="unfused"))
-    row["fused_us"] = us(lambda x: mem.matmul_encode_folded(codec, x, folded))
+    row["fused_us"] = us(lambda x: mem.matmul_encode_kernel(codec, x, folded))
     row["fold_us"] = us(lambda w: mem.fold_hadamard(codec, w), weights)
+    row["fused_epilogue_us"] = us(
+        lambda x: mem.matmul_encode_kernel(codec, x, b, hadamard="epilogue")
+    )
     print(
         f"{shape:>16}  matmul {row['xla_matmul_us']:7.1f} us, then encode "
         f"{row['unfused_us']:7.1f} (tile-major {row['unfused_tile_major_us']:7.1f}), fused "
-        f"{row['fused_us']:7.1f}, the fold {row['fold_us']:5.1f}",
+        f"{row['fused_us']:7.1f} + the fold {row['fold_us']:5.1f}, Hadamard in the epilogue "
+        f"{row['fused_epilogue_us']:7.1f}",
         flush=True,
     )
     return row

@@ -15,7 +15,10 @@ halves (`encode_mosaic.encode_and_store`) and TMA-stores their codes and side va
 memory warpgroup already loads the next tile's operands. The Hadamard is folded into the
 weight, b' = b S per 128-column group (`fold_hadamard`, bf16, exact signs), so the accumulator
 holds v = S y per group already and the epilogue needs no second dot: v carries the rounding of
-b' to bf16 (2^-9 of each of its elements) where the unfused path carries that of y.
+b' to bf16 (2^-9 of each of its elements) where the unfused path carries that of y. Or
+(`hadamard="epilogue"`, `config.MATMUL_ENCODE_HADAMARD`) each half tile is rounded to bf16 and
+multiplied by the signs in the epilogue (one more wgmma; no fold): the unfused path's
+arithmetic, built and lowered for CUDA but not yet run on a GPU.
 
 Measured (one H200, `benchmarks/matmul_encode.py`; docs/development_history.md, "The encode in
 a warp-specialized matmul's epilogue"): the kernel as fast as XLA's matmul alone at GPT-125M's
@@ -39,7 +42,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import _pallas, encode_kernel, encode_mosaic
-from pallas_kernels.config import HOPPER_SMS, MATMUL_ENCODE_FROM_ELEMENTS
+from pallas_kernels.config import (
+    HOPPER_SMS,
+    MATMUL_ENCODE_FROM_ELEMENTS,
+    MATMUL_ENCODE_HADAMARD,
+)
 from taco_jax import codecs
 from taco_jax.codecs import Codec
 
@@ -56,6 +63,8 @@ COMPUTE_WARPGROUPS = 2
 STEPS_IN_FLIGHT = 3
 STORE_SLOTS = 2
 CODE_ELEMENTS = ("e4m3", "e5m2", "int8")
+# Where the Hadamard of the groups is applied: folded into the weight, or in the epilogue.
+HADAMARDS = ("folded", "epilogue")
 
 
 def unsupported(codec: Codec, a: jax.Array, b: jax.Array, *, need_hopper: bool = True):
@@ -136,24 +145,32 @@ def matmul_encode(codec: Codec, a: jax.Array, b: jax.Array, *, backend: str = "a
             f"128 x 128 tiles of the product), got a.shape={a.shape}, b.shape={b.shape}"
         )
     if backend == "mosaic" or (backend == "auto" and preferred(codec, a, b)):
-        return matmul_encode_folded(codec, a, fold_hadamard(codec, b))
+        if MATMUL_ENCODE_HADAMARD == "epilogue":
+            return matmul_encode_kernel(codec, a, b, hadamard="epilogue")
+        return matmul_encode_kernel(codec, a, fold_hadamard(codec, b))
     rows = _product(a, b).reshape(1, -1)
     if jax.default_backend() != "gpu":  # the kernels are GPU kernels: the jnp reference
         return codecs.encode_wire(codec, rows)
     return encode_kernel.encode(codec, rows)
 
 
-def matmul_encode_folded(codec: Codec, a: jax.Array, b_folded: jax.Array, *,
+def matmul_encode_kernel(codec: Codec, a: jax.Array, b: jax.Array, *, hadamard: str = "folded",
                          sms: int | None = None) -> jax.Array:  # fmt: skip
-    """The fused kernel: `matmul_encode` given b_folded = `fold_hadamard(codec, b)`
-    (ValueError where `unsupported`). sms: the persistent grid's programs (default: the
-    device's SMs)."""
-    reason = unsupported(codec, a, b_folded)
+    """The fused kernel (ValueError where `unsupported`). hadamard: "folded", b being
+    `fold_hadamard(codec, b)` (the accumulator is v itself), or "epilogue", b itself: each half
+    tile of the accumulator is rounded to bf16, as the unfused path rounds the product, and
+    multiplied by the signs (one more 64 x 128 x 128 wgmma; no fold). sms: the persistent
+    grid's programs (default: the device's SMs)."""
+    if hadamard not in HADAMARDS:
+        raise ValueError(f"unknown {hadamard=}; choose one of {HADAMARDS}")
+    reason = unsupported(codec, a, b)
     if reason is not None:
         raise ValueError(f"the Mosaic GPU matmul-encode cannot take {reason}")
-    (m, k), h = a.shape, b_folded.shape[1]
+    (m, k), h = a.shape, b.shape[1]
     wire_rows = codec.wire_bytes(m * h) // ROW_BYTES
-    body = functools.partial(_kernel, codec=codec, shape=(m, k, h), magic_round=True)
+    epilogue = hadamard == "epilogue"
+    body = functools.partial(_kernel, codec=codec, shape=(m, k, h), magic_round=True,
+                             epilogue_hadamard=epilogue)  # fmt: skip
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((wire_rows, ROW_BYTES), jnp.uint8),
@@ -163,8 +180,24 @@ def matmul_encode_folded(codec: Codec, a: jax.Array, b_folded: jax.Array, *,
         thread_name="wg",
         kernel_name=f"taco_matmul_encode_mosaic_{codec.name}_g{GROUP_SIZE}",
     )
-    _pallas.check_addressable("matmul_encode", a, b_folded)
-    return kernel(a, b_folded).reshape(1, wire_rows * ROW_BYTES)
+    _pallas.check_addressable("matmul_encode", a, b)
+    operands = (a, b, encode_mosaic.dot_operand(codec)) if epilogue else (a, b)
+    return kernel(*operands).reshape(1, wire_rows * ROW_BYTES)
+
+
+def _signs_scratch():
+    """The signs (bf16, swizzled for wgmma) and the barrier of their one TMA load."""
+    return _pallas.smem((GROUP_SIZE, GROUP_SIZE), jnp.bfloat16, swizzled=True), _pallas.barrier()
+
+
+def _hadamard_of_rounded(v, signs_smem, codec):
+    """The half tile v [64, 128] rounded to bf16 (the unfused path's product) and, for a codec
+    with a Hadamard, multiplied by the signs on the tensor cores (exact: +-1 times bf16 values
+    summed in fp32)."""
+    rounded = v.astype(jnp.bfloat16)
+    if not codec.hadamard:
+        return rounded.astype(jnp.float32)
+    return _pallas.wgmma(rounded, signs_smem, (HALF, GROUP_SIZE))
 
 
 def _operand_block(shape, index_map):
@@ -172,9 +205,11 @@ def _operand_block(shape, index_map):
     return _pallas.block(shape, index_map, swizzled=True)
 
 
-def _kernel(a_gmem, b_gmem, wire_gmem, *, codec, shape, magic_round):
+def _kernel(a_gmem, b_gmem, *refs, codec, shape, magic_round, epilogue_hadamard):
     """Each program walks output tiles of TILE_M x (2 TILE_N) (`plgpu.nd_loop`); per tile, the
-    pipeline over K feeds both compute warpgroups, and each encodes and stores its 128 columns."""
+    pipeline over K feeds both compute warpgroups, and each encodes and stores its 128 columns
+    (epilogue_hadamard: refs start with the signs, staged once per program by warpgroup 0)."""
+    signs_gmem, wire_gmem = refs if epilogue_hadamard else (None, *refs)
     m, k, h = shape
     cta_n = COMPUTE_WARPGROUPS * TILE_N
     m_tiles, n_tiles = m // TILE_M, h // cta_n
@@ -206,12 +241,18 @@ def _kernel(a_gmem, b_gmem, wire_gmem, *, codec, shape, magic_round):
             plgpu.SMEM((COMPUTE_WARPGROUPS, STORE_SLOTS, 2, HALF), jnp.float32),
             plgpu.SMEM((COMPUTE_WARPGROUPS, STORE_SLOTS, 4, ROW_BYTES), jnp.uint8),
         ),
+        signs=_signs_scratch() if epilogue_hadamard else None,
         collective_axes="wg",
     )
-    def scope(allocations, codes_smem, sides):
+    def scope(allocations, codes_smem, sides, signs):
         wg = lax.axis_index("wg")
         sides_f32, sides_u8 = sides
         out = ([codes_smem.at[wg]], (sides_f32.at[wg], sides_u8.at[wg]))  # this warpgroup's
+        signs_smem = None
+        if epilogue_hadamard:  # one TMA load for the program, every warpgroup waits on it
+            signs_smem, loaded = signs
+            _pallas.when(wg == 0, lambda: plgpu.copy_gmem_to_smem(signs_gmem, signs_smem, loaded))
+            plgpu.barrier_wait(loaded)
 
         @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="program")
         def output_tile(info):
@@ -229,6 +270,8 @@ def _kernel(a_gmem, b_gmem, wire_gmem, *, codec, shape, magic_round):
                         # A warpgroup's consecutive stores are consecutive tiles, so they take
                         # its two slots in turn (`encode_mosaic.store_tile`).
                         v = acc[half * HALF : (half + 1) * HALF]
+                        if epilogue_hadamard:  # the product rounded as XLA's, then S y exactly
+                            v = _hadamard_of_rounded(v, signs_smem, codec)
                         tile = first + half
                         encode_mosaic.encode_and_store(
                             codec, v, unit, out, [wire_gmem], tile, layout, magic_round

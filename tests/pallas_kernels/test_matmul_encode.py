@@ -14,6 +14,12 @@ Tolerances (u = 2^-24):
   quantize is monotone: the code lies between quantize(ideal - tol) and quantize(ideal + tol).
 - Its fp32 scales: amax moves by at most the largest error above, so rtol
   K u max(|a| @ |b'|) / amax + 2 u per group.
+- With the Hadamard in the epilogue the kernel encodes v = S bf16(a @ b), as the unfused path:
+  its fp32 product is within e = K u (|a| @ |b|) of the exact y, so it rounds to bf16(y) or,
+  where a rounding edge lies within e (+ the fp32 conversion's 2 u |y|) of y, to the
+  neighbouring bf16 value: off by d_j, that neighbour's distance, else 0. S has +-1 entries, so
+  each of a group's outputs moves by at most sum_j d_j, plus the fp32 sum of 128 terms,
+  128 u sum_j |bf16(y_j)|; the codes as above with that bound.
 """
 
 import jax
@@ -127,29 +133,59 @@ def test_auto_fuses_from_the_size_table(monkeypatch):
 
 
 @pytest.mark.parametrize("name", tiered(CODECS, ("taco",)))
-def test_lowers_for_cuda(monkeypatch, name):
+@pytest.mark.parametrize("hadamard", mem.HADAMARDS)
+def test_lowers_for_cuda(monkeypatch, name, hadamard):
     """Mosaic GPU's lowering (layouts, the warp-specialized pipeline, TMA boxes), built for CUDA
     on any machine."""
     monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
     codec = codecs.get_codec(name)
     a, b = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((512, 192), (192, 512)))
-    op = lambda a, b: pk.matmul_encode(codec, a, b, backend="mosaic")  # noqa: E731
+    op = lambda a, b: mem.matmul_encode_kernel(codec, a, b, hadamard=hadamard)  # noqa: E731
     text = jax.jit(op).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_the_hadamard_is_folded_or_in_the_epilogue():
+    codec = codecs.get_codec("taco")
+    a, b = _operands(256, 64, 512)
+    with pytest.raises(ValueError, match="hadamard='weights'"):
+        mem.matmul_encode_kernel(codec, a, b, hadamard="weights")
+    assert config.MATMUL_ENCODE_HADAMARD in mem.HADAMARDS
 
 
 # ------------------------------------------------------------------------------------------
 # On a Hopper GPU.
 
 
-def _assert_encodes_its_product(codec, a, b, wire):
-    """The kernel's codes and scales against the exact product a @ b' (module docstring)."""
-    (m, k), h = a.shape, b.shape[1]
+def _folded_product(codec, a, b):
+    """(v, its error bound) of the folded kernel: a @ b' exactly, K u (|a| @ |b'|)."""
+    k = a.shape[1]
     folded = np.asarray(mem.fold_hadamard(codec, b), np.float64)
     a64 = np.asarray(a, np.float64)
     v = mem.tile_major(a64 @ folded).reshape(-1, 128)  # numpy: float64 throughout
-    err = k * U * mem.tile_major(np.abs(a64) @ np.abs(folded)).reshape(-1, 128)
-    payload = codecs.unpack(codec, wire, m * h)
+    return v, k * U * mem.tile_major(np.abs(a64) @ np.abs(folded)).reshape(-1, 128)
+
+
+def _rounded_product(codec, a, b):
+    """(v, its error bound) of the epilogue Hadamard: S bf16(a @ b) (module docstring)."""
+    k = a.shape[1]
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    y = a64 @ b64
+    e = k * U * (np.abs(a64) @ np.abs(b64)) + 2 * U * np.abs(y)
+    to_bf16 = lambda t: np.asarray(jnp.asarray(t, jnp.float32).astype(jnp.bfloat16), np.float64)  # noqa: E731
+    rounded, flip = to_bf16(y), to_bf16(y + e) - to_bf16(y - e)  # flip: 0, or the step there
+    rounded, flip = (mem.tile_major(t).reshape(-1, 128) for t in (rounded, np.abs(flip)))
+    if not codec.hadamard:
+        return rounded, flip + U * np.abs(rounded)
+    signs = codecs.signs_matrix(128).astype(np.float64)
+    bound = flip.sum(-1, keepdims=True) + 128 * U * np.abs(rounded).sum(-1, keepdims=True)
+    return rounded @ signs, np.broadcast_to(bound, rounded.shape)
+
+
+def _assert_encodes(codec, wire, n, v, err):
+    """The kernel's codes and fp32 scales against the ideal encode of v [groups, 128] (exact),
+    each value of the kernel's v within `err` of it (module docstring)."""
+    payload = codecs.unpack(codec, wire, n)
     unit = codecs.hadamard_unit(128) if codec.hadamard else 1.0
     alpha = np.asarray(payload.prescales, np.float64).reshape(-1) if codec.prescale else 1.0
     factor = np.broadcast_to(unit * alpha, v.shape[:1])  # y = v unit alpha (`encode_groups`)
@@ -188,9 +224,20 @@ def test_encodes_its_product_on_the_gpu(name, shape):
     m, k, h = shape
     for seed in range(2):
         a, b = _operands(m, k, h, seed)
-        wire = pk.matmul_encode(codec, a, b, backend="mosaic")
+        wire = mem.matmul_encode_kernel(codec, a, mem.fold_hadamard(codec, b))
         assert wire.shape == (1, codec.wire_bytes(m * h))
-        _assert_encodes_its_product(codec, a, b, wire)
+        _assert_encodes(codec, wire, m * h, *_folded_product(codec, a, b))
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("name", ["taco", "int8_hadamard", "fp8"])
+def test_the_epilogue_hadamard_encodes_the_rounded_product_on_the_gpu(name):
+    codec = codecs.get_codec(name)
+    for seed, shape in enumerate([(512, 256, 512), (1024, 192, 768)]):
+        a, b = _operands(*shape, seed)
+        wire = mem.matmul_encode_kernel(codec, a, b, hadamard="epilogue")
+        _assert_encodes(codec, wire, a.shape[0] * b.shape[1], *_rounded_product(codec, a, b))
 
 
 @pytest.mark.gpu
