@@ -23,6 +23,7 @@ from jax import lax
 from taco_jax import (
     TPComm,
     comm_config,
+    copy_matmul_to_tp,
     copy_to_tp,
     gather_from_sp,
     reduce_from_tp,
@@ -40,7 +41,8 @@ class TPContext:
     dtype: compute dtype of matmuls and activations (parameters stay fp32).
     overlap_chunks: independent batch chunks through the blocks (`ParallelConfig.overlap_chunks`).
     ranks_vmapped: the ranks run under `jax.vmap` (emulated TP, `models.spmd`).
-    matmul_encode: `exit_product` encodes the product in its matmul (`ParallelConfig`).
+    matmul_encode: `enter_product` and `exit_product` encode the all-reduced products in their
+      matmuls (`ParallelConfig`).
     """
 
     comm: TPComm | None = None
@@ -90,6 +92,16 @@ class TPContext:
         if self.sequence_parallel:
             return scatter_to_sp(x, self.comm, axis=1)
         return reduce_from_tp(x, self.comm)
+
+    def enter_product(self, subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
+        """`jnp.einsum(subscripts, enter(x), w)` of a column-parallel layer: x [B, T(_sp), D],
+        w [D, ...] (local columns). With `matmul_encode` (and no sequence parallelism) the
+        backward's all-reduce of the input gradient is encoded in its matmul, on w flattened to
+        [D, N] (`copy_matmul_to_tp`)."""
+        if self.sharded and self.matmul_encode and not self.sequence_parallel:
+            out = copy_matmul_to_tp(x, w.reshape(w.shape[0], -1), self.comm)
+            return out.reshape(*x.shape[:-1], *w.shape[1:])
+        return jnp.einsum(subscripts, self.enter(x), w)
 
     def exit_product(self, subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
         """`exit(jnp.einsum(subscripts, x, w))` of a row-parallel layer: x [B, T, ...] and

@@ -62,9 +62,8 @@ class Attention(nnx.Module):
         self.bo = layers.param(rngs, (d,), ("embed",), None) if cfg.arch == "gpt" else None
 
     def __call__(self, x: jax.Array, ctx: TPContext) -> jax.Array:  # [B, T(_sp), D] -> same
-        x = ctx.enter(x)  # [B, T, D]
         w = self.wqkv[...].astype(ctx.dtype)  # [D, K, R, H] local K
-        qkv = jnp.einsum("BTD,DKRH->BTKRH", x, w) + self.bqkv[...].astype(ctx.dtype)
+        qkv = ctx.enter_product("BTD,DKRH->BTKRH", x, w) + self.bqkv[...].astype(ctx.dtype)
         b, t, k, r, h = qkv.shape
         q = qkv[:, :, :, : r - 2].reshape(b, t, k * (r - 2), h)  # [B, T, N, H], n = k (R-2) + j
         key, value = qkv[:, :, :, r - 2], qkv[:, :, :, r - 1]  # [B, T, K, H]
@@ -91,14 +90,13 @@ class Mlp(nnx.Module):
         self.w_down = layers.param(rngs, (f, d), ("mlp", "embed"), resid_std)
 
     def __call__(self, x: jax.Array, ctx: TPContext) -> jax.Array:  # [B, T(_sp), D] -> same
-        x = ctx.enter(x)  # [B, T, D]
         w_up = self.w_up[...].astype(ctx.dtype)
         if self.gpt:
             hidden = jax.nn.gelu(
-                jnp.einsum("BTD,DF->BTF", x, w_up) + self.b_up[...].astype(ctx.dtype)
+                ctx.enter_product("BTD,DF->BTF", x, w_up) + self.b_up[...].astype(ctx.dtype)
             )
         else:
-            gate_up = jnp.einsum("BTD,DCF->BTCF", x, w_up)  # C = 2: gate, up
+            gate_up = ctx.enter_product("BTD,DCF->BTCF", x, w_up)  # C = 2: gate, up
             hidden = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]  # [B, T, F] local F
         out = ctx.exit_product("BTF,FD->BTD", hidden, self.w_down[...].astype(ctx.dtype))
         return out + self.b_down[...].astype(ctx.dtype) if self.gpt else out

@@ -74,10 +74,11 @@ class ParallelConfig:
     independent chunks, so that XLA can run one chunk's TP collectives while it computes another
     chunk's matmuls (docs/method.md, "Overlapping TP collectives with compute": two chunks paid
     over host shared memory, compressed or not, and cost a few percent on NVLink).
-    matmul_encode: the row-parallel projections' all-reduces encode the product in its matmul's
-    epilogue (`taco_jax.reduce_matmul_from_tp`) where the one-shot compressed all-reduce runs;
-    the same values where the kernels run unfused (not sequence parallelism, whose
-    reduce-scatter is another collective).
+    matmul_encode: each all-reduced product is encoded in its matmul's epilogue where the
+    one-shot compressed all-reduce runs: the row-parallel projections' outputs
+    (`taco_jax.reduce_matmul_from_tp`) and, in the backward, the column-parallel projections'
+    input gradients (`copy_matmul_to_tp`); the same function where the kernels run unfused
+    (not with sequence parallelism, whose reduce-scatter is another collective).
     """
 
     dp: int = 1

@@ -5,7 +5,9 @@ column- and row-parallel layers:
   f = `copy_to_tp`:       identity forward, all-reduce backward   (before column-parallel)
   g = `reduce_from_tp`:   all-reduce forward, identity backward   (after row-parallel)
 `reduce_matmul_from_tp(x, w)` is g of the row-parallel product x @ w, the product encoded in
-its matmul's epilogue (`pallas_kernels.matmul_encode`) where the one-shot all-reduce runs.
+its matmul's epilogue (`pallas_kernels.matmul_encode`) where the one-shot all-reduce runs;
+`copy_matmul_to_tp(x, w)` is the column-parallel product after f, whose backward all-reduces
+the input gradient ct @ w^T the same way.
 With sequence parallelism (Korthikanti et al. 2022) they become
   `gather_from_sp`:       all-gather forward, reduce-scatter backward (before column-parallel)
   `scatter_to_sp`:        reduce-scatter forward, all-gather backward (after row-parallel)
@@ -119,6 +121,27 @@ def _reduce_matmul_bwd(comm, residuals, ct):
 _reduce_matmul.defvjp(_reduce_matmul_fwd, _reduce_matmul_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _copy_matmul(x, w, comm: TPComm):
+    return jnp.matmul(as_varying(x, comm.axis_name), w)
+
+
+def _copy_matmul_fwd(x, w, comm):
+    return _copy_matmul(x, w, comm), (x, w)
+
+
+def _copy_matmul_bwd(comm, residuals, ct):
+    # f's backward of the matmul's input gradient ct @ w^T: its compressed all-reduce, the
+    # product encoded by its matmul; the weight's gradient as autodiff takes it.
+    x, w = residuals
+    dx = matmul_all_reduce(ct, w.T, comm.axis_name, comm.bwd, "tp_copy_bwd")
+    _, matmul_vjp = jax.vjp(jnp.matmul, as_varying(x, comm.axis_name), w)
+    return cast_varying(dx, comm.axis_name, x).astype(x.dtype), matmul_vjp(ct)[1]
+
+
+_copy_matmul.defvjp(_copy_matmul_fwd, _copy_matmul_bwd)
+
+
 def copy_to_tp(x: jax.Array, comm: TPComm) -> jax.Array:
     """Megatron f: identity forward; backward `compressed_psum` of the cotangent (`comm.bwd`).
 
@@ -132,6 +155,20 @@ def reduce_from_tp(x: jax.Array, comm: TPComm) -> jax.Array:
     rounding; backward identity. Sharding: `x[B, T, D]{U_tp} -> x[B, T, D]`.
     """
     return checkpoint_name(_reduce(x, comm), "tp_reduce")
+
+
+def copy_matmul_to_tp(x: jax.Array, w: jax.Array, comm: TPComm) -> jax.Array:
+    """The column-parallel product after Megatron f: `copy_to_tp(x, comm) @ w`, the same forward;
+    its backward all-reduces the input gradient ct @ w^T with `comm.bwd` as
+    `reduce_matmul_from_tp` does (the product encoded in its matmul where the one-shot
+    compressed all-reduce runs; where the matmul and encode run unfused, `copy_to_tp`'s
+    all-reduce of that product, its groups in another order).
+
+    Sharding: `x[..., D]` replicated and `w[D, N]` (this rank's columns) -> `[..., N]{V_tp}`.
+    """
+    lead, d = x.shape[:-1], x.shape[-1]
+    out = _copy_matmul(checkpoint_name(x.reshape(-1, d), "tp_copy"), w, comm)
+    return out.reshape(*lead, w.shape[1])
 
 
 def reduce_matmul_from_tp(x: jax.Array, w: jax.Array, comm: TPComm) -> jax.Array:

@@ -94,3 +94,33 @@ def test_leading_dims_are_tokens():
     flat = run_tp(lambda xw: tj.reduce_matmul_from_tp(*xw, comm), (x, w), tp=TP, mode="vmap")
     assert out.shape == (TP, 2, 128, 256)
     np.testing.assert_array_equal(out.reshape(flat.shape), flat)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_copy_matmul_is_f_then_the_product_bit_for_bit_where_unfused(mode):
+    """`copy_matmul_to_tp(x, w)`: forward `copy_to_tp(x) @ w`; backward the all-reduce of the
+    input gradient ct @ w^T with its product encoded by the matmul's path (here unfused: the
+    same groups in another order), the weight's gradient as autodiff's."""
+    comm = tj.TPComm.create(fwd="none", bwd="taco", algorithm="one_shot", min_compress_bytes=0)
+    kx, kw, kc = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(kx, (256, 128), jnp.float32).astype(jnp.bfloat16)  # replicated
+    w = (0.1 * jax.random.normal(kw, (TP, 128, 256), jnp.float32)).astype(jnp.bfloat16)
+    ct = jax.random.normal(kc, (TP, 256, 256), jnp.float32).astype(jnp.bfloat16)
+
+    def per_rank(op):
+        def run(wct):
+            w, ct = wct
+            loss = lambda x, w: jnp.sum((op(x, w) * ct).astype(jnp.float32))  # noqa: E731
+            return op(x, w), jax.grad(loss, argnums=(0, 1))(x, w)
+
+        return run
+
+    fused = run_tp(per_rank(lambda x, w: tj.copy_matmul_to_tp(x, w, comm)), (w, ct), tp=TP,
+                   mode=mode)  # fmt: skip
+    plain = run_tp(per_rank(lambda x, w: tj.copy_to_tp(x, comm) @ w), (w, ct), tp=TP, mode=mode)
+    for got, want in zip(jax.tree.leaves(fused), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_array_equal(got, want)
+    exact = tj.TPComm.create(fwd="none")
+    exact_dx = run_tp(per_rank(lambda x, w: tj.copy_to_tp(x, exact) @ w), (w, ct), tp=TP,
+                      mode=mode)[1][0]  # fmt: skip
+    assert not np.array_equal(fused[1][0], exact_dx)  # the input gradient was compressed
