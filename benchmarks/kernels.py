@@ -27,6 +27,18 @@ record `kernels-<date>.json`:
    calls (one input, in L2 as a fresh activation would be), beside a one-element negate (the
    floor); `launch_floor_s` is a host-dispatched one-element jitted op.
 Bandwidth is logical IO: bytes read + bytes written, once each.
+
+`--matmul-encode [MxKxH ...]` times the encode in the matmul's epilogue instead (record
+`matmul_encode-<date>.json`, rewritten after each shape; default shapes: the emulated steps'
+row-parallel projections, then smaller products): per shape, one call's device time in a
+program of 16 dependent calls of XLA's matmul; XLA's matmul then `pallas_kernels.encode`
+("auto") of the product as it lies (what the collectives encode) and in `codecs.tile_major`
+order (`matmul_encode(backend="unfused")`, an XLA transpose more); the fused kernel given the
+folded weight, the fold (once per weight and step), and the kernel with the Hadamard in its
+epilogue (no fold). docs/development_history.md, "The encode in a warp-specialized matmul's
+epilogue".
+
+    PYTHONPATH=. python benchmarks/kernels.py --matmul-encode --out $OUT
 """
 
 from __future__ import annotations
@@ -52,6 +64,7 @@ from pallas_kernels import (
     encode_kernel,
     encode_mosaic,
 )
+from pallas_kernels import matmul_encode_mosaic as mem
 from taco_jax import codecs
 
 PEERS = 8  # rows of the benchmark: an 8-way TP group
@@ -388,6 +401,52 @@ def launch_floor():
     return batched_seconds(tiny, [(x,)], min_time=0.05)[0]
 
 
+# The row-parallel projections of the emulated steps (BENCHMARKS.md, "Training step"): GPT-125M
+# at TP = 4 (16384 tokens; attention out K = 768 / 4, MLP down K = 3072 / 4) and GPT-1.3B at
+# TP = 2 (8192 tokens; K = 2048 / 2 and 8192 / 2), then smaller products.
+MATMUL_ENCODE_SHAPES = ("16384x192x768", "16384x768x768", "8192x1024x2048", "8192x4096x2048",
+                        "8192x768x768", "4096x768x768", "2048x768x768", "512x256x512")  # fmt: skip
+
+
+def time_matmul_encode(codec, shape: str, calls: int = IN_PROGRAM_CALLS) -> dict:
+    """One `--matmul-encode` row (module docstring), us per call."""
+    m, k, h = (int(d) for d in shape.split("x"))
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
+    b = (0.05 * jax.random.normal(kb, (k, h), jnp.float32)).astype(jnp.bfloat16)
+    folded = mem.fold_hadamard(codec, b)
+    inputs, weights = [(a,), (a * 1.5,)], [(b,), (b * 1.5,)]
+    us = lambda fn, xs=inputs: 1e6 * in_program_seconds(fn, xs, calls)  # noqa: E731
+    row = {"shape": shape, "m": m, "k": k, "h": h}
+    row["xla_matmul_us"] = us(lambda x: x @ b)
+    row["unfused_us"] = us(lambda x: pk.encode(codec, (x @ b).reshape(1, -1)))
+    row["unfused_tile_major_us"] = us(lambda x: pk.matmul_encode(codec, x, b, backend="unfused"))
+    row["fused_us"] = us(lambda x: mem.matmul_encode_kernel(codec, x, folded))
+    row["fold_us"] = us(lambda w: mem.fold_hadamard(codec, w), weights)
+    epilogue = lambda x: mem.matmul_encode_kernel(codec, x, b, hadamard="epilogue")  # noqa: E731
+    row["fused_epilogue_us"] = us(epilogue)
+    print(
+        f"{shape:>16}  matmul {row['xla_matmul_us']:7.1f} us, then encode "
+        f"{row['unfused_us']:7.1f} (tile-major {row['unfused_tile_major_us']:7.1f}), fused "
+        f"{row['fused_us']:7.1f} + the fold {row['fold_us']:5.1f}, Hadamard in the epilogue "
+        f"{row['fused_epilogue_us']:7.1f}",
+        flush=True,
+    )
+    return row
+
+
+def matmul_encode_main(args) -> None:
+    codec = codecs.get_codec(args.codec)
+    rows = []
+    for shape in args.matmul_encode or MATMUL_ENCODE_SHAPES:
+        rows.append(time_matmul_encode(codec, shape))
+        write_record(
+            "matmul_encode", args.out, codec=args.codec, calls=IN_PROGRAM_CALLS,
+            timing="device time of one call in one program of `calls` dependent calls, "
+            "median of 7 programs", rows=rows,
+        )  # fmt: skip
+
+
 def main():
     global PEERS  # --peers: the rows of every message timed
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -413,7 +472,11 @@ def main():
     )
     p.add_argument("--peers", type=int, default=PEERS, help="rows of each message (TP group)")
     p.add_argument("--no-reference", action="store_true", help="do not time the jnp references")
+    p.add_argument("--matmul-encode", nargs="*", metavar="MxKxH",
+                   help="time the encode in the matmul's epilogue instead (docstring)")  # fmt: skip
     args = p.parse_args()
+    if args.matmul_encode is not None:
+        return matmul_encode_main(args)
     PEERS = args.peers
     key = jax.random.key(int(time.time()))  # fresh data every run
     t0 = time.time()

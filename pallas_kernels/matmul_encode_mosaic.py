@@ -20,10 +20,10 @@ b' to bf16 (2^-9 of each of its elements) where the unfused path carries that of
 multiplied by the signs in the epilogue (one more wgmma; no fold): the unfused path's
 arithmetic, built and lowered for CUDA but not yet run on a GPU.
 
-Measured (one H200, `benchmarks/matmul_encode.py`; docs/development_history.md, "The encode in
-a warp-specialized matmul's epilogue"): the kernel as fast as XLA's matmul alone at GPT-125M's
-and GPT-1.3B's row-parallel shapes (16384 x 192 and 768 x 768, 8192 x 1024 and 4096 x 2048);
-with the fold on every call, 1.15-1.7x faster than the matmul, the transpose into
+Measured (one H200, `benchmarks/kernels.py --matmul-encode`; docs/development_history.md,
+"The encode in a warp-specialized matmul's epilogue"): the kernel as fast as XLA's matmul alone
+at GPT-125M's and GPT-1.3B's row-parallel shapes (16384 x 192 and 768 x 768, 8192 x 1024 and
+4096 x 2048); with the fold on every call, 1.15-1.7x faster than the matmul, the transpose into
 `tile_major` order and the encode. The fold is a pass over the weight (8.5-12 us there): once
 per weight and step, not per call, pays.
 
