@@ -104,6 +104,11 @@ class ParallelConfig:
             raise ValueError(f"dp_intra={self.dp_intra} must be >= 1 and divide dp={self.dp}")
         if self.overlap_chunks < 1:
             raise ValueError(f"overlap_chunks={self.overlap_chunks} must be >= 1")
+        if self.matmul_encode and self.sequence_parallel:
+            raise ValueError(
+                "matmul_encode=True encodes the all-reduces of products; with "
+                "sequence_parallel=True there are none (reduce-scatters and all-gathers)"
+            )
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not one of {MODES}")
         if self.compute_dtype not in COMPUTE_DTYPES:

@@ -365,6 +365,8 @@ MOSAIC_PEER_STEPS_FROM_BYTES = 16 << 20
 # against 96.5 at 8192 x 1024 x 2048 (docs/development_history.md, "The encode in a
 # warp-specialized matmul's epilogue"). Smaller products: not measured.
 MATMUL_ENCODE_FROM_ELEMENTS = 16384 * 768
+# The codecs "auto" fuses: measured (`taco`); the GPU tests check `int8_hadamard` and `fp8` too.
+MATMUL_ENCODE_CODECS = ("taco",)
 # Where the fused kernel applies the groups' Hadamard: "folded" into the weight
 # (`matmul_encode_mosaic.fold_hadamard`, a pass over the weight each call: 8.5-12 us at the
 # measured shapes), measured; or "epilogue" (a wgmma of each half tile, no fold), built and

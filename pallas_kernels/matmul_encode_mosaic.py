@@ -22,10 +22,10 @@ arithmetic, built and lowered for CUDA but not yet run on a GPU.
 
 Measured (one H200, `benchmarks/kernels.py --matmul-encode`; docs/development_history.md,
 "The encode in a warp-specialized matmul's epilogue"): the kernel as fast as XLA's matmul alone
-at GPT-125M's and GPT-1.3B's row-parallel shapes (16384 x 192 and 768 x 768, 8192 x 1024 and
-4096 x 2048); with the fold on every call, 1.15-1.7x faster than the matmul, the transpose into
-`tile_major` order and the encode. The fold is a pass over the weight (8.5-12 us there): once
-per weight and step, not per call, pays.
+at GPT-125M's and GPT-1.3B's row-parallel shapes (M x K x H: 16384 x 192 x 768,
+16384 x 768 x 768, 8192 x 1024 x 2048, 8192 x 4096 x 2048); with the fold on every call,
+1.15-1.7x faster than the matmul, the transpose into `tile_major` order and the encode. The
+fold is a pass over the weight (8.5-12 us there): once per weight and step, not per call, pays.
 
 Mosaic GPU's CPU interpreter blocks on warp-specialized kernels, so this kernel is checked on
 the GPU only; on the CPU it is lowered for CUDA (tests).
@@ -44,6 +44,7 @@ from jax import lax
 from pallas_kernels import _pallas, encode_kernel, encode_mosaic
 from pallas_kernels.config import (
     HOPPER_SMS,
+    MATMUL_ENCODE_CODECS,
     MATMUL_ENCODE_FROM_ELEMENTS,
     MATMUL_ENCODE_HADAMARD,
 )
@@ -116,9 +117,10 @@ def _product(a, b):
 
 
 def preferred(codec: Codec, a: jax.Array, b: jax.Array) -> bool:
-    """Whether "auto" takes the fused kernel: it applies, and the product has at least
+    """Whether "auto" takes the fused kernel: it applies, the codec is one of
+    `config.MATMUL_ENCODE_CODECS` (measured), and the product has at least
     `config.MATMUL_ENCODE_FROM_ELEMENTS` elements (where it measured faster)."""
-    if unsupported(codec, a, b) is not None:
+    if codec.name not in MATMUL_ENCODE_CODECS or unsupported(codec, a, b) is not None:
         return False
     return a.shape[0] * b.shape[1] >= MATMUL_ENCODE_FROM_ELEMENTS
 
@@ -126,7 +128,8 @@ def preferred(codec: Codec, a: jax.Array, b: jax.Array) -> bool:
 def matmul_encode(codec: Codec, a: jax.Array, b: jax.Array, *, backend: str = "auto"):
     """a[M, K] @ b[K, H] encoded -> wire[1, codec.wire_bytes(M H)], the product's groups in
     `tile_major` order (M and H multiples of 128). Equals `encode(codec, tile_major((a @
-    b).astype(bf16))[None])` (plain JAX: `matmul_encode_reference`) up to rounding: the fused
+    b).astype(dtype))[None])`, dtype that of a @ b (plain JAX: `matmul_encode_reference`), up
+    to rounding: the fused
     kernel encodes a @ `fold_hadamard(codec, b)` summed in fp32, the weight's bf16 rounding in
     place of the product's, so a code may differ by one step where its value lies near a
     rounding edge (8% of `taco`'s codes on normal data), at the same error against the exact

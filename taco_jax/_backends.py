@@ -90,16 +90,33 @@ def _warn_fallback(error: str) -> None:
     )
 
 
+def _compiled(impl: str) -> bool:
+    """Whether `impl` runs the compiled GPU kernels (not the jnp reference or the interpreter)."""
+    return get_ops(impl) is not XLA_OPS and impl != "pallas_interpret"
+
+
+def matmul_encode_runs(impl: str, codec: Codec, x: jax.Array, w: jax.Array) -> bool:
+    """Whether `matmul_encode` encodes x @ w in `codecs.tile_major` order here: the product is
+    whole 128 x 128 tiles, and with the compiled kernels, the fused kernel takes the call
+    (`pallas_kernels.matmul_encode_mosaic.preferred`: elsewhere the product's own encode is
+    cheaper, with no transposes into that order and back). The jnp reference and the
+    interpreter take that order at any such size (the path of CPU tests)."""
+    tile = codecs.PRODUCT_TILE
+    if x.shape[0] % tile or w.shape[1] % tile:
+        return False
+    return not _compiled(impl) or _kernels().matmul_encode_mosaic.preferred(codec, x, w)
+
+
 def matmul_encode(impl: str, codec: Codec, x: jax.Array, w: jax.Array) -> jax.Array:
     """wire[1, B] of x[M, K] @ w[K, H] in `codecs.tile_major` order: `pallas_kernels.
-    matmul_encode` (the encode in the matmul's epilogue where its kernel takes the call) where
-    `get_ops(impl)` runs the compiled kernels, else the product, rounded to x's dtype, then that
-    impl's encode (the jnp reference, or the kernels in the CPU interpreter)."""
-    ops = get_ops(impl)
-    if ops is not XLA_OPS and impl != "pallas_interpret" and not codec.is_identity:
+    matmul_encode` (the encode in the matmul's epilogue where its kernel takes the call) under
+    the compiled kernels, else the product, rounded to its dtype, then that impl's encode (the
+    jnp reference, or the kernels in the CPU interpreter)."""
+    if _compiled(impl):
         return _kernels().matmul_encode(codec, x, w)
-    y = jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-    return ops.encode(codec, codecs.tile_major(y)[None])
+    dtype = jnp.result_type(x, w)
+    y = jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(dtype)
+    return get_ops(impl).encode(codec, codecs.tile_major(y)[None])
 
 
 def decode_sum_product(impl: str, codec: Codec, wire: jax.Array, m: int, h: int, dtype):

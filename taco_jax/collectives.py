@@ -484,33 +484,37 @@ def matmul_all_reduce(
 ) -> jax.Array:
     """`lax.psum(x @ w, axis_name)` of this rank's x [M, K] and w [K, H], compressed with `cfg`
     (no vjp: `taco_jax.reduce_matmul_from_tp`). Where the policy takes the one-shot compressed
-    all-reduce of the product (one slice, a TP codec, no telemetry, M and H whole 128 x 128
-    tiles), the product is encoded in its matmul's epilogue (`_backends.matmul_encode`: its
-    groups in `codecs.tile_major` order), gathered, and decode-summed into place
-    (`_backends.decode_sum_product`): the one-shot `compressed_psum` of the product, the same
-    groups in another order. Elsewhere that
-    collective of x @ w itself."""
+    all-reduce of the product in one slice (a TP codec, no telemetry) and the product is encoded
+    by its matmul (`_backends.matmul_encode_runs`: whole 128 x 128 tiles; on a GPU where the
+    fused kernel takes the call), the wire leaves the matmul in `codecs.tile_major` order, is
+    gathered and decode-summed into place (`_backends.decode_sum_product`): the one-shot
+    `compressed_psum` of the product, the same groups in another order. Elsewhere
+    `compressed_psum`'s all-reduce of x @ w itself."""
     n_ranks = axis_size(axis_name)
-    product = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype)
-    choice = cfg.choice("all_reduce", product, axis_name, n_ranks)
+    dtype = jnp.result_type(x, w)
+    product = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), dtype)
+    choice = cfg.choice("all_reduce", product, axis_name, n_ranks,
+                        fused=_exchange_fused(product, axis_name, cfg, n_ranks))  # fmt: skip
     if not (
         n_ranks > 1
         and choice.compress
         and choice.algorithm == "one_shot"
-        and cfg.slices == 1
         and isinstance(cfg.codec, Codec)
         and not cfg.telemetry
+        and _addressable(cfg, product, n_ranks, rows=1).slices == cfg.slices == 1
     ):
         return _all_reduce(x @ w, axis_name, cfg, tag)
+    # The sum is replicated where the product varies (as `lax.psum`'s).
+    invariant = varies_along(x, axis_name) or varies_along(w, axis_name)
 
     def one_shot(x, w):  # this device's block (`_local`)
         (m, _), h = x.shape, w.shape[1]
-        if m % codecs.PRODUCT_TILE or h % codecs.PRODUCT_TILE:  # not whole tiles: unfused
+        if not _backends.matmul_encode_runs(cfg.impl, cfg.codec, x, w):
             return _compressed_all_reduce(x @ w, axis_name=axis_name, cfg=cfg,
                                           algorithm="one_shot", n_ranks=n_ranks)  # fmt: skip
         wire = _backends.matmul_encode(cfg.impl, cfg.codec, x, w)[0]
-        gathered = _all_gather_wire(wire, axis_name, invariant=varies_along(x, axis_name))
-        return _backends.decode_sum_product(cfg.impl, cfg.codec, gathered, m, h, x.dtype)
+        gathered = _all_gather_wire(wire, axis_name, invariant=invariant)
+        return _backends.decode_sum_product(cfg.impl, cfg.codec, gathered, m, h, dtype)
 
     return _local.on_local_blocks(one_shot, x, w)
 

@@ -38,6 +38,7 @@ from taco_jax.collectives import (
     fwd_bwd_configs,
     matmul_all_reduce,
     type_carrier,
+    varies_along,
 )
 
 
@@ -115,7 +116,8 @@ def _reduce_matmul_bwd(comm, residuals, ct):
     # matmul's own: what autodiff of `reduce_from_tp(x @ w)` computes.
     x, w = residuals
     _, matmul_vjp = jax.vjp(jnp.matmul, x, w)  # its unused product: removed by XLA
-    return matmul_vjp(cast_varying(ct, comm.axis_name, x))
+    varying = x if varies_along(x, comm.axis_name) else w  # the product varies if either does
+    return matmul_vjp(cast_varying(ct, comm.axis_name, varying))
 
 
 _reduce_matmul.defvjp(_reduce_matmul_fwd, _reduce_matmul_bwd)
@@ -157,6 +159,13 @@ def reduce_from_tp(x: jax.Array, comm: TPComm) -> jax.Array:
     return checkpoint_name(_reduce(x, comm), "tp_reduce")
 
 
+def _check_product_operands(op: str, x: jax.Array, w: jax.Array) -> None:
+    if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
+        raise ValueError(
+            f"{op} takes x[..., K] and w[K, N], got x.shape={x.shape}, w.shape={w.shape}"
+        )
+
+
 def copy_matmul_to_tp(x: jax.Array, w: jax.Array, comm: TPComm) -> jax.Array:
     """The column-parallel product after Megatron f: `copy_to_tp(x, comm) @ w`, the same forward;
     its backward all-reduces the input gradient ct @ w^T with `comm.bwd` as
@@ -166,6 +175,7 @@ def copy_matmul_to_tp(x: jax.Array, w: jax.Array, comm: TPComm) -> jax.Array:
 
     Sharding: `x[..., D]` replicated and `w[D, N]` (this rank's columns) -> `[..., N]{V_tp}`.
     """
+    _check_product_operands("copy_matmul_to_tp", x, w)
     lead, d = x.shape[:-1], x.shape[-1]
     out = _copy_matmul(checkpoint_name(x.reshape(-1, d), "tp_copy"), w, comm)
     return out.reshape(*lead, w.shape[1])
@@ -182,6 +192,7 @@ def reduce_matmul_from_tp(x: jax.Array, w: jax.Array, comm: TPComm) -> jax.Array
     Sharding: `x[..., K]{U_tp}` (this rank's slice of the contraction) and `w[K, H]` ->
     `[..., H]` replicated.
     """
+    _check_product_operands("reduce_matmul_from_tp", x, w)
     lead, k = x.shape[:-1], x.shape[-1]
     out = _reduce_matmul(x.reshape(-1, k), w, comm)
     return checkpoint_name(out.reshape(*lead, w.shape[1]), "tp_reduce")

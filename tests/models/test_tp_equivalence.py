@@ -214,7 +214,6 @@ def test_overlap_chunks_must_divide_the_batch():
         ParallelConfig(overlap_chunks=0)
 
 
-
 def test_matmul_encode_tp_close_to_unsharded(reference_cache, monkeypatch):
     """`ParallelConfig.matmul_encode`: the row-parallel all-reduces take the product's encode
     from `_backends.matmul_encode` (on the CPU XLA's matmul then the encode: the same groups in
@@ -236,3 +235,8 @@ def test_matmul_encode_tp_close_to_unsharded(reference_cache, monkeypatch):
     errors = jax.tree.map(_relative_l2, grads, ref_grads)
     worst = max(jax.tree_util.tree_leaves_with_path(errors), key=lambda kv: kv[1])
     assert worst[1] <= tol_grads, f"{jax.tree_util.keystr(worst[0])}: {worst[1]:.3g}"
+
+
+def test_matmul_encode_needs_all_reduces():
+    with pytest.raises(ValueError, match="matmul_encode=True .* sequence_parallel=True"):
+        ParallelConfig(tp=2, sequence_parallel=True, matmul_encode=True)

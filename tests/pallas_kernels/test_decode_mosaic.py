@@ -345,9 +345,10 @@ def test_every_kernel_lowers_for_cuda(monkeypatch, name):
     ops += [lambda w: decode_mosaic.decode_sum(codec, w, n)]
     if name in REENCODE_CODECS:  # fp32 scales and 8-bit codes: the peer-steps sums too
         ops += [lambda w: decode_mosaic.decode_sum(codec, w, n, peer_steps=True)]
+        # ... and each tile stored at its place in a product [M, H]
         ops += [lambda w, s=s: decode_mosaic.decode_sum(codec, w, n, jnp.bfloat16, peer_steps=s,
                                                         product=(128, n // 128))
-                for s in (0, 1)]  # fmt: skip  (each tile stored at its place in [M, H])
+                for s in (0, 1)]  # fmt: skip
         ops += [lambda w, s=s: decode_mosaic.decode_sum_reencode(codec, w, n, peer_steps=s)
                 for s in (0, 1)]  # fmt: skip
     if name in ENCODE_CODECS and (

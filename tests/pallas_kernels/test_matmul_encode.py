@@ -130,6 +130,8 @@ def test_auto_fuses_from_the_size_table(monkeypatch):
     monkeypatch.setattr(mem, "MATMUL_ENCODE_FROM_ELEMENTS", 256 * 512)
     assert mem.preferred(codec, a, b)
     assert not mem.preferred(codecs.get_codec("taco_e8m0"), a, b)  # does not apply
+    assert config.MATMUL_ENCODE_CODECS == ("taco",)
+    assert not mem.preferred(codecs.get_codec("int8_hadamard"), a, b)  # applies, not measured
 
 
 @pytest.mark.parametrize("name", tiered(CODECS, ("taco",)))

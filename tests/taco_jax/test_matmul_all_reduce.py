@@ -9,12 +9,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tp_testing import MODES, run_tp
+from jax.sharding import PartitionSpec as P
+from tp_testing import MODES, run_tp, tp_mesh
 
 import taco_jax as tj
 from taco_jax import _backends, codecs
 
 TP = 2
+
+
+@pytest.fixture
+def encodes(monkeypatch):
+    """The calls of `_backends.matmul_encode` (the product encoded by its matmul's path)."""
+    calls = []
+    encode = _backends.matmul_encode
+    monkeypatch.setattr(_backends, "matmul_encode", lambda *a: calls.append(a) or encode(*a))
+    return calls
 
 
 def _problem(m, k, h, dtype=jnp.bfloat16):
@@ -41,13 +51,14 @@ def _out_and_grads(reduce, x, w, ct, mode):
     [(mode, codec, "xla") for mode in MODES for codec in ("taco", "int8")]
     + [("vmap", "taco", "pallas_interpret")],  # the kernels' decode-sum, put back in place
 )
-def test_is_g_of_the_product_bit_for_bit_where_unfused(mode, codec, impl):
+def test_is_g_of_the_product_bit_for_bit_where_unfused(mode, codec, impl, encodes):
     comm = tj.TPComm.create(fwd=codec, algorithm="one_shot", min_compress_bytes=0, impl=impl)
     x, w, ct = _problem(256, 64, 384)  # 2 x 3 tiles of 128 x 128
     fused = _out_and_grads(lambda x, w: tj.reduce_matmul_from_tp(x, w, comm), x, w, ct, mode)
     plain = _out_and_grads(lambda x, w: tj.reduce_from_tp(x @ w, comm), x, w, ct, mode)
     for got, want in zip(jax.tree.leaves(fused), jax.tree.leaves(plain), strict=True):
         np.testing.assert_array_equal(got, want)
+    assert encodes, "the product was not encoded by its matmul's path"
     exact = tj.TPComm.create(fwd="none")
     exact_out, _ = _out_and_grads(lambda x, w: tj.reduce_from_tp(x @ w, exact), x, w, ct, mode)
     assert not np.array_equal(fused[0], exact_out)  # the product was compressed
@@ -76,7 +87,7 @@ def test_its_wire_holds_the_product_tile_major():
         ((256, 64, 384), {"algorithm": "two_shot"}),
     ],
 )
-def test_falls_back_to_the_products_all_reduce(shape, overrides):
+def test_falls_back_to_the_products_all_reduce(shape, overrides, encodes):
     options = {"algorithm": "one_shot", "min_compress_bytes": 0, **overrides}
     comm = tj.TPComm.create(fwd="taco", **options)
     x, w, ct = _problem(*shape)
@@ -84,6 +95,41 @@ def test_falls_back_to_the_products_all_reduce(shape, overrides):
     plain = _out_and_grads(lambda x, w: tj.reduce_from_tp(x @ w, comm), x, w, ct, "vmap")
     for got, want in zip(jax.tree.leaves(fused), jax.tree.leaves(plain), strict=True):
         np.testing.assert_array_equal(got, want)
+    assert not encodes  # the product's own all-reduce, not the matmul's path
+
+
+@pytest.mark.parametrize("x_varies", [True, False])
+def test_the_sum_is_typed_replicated_under_check_vma(x_varies, encodes):
+    """Under `shard_map(check_vma=True)` the sum is replicated wherever the product varies: x
+    (a row-parallel layer's slice) or only w, as `lax.psum`'s; the gradients type-check."""
+    mesh = tp_mesh(TP)
+    comm = tj.TPComm.create(fwd="taco", algorithm="one_shot", min_compress_bytes=0)
+    x, w, ct = _problem(256, 64, 256)
+    x_in, x_spec = (x, P("tp")) if x_varies else (x[0], P())
+
+    def per_rank(op):
+        def run(x, w):
+            x = x[0] if x_varies else x
+            loss = lambda x, w: jnp.sum((op(x, w[0]) * ct).astype(jnp.float32))  # noqa: E731
+            return op(x, w[0]), jax.grad(loss)(x, w)
+
+        return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(x_spec, P("tp")),
+                                     out_specs=(P(), x_spec), check_vma=True))  # fmt: skip
+
+    fused = per_rank(lambda x, w: tj.reduce_matmul_from_tp(x, w, comm))(x_in, w)
+    plain = per_rank(lambda x, w: tj.reduce_from_tp(x @ w, comm))(x_in, w)
+    assert encodes
+    for got, want in zip(fused, plain, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_bad_operands_are_named():
+    comm = tj.TPComm.create(fwd="taco")
+    x, w = jnp.zeros((4, 64)), jnp.zeros((32, 8))
+    with pytest.raises(ValueError, match=r"x.shape=\(4, 64\), w.shape=\(32, 8\)"):
+        tj.reduce_matmul_from_tp(x, w, comm)
+    with pytest.raises(ValueError, match=r"copy_matmul_to_tp .* w.shape=\(32, 8\)"):
+        tj.copy_matmul_to_tp(x, w, comm)
 
 
 def test_leading_dims_are_tokens():
@@ -124,3 +170,17 @@ def test_copy_matmul_is_f_then_the_product_bit_for_bit_where_unfused(mode):
     exact_dx = run_tp(per_rank(lambda x, w: tj.copy_to_tp(x, exact) @ w), (w, ct), tp=TP,
                       mode=mode)[1][0]  # fmt: skip
     assert not np.array_equal(fused[1][0], exact_dx)  # the input gradient was compressed
+
+
+def test_a_mixed_precision_product_keeps_its_dtype(encodes):
+    """bf16 x and an fp32 weight: the product, its sum and the gradients are fp32, as those of
+    `reduce_from_tp(x @ w)`, and the same bits."""
+    comm = tj.TPComm.create(fwd="taco", algorithm="one_shot", min_compress_bytes=0)
+    x, w, ct = _problem(256, 64, 256)
+    w, ct = w.astype(jnp.float32), ct.astype(jnp.float32)
+    fused = _out_and_grads(lambda x, w: tj.reduce_matmul_from_tp(x, w, comm), x, w, ct, "vmap")
+    plain = _out_and_grads(lambda x, w: tj.reduce_from_tp(x @ w, comm), x, w, ct, "vmap")
+    assert encodes and fused[0].dtype == jnp.float32
+    for got, want in zip(jax.tree.leaves(fused), jax.tree.leaves(plain), strict=True):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
