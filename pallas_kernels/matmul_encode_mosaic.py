@@ -106,14 +106,7 @@ def fold_hadamard(codec: Codec, b: jax.Array) -> jax.Array:
 def matmul_encode_reference(codec: Codec, a: jax.Array, b: jax.Array) -> jax.Array:
     """What `matmul_encode` equals up to the product's rounding: XLA's matmul, rounded to the
     operands' dtype, in `tile_major` order, encoded by the jnp reference -> wire[1, W]."""
-    return codecs.encode_wire(codec, _product(a, b).reshape(1, -1))
-
-
-def _product(a, b):
-    """a @ b, summed in fp32 and rounded to the operands' dtype (bf16 for the kernel), in
-    `tile_major` order."""
-    y = jnp.matmul(a, b, preferred_element_type=jnp.float32)
-    return tile_major(y.astype(jnp.result_type(a, b)))
+    return codecs.encode_wire(codec, codecs.tile_major_product(a, b).reshape(1, -1))
 
 
 def preferred(codec: Codec, a: jax.Array, b: jax.Array) -> bool:
@@ -151,7 +144,7 @@ def matmul_encode(codec: Codec, a: jax.Array, b: jax.Array, *, backend: str = "a
         if MATMUL_ENCODE_HADAMARD == "epilogue":
             return matmul_encode_kernel(codec, a, b, hadamard="epilogue")
         return matmul_encode_kernel(codec, a, fold_hadamard(codec, b))
-    rows = _product(a, b).reshape(1, -1)
+    rows = codecs.tile_major_product(a, b).reshape(1, -1)
     if jax.default_backend() != "gpu":  # the kernels are GPU kernels: the jnp reference
         return codecs.encode_wire(codec, rows)
     return encode_kernel.encode(codec, rows)

@@ -114,9 +114,7 @@ def matmul_encode(impl: str, codec: Codec, x: jax.Array, w: jax.Array) -> jax.Ar
     jnp reference, or the kernels in the CPU interpreter)."""
     if _compiled(impl):
         return _kernels().matmul_encode(codec, x, w)
-    dtype = jnp.result_type(x, w)
-    y = jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(dtype)
-    return get_ops(impl).encode(codec, codecs.tile_major(y)[None])
+    return get_ops(impl).encode(codec, codecs.tile_major_product(x, w)[None])
 
 
 def decode_sum_product(impl: str, codec: Codec, wire: jax.Array, m: int, h: int, dtype):

@@ -699,6 +699,13 @@ def tile_major(y):
     return y.reshape(m // t, t, h // t, t).transpose(0, 2, 1, 3).reshape(m * h)
 
 
+def tile_major_product(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x[M, K] @ w[K, H] summed in fp32 and rounded to the operands' dtype, in `tile_major`
+    order: what a product's unfused encode takes, and what its matmul's encode equals."""
+    y = jnp.matmul(x, w, preferred_element_type=jnp.float32)
+    return tile_major(y.astype(jnp.result_type(x, w)))
+
+
 def from_tile_major(flat: jax.Array, m: int, h: int) -> jax.Array:
     """The inverse of `tile_major`: [..., M H] -> [..., M, H]."""
     lead, t = flat.shape[:-1], PRODUCT_TILE
