@@ -63,6 +63,10 @@ TILE_M, TILE_N, TILE_K = codecs.PRODUCT_TILE, codecs.PRODUCT_TILE, 64
 COMPUTE_WARPGROUPS = 2
 STEPS_IN_FLIGHT = 3
 STORE_SLOTS = 2
+# The order the persistent programs take the output tiles in: None, row block after row block;
+# or (minor dimension, width) of `plgpu.planar_snake` (bands of `width` tiles along the minor
+# dimension, snaking), which keeps the operands a band reads in L2.
+GRID_ORDER: tuple[int, int] | None = None
 CODE_ELEMENTS = ("e4m3", "e5m2", "int8")
 # Where the Hadamard of the groups is applied: folded into the weight, or in the epilogue.
 HADAMARDS = ("folded", "epilogue")
@@ -253,7 +257,10 @@ def _kernel(a_gmem, b_gmem, *refs, codec, shape, magic_round, epilogue_hadamard)
         @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="program")
         def output_tile(info):
             (index,) = info.index
-            row_block, col_block = index // n_tiles, index % n_tiles
+            if GRID_ORDER is None:
+                row_block, col_block = index // n_tiles, index % n_tiles
+            else:
+                row_block, col_block = plgpu.planar_snake(index, (m_tiles, n_tiles), *GRID_ORDER)
             column_group = col_block * COMPUTE_WARPGROUPS + wg  # this warpgroup's 128 columns
 
             def encode_accumulator(run_pipeline):
