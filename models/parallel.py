@@ -78,7 +78,9 @@ class ParallelConfig:
     one-shot compressed all-reduce runs: the row-parallel projections' outputs
     (`taco_jax.reduce_matmul_from_tp`) and, in the backward, the column-parallel projections'
     input gradients (`copy_matmul_to_tp`); the same function where the kernels run unfused
-    (not with sequence parallelism, whose reduce-scatter is another collective).
+    (not with sequence parallelism, whose reduce-scatter is another collective). Off by
+    default: in the emulated GPT-125M and GPT-1.3B steps it measured level with the unfused
+    one-shot step (BENCHMARKS.md, "Encode in the matmul").
     """
 
     dp: int = 1

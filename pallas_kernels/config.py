@@ -368,7 +368,16 @@ MATMUL_ENCODE_FROM_ELEMENTS = 16384 * 768
 # The codecs "auto" fuses: measured (`taco`); the GPU tests check `int8_hadamard` and `fp8` too.
 MATMUL_ENCODE_CODECS = ("taco",)
 # Where the fused kernel applies the groups' Hadamard: "folded" into the weight
-# (`matmul_encode_mosaic.fold_hadamard`, a pass over the weight each call: 8.5-12 us at the
-# measured shapes), measured; or "epilogue" (a wgmma of each half tile, no fold), built and
-# lowered for CUDA, not yet run on a GPU.
-MATMUL_ENCODE_HADAMARD = "folded"
+# (`matmul_encode_mosaic.fold_hadamard`, a pass over the weight each call), or "epilogue" (a
+# wgmma of each half tile, no fold). One H200, us, folded kernel + its fold against the
+# epilogue kernel: 17.5 + 9.0 / 21.0 at 16384 x 192 x 768, 34.7 + 10.1 / 39.4 at 16384 x 768 x
+# 768, 56.8 + 13.1 / 60.9 at 8192 x 1024 x 2048, 194.3 + 12.0 / 200.0 at 8192 x 4096 x 2048
+# (`matmul_encode-2026-12-04.json`).
+MATMUL_ENCODE_HADAMARD = "epilogue"
+# The order the persistent programs take the output tiles in: None, row block after row block,
+# or (minor dimension, width) of `plgpu.planar_snake` (bands of `width` tiles along the minor
+# dimension, snaking back and forth). One H200, the epilogue kernel under `vmap` over two
+# products, us, rows / (0, 4) / (0, 16): 124.7 / 124.5 / 120.9 at 8192 x 1024 x 2048 and
+# 430.1 / 419.5 / 420.6 at 8192 x 4096 x 2048 (docs/development_history.md, "The encode in the
+# matmul, in the emulated steps").
+MATMUL_ENCODE_GRID_ORDER = (0, 16)

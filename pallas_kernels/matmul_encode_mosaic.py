@@ -12,20 +12,21 @@ hopper_matmul_mgpu`: a persistent grid, one memory warpgroup feeding a TMA pipel
 compute warpgroups of 128 x 128 accumulators side by side along H) with the encode of
 `encode_mosaic` in its epilogue: each compute warpgroup encodes its accumulator in two 64-row
 halves (`encode_mosaic.encode_and_store`) and TMA-stores their codes and side values, while the
-memory warpgroup already loads the next tile's operands. The Hadamard is folded into the
-weight, b' = b S per 128-column group (`fold_hadamard`, bf16, exact signs), so the accumulator
-holds v = S y per group already and the epilogue needs no second dot: v carries the rounding of
-b' to bf16 (2^-9 of each of its elements) where the unfused path carries that of y. Or
-(`hadamard="epilogue"`, `config.MATMUL_ENCODE_HADAMARD`) each half tile is rounded to bf16 and
-multiplied by the signs in the epilogue (one more wgmma; no fold): the unfused path's
-arithmetic, built and lowered for CUDA but not yet run on a GPU.
+memory warpgroup already loads the next tile's operands. Each half tile is rounded to bf16
+(the unfused path's product) and multiplied by the Hadamard signs on the tensor cores (one
+more 64 x 128 x 128 wgmma: `hadamard="epilogue"`, `config.MATMUL_ENCODE_HADAMARD`); or the
+Hadamard is folded into the weight, b' = b S per 128-column group (`fold_hadamard`, bf16,
+exact signs; `hadamard="folded"`), so the accumulator holds v = S y already and v carries the
+rounding of b' (2^-9 of each of its elements) where the unfused path carries that of y. The
+programs take the output tiles in `plgpu.planar_snake` order (`config.MATMUL_ENCODE_GRID_ORDER`).
 
-Measured (one H200, `benchmarks/kernels.py --matmul-encode`; docs/development_history.md,
-"The encode in a warp-specialized matmul's epilogue"): the kernel as fast as XLA's matmul alone
-at GPT-125M's and GPT-1.3B's row-parallel shapes (M x K x H: 16384 x 192 x 768,
-16384 x 768 x 768, 8192 x 1024 x 2048, 8192 x 4096 x 2048); with the fold on every call,
-1.15-1.7x faster than the matmul, the transpose into `tile_major` order and the encode. The
-fold is a pass over the weight (8.5-12 us there): once per weight and step, not per call, pays.
+Measured (one H200, `benchmarks/kernels.py --matmul-encode`, BENCHMARKS.md "Encode in the
+matmul"): with the Hadamard in its epilogue the kernel costs at most 6 us beyond XLA's matmul
+alone at GPT-125M's and GPT-1.3B's row-parallel shapes, 1.05-1.5x faster than the matmul then
+the encode. In the emulated training steps it saves about what it costs: GPT-1.3B's step loses
+3.7 ms of encodes and gains 3 ms of matmul (28.1 ms of fused kernels where cuBLAS's batched
+matmuls of the same products take 25.1; docs/development_history.md, "The encode in the
+matmul, in the emulated steps").
 
 Mosaic GPU's CPU interpreter blocks on warp-specialized kernels, so this kernel is checked on
 the GPU only; on the CPU it is lowered for CUDA (tests).
@@ -46,6 +47,7 @@ from pallas_kernels.config import (
     HOPPER_SMS,
     MATMUL_ENCODE_CODECS,
     MATMUL_ENCODE_FROM_ELEMENTS,
+    MATMUL_ENCODE_GRID_ORDER,
     MATMUL_ENCODE_HADAMARD,
 )
 from taco_jax import codecs
@@ -63,10 +65,6 @@ TILE_M, TILE_N, TILE_K = codecs.PRODUCT_TILE, codecs.PRODUCT_TILE, 64
 COMPUTE_WARPGROUPS = 2
 STEPS_IN_FLIGHT = 3
 STORE_SLOTS = 2
-# The order the persistent programs take the output tiles in: None, row block after row block;
-# or (minor dimension, width) of `plgpu.planar_snake` (bands of `width` tiles along the minor
-# dimension, snaking), which keeps the operands a band reads in L2.
-GRID_ORDER: tuple[int, int] | None = None
 CODE_ELEMENTS = ("e4m3", "e5m2", "int8")
 # Where the Hadamard of the groups is applied: folded into the weight, or in the epilogue.
 HADAMARDS = ("folded", "epilogue")
@@ -126,11 +124,11 @@ def matmul_encode(codec: Codec, a: jax.Array, b: jax.Array, *, backend: str = "a
     """a[M, K] @ b[K, H] encoded -> wire[1, codec.wire_bytes(M H)], the product's groups in
     `tile_major` order (M and H multiples of 128). Equals `encode(codec, tile_major((a @
     b).astype(dtype))[None])`, dtype that of a @ b (plain JAX: `matmul_encode_reference`), up
-    to rounding: the fused
-    kernel encodes a @ `fold_hadamard(codec, b)` summed in fp32, the weight's bf16 rounding in
-    place of the product's, so a code may differ by one step where its value lies near a
-    rounding edge (8% of `taco`'s codes on normal data), at the same error against the exact
-    product (docs/development_history.md).
+    to rounding: the fused kernel sums the product in fp32 in its own order before rounding it
+    to bf16 (`config.MATMUL_ENCODE_HADAMARD="epilogue"`), so a product element may round to the
+    neighbouring bf16 value and move its group's codes by a step; folded into the weight, the
+    weight's bf16 rounding replaces the product's (8% of `taco`'s codes one step off on normal
+    data, at the same error against the exact product; docs/development_history.md).
 
     backend: "mosaic" (the fused kernel: Hopper, bf16, 8-bit codes with fp32 scales, M and H
       multiples of 128 and 256, K of 64; ValueError naming what else), "unfused" (XLA's matmul,
@@ -200,6 +198,14 @@ def _hadamard_of_rounded(v, signs_smem, codec):
     return _pallas.wgmma(rounded, signs_smem, (HALF, GROUP_SIZE))
 
 
+def _output_tile(index, m_tiles: int, n_tiles: int):
+    """The program's index-th output tile (row block, column block), in the order of
+    `config.MATMUL_ENCODE_GRID_ORDER` (None: row block after row block)."""
+    if MATMUL_ENCODE_GRID_ORDER is None:
+        return index // n_tiles, index % n_tiles
+    return plgpu.planar_snake(index, (m_tiles, n_tiles), *MATMUL_ENCODE_GRID_ORDER)
+
+
 def _operand_block(shape, index_map):
     """A pipeline block of a bf16 operand in shared memory, tiled and swizzled for wgmma."""
     return _pallas.block(shape, index_map, swizzled=True)
@@ -257,10 +263,7 @@ def _kernel(a_gmem, b_gmem, *refs, codec, shape, magic_round, epilogue_hadamard)
         @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="program")
         def output_tile(info):
             (index,) = info.index
-            if GRID_ORDER is None:
-                row_block, col_block = index // n_tiles, index % n_tiles
-            else:
-                row_block, col_block = plgpu.planar_snake(index, (m_tiles, n_tiles), *GRID_ORDER)
+            row_block, col_block = _output_tile(index, m_tiles, n_tiles)
             column_group = col_block * COMPUTE_WARPGROUPS + wg  # this warpgroup's 128 columns
 
             def encode_accumulator(run_pipeline):
