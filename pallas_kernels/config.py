@@ -360,10 +360,10 @@ MOSAIC_PEER_STEPS_FROM_BYTES = 16 << 20
 
 # `matmul_encode_mosaic`: "auto" fuses the encode into the matmul for products of at least this
 # many elements, the smallest measured faster. One H200, `taco`, 16 calls in one program, us,
-# fused kernel plus the weight's fold against XLA's matmul, transpose and encode: 17.6 + 9.8
-# against 46.8 at 16384 x 192 x 768, 35.6 + 8.5 against 65.7 at 16384 x 768 x 768, 58.0 + 11.3
-# against 96.5 at 8192 x 1024 x 2048 (docs/development_history.md, "The encode in a
-# warp-specialized matmul's epilogue"). Smaller products: not measured.
+# the fused kernel (Hadamard in the epilogue) against XLA's matmul, transpose and encode /
+# XLA's matmul and encode: 21.0 against 46.8 / 30.8 at 16384 x 192 x 768, 39.4 against
+# 65.2 / 49.0 at 16384 x 768 x 768 (`matmul_encode-2026-12-04.json`). Smaller products: not
+# measured.
 MATMUL_ENCODE_FROM_ELEMENTS = 16384 * 768
 # The codecs "auto" fuses: measured (`taco`); the GPU tests check `int8_hadamard` and `fp8` too.
 MATMUL_ENCODE_CODECS = ("taco",)
@@ -378,6 +378,8 @@ MATMUL_ENCODE_HADAMARD = "epilogue"
 # or (minor dimension, width) of `plgpu.planar_snake` (bands of `width` tiles along the minor
 # dimension, snaking back and forth). One H200, the epilogue kernel under `vmap` over two
 # products, us, rows / (0, 4) / (0, 16): 124.7 / 124.5 / 120.9 at 8192 x 1024 x 2048 and
-# 430.1 / 419.5 / 420.6 at 8192 x 4096 x 2048 (docs/development_history.md, "The encode in the
-# matmul, in the emulated steps").
-MATMUL_ENCODE_GRID_ORDER = (0, 16)
+# 430.1 / 419.5 / 420.6 at 8192 x 4096 x 2048, one run; in GPT-1.3B's emulated step (0, 16)
+# was no faster (docs/development_history.md, "The encode in the matmul, in the emulated
+# steps"). At these shapes a wave of 132 programs covers every column block in any order, and
+# a snake touches more row blocks a wave, so rows stay the default.
+MATMUL_ENCODE_GRID_ORDER = None

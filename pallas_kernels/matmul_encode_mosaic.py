@@ -18,15 +18,16 @@ more 64 x 128 x 128 wgmma: `hadamard="epilogue"`, `config.MATMUL_ENCODE_HADAMARD
 Hadamard is folded into the weight, b' = b S per 128-column group (`fold_hadamard`, bf16,
 exact signs; `hadamard="folded"`), so the accumulator holds v = S y already and v carries the
 rounding of b' (2^-9 of each of its elements) where the unfused path carries that of y. The
-programs take the output tiles in `plgpu.planar_snake` order (`config.MATMUL_ENCODE_GRID_ORDER`).
+programs take the output tiles row block after row block, or in `plgpu.planar_snake` order
+(`config.MATMUL_ENCODE_GRID_ORDER`).
 
 Measured (one H200, `benchmarks/kernels.py --matmul-encode`, BENCHMARKS.md "Encode in the
-matmul"): with the Hadamard in its epilogue the kernel costs at most 6 us beyond XLA's matmul
-alone at GPT-125M's and GPT-1.3B's row-parallel shapes, 1.05-1.5x faster than the matmul then
+matmul"): with the Hadamard in its epilogue the kernel costs about 6 us or less beyond XLA's
+matmul alone at GPT-125M's and GPT-1.3B's row-parallel shapes, 1.05-1.5x faster than the matmul then
 the encode. In the emulated training steps it saves about what it costs: GPT-1.3B's step loses
-3.7 ms of encodes and gains 3 ms of matmul (28.1 ms of fused kernels where cuBLAS's batched
-matmuls of the same products take 25.1; docs/development_history.md, "The encode in the
-matmul, in the emulated steps").
+3.7 ms of encodes and gains 3 ms of matmul (28.4 ms of fused kernels where cuBLAS's batched
+matmuls of the same products take 25.3, `train_step-2026-12-04-tp2-b4-matmul-encode.json`;
+docs/development_history.md, "The encode in the matmul, in the emulated steps").
 
 Mosaic GPU's CPU interpreter blocks on warp-specialized kernels, so this kernel is checked on
 the GPU only; on the CPU it is lowered for CUDA (tests).

@@ -220,8 +220,8 @@ def _assert_encodes(codec, wire, n, v, err):
      ("fp8", (512, 256, 512))],
 )  # fmt: skip
 def test_encodes_its_product_on_the_gpu(name, shape):
-    """Fewer output tiles than SMs (512 x 512) and several a program (1024 x 768, three K
-    steps); two inputs in a row, so that an unwritten byte would keep the first's value."""
+    """Fewer output tiles than SMs (8 at 512 x 512; 24 at 1024 x 768, three K steps); two
+    inputs in a row, so that an unwritten byte would keep the first's value."""
     codec = codecs.get_codec(name)
     m, k, h = shape
     for seed in range(2):
