@@ -421,7 +421,7 @@ def time_matmul_encode(codec, shape: str, calls: int = IN_PROGRAM_CALLS) -> dict
     row["xla_matmul_us"] = us(lambda x: x @ b)
     row["unfused_us"] = us(lambda x: pk.encode(codec, (x @ b).reshape(1, -1)))
     row["unfused_tile_major_us"] = us(lambda x: pk.matmul_encode(codec, x, b, backend="unfused"))
-    row["fused_us"] = us(lambda x: mem.matmul_encode_kernel(codec, x, folded))
+    row["fused_us"] = us(lambda x: mem.matmul_encode_kernel(codec, x, folded, hadamard="folded"))
     row["fold_us"] = us(lambda w: mem.fold_hadamard(codec, w), weights)
     epilogue = lambda x: mem.matmul_encode_kernel(codec, x, b, hadamard="epilogue")  # noqa: E731
     row["fused_epilogue_us"] = us(epilogue)

@@ -146,16 +146,17 @@ def matmul_encode(codec: Codec, a: jax.Array, b: jax.Array, *, backend: str = "a
     if backend == "mosaic" or (backend == "auto" and preferred(codec, a, b)):
         if MATMUL_ENCODE_HADAMARD == "epilogue":
             return matmul_encode_kernel(codec, a, b, hadamard="epilogue")
-        return matmul_encode_kernel(codec, a, fold_hadamard(codec, b))
+        return matmul_encode_kernel(codec, a, fold_hadamard(codec, b), hadamard="folded")
     rows = codecs.tile_major_product(a, b).reshape(1, -1)
     if jax.default_backend() != "gpu":  # the kernels are GPU kernels: the jnp reference
         return codecs.encode_wire(codec, rows)
     return encode_kernel.encode(codec, rows)
 
 
-def matmul_encode_kernel(codec: Codec, a: jax.Array, b: jax.Array, *, hadamard: str = "folded",
+def matmul_encode_kernel(codec: Codec, a: jax.Array, b: jax.Array, *, hadamard: str,
                          sms: int | None = None) -> jax.Array:  # fmt: skip
-    """The fused kernel (ValueError where `unsupported`). hadamard: "folded", b being
+    """The fused kernel (ValueError where `unsupported`). hadamard (no default: the two take
+    different weights): "folded", b being
     `fold_hadamard(codec, b)` (the accumulator is v itself), or "epilogue", b itself: each half
     tile of the accumulator is rounded to bf16, as the unfused path rounds the product, and
     multiplied by the signs (one more 64 x 128 x 128 wgmma; no fold). sms: the persistent

@@ -147,6 +147,28 @@ def test_lowers_for_cuda(monkeypatch, name, hadamard):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("order", [None, (0, 16), (0, 4), (1, 4), (0, 3)])
+@pytest.mark.parametrize("m_tiles,n_tiles", [(4, 3), (17, 2), (64, 8), (33, 3)])
+def test_the_programs_take_every_output_tile_once(monkeypatch, order, m_tiles, n_tiles):
+    """`config.MATMUL_ENCODE_GRID_ORDER`: rows, or snaking bands with a partial last band
+    (17, 33 row blocks) or none full (4 for bands of 16)."""
+    monkeypatch.setattr(mem, "MATMUL_ENCODE_GRID_ORDER", order)
+    index = jnp.arange(m_tiles * n_tiles, dtype=jnp.int32)
+    rows, cols = jax.vmap(lambda i: mem._output_tile(i, m_tiles, n_tiles))(index)
+    taken = sorted(zip(np.asarray(rows).tolist(), np.asarray(cols).tolist(), strict=True))
+    assert taken == [(r, c) for r in range(m_tiles) for c in range(n_tiles)]
+
+
+def test_the_snake_order_lowers_for_cuda(monkeypatch):
+    """Full bands of 16 row blocks and a partial one (17 row blocks)."""
+    monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
+    monkeypatch.setattr(mem, "MATMUL_ENCODE_GRID_ORDER", (0, 16))
+    codec = codecs.get_codec("taco")
+    a, b = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((17 * 128, 192), (192, 512)))
+    op = lambda a, b: mem.matmul_encode_kernel(codec, a, b, hadamard="epilogue")  # noqa: E731
+    assert "mosaic_gpu" in jax.jit(op).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def test_the_hadamard_is_folded_or_in_the_epilogue():
     codec = codecs.get_codec("taco")
     a, b = _operands(256, 64, 512)
@@ -226,7 +248,7 @@ def test_encodes_its_product_on_the_gpu(name, shape):
     m, k, h = shape
     for seed in range(2):
         a, b = _operands(m, k, h, seed)
-        wire = mem.matmul_encode_kernel(codec, a, mem.fold_hadamard(codec, b))
+        wire = mem.matmul_encode_kernel(codec, a, mem.fold_hadamard(codec, b), hadamard="folded")
         assert wire.shape == (1, codec.wire_bytes(m * h))
         _assert_encodes(codec, wire, m * h, *_folded_product(codec, a, b))
 
