@@ -71,21 +71,18 @@ CODE_ELEMENTS = ("e4m3", "e5m2", "int8")
 HADAMARDS = ("folded", "epilogue")
 
 
-def unsupported(codec: Codec, a: jax.Array, b: jax.Array, *, need_hopper: bool = True,
-                transpose_b: bool = False):  # fmt: skip
-    """Why this kernel cannot take a @ b (a @ b.T with `transpose_b`) with `codec` (None: it
-    can)."""
+def unsupported(codec: Codec, a: jax.Array, b: jax.Array, *, need_hopper: bool = True):
+    """Why this kernel cannot take a @ b with `codec` (None: it can)."""
     if codec.group_size != GROUP_SIZE or codec.scale_format != "fp32":
         return (f"codec {codec.name!r} with group_size={codec.group_size}, scale_format="
                 f"{codec.scale_format!r} (needs {GROUP_SIZE} and fp32 scales)")  # fmt: skip
     if codec.element not in CODE_ELEMENTS:
         return f"codec {codec.name!r} with element={codec.element!r} (needs {CODE_ELEMENTS})"
-    if _product_shape(a, b, transpose_b) is None:
-        needs = _B_SHAPE[transpose_b]
-        return f"a of shape={a.shape}, b of shape={b.shape} (needs a[M, K] and {needs})"
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        return f"a of shape={a.shape}, b of shape={b.shape} (needs a[M, K] and b[K, H])"
     if a.dtype != jnp.bfloat16 or b.dtype != jnp.bfloat16:
         return f"a.dtype={a.dtype}, b.dtype={b.dtype} (needs bfloat16)"
-    m, k, h = _product_shape(a, b, transpose_b)
+    (m, k), h = a.shape, b.shape[1]
     if m % TILE_M or k % TILE_K or h % (COMPUTE_WARPGROUPS * TILE_N):
         return (f"M={m}, K={k}, H={h} (needs multiples of {TILE_M}, {TILE_K} and "
                 f"{COMPUTE_WARPGROUPS * TILE_N})")  # fmt: skip
@@ -95,17 +92,6 @@ def unsupported(codec: Codec, a: jax.Array, b: jax.Array, *, need_hopper: bool =
     if need_hopper and not _pallas.hopper_gpu():
         return "the default device is not a Hopper GPU (wgmma)"
     return None
-
-
-_B_SHAPE = {False: "b[K, H]", True: "b[H, K] (transpose_b)"}
-
-
-def _product_shape(a: jax.Array, b: jax.Array, transpose_b: bool):
-    """(M, K, H) of a @ b (b[K, H]) or a @ b.T (b[H, K]); None where they do not fit."""
-    if a.ndim != 2 or b.ndim != 2:
-        return None
-    kb, h = b.shape[::-1] if transpose_b else b.shape
-    return (*a.shape, h) if a.shape[1] == kb else None
 
 
 def fold_hadamard(codec: Codec, b: jax.Array) -> jax.Array:
@@ -126,30 +112,24 @@ def matmul_encode_reference(codec: Codec, a: jax.Array, b: jax.Array) -> jax.Arr
     return codecs.encode_wire(codec, codecs.tile_major_product(a, b).reshape(1, -1))
 
 
-def preferred(codec: Codec, a: jax.Array, b: jax.Array, *, transpose_b: bool = False) -> bool:
+def preferred(codec: Codec, a: jax.Array, b: jax.Array) -> bool:
     """Whether "auto" takes the fused kernel: it applies, the codec is one of
     `config.MATMUL_ENCODE_CODECS` (measured), and the product has at least
     `config.MATMUL_ENCODE_FROM_ELEMENTS` elements (where it measured faster)."""
-    if codec.name not in MATMUL_ENCODE_CODECS:
+    if codec.name not in MATMUL_ENCODE_CODECS or unsupported(codec, a, b) is not None:
         return False
-    if unsupported(codec, a, b, transpose_b=transpose_b) is not None:
-        return False
-    m, _, h = _product_shape(a, b, transpose_b)
-    return m * h >= MATMUL_ENCODE_FROM_ELEMENTS
+    return a.shape[0] * b.shape[1] >= MATMUL_ENCODE_FROM_ELEMENTS
 
 
-def matmul_encode(codec: Codec, a: jax.Array, b: jax.Array, *, backend: str = "auto",
-                  transpose_b: bool = False):  # fmt: skip
+def matmul_encode(codec: Codec, a: jax.Array, b: jax.Array, *, backend: str = "auto"):
     """a[M, K] @ b[K, H] encoded -> wire[1, codec.wire_bytes(M H)], the product's groups in
-    `tile_major` order (M and H multiples of 128); with `transpose_b`, a @ b.T of b[H, K] (a
-    weight's transpose as it lies, as in a backward's ct @ w^T). Equals `encode(codec,
-    tile_major((a @ b).astype(dtype))[None])`, dtype that of a @ b (plain JAX:
-    `matmul_encode_reference`), up to rounding: the fused kernel sums the product in fp32 in
-    its own order before rounding it to bf16 (`config.MATMUL_ENCODE_HADAMARD="epilogue"`), so
-    a product element may round to the neighbouring bf16 value and move its group's codes by a
-    step; folded into the weight, the weight's bf16 rounding replaces the product's (8% of
-    `taco`'s codes one step off on normal data, at the same error against the exact product;
-    docs/development_history.md).
+    `tile_major` order (M and H multiples of 128). Equals `encode(codec, tile_major((a @
+    b).astype(dtype))[None])`, dtype that of a @ b (plain JAX: `matmul_encode_reference`), up
+    to rounding: the fused kernel sums the product in fp32 in its own order before rounding it
+    to bf16 (`config.MATMUL_ENCODE_HADAMARD="epilogue"`), so a product element may round to the
+    neighbouring bf16 value and move its group's codes by a step; folded into the weight, the
+    weight's bf16 rounding replaces the product's (8% of `taco`'s codes one step off on normal
+    data, at the same error against the exact product; docs/development_history.md).
 
     backend: "mosaic" (the fused kernel: Hopper, bf16, 8-bit codes with fp32 scales, M and H
       multiples of 128 and 256, K of 64; ValueError naming what else), "unfused" (XLA's matmul,
@@ -158,51 +138,39 @@ def matmul_encode(codec: Codec, a: jax.Array, b: jax.Array, *, backend: str = "a
     """
     if backend not in ("auto", "mosaic", "unfused"):
         raise ValueError(f"unknown matmul_encode {backend=}; choose auto, mosaic or unfused")
-    shape = _product_shape(a, b, transpose_b)
-    if shape is None or (shape[0] | shape[2]) % 128:
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0] or (a.shape[0] | b.shape[1]) % 128:
         raise ValueError(
-            f"matmul_encode takes a[M, K] and {_B_SHAPE[transpose_b]} with M and H multiples of "
-            f"128 (whole 128 x 128 tiles of the product), got a.shape={a.shape}, b.shape={b.shape}"
+            f"matmul_encode takes a[M, K] and b[K, H] with M and H multiples of 128 (whole "
+            f"128 x 128 tiles of the product), got a.shape={a.shape}, b.shape={b.shape}"
         )
-    if backend == "mosaic" or (
-        backend == "auto" and preferred(codec, a, b, transpose_b=transpose_b)
-    ):
+    if backend == "mosaic" or (backend == "auto" and preferred(codec, a, b)):
         if MATMUL_ENCODE_HADAMARD == "epilogue":
-            return matmul_encode_kernel(codec, a, b, hadamard="epilogue", transpose_b=transpose_b)
-        folded = fold_hadamard(codec, b.T if transpose_b else b)  # the fold's pass transposes
-        return matmul_encode_kernel(codec, a, folded, hadamard="folded")
-    rows = codecs.tile_major_product(a, b.T if transpose_b else b).reshape(1, -1)
+            return matmul_encode_kernel(codec, a, b, hadamard="epilogue")
+        return matmul_encode_kernel(codec, a, fold_hadamard(codec, b), hadamard="folded")
+    rows = codecs.tile_major_product(a, b).reshape(1, -1)
     if jax.default_backend() != "gpu":  # the kernels are GPU kernels: the jnp reference
         return codecs.encode_wire(codec, rows)
     return encode_kernel.encode(codec, rows)
 
 
-def matmul_encode_kernel(
-    codec: Codec,
-    a: jax.Array,
-    b: jax.Array,
-    *,
-    hadamard: str,
-    transpose_b: bool = False,
-    sms: int | None = None,
-) -> jax.Array:
+def matmul_encode_kernel(codec: Codec, a: jax.Array, b: jax.Array, *, hadamard: str,
+                         sms: int | None = None) -> jax.Array:  # fmt: skip
     """The fused kernel (ValueError where `unsupported`). hadamard (no default: the two take
     different weights): "folded", b being
     `fold_hadamard(codec, b)` (the accumulator is v itself), or "epilogue", b itself: each half
     tile of the accumulator is rounded to bf16, as the unfused path rounds the product, and
-    multiplied by the signs (one more 64 x 128 x 128 wgmma; no fold). transpose_b: b is [H, K]
-    and its tiles are loaded as they lie, transposed for the wgmma in shared memory. sms: the
-    persistent grid's programs (default: the device's SMs)."""
+    multiplied by the signs (one more 64 x 128 x 128 wgmma; no fold). sms: the persistent
+    grid's programs (default: the device's SMs)."""
     if hadamard not in HADAMARDS:
         raise ValueError(f"unknown {hadamard=}; choose one of {HADAMARDS}")
-    reason = unsupported(codec, a, b, transpose_b=transpose_b)
+    reason = unsupported(codec, a, b)
     if reason is not None:
         raise ValueError(f"the Mosaic GPU matmul-encode cannot take {reason}")
-    m, k, h = _product_shape(a, b, transpose_b)
+    (m, k), h = a.shape, b.shape[1]
     wire_rows = codec.wire_bytes(m * h) // ROW_BYTES
     epilogue = hadamard == "epilogue"
     body = functools.partial(_kernel, codec=codec, shape=(m, k, h), magic_round=True,
-                             epilogue_hadamard=epilogue, transpose_b=transpose_b)  # fmt: skip
+                             epilogue_hadamard=epilogue)  # fmt: skip
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((wire_rows, ROW_BYTES), jnp.uint8),
@@ -245,7 +213,7 @@ def _operand_block(shape, index_map):
     return _pallas.block(shape, index_map, swizzled=True)
 
 
-def _kernel(a_gmem, b_gmem, *refs, codec, shape, magic_round, epilogue_hadamard, transpose_b):
+def _kernel(a_gmem, b_gmem, *refs, codec, shape, magic_round, epilogue_hadamard):
     """Each program walks output tiles of TILE_M x (2 TILE_N) (`plgpu.nd_loop`); per tile, the
     pipeline over K feeds both compute warpgroups, and each encodes and stores its 128 columns
     (epilogue_hadamard: refs start with the signs, staged once per program by warpgroup 0)."""
@@ -263,9 +231,7 @@ def _kernel(a_gmem, b_gmem, *refs, codec, shape, magic_round, epilogue_hadamard,
             memory_registers=40,
             in_specs=[
                 _operand_block((TILE_M, TILE_K), lambda s: (0, s)),
-                _operand_block((cta_n, TILE_K), lambda s: (0, s))
-                if transpose_b
-                else _operand_block((TILE_K, cta_n), lambda s: (s, 0)),
+                _operand_block((TILE_K, cta_n), lambda s: (s, 0)),
             ],
             wg_axis="wg",
             num_compute_wgs=COMPUTE_WARPGROUPS,
@@ -320,17 +286,13 @@ def _kernel(a_gmem, b_gmem, *refs, codec, shape, magic_round, epilogue_hadamard,
                         )
 
             def multiply(_, a_smem, b_smem, acc_ref):
-                columns = pl.ds(wg * TILE_N, TILE_N)
-                b_tile = b_smem.at[columns, :].T if transpose_b else b_smem.at[:, columns]
-                plgpu.wgmma(acc_ref, a_smem, b_tile)
+                plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, pl.ds(wg * TILE_N, TILE_N)])
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
             pipeline(multiply, encode_accumulator)(
                 a_gmem.at[pl.ds(row_block * TILE_M, TILE_M), :],
-                b_gmem.at[pl.ds(col_block * cta_n, cta_n), :]
-                if transpose_b
-                else b_gmem.at[:, pl.ds(col_block * cta_n, cta_n)],
+                b_gmem.at[:, pl.ds(col_block * cta_n, cta_n)],
                 allocations=allocations,
             )
 

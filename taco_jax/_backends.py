@@ -95,35 +95,26 @@ def _compiled(impl: str) -> bool:
     return get_ops(impl) is not XLA_OPS and impl != "pallas_interpret"
 
 
-def matmul_encode_runs(
-    impl: str, codec: Codec, x: jax.Array, w: jax.Array, transpose_w: bool = False
-) -> bool:
+def matmul_encode_runs(impl: str, codec: Codec, x: jax.Array, w: jax.Array) -> bool:
     """Whether `matmul_encode` encodes x @ w in `codecs.tile_major` order here: the product is
     whole 128 x 128 tiles, and with the compiled kernels, the fused kernel takes the call
     (`pallas_kernels.matmul_encode_mosaic.preferred`: elsewhere the product's own encode is
     cheaper, with no transposes into that order and back). The jnp reference and the
-    interpreter take that order at any such size (the path of CPU tests). transpose_w: the
-    product is x @ w.T."""
+    interpreter take that order at any such size (the path of CPU tests)."""
     tile = codecs.PRODUCT_TILE
-    if x.shape[0] % tile or w.shape[0 if transpose_w else 1] % tile:
+    if x.shape[0] % tile or w.shape[1] % tile:
         return False
-    if not _compiled(impl):
-        return True
-    return _kernels().matmul_encode_mosaic.preferred(codec, x, w, transpose_b=transpose_w)
+    return not _compiled(impl) or _kernels().matmul_encode_mosaic.preferred(codec, x, w)
 
 
-def matmul_encode(
-    impl: str, codec: Codec, x: jax.Array, w: jax.Array, transpose_w: bool = False
-) -> jax.Array:
+def matmul_encode(impl: str, codec: Codec, x: jax.Array, w: jax.Array) -> jax.Array:
     """wire[1, B] of x[M, K] @ w[K, H] in `codecs.tile_major` order: `pallas_kernels.
     matmul_encode` (the encode in the matmul's epilogue where its kernel takes the call) under
     the compiled kernels, else the product, rounded to its dtype, then that impl's encode (the
-    jnp reference, or the kernels in the CPU interpreter). transpose_w: the product is x @ w.T,
-    w as it lies."""
+    jnp reference, or the kernels in the CPU interpreter)."""
     if _compiled(impl):
-        return _kernels().matmul_encode(codec, x, w, transpose_b=transpose_w)
-    product = codecs.tile_major_product(x, w.T if transpose_w else w)
-    return get_ops(impl).encode(codec, product[None])
+        return _kernels().matmul_encode(codec, x, w)
+    return get_ops(impl).encode(codec, codecs.tile_major_product(x, w)[None])
 
 
 def decode_sum_product(impl: str, codec: Codec, wire: jax.Array, m: int, h: int, dtype):

@@ -480,16 +480,9 @@ def _compressed_all_reduce(
 
 
 def matmul_all_reduce(
-    x: jax.Array,
-    w: jax.Array,
-    axis_name: AxisName,
-    cfg: CommConfig,
-    tag: str,
-    *,
-    transpose_w: bool = False,
+    x: jax.Array, w: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str
 ) -> jax.Array:
-    """`lax.psum(x @ w, axis_name)` of this rank's x [M, K] and w [K, H] (`transpose_w`: of
-    x @ w.T, w [H, K] as it lies, its transpose never formed), compressed with `cfg`
+    """`lax.psum(x @ w, axis_name)` of this rank's x [M, K] and w [K, H], compressed with `cfg`
     (no vjp: `taco_jax.reduce_matmul_from_tp`). Where the policy takes the one-shot compressed
     all-reduce of the product in one slice (a TP codec, no telemetry) and the product is encoded
     by its matmul (`_backends.matmul_encode_runs`: whole 128 x 128 tiles; on a GPU where the
@@ -499,8 +492,7 @@ def matmul_all_reduce(
     `compressed_psum`'s all-reduce of x @ w itself."""
     n_ranks = axis_size(axis_name)
     dtype = jnp.result_type(x, w)
-    product = jax.ShapeDtypeStruct((x.shape[0], w.shape[0 if transpose_w else 1]), dtype)
-    matmul = (lambda x, w: x @ w.T) if transpose_w else jnp.matmul
+    product = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), dtype)
     choice = cfg.choice("all_reduce", product, axis_name, n_ranks,
                         fused=_exchange_fused(product, axis_name, cfg, n_ranks))  # fmt: skip
     if not (
@@ -511,16 +503,16 @@ def matmul_all_reduce(
         and not cfg.telemetry
         and _addressable(cfg, product, n_ranks, rows=1).slices == cfg.slices == 1
     ):
-        return _all_reduce(matmul(x, w), axis_name, cfg, tag)
+        return _all_reduce(x @ w, axis_name, cfg, tag)
     # The sum is replicated where the product varies (as `lax.psum`'s).
     invariant = varies_along(x, axis_name) or varies_along(w, axis_name)
 
     def one_shot(x, w):  # this device's block (`_local`)
-        m, h = x.shape[0], w.shape[0 if transpose_w else 1]
-        if not _backends.matmul_encode_runs(cfg.impl, cfg.codec, x, w, transpose_w):
-            return _compressed_all_reduce(matmul(x, w), axis_name=axis_name, cfg=cfg,
+        (m, _), h = x.shape, w.shape[1]
+        if not _backends.matmul_encode_runs(cfg.impl, cfg.codec, x, w):
+            return _compressed_all_reduce(x @ w, axis_name=axis_name, cfg=cfg,
                                           algorithm="one_shot", n_ranks=n_ranks)  # fmt: skip
-        wire = _backends.matmul_encode(cfg.impl, cfg.codec, x, w, transpose_w)[0]
+        wire = _backends.matmul_encode(cfg.impl, cfg.codec, x, w)[0]
         gathered = _all_gather_wire(wire, axis_name, invariant=invariant)
         return _backends.decode_sum_product(cfg.impl, cfg.codec, gathered, m, h, dtype)
 

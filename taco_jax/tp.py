@@ -136,7 +136,7 @@ def _copy_matmul_bwd(comm, residuals, ct):
     # f's backward of the matmul's input gradient ct @ w^T: its compressed all-reduce, the
     # product encoded by its matmul; the weight's gradient as autodiff takes it.
     x, w = residuals
-    dx = matmul_all_reduce(ct, w, comm.axis_name, comm.bwd, "tp_copy_bwd", transpose_w=True)
+    dx = matmul_all_reduce(ct, w.T, comm.axis_name, comm.bwd, "tp_copy_bwd")
     _, matmul_vjp = jax.vjp(jnp.matmul, as_varying(x, comm.axis_name), w)
     return cast_varying(dx, comm.axis_name, x).astype(x.dtype), matmul_vjp(ct)[1]
 

@@ -22,8 +22,6 @@ Tolerances (u = 2^-24):
   128 u sum_j |bf16(y_j)|; the codes as above with that bound.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,9 +85,6 @@ def test_the_unfused_path_is_the_reference_off_hopper():
     assert got.shape == (1, codec.wire_bytes(256 * 512))
     np.testing.assert_array_equal(got, pk.matmul_encode_reference(codec, a, b))
     np.testing.assert_array_equal(pk.matmul_encode(codec, a, b, backend="unfused"), got)
-    np.testing.assert_array_equal(
-        pk.matmul_encode(codec, a, jnp.asarray(b.T), transpose_b=True), got
-    )
 
 
 @pytest.mark.parametrize(
@@ -112,20 +107,6 @@ def test_unsupported_names_the_value(name, shapes, reason):
     fp32 = jax.ShapeDtypeStruct(shapes[0], jnp.float32)
     if reason is None:
         assert "a.dtype=float32" in mem.unsupported(codec, fp32, b, need_hopper=False)
-
-
-def test_a_transposed_weight_is_taken_as_it_lies():
-    """`transpose_b`: b[H, K], the product a @ b.T; the shapes checked on that reading."""
-    codec = codecs.get_codec("taco")
-    a, w = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((256, 64), (512, 64)))
-    assert mem.unsupported(codec, a, w, need_hopper=False, transpose_b=True) is None
-    got = mem.unsupported(codec, a, w, need_hopper=False)
-    assert "b[K, H]" in got and "b of shape=(512, 64)" in got
-    short = jax.ShapeDtypeStruct((512, 32), jnp.bfloat16)
-    assert "b[H, K] (transpose_b)" in mem.unsupported(codec, a, short, transpose_b=True)
-    with pytest.raises(ValueError, match=r"b\[H, K\] \(transpose_b\).*b.shape=\(512, 32\)"):
-        pk.matmul_encode(codec, jnp.zeros(a.shape, a.dtype), jnp.zeros(short.shape, short.dtype),
-                         transpose_b=True)  # fmt: skip
 
 
 def test_mosaic_backend_off_hopper_says_why_and_backends_are_named():
@@ -155,16 +136,13 @@ def test_auto_fuses_from_the_size_table(monkeypatch):
 
 @pytest.mark.parametrize("name", tiered(CODECS, ("taco",)))
 @pytest.mark.parametrize("hadamard", mem.HADAMARDS)
-@pytest.mark.parametrize("transpose_b", [False, True])
-def test_lowers_for_cuda(monkeypatch, name, hadamard, transpose_b):
+def test_lowers_for_cuda(monkeypatch, name, hadamard):
     """Mosaic GPU's lowering (layouts, the warp-specialized pipeline, TMA boxes), built for CUDA
     on any machine."""
     monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
     codec = codecs.get_codec(name)
-    b_shape = (512, 192) if transpose_b else (192, 512)
-    a, b = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((512, 192), b_shape))
-    op = functools.partial(mem.matmul_encode_kernel, codec, hadamard=hadamard,
-                           transpose_b=transpose_b)  # fmt: skip
+    a, b = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((512, 192), (192, 512)))
+    op = lambda a, b: mem.matmul_encode_kernel(codec, a, b, hadamard=hadamard)  # noqa: E731
     text = jax.jit(op).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -283,19 +261,6 @@ def test_the_epilogue_hadamard_encodes_the_rounded_product_on_the_gpu(name):
     for seed, shape in enumerate([(512, 256, 512), (1024, 192, 768)]):
         a, b = _operands(*shape, seed)
         wire = mem.matmul_encode_kernel(codec, a, b, hadamard="epilogue")
-        _assert_encodes(codec, wire, a.shape[0] * b.shape[1], *_rounded_product(codec, a, b))
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("name", ["taco", "fp8"])
-def test_a_transposed_weight_encodes_the_rounded_product_on_the_gpu(name):
-    """b[H, K] loaded as it lies and transposed in shared memory for the wgmma."""
-    codec = codecs.get_codec(name)
-    for seed, shape in enumerate([(512, 256, 512), (1024, 192, 768)]):
-        a, b = _operands(*shape, seed)
-        w = jnp.asarray(b.T)  # [H, K] in memory
-        wire = mem.matmul_encode_kernel(codec, a, w, hadamard="epilogue", transpose_b=True)
         _assert_encodes(codec, wire, a.shape[0] * b.shape[1], *_rounded_product(codec, a, b))
 
 
