@@ -444,7 +444,8 @@ def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) ->
     compressed = functools.partial(_compressed_all_reduce, axis_name=axis_name, cfg=cfg,
                                    algorithm=choice.algorithm, n_ranks=n_ranks)  # fmt: skip
     exact = functools.partial(lax.psum, axis_name=axis_name)
-    return _local.on_local_blocks(_recorded(compressed, exact, cfg, tag), x)
+    recorded = _recorded(compressed, exact, cfg, tag)
+    return _local.on_local_blocks(recorded, x, axis_name=axis_name, sums=True)
 
 
 def _compressed_all_reduce(
@@ -544,7 +545,8 @@ def _reduce_scatter(
     compressed = functools.partial(_compressed_reduce_scatter, axis_name=axis_name, dim=dim,
                                    tiled=tiled, cfg=cfg, fused=fused, n_ranks=n_ranks)  # fmt: skip
     change = "keep" if tiled else "drop"
-    return _local.on_local_blocks(_recorded(compressed, exact, cfg, tag), x, dim=dim, change=change)
+    recorded = _recorded(compressed, exact, cfg, tag)
+    return _local.on_local_blocks(recorded, x, dim=dim, change=change, axis_name=axis_name)
 
 
 def _lax_psum_scatter(x: jax.Array, *, axis_name: AxisName, dim: int, tiled: bool) -> jax.Array:
@@ -555,7 +557,8 @@ def _lax_psum_scatter(x: jax.Array, *, axis_name: AxisName, dim: int, tiled: boo
                                 tiled=tiled)  # fmt: skip
     if not _local.typed_sharded(x):
         return scatter(x)
-    return _local.on_local_blocks(scatter, x, dim=dim, change="keep" if tiled else "drop")
+    change = "keep" if tiled else "drop"
+    return _local.on_local_blocks(scatter, x, dim=dim, change=change, axis_name=axis_name)
 
 
 def _compressed_reduce_scatter(
@@ -605,7 +608,8 @@ def _all_gather(
                                    tiled=tiled, cfg=cfg, fused=fused, n_ranks=n_ranks)  # fmt: skip
     exact = functools.partial(lax.all_gather, axis_name=axis_name, axis=axis, tiled=tiled)
     recorded = _recorded(compressed, exact, cfg, tag)
-    return _local.on_local_blocks(recorded, x, dim=axis, change="keep" if tiled else "insert")
+    change = "keep" if tiled else "insert"
+    return _local.on_local_blocks(recorded, x, dim=axis, change=change, axis_name=axis_name)
 
 
 def _compressed_all_gather(
