@@ -16,11 +16,13 @@ a residual of the nested map the spec of every axis its value varies along, the 
 included, and the partitioner rejects a nested map naming an axis its parent already holds
 ("operates on axis ... already bound by a parent sdy.manual_computation";
 jax/_src/core.py `nospec`, docs/decisions/021-local-blocks-unchecked.md). Unchecked, a residual
-names only the nested map's own axes, and the output is typed here as the lax collective's is. The block's layout along those axes comes from x's type on
-`Explicit` axes; `Auto` axes carry no sharding in the type, so x is split over them along its
-first dimension they divide (other than the collective's own dimension): the batch of
-data-parallel code, where the compiler has put it anyway. This is a sharding constraint as
-`jax.lax.with_sharding_constraint` would make; on other layouts the compiler reshards x first.
+names only the nested map's own axes, and the output is typed here as the lax collective's is.
+
+The block's layout along those axes comes from x's type on `Explicit` axes; `Auto` axes carry
+no sharding in the type, so x is split over them along its first dimension they divide (other
+than the collective's own dimension): the batch of data-parallel code, where the compiler has
+put it anyway. This is a sharding constraint as `jax.lax.with_sharding_constraint` would make;
+on other layouts the compiler reshards x first.
 """
 
 from __future__ import annotations

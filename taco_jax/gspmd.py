@@ -30,7 +30,7 @@ def _tp_only(w: jax.Array, spec: P) -> jax.Array:
     all-gather over those axes that GSPMD runs for FSDP (its transpose reduce-scatters the
     weight's gradient). On `Auto` axes the type holds no such split: the compiler's choice."""
     typed = getattr(jax.typeof(w).sharding, "spec", None) or P()
-    if any(entry is not None for entry, want in zip(typed, spec) if entry != want):
+    if any(entry is not None for entry, want in zip(typed, spec, strict=False) if entry != want):
         return jax.sharding.reshard(w, spec)
     return w
 
