@@ -738,11 +738,17 @@ def _transposed_pair(forward, backward):
 
     def op_fwd(x, axis_name, dim, tiled, cfg, bwd_cfg, tag):
         out = _batched_under_vmap(forward(x, axis_name, dim, tiled, cfg, tag), axis_name)
-        return out, _axis_sizes(axis_name)
+        return out, (type_carrier(x), _axis_sizes(axis_name))
 
-    def op_bwd(axis_name, dim, tiled, cfg, bwd_cfg, tag, sizes, ct):
+    def op_bwd(axis_name, dim, tiled, cfg, bwd_cfg, tag, residuals, ct):
+        like, sizes = residuals
         with _axes_bound(axis_name, sizes):
-            return (backward(ct, axis_name, dim, tiled, bwd_cfg, f"{tag}_bwd"),)
+            grad = backward(ct, axis_name, dim, tiled, bwd_cfg, f"{tag}_bwd")
+        # An x typed replicated (shard_map's check_vma) entered as if pvary'd to each rank,
+        # which transposes to the sum of the ranks' cotangents (as lax's collectives do).
+        if varies_along(grad, axis_name) and not varies_along(like, axis_name):
+            grad = lax.psum(grad, axis_name)
+        return (grad,)
 
     op.defvjp(op_fwd, op_bwd)
     return op

@@ -116,7 +116,9 @@ def _run(mesh, block, policy=POLICIES["nothing_saveable"], batch_spec=BATCH_SPEC
 
 def _cases():
     cases = [(a, p) for a in (EXPLICIT, AUTO) for p in POLICIES]
-    return tiered(cases, fast=[(EXPLICIT, "checkpoint_dots")], ids=lambda c: f"{c[0].name.lower()}-{c[1]}")
+    return tiered(
+        cases, fast=[(EXPLICIT, "checkpoint_dots")], ids=lambda c: f"{c[0].name.lower()}-{c[1]}"
+    )
 
 
 @pytest.mark.parametrize(("axis_type", "policy"), _cases())
