@@ -2,7 +2,8 @@
 emulated on one device) equal the same program under `jax.grad` around `jax.shard_map`, where an
 input the vmap shares (`in_axes=None`) is a replicated input (`P()`) and a batched one each
 rank's own block (`P("tp")`): JAX's pvary transposes to a psum there, so a shared input gets the
-ranks' summed gradient once, and each rank's own copy gets it whole (docs/method.md, "Traps").
+ranks' summed gradient once, and each rank's own copy gets it whole
+(docs/decisions/022-copy-to-tp-around-vmap.md).
 
 Values are dyadic and every matmul is exact, so codec "none" agrees bit for bit; with "taco"
 the codec's encode, exchange and rank-ordered decode-sum are the same operations on the same
