@@ -431,7 +431,8 @@ def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) ->
     compressed = functools.partial(_compressed_all_reduce, axis_name=axis_name, cfg=cfg,
                                    algorithm=choice.algorithm, n_ranks=n_ranks)  # fmt: skip
     exact = functools.partial(lax.psum, axis_name=axis_name)
-    return _local.on_local_blocks(_recorded(compressed, exact, cfg, tag), x)
+    recorded = _recorded(compressed, exact, cfg, tag)
+    return _local.on_local_blocks(recorded, x, axis_name=axis_name, sums=True)
 
 
 def _compressed_all_reduce(
@@ -491,7 +492,8 @@ def _reduce_scatter(
     compressed = functools.partial(_compressed_reduce_scatter, axis_name=axis_name, dim=dim,
                                    tiled=tiled, cfg=cfg, fused=fused, n_ranks=n_ranks)  # fmt: skip
     change = "keep" if tiled else "drop"
-    return _local.on_local_blocks(_recorded(compressed, exact, cfg, tag), x, dim=dim, change=change)
+    recorded = _recorded(compressed, exact, cfg, tag)
+    return _local.on_local_blocks(recorded, x, dim=dim, change=change, axis_name=axis_name)
 
 
 def _lax_psum_scatter(x: jax.Array, *, axis_name: AxisName, dim: int, tiled: bool) -> jax.Array:
@@ -502,7 +504,8 @@ def _lax_psum_scatter(x: jax.Array, *, axis_name: AxisName, dim: int, tiled: boo
                                 tiled=tiled)  # fmt: skip
     if not _local.typed_sharded(x):
         return scatter(x)
-    return _local.on_local_blocks(scatter, x, dim=dim, change="keep" if tiled else "drop")
+    change = "keep" if tiled else "drop"
+    return _local.on_local_blocks(scatter, x, dim=dim, change=change, axis_name=axis_name)
 
 
 def _compressed_reduce_scatter(
@@ -552,7 +555,8 @@ def _all_gather(
                                    tiled=tiled, cfg=cfg, fused=fused, n_ranks=n_ranks)  # fmt: skip
     exact = functools.partial(lax.all_gather, axis_name=axis_name, axis=axis, tiled=tiled)
     recorded = _recorded(compressed, exact, cfg, tag)
-    return _local.on_local_blocks(recorded, x, dim=axis, change="keep" if tiled else "insert")
+    change = "keep" if tiled else "insert"
+    return _local.on_local_blocks(recorded, x, dim=axis, change=change, axis_name=axis_name)
 
 
 def _compressed_all_gather(
@@ -681,11 +685,17 @@ def _transposed_pair(forward, backward):
 
     def op_fwd(x, axis_name, dim, tiled, cfg, bwd_cfg, tag):
         out = _batched_under_vmap(forward(x, axis_name, dim, tiled, cfg, tag), axis_name)
-        return out, _axis_sizes(axis_name)
+        return out, (type_carrier(x), _axis_sizes(axis_name))
 
-    def op_bwd(axis_name, dim, tiled, cfg, bwd_cfg, tag, sizes, ct):
+    def op_bwd(axis_name, dim, tiled, cfg, bwd_cfg, tag, residuals, ct):
+        like, sizes = residuals
         with _axes_bound(axis_name, sizes):
-            return (backward(ct, axis_name, dim, tiled, bwd_cfg, f"{tag}_bwd"),)
+            grad = backward(ct, axis_name, dim, tiled, bwd_cfg, f"{tag}_bwd")
+        # An x typed replicated (shard_map's check_vma) entered as if pvary'd to each rank,
+        # which transposes to the sum of the ranks' cotangents (as lax's collectives do).
+        if varies_along(grad, axis_name) and not varies_along(like, axis_name):
+            grad = lax.psum(grad, axis_name)
+        return (grad,)
 
     op.defvjp(op_fwd, op_bwd)
     return op

@@ -19,12 +19,19 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from taco_jax.codecs import DEFAULT_CODEC
 from taco_jax.collectives import (
     CodecLike,
     CommConfig,
+    _axes_bound,
+    _axis_names,
+    _axis_sizes,
+    _batched_under_vmap,
+    _is_bound,
     as_varying,
     cast_varying,
     compressed_all_gather,
@@ -67,12 +74,39 @@ def _copy(x, comm: TPComm):
     return as_varying(x, comm.axis_name)
 
 
+@jax.custom_batching.custom_vmap
+def _batched(x):
+    """Whether x is batched along the vmap that maps it (False outside vmap)."""
+    return jnp.zeros((), bool)
+
+
+@_batched.def_vmap
+def _batched_rule(axis_size, in_batched, x):
+    return jnp.asarray(in_batched[0]), False
+
+
 def _copy_fwd(x, comm):
-    return _copy(x, comm), type_carrier(x)
+    # Under vmap (an emulated TP group), whether x is each rank's own or one value shared by
+    # all; the innermost vmap's view, which is TP's in an emulated mesh (models.spmd).
+    emulated = comm.axis_name not in jax.sharding.get_abstract_mesh().axis_names
+    batched = _batched(lax.stop_gradient(x)) if emulated else jnp.ones((), bool)
+    out = _batched_under_vmap(_copy(x, comm), comm.axis_name)  # each rank's own cotangent
+    return out, (type_carrier(x), _axis_sizes(comm.axis_name), batched)
 
 
-def _copy_bwd(comm, like, ct):
-    reduced = compressed_psum(ct, comm.axis_name, codec=comm.bwd, name="tp_copy_bwd")
+def _copy_bwd(comm, residuals, ct):
+    """The compressed all-reduce of the ranks' cotangents: every rank's own copy of x gets the
+    sum (shard_map's pvary transposes to psum). Under `jax.grad(jax.vmap(...))` (the axis
+    unbound here, `_axes_bound`), JAX sums the ranks' cotangents of an x the vmap shares
+    (`in_axes=None`), as its broadcast transposes: rank 0 alone returns the sum, the others 0,
+    so that x gets the sum once, as a replicated input of `jax.shard_map` does."""
+    like, sizes, batched = residuals
+    around_vmap = not all(map(_is_bound, _axis_names(comm.axis_name)))
+    with _axes_bound(comm.axis_name, sizes):
+        reduced = compressed_psum(ct, comm.axis_name, codec=comm.bwd, name="tp_copy_bwd")
+        if around_vmap:
+            mine = batched | (lax.axis_index(comm.axis_name) == 0)
+            reduced = jnp.where(mine, reduced, jnp.zeros_like(reduced))
     return (cast_varying(reduced, comm.axis_name, like),)
 
 
