@@ -1,32 +1,34 @@
-"""What every benchmark script shares: device-synchronized timing and the result record.
+"""What the benchmark scripts share besides timing (`_timing`): the record, profiles, data.
 
-Timing: `sample_seconds` (each call timed alone, ended by `block_until_ready`; `median_seconds`
-is its median), `batched_seconds` (host-dispatched batches of calls, for kernels shorter than
-the per-call sync) and `in_program_seconds` (dependent calls inside one jitted program: device
-time without JAX's per-call dispatch). Record: `write_record` writes one JSON file per run,
-`<out>/<name>-<date><suffix>.json`, with date, device, versions and the command first.
+`write_record` writes one JSON file per run, `<out>/<name>-<date><suffix>.json`: date, device,
+versions, command, environment, the commit and a fingerprint of the kernels' code first, so
+that a table can say when and on which code a figure was measured (`tables.py`).
 """
 
 from __future__ import annotations
 
+import ast
 import datetime
 import gzip
+import hashlib
 import json
 import os
 import pathlib
 import platform
 import re
-import statistics
+import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 ENV_PREFIXES = ("NCCL_", "XLA_", "CUDA_VISIBLE_DEVICES", "JAX_", "TACO_JAX_")
+REPO = pathlib.Path(__file__).resolve().parents[1]
+KERNELS = REPO / "pallas_kernels"
+COMMIT_ENV = "TACO_JAX_COMMIT"  # names the commit where the tree has no .git (a copied tree)
 
 
 def today() -> str:
@@ -34,75 +36,41 @@ def today() -> str:
     return datetime.date.today().isoformat()
 
 
-def sample_seconds(call: Callable[[], object], *, reps: int, warmup: int = 2) -> list[float]:
-    """Wall time of each of `reps` calls of `call()` after `warmup` untimed calls.
-
-    Each call is ended by `jax.block_until_ready` on what it returns. `call` takes no argument
-    so that a step can carry its state from one call to the next (a training step).
-    """
-    for _ in range(warmup):  # compile, then warm calls
-        jax.block_until_ready(call())
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(call())
-        samples.append(time.perf_counter() - start)
-    return samples
+def commit() -> str | None:
+    """`$TACO_JAX_COMMIT` where set, else the checkout's commit (short hash, "+" where tracked
+    files differ from it), else None (a copied tree without git)."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
+    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, text=True, capture_output=True,
+                                    check=True).stdout.strip()  # noqa: E731  # fmt: skip
+    try:
+        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "-uno")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+" if dirty else "")
 
 
-def median_seconds(fn, *args, reps: int, warmup: int = 2) -> float:
-    """Median wall time of `fn(*args)` over `reps` calls, each ended by `block_until_ready`."""
-    return statistics.median(sample_seconds(lambda: fn(*args), reps=reps, warmup=warmup))
+def kernels_fingerprint(root: pathlib.Path = KERNELS) -> str:
+    """A hash of the code of `pallas_kernels` (its syntax trees without docstrings: comments
+    and prose do not count), so that a table marks a figure whose kernels changed since."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if isinstance(body, list) and body and _is_docstring(body[0]):
+                node.body = body[1:] or [ast.Pass()]
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(ast.dump(tree).encode())
+    return digest.hexdigest()[:12]
 
 
-def batched_seconds(
-    fn, inputs: Sequence[tuple], *, min_time: float = 0.2, reps: int = 15
-) -> tuple[float, float]:
-    """(median seconds per call, relative spread) of host-dispatched batches of `fn` calls.
-
-    Calls rotate over `inputs` (tuples of arguments; several sets keep small inputs out of the
-    L2 cache). A batch holds enough calls to last ~`min_time / reps` (at least one per input
-    set, at most 200) and is synchronized once at its end, so per-call host overhead overlaps
-    the device work. Spread = (slowest - fastest batch) / median.
-    """
-    for a in inputs[:2]:
-        jax.block_until_ready(fn(*a))
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*inputs[0]))
-    one = max(time.perf_counter() - start, 1e-6)
-    batch = int(min(200, max(len(inputs), min_time / reps / one)))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        out = None
-        for i in range(batch):
-            out = fn(*inputs[i % len(inputs)])
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / batch)
-    median = statistics.median(times)
-    return median, (max(times) - min(times)) / median
-
-
-def in_program_seconds(fn, inputs: Sequence[tuple], calls: int, *, reps: int = 7) -> float:
-    """Device time of one `fn` call inside one jitted program of `calls` dependent calls.
-
-    inputs: 1-tuples, taken in turn. The host dispatches one straight-line program (no device
-    loop, whose per-iteration bookkeeping would be timed too); each call's input passes through
-    an optimization barrier together with the previous output, so the calls run one after
-    another, and every output is returned, so none is removed as dead code. This is the time an
-    op has inside a training step (kernel launch included, JAX's per-call dispatch excluded).
-    Median of `reps` programs (`batched_seconds`), divided by `calls`.
-    """
-    args = [a for (a,) in inputs]
-
-    def program(*xs):
-        outs = [fn(xs[0])]
-        for i in range(1, calls):
-            x, _ = lax.optimization_barrier((xs[i % len(xs)], outs[-1]))
-            outs.append(fn(x))
-        return outs
-
-    return batched_seconds(jax.jit(program), [tuple(args)], reps=reps)[0] / calls
+def _is_docstring(node) -> bool:
+    return (
+        isinstance(node, ast.Expr)
+        and isinstance(getattr(node, "value", None), ast.Constant)
+        and isinstance(node.value.value, str)
+    )
 
 
 def looped_on_tp(mesh, op, inner: int):
@@ -114,11 +82,6 @@ def looped_on_tp(mesh, op, inner: int):
         return lax.fori_loop(0, inner, lambda _, v: op(v), x)
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
-
-
-def seconds_per_op(mesh, op, x, *, inner: int, reps: int) -> float:
-    """Median seconds of one `op` over "tp", from `looped_on_tp` calls of `inner` ops."""
-    return median_seconds(looped_on_tp(mesh, op, inner), x, reps=reps) / inner
 
 
 def device_time_by_kernel(call: Callable[[], object], steps: int, top: int = 100) -> dict:
@@ -160,6 +123,8 @@ def write_record(
     """
     record = {
         "date": today(),
+        "commit": commit(),
+        "kernels": kernels_fingerprint(),
         "device": f"{jax.device_count()} x {jax.devices()[0].device_kind} ({platform.machine()})",
         "backend": jax.default_backend(),
         "versions": {"jax": jax.__version__, "python": platform.python_version()},

@@ -1,14 +1,20 @@
-"""Accuracy of `compressed_psum` against exact `lax.psum`, per codec, at TP = 2, 4, 8 (CPU is
-enough).
+"""Accuracy of the codecs (numerics: the CPU is enough): the collectives' and the stage codecs'.
 
-Runs the collective under `shard_map` on 8 fake CPU devices and reports, per TP size, codec and
-data set, the relative L2 error ||out - psum|| / ||psum|| and the fraction of non-zero sums that
-decode to exactly zero ("zero collapse"); and the rounding error of three 6-bit grids (INT6,
-E2M3, E3M2) on Hadamard-rotated groups, which is why `int6_hadamard` is an integer grid.
-Writes `codec_error-<date>.json` to `--out` (default benchmarks/results/) and prints the
-markdown tables of the README and BENCHMARKS.md.
+Default: `compressed_psum` against exact `lax.psum`, per codec, at TP = 2, 4, 8, under
+`shard_map` on 8 fake CPU devices: per TP size, codec and data set, the relative L2 error
+||out - psum|| / ||psum|| and the fraction of non-zero sums that decode to exactly zero ("zero
+collapse"); and the rounding error of three 6-bit grids (INT6, E2M3, E3M2) on Hadamard-rotated
+groups, which is why `int6_hadamard` is an integer grid. Record `codec_error-<date>.json`.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/codec_error.py
+`--stage`: the pipeline stage codecs of `taco_jax.compressed_ppermute` at their bits per element
+(fixed-bit TAH-Quant and the adaptive 3/4-bit allocations at equal bits: entropy, the paper's
+rule; absmax; a fixed alternating pattern): the relative L2 error of decode(encode(x)), the mean
+over `--keys` stochastic-rounding keys, on `--rows` rows of `--stage-size` values (Gaussian,
+Student-t with 3 degrees of freedom, Gaussian with 1% of channels 30x larger). Record
+`stage_codec_error-<date>.json`.
+
+    python -m benchmarks.codec_error            # sets 8 fake CPU devices itself
+    python -m benchmarks.codec_error --stage
 """
 
 import os
@@ -22,11 +28,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
-from _common import activation_like, write_record  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import taco_jax as tj  # noqa: E402
+from benchmarks._common import activation_like, write_record  # noqa: E402
+from taco_jax import tahquant, tahquant_adaptive  # noqa: E402
 from taco_jax.codecs import hadamard_matrix  # noqa: E402
 from taco_jax.telemetry import relative_error  # noqa: E402
 
@@ -73,13 +80,55 @@ def measure(codec: str, x: jax.Array, mesh) -> dict[str, float]:
     }
 
 
+def stage_candidates() -> dict[str, tuple[object, object]]:
+    """label -> (stage codec, its module): fixed 8 and 4 bits, and the 3/4-bit allocations."""
+    out = {name: (tahquant.get_stage_codec(name), tahquant)
+           for name in ("tahquant_sym", "tahquant4")}  # fmt: skip
+    for allocation in tahquant_adaptive.ALLOCATIONS:
+        codec = tahquant_adaptive.AdaptiveTahQuant(allocation=allocation)
+        out[f"adaptive 3.5 ({allocation})"] = (codec, tahquant_adaptive)
+    out["fixed 3-bit (budget 3)"] = (tahquant_adaptive.AdaptiveTahQuant(budget=3.0),
+                                     tahquant_adaptive)  # fmt: skip
+    return out
+
+
+def stage_error(codec, module, x: jax.Array, keys) -> float:
+    """Mean over `keys` of the relative L2 error of decode(encode(x))."""
+    roundtrip = jax.jit(lambda v, k: module.decode_wire(codec, module.encode_wire(codec, v, k),
+                                                        v.shape[-1]))  # fmt: skip
+    return sum(float(relative_error(roundtrip(x, k), x)) for k in keys) / len(keys)
+
+
+def stage_main(args) -> None:
+    data = activation_like(args.rows, args.stage_size, args.seed, dof=3.0)
+    keys = list(jax.random.split(jax.random.key(args.seed + 1), args.keys))
+    results = []
+    for label, (codec, module) in stage_candidates().items():
+        row = {"codec": label, "bits_per_element": codec.bits_per_element}
+        row.update({name: stage_error(codec, module, x, keys) for name, x in data.items()})
+        results.append(row)
+    write_record("stage_codec_error", args.out, rows=args.rows, size=args.stage_size,
+                 keys=args.keys, seed=args.seed, results=results)  # fmt: skip
+    print("| codec | bits/elem | " + " | ".join(data) + " |")
+    print("|---" * (2 + len(data)) + "|")
+    for r in results:
+        cells = " | ".join(f"{r[name]:.4f}" for name in data)
+        print(f"| {r['codec']} | {r['bits_per_element']:.4g} | {cells} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--size", type=int, default=1 << 20, help="elements per rank")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stage", action="store_true", help="the stage codecs instead")
+    parser.add_argument("--rows", type=int, default=64, help="--stage: rows")
+    parser.add_argument("--stage-size", type=int, default=4096, help="--stage: values a row")
+    parser.add_argument("--keys", type=int, default=4, help="--stage: rounding keys")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
+    if args.stage:
+        return stage_main(args)
     codecs = [c for c in tj.CODEC_NAMES if c != "none"]
     results = {}
     for tp in args.tp:

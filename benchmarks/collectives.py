@@ -1,18 +1,20 @@
-"""compressed_psum / psum_scatter / all_gather against the lax (NCCL) collectives, timed in one run.
+"""compressed_psum / psum_scatter / all_gather against the lax (NCCL) collectives, one run.
 
-For every TP size the machine has (2, 4, 8) and message sizes 64 KiB .. 1 GiB of bf16, times
-`lax.psum` (the baseline) and `compressed_psum` with each codec, all-reduce algorithm
-(`--algorithms`: a named one compresses every message; "auto" leaves whether and how to
-`taco_jax.policy`, and the row names what it chose) and `slices` in the same run, and checks
-every output (relative error vs the exact fp32 psum, rank-identical results).
-Each timed call runs `--inner` collectives back to back inside one jitted loop (a data
-dependency between them, so none is elided); the figure is the median over `--reps` calls
-after warm-up, divided by `--inner`. Reports algorithm bandwidth (message bytes / time), bus
-bandwidth (NCCL's convention, x 2 (N-1)/N: both ops here move each byte in two phases) and the
-speedup over the lax collective.
+For every TP size the machine has (2, 4, 8; or `--emulate N` ranks under `jax.vmap` on one
+device) and each message size, times `lax.psum` (the baseline) and `compressed_psum` with each
+codec, all-reduce algorithm (`--algorithms`: a named one compresses every message; "auto"
+leaves whether and how to `taco_jax.policy`, and the row names what it chose) and `slices`,
+interleaved with an A/A control (`_timing.compare`), and checks every output (relative error
+vs the exact fp32 psum, rank-identical results). With `--ops pair`, the reduce-scatter +
+all-gather pair against the lax pair the same way. One sample is one jitted loop of `--inner`
+dependent collectives, divided by `--inner`. Rows: per-op median seconds, algorithm and bus
+bandwidth (NCCL's convention, x 2 (N-1)/N: both ops move each byte in two phases), the speedup
+over the lax collective (median of paired ratios) with its interval and verdict; the record
+keeps every comparison's raw times.
 
-    python benchmarks/collectives.py                      # every GPU of the machine
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/collectives.py --smoke
+    python -m benchmarks.collectives                       # every GPU of the machine
+    python -m benchmarks.collectives --emulate 4           # one device, 4 ranks under vmap
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.collectives --smoke
 """
 
 from __future__ import annotations
@@ -23,21 +25,17 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from _common import seconds_per_op, write_record
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
+from benchmarks import _timing
+from benchmarks._common import write_record
 from taco_jax.telemetry import relative_error
 
 MiB = 1 << 20
-
-
-def _mesh(tp: int):
-    return jax.make_mesh(
-        (tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:tp]
-    )
+OPS = {"all_reduce": "all_reduce", "pair": "reduce_scatter+all_gather"}
 
 
 def _forced(algorithm: str) -> dict:
@@ -46,189 +44,198 @@ def _forced(algorithm: str) -> dict:
     return {"min_compress_bytes": None if algorithm == "auto" else 0}
 
 
-def _ops(codec: str, slices: int, algorithm: str):
-    options = dict(codec=codec, slices=slices, **_forced(algorithm))
-    # The pair's exchange: NCCL under one- and two-shot, the fused kernel (where it runs) under
-    # "fused" and "auto".
-    pair_options = dict(options, algorithm=algorithm)
+def _op(op: str, codec: str, slices: int, algorithm: str):
+    """One collective over "tp" of a rank's block, keeping its shape (so that it can loop)."""
+    exchange = "one_shot" if algorithm == "-" else algorithm  # "-": the pair through NCCL
+    options = dict(codec=codec, slices=slices, algorithm=exchange, **_forced(algorithm))
 
-    def psum(v):
+    def all_reduce(v):
         if codec == "lax":
             return lax.psum(v, "tp")
-        return tj.compressed_psum(v, "tp", algorithm=algorithm, **options)
+        return tj.compressed_psum(v, "tp", **options)
 
-    def psum_scatter_then_gather(v):  # keeps the shape, so it can loop
+    def pair(v):  # the sequence-parallel pair: NCCL's exchange ("-"), "fused" or "auto"
         if codec == "lax":
             part = lax.psum_scatter(v, "tp", scatter_dimension=0, tiled=True)
             return lax.all_gather(part, "tp", axis=0, tiled=True)
-        part = tj.compressed_psum_scatter(v, "tp", **pair_options)
-        return tj.compressed_all_gather(part, "tp", axis=0, tiled=True, **pair_options)
+        part = tj.compressed_psum_scatter(v, "tp", **options)
+        return tj.compressed_all_gather(part, "tp", axis=0, tiled=True, **options)
 
-    return {"all_reduce": psum, "reduce_scatter+all_gather": psum_scatter_then_gather}
-
-
-def _times_pair(algorithm: str, algorithms: list[str]) -> bool:
-    """The pair is timed once through NCCL (with the first of one- and two-shot), once fused,
-    once for "auto"."""
-    if algorithm in ("auto", "fused"):
-        return True
-    return algorithm == next(a for a in algorithms if a in ("one_shot", "two_shot"))
+    return all_reduce if op == "all_reduce" else pair
 
 
-def _row_algorithm(codec: str, op: str, algorithm: str, chosen: str) -> str:
-    """The all-reduce's algorithm (for "auto", what ran); the pair's exchange: "-" (NCCL),
-    "fused", or "auto" (whichever the defaults ran)."""
-    if codec == "lax":
-        return "-"
-    if op == "all_reduce":
-        return chosen
-    return algorithm if algorithm in ("fused", "auto") else "-"
+def _on_ranks(fn, mesh):
+    """`fn` on each rank's block: `shard_map` over the mesh, or under `vmap` (mesh None)."""
+    if mesh is None:
+        return jax.jit(jax.vmap(fn, axis_name="tp"))
+    spec = P("tp")
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
 
-def _chosen(algorithm: str, tp: int, size: int) -> str:
+def _looped(op, inner: int, mesh):
+    """`inner` dependent applications of `op` in one `fori_loop`: nothing is elided, one
+    dispatch covers them all."""
+    return _on_ranks(lambda x: lax.fori_loop(0, inner, lambda _, v: op(v), x), mesh)
+
+
+def _sampler(op, x: jax.Array, inner: int, mesh) -> _timing.Sampler:
+    """Seconds of one `op` on `x`, from one jitted loop of `inner` of them."""
+    looped = _looped(op, inner, mesh)
+    return _timing.wall(lambda: looped(x), per=inner)
+
+
+def _chosen(algorithm: str, tp: int, size: int, emulated: bool) -> str:
     """The all-reduce algorithm a row runs; for "auto", what `taco_jax.policy` chose on this
-    machine's link ("plain": the lax collective itself)."""
+    machine's link ("plain": the lax collective itself; two-shot where no bytes move)."""
     if algorithm != "auto":
         return algorithm
-    if jax.default_backend() != "gpu":
-        return "auto:two_shot"  # no real link: every message compressed, two-shot
+    if emulated or jax.default_backend() != "gpu":
+        return "auto:two_shot"
     choice = tj.policy.measured_choice("all_reduce", "auto", tp, size)
     return "auto:" + (choice.algorithm if choice.compress else "plain")
 
 
-def _psum_once(tp: int, codec: str, algorithm: str, x_global: jax.Array, mesh) -> jax.Array:
-    fn = jax.jit(
-        jax.shard_map(
-            lambda v: tj.compressed_psum(
-                v, "tp", codec=codec, algorithm=algorithm, **_forced(algorithm)
-            ),
-            mesh=mesh,
-            in_specs=P("tp"),
-            out_specs=P("tp"),
-            check_vma=False,
-        )
-    )
-    return fn(x_global).astype(jnp.float32).reshape(tp, -1)
-
-
-def _check(tp: int, codec: str, algorithm: str, x_global: jax.Array, mesh) -> dict:
-    """One compressed_psum against the exact fp32 sum; rank-identical output; "fused" also bit
-    for bit against "one_shot" (the same codes and sums, exchanged by the kernel)."""
-    out = _psum_once(tp, codec, algorithm, x_global, mesh)
-    exact = jnp.sum(x_global.astype(jnp.float32).reshape(tp, -1), axis=0)
-    check = {
+def _check(tp: int, codec: str, algorithm: str, x: jax.Array, mesh) -> dict:
+    """One compressed_psum against the exact fp32 sum; rank-identical output."""
+    run = _on_ranks(_op("all_reduce", codec, 1, algorithm), mesh)
+    out = run(x).astype(jnp.float32).reshape(tp, -1)
+    exact = jnp.sum(x.astype(jnp.float32).reshape(tp, -1), axis=0)
+    return {
         "rel_err": float(relative_error(out[0], exact)),
         "rank_identical": bool(jnp.all(out == out[0])),
     }
-    if algorithm == "fused":
-        one_shot = _psum_once(tp, codec, "one_shot", x_global, mesh)
-        check["equals_one_shot"] = bool(jnp.all(out == one_shot))
-    return check
+
+
+def variant_name(codec: str, algorithm: str, slices: int) -> str:
+    return f"{codec} {algorithm}" + (f" slices={slices}" if slices != 1 else "")
+
+
+def _message(tp: int, size: int, mesh) -> jax.Array:
+    """Each rank's bf16 N(0, 1) block of `size` bytes: [tp * elements] split over the mesh,
+    or [tp, elements] under vmap."""
+    elements = size // 2
+    x = jax.random.normal(jax.random.key(size + tp), (tp, elements), jnp.bfloat16)
+    if mesh is None:
+        return x
+    return jax.device_put(x.reshape(-1), NamedSharding(mesh, P("tp")))
 
 
 def run(args) -> dict:
     sizes = [int(s * MiB) for s in args.sizes_mib]
-    tps = [t for t in (2, 4, 8) if t <= jax.device_count()]
-    rows = []
-    for tp in tps:
-        mesh = _mesh(tp)
+    if args.emulate:
+        groups = [(args.emulate, None)]
+    else:
+        sizes_tp = args.tp or [tp for tp in (2, 4, 8) if tp <= jax.device_count()]
+        groups = [(tp, jax.make_mesh((tp,), ("tp",), devices=jax.devices()[:tp],
+                                     axis_types=(jax.sharding.AxisType.Auto,)))
+                  for tp in sizes_tp]  # fmt: skip
+    rows, comparisons = [], []
+    variants = [(c, s, a) for c in args.codecs for s in args.slices for a in args.algorithms]
+    for tp, mesh in groups:
         for size in sizes:
-            elements = size // 2  # bf16
-            key = jax.random.key(size + tp)
-            x = jax.device_put(
-                jax.random.normal(key, (tp * elements,), jnp.bfloat16), NamedSharding(mesh, P("tp"))
-            )
-            variants = [("lax", 1, "auto")] + [
-                (codec, slices, algorithm)
-                for codec in args.codecs
-                for slices in args.slices
-                for algorithm in args.algorithms
-            ]
-            for codec, slices, algorithm in variants:
-                chosen = _chosen(algorithm, tp, size)
-                check = _check(tp, codec, algorithm, x, mesh) if codec != "lax" else {}
-                for name, op in _ops(codec, slices, algorithm).items():
-                    if (
-                        codec != "lax"
-                        and name != "all_reduce"
-                        and not _times_pair(algorithm, args.algorithms)
-                    ):
-                        continue  # one- and two-shot are the all-reduce's: time the pair once
-                    # `inner` dependent collectives and nothing else: an all-reduce of bf16
-                    # N(0, 1) data grows by N per step, far from overflow for the default.
-                    seconds = seconds_per_op(mesh, op, x, inner=args.inner, reps=args.reps)
-                    # Both ops move every byte twice: (N-1)/N in each of two phases.
-                    bus_factor = 2 * (tp - 1) / tp
-                    rows.append(
-                        dict(
-                            tp=tp,
-                            bytes=size,
-                            op=name,
-                            codec=codec,
-                            algorithm=_row_algorithm(codec, name, algorithm, chosen),
-                            slices=slices,
-                            seconds=seconds,
-                            algbw_gbs=size / seconds / 1e9,
-                            busbw_gbs=size * bus_factor / seconds / 1e9,
-                            **check,
-                        )
+            x = _message(tp, size, mesh)
+            checks = {(c, a): _check(tp, c, a, x, mesh) for c, _, a in variants}
+            for op in args.ops:
+                timed = variants if op == "all_reduce" else _pair_variants(variants)
+                # `inner` dependent collectives and nothing else: an all-reduce of bf16 N(0, 1)
+                # data grows by N per step, far from overflow for the default.
+                samplers = {"lax": _sampler(_op(op, "lax", 1, "-"), x, args.inner, mesh)}
+                for codec, slices, algorithm in timed:
+                    samplers[variant_name(codec, algorithm, slices)] = _sampler(
+                        _op(op, codec, slices, algorithm), x, args.inner, mesh
                     )
-                    print(_format(rows[-1]), flush=True)
-    for row in rows:
-        base = next(
-            r
-            for r in rows
-            if r["tp"] == row["tp"]
-            and r["bytes"] == row["bytes"]
-            and r["op"] == row["op"]
-            and r["codec"] == "lax"
-        )
-        row["speedup"] = base["seconds"] / row["seconds"]
-    return {"rows": rows}
+                result = _timing.compare(
+                    samplers, "lax", budget_s=args.budget_s, max_repeats=args.max_repeats,
+                    min_repeats=args.min_repeats, deadline=args.deadline,
+                )  # fmt: skip
+                comparisons.append(dict(tp=tp, bytes=size, op=OPS[op], **result))
+                rows += _rows(tp, size, OPS[op], timed, checks, result, mesh is None)
+                for row in rows[-len(samplers) :]:
+                    print(_format(row), flush=True)
+    return {"emulated": bool(args.emulate), "inner": args.inner, "rows": rows,
+            "comparisons": comparisons}  # fmt: skip
+
+
+def _pair_variants(variants: list[tuple]) -> list[tuple]:
+    """The pair's variants: its exchange is the fused kernel ("fused"), the policy's ("auto")
+    or NCCL's ("-", under one- and two-shot alike), each timed once."""
+    out = []
+    for codec, slices, algorithm in variants:
+        exchange = (codec, slices, algorithm if algorithm in ("fused", "auto") else "-")
+        if exchange not in out:
+            out.append(exchange)
+    return out
+
+
+def _rows(tp, size, op, variants, checks, result, emulated) -> list[dict]:
+    """One row per timed collective of a comparison: its median seconds and, for the
+    compressed ones, the speedup over the lax collective (median, interval, verdict)."""
+    times, summary = result["times_s"], result["summary"]
+    bus_factor = 2 * (tp - 1) / tp  # both ops move every byte twice: (N-1)/N in each phase
+    out = []
+    for codec, slices, algorithm in [("lax", 1, "-"), *variants]:
+        name = "lax" if codec == "lax" else variant_name(codec, algorithm, slices)
+        seconds = sorted(times[name])[len(times[name]) // 2]
+        row = dict(tp=tp, bytes=size, op=op, codec=codec, slices=slices, seconds=seconds,
+                   algbw_gbs=size / seconds / 1e9,
+                   busbw_gbs=size * bus_factor / seconds / 1e9)  # fmt: skip
+        if codec == "lax":
+            row.update(algorithm="-", speedup=1.0, aa=summary[_timing.AA_RATIO])
+        else:
+            all_reduce = op == OPS["all_reduce"]
+            row["algorithm"] = _chosen(algorithm, tp, size, emulated) if all_reduce else algorithm
+            s = summary[name]
+            row.update(speedup=s["median"], interval=s["interval"], verdict=s["verdict"])
+            row.update(checks.get((codec, algorithm), {}))
+        out.append(row)
+    return out
 
 
 def _format(row: dict) -> str:
     extra = f" err={row['rel_err']:.4f} same={row['rank_identical']}" if "rel_err" in row else ""
-    if "equals_one_shot" in row:
-        extra += f" =one_shot:{row['equals_one_shot']}"
+    if "interval" in row:
+        lo, hi = row["interval"]
+        extra += f" {row['speedup']:.3f}x [{lo:.3f}, {hi:.3f}] {row['verdict']}"
+    else:
+        lo, hi = row["aa"]["interval"]
+        extra += f" A/A [{lo:.3f}, {hi:.3f}]"
     return (
-        f"tp={row['tp']} {row['bytes'] / MiB:8.2f} MiB {row['op']:26s} {row['codec']:10s} "
-        f"{row['algorithm']:14s} "
-        f"D={row['slices']:2d} {row['seconds'] * 1e6:9.1f} us "
+        f"tp={row['tp']} {row['bytes'] / MiB:8.2f} MiB {row['op']:26s} {row['codec']:14s} "
+        f"{row['algorithm']:14s} D={row['slices']:2d} {row['seconds'] * 1e6:10.1f} us "
         f"bus {row['busbw_gbs']:7.1f} GB/s{extra}"
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--sizes-mib", type=float, nargs="+", default=[0.0625, 0.25, 1, 4, 16, 64, 256, 1024]
-    )
-    parser.add_argument("--codecs", nargs="+", default=["taco", "taco_e8m0", "int8_hadamard"])
-    parser.add_argument("--slices", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument(
-        "--algorithms", nargs="+", default=["auto"], choices=tj.collectives.ALGORITHMS
-    )
-    parser.add_argument("--inner", type=int, default=10)
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CPU")
-    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    args = parser.parse_args()
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64, 256, 1024])
+    p.add_argument("--codecs", nargs="+", default=["taco"])
+    p.add_argument("--slices", type=int, nargs="+", default=[1])
+    p.add_argument("--algorithms", nargs="+", default=["auto"],
+                   choices=tj.collectives.ALGORITHMS)  # fmt: skip
+    p.add_argument("--ops", nargs="+", default=["all_reduce", "pair"], choices=tuple(OPS))
+    p.add_argument("--tp", type=int, nargs="+", default=[],
+                   help="TP sizes over the GPUs (default: 2, 4, 8 where there are as many)")  # fmt: skip
+    p.add_argument("--emulate", type=int, default=0, help="N ranks under vmap on one device")
+    p.add_argument("--inner", type=int, default=5, help="collectives per sample")
+    p.add_argument("--budget-s", type=float, default=30.0, help="per comparison")
+    p.add_argument("--min-repeats", type=int, default=_timing.MIN_REPEATS)
+    p.add_argument("--max-repeats", type=int, default=30)
+    p.add_argument("--deadline", type=float, default=None,
+                   help="time.time() after which comparisons stop at their minimum rounds")  # fmt: skip
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, few repeats (a CPU check)")
+    p.add_argument("--suffix", default="", help="appended to the record's file name")
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    return p
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
     if args.smoke:
-        args.sizes_mib, args.codecs, args.slices, args.inner, args.reps = (
-            [0.0625],
-            ["taco"],
-            [1, 2],
-            2,
-            2,
-        )
-    if jax.device_count() < 2:
-        sys.exit(f"needs >= 2 devices, have {jax.device_count()}")
-    write_record(
-        "collectives",
-        args.out,
-        **run(args),
-    )
+        args.sizes_mib, args.inner, args.min_repeats, args.max_repeats = [0.0625], 2, 2, 2
+    if not args.emulate and jax.device_count() < 2:
+        sys.exit(f"needs >= 2 devices (or --emulate N), have {jax.device_count()}")
+    write_record("collectives", args.out, suffix=args.suffix, **run(args))
 
 
 if __name__ == "__main__":

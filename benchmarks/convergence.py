@@ -24,12 +24,12 @@ comparison) and `convergence-<date>.png` (validation loss curves). `--merge FILE
 runs of earlier records (runs already there are not repeated), so a study can be split over
 machines and sessions; `--report-only` trains nothing and only merges, compares and plots.
 
-    python benchmarks/convergence.py --tp 4 --codecs none taco fp8 taco_no_ds int8 \
+    python -m benchmarks.convergence --tp 4 --codecs none taco fp8 taco_no_ds int8 \
         --baseline-seeds 0 1 --set run.steps=600
-    python benchmarks/convergence.py --dp 2 --codecs none sdp4bit --baseline-seeds 0
-    python benchmarks/convergence.py --emulate-3d 2 2 4 --codecs none tp=taco \
+    python -m benchmarks.convergence --dp 2 --codecs none sdp4bit --baseline-seeds 0
+    python -m benchmarks.convergence --emulate-3d 2 2 4 --codecs none tp=taco \
         tp=taco+pp=tahquant+dp=sdp4bit --baseline-seeds 0
-    python benchmarks/convergence.py --report-only --merge part1.json part2.json
+    python -m benchmarks.convergence --report-only --merge part1.json part2.json
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ import re
 import statistics
 import time
 
-from _common import today, write_record
-
+from benchmarks._common import today, write_record
 from taco_train import metrics
 from taco_train.config import ConfigError, load_config
 from taco_train.trainer import train_and_evaluate

@@ -1,36 +1,35 @@
 """Checks and times the fused codec kernels of `pallas_kernels` on one GPU (BENCHMARKS.md, Kernels).
 
-    PYTHONPATH=. python benchmarks/kernels.py --out $OUT       # every check, 1 MiB .. 1 GiB
+    python -m benchmarks.kernels --out $OUT           # every check, then 64 KiB .. 1 GiB
 
 Codec `taco` (or `--codec NAME`: record `kernels-NAME-<date>.json`), G = 128, messages of 8 rows
-(an 8-way TP group); needs a CUDA GPU (the kernels run compiled, not interpreted). One run, one
-record `kernels-<date>.json`:
+(an 8-way TP group, `--peers`); needs a CUDA GPU (the kernels run compiled), or `--interpret`
+(Pallas' CPU interpreter, tiny sizes: a check of the script). One run, one record:
 1. Checks, on fresh random data each run: every fused codec (and `taco` with G = 32 .. 512),
    bf16 and fp32 input, rows that do not fill a tile, two poisons of the outputs to catch
    unwritten bytes; codes compared in code steps, scales relatively, against the references.
    Then the Mosaic GPU kernels (Hopper only): every op of each codec they take, at 16, 64 and
-   512 tiles per row, two fresh inputs each. `--check-mosaic-only` runs
-   only the latter, `--skip-check` neither.
-2. Timings per bf16 message size (`--latency-kib`, `--sizes-mib`): a copy of the same bytes
-   (an XLA negate; from 64 MiB also torch's `copy_`, timed with CUDA events, where torch is
-   installed), the XLA-fused jnp references (unless `--no-reference`) and the kernels of each
-   op (encode, decode, decode-sum, decode-sum-reencode) for each of `--backends`: "auto" (the
-   kernel `pallas_kernels.registry` picks, as the collectives call them), "triton", "mosaic"
-   (Hopper, the codecs the Mosaic kernels take; the sums of more than two peers with peer
-   steps, as the registry runs them). Two timings: host-dispatched batches (`kernel_s`,
-   `_common.batched_seconds`) and 16 dependent calls inside one jitted program
-   (`kernel_in_program_s`, `_common.in_program_seconds`, no per-call dispatch, which at 64 MiB
-   lasts as long as a kernel). Inputs rotate over >= 256 MiB so that nothing is served from L2.
-3. Small messages (`--in-program-kib`): each op's latency inside one program of 200 dependent
-   calls (one input, in L2 as a fresh activation would be), beside a one-element negate (the
-   floor); `launch_floor_s` is a host-dispatched one-element jitted op.
-Bandwidth is logical IO: bytes read + bytes written, once each.
+   512 tiles per row, two fresh inputs each. `--check-mosaic-only` runs only the latter,
+   `--skip-check` neither.
+2. Timings per bf16 message size (`--sizes-kib`, `--sizes-mib`): a copy of the same bytes (an
+   XLA negate, the baseline), the XLA-fused jnp references (with `--reference`) and the
+   kernels of each op (encode, decode, decode-sum, decode-sum-reencode) for each of
+   `--backends`: "auto" (the kernel `pallas_kernels.registry` picks, as the collectives call
+   them), "triton", "mosaic" (Hopper, the codecs the Mosaic kernels take; the sums of more
+   than two peers with peer steps, as the registry runs them). Each is timed as one call in a
+   jitted program of dependent calls (`_timing.in_program`: 16 calls rotating over inputs of
+   >= 256 MiB from 1 MiB, so that nothing is served from L2; below, 200 calls on one input, in
+   L2 as a fresh activation would be), all interleaved with an A/A control of the copy
+   (`_timing.compare`); the record keeps the raw times.
+Bandwidth is logical IO: bytes read + bytes written, once each; "of copy" is an op's bandwidth
+over the copy's (median of the paired ratios, with its interval).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -39,9 +38,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import batched_seconds, in_program_seconds, write_record
 
 import pallas_kernels as pk
+from benchmarks import _timing
+from benchmarks._common import write_record
 from pallas_kernels import (
     _pallas,
     decode_kernel,
@@ -56,24 +56,29 @@ from taco_jax import codecs
 PEERS = 8  # rows of the benchmark: an 8-way TP group
 MiB = 1 << 20
 L2_FLUSH_BYTES = 256 * MiB  # > 4x the H200's 60 MB L2
-IN_PROGRAM_CALLS = 16  # dependent calls per program at bandwidth sizes (inputs rotate)
+IN_PROGRAM_CALLS = 16  # dependent calls per program from 1 MiB (inputs rotate)
+LATENCY_CALLS = 200  # below 1 MiB (one input, in L2)
 
 
 BACKENDS = ("auto", "triton", "mosaic")
 
 
-def _ops(codec, backends=("auto",)):
-    """name -> (kernel fn, reference fn, input kind, bytes moved) for `elements` bf16 values.
+def _ops(codec, backends=("auto",), reference=False, interpret=False):
+    """name -> (jitted fn, input kind, bytes moved for `elements` bf16 values).
 
     Per op, one entry per backend of `backends` ("auto": the registry's kernel, named by the op
     alone; "triton", "mosaic": that kernel, named `<op>_<backend>`, Mosaic only where its
-    kernels run: a Hopper GPU, a codec they take)."""
+    kernels run: a Hopper GPU, a codec they take), and with `reference` the jnp reference
+    (`<op>_reference`). interpret: the registry's kernels in Pallas' CPU interpreter."""
     m = lambda el: el // PEERS  # noqa: E731
     wb = codec.wire_bytes
     n_of = lambda w: _n(codec, w)  # noqa: E731
     steps = PEERS > 2  # the registry's Mosaic sums of more than two peers
     kernels = {
-        "auto": (pk.encode, pk.decode, pk.decode_sum, pk.decode_sum_reencode),
+        "auto": tuple(
+            functools.partial(op, interpret=interpret)
+            for op in (pk.encode, pk.decode, pk.decode_sum, pk.decode_sum_reencode)
+        ),
         "triton": (
             encode_kernel.encode,
             decode_kernel.decode,
@@ -114,12 +119,14 @@ def _ops(codec, backends=("auto",)):
         ),
     }
     out = {}
-    for i, (op, (bind, reference, kind, io)) in enumerate(ops.items()):
+    for i, (op, (bind, ref, kind, io)) in enumerate(ops.items()):
         for backend in backends:
             if backend == "mosaic" and not registry.mosaic_runs(codec):
                 continue
             name = op if backend == "auto" else f"{op}_{backend}"
-            out[name] = (jax.jit(bind(kernels[backend][i])), jax.jit(reference), kind, io)
+            out[name] = (jax.jit(bind(kernels[backend][i])), kind, io)
+        if reference:
+            out[f"{op}_reference"] = (jax.jit(ref), kind, io)
     return out
 
 
@@ -135,8 +142,10 @@ def _n(codec, wire):
     return round(wire.shape[1] * 8 / codec.bits_per_element)
 
 
-def _inputs(codec, elements, key, kind):
-    sets = max(1, min(16, L2_FLUSH_BYTES // (2 * elements)))
+def _inputs(codec, elements, key, kind, rotate=True):
+    """1-tuples of bf16 messages [PEERS, elements / PEERS] ("x") or their wire rows ("wire"):
+    with `rotate`, enough sets to cover L2_FLUSH_BYTES (at most 16), else one."""
+    sets = max(1, min(16, L2_FLUSH_BYTES // (2 * elements))) if rotate else 1
     out = []
     for i in range(sets):
         x = jax.random.normal(jax.random.fold_in(key, i), (PEERS, elements // PEERS), jnp.bfloat16)
@@ -285,93 +294,60 @@ def _check_mosaic_ops(codec, x, n) -> dict:
     return out
 
 
-def bench(key, sizes_mib, latency_kib, codec_name="taco", backends=("auto",), reference=True):
+def bench(
+    key,
+    sizes: list[int],
+    codec_name="taco",
+    backends=("auto",),
+    reference=True,
+    interpret=False,
+    calls=None,
+    **compare,
+) -> tuple[list[dict], list[dict]]:
+    """Per message size (bytes of bf16): an XLA copy of the same bytes (a negate, the
+    baseline) and each op of `_ops`, in one program of dependent calls each, interleaved with
+    an A/A control (`_timing.compare`). Rows per size and the comparisons' raw times."""
     codec = codecs.get_codec(codec_name, 128)
-    copy = jax.jit(lambda x: -x)
-    ops = _ops(codec, backends)
-    results = []
-    for size in [s * 1024 for s in latency_kib] + [s * MiB for s in sizes_mib]:
+    ops = _ops(codec, backends, reference, interpret)
+    rows, comparisons = [], []
+    for size in sizes:
         elements = size // 2
-        xs = _inputs(codec, elements, key, "x")
-        t_copy, spread = batched_seconds(copy, xs)
-        t_copy_prog = in_program_seconds(copy, xs, IN_PROGRAM_CALLS)
-        row = dict(
-            bytes=size,
-            copy_s=t_copy,
-            copy_tbps=2 * size / t_copy / 1e12,
-            spread=spread,
-            copy_in_program_s=t_copy_prog,
-            copy_in_program_tbps=2 * size / t_copy_prog / 1e12,
-        )
-        if size >= 64 * MiB:
-            row["torch_copy_tbps"] = torch_copy_tbps(size)
-        wires = _inputs(codec, elements, key, "wire")
-        for name, (fused, ref, kind, io) in ops.items():
-            if not _applies_at(name, codec, elements):
-                continue
-            inp = xs if kind == "x" else wires
-            t_k, sp = batched_seconds(fused, inp)
-            t_r = batched_seconds(ref, inp, reps=5)[0] if reference else None
-            t_prog = in_program_seconds(fused, inp, IN_PROGRAM_CALLS)
-            nbytes = io(elements)
-            row[name] = dict(
-                kernel_s=t_k,
-                ref_s=t_r,
-                kernel_tbps=nbytes / t_k / 1e12,
-                ref_tbps=None if t_r is None else nbytes / t_r / 1e12,
-                of_copy=(nbytes / t_k) / (2 * size / t_copy),
-                speedup=None if t_r is None else t_r / t_k,
-                spread=sp,
-                kernel_in_program_s=t_prog,
-                in_program_tbps=nbytes / t_prog / 1e12,
-                in_program_of_copy=(nbytes / t_prog) / (2 * size / t_copy_prog),
-            )
-        results.append(row)
-        print("BENCH", json.dumps(row), flush=True)
+        calls_here = calls or (IN_PROGRAM_CALLS if size >= MiB else LATENCY_CALLS)
+        xs = _inputs(codec, elements, key, "x", rotate=size >= MiB)
+        wires = _inputs(codec, elements, key, "wire", rotate=size >= MiB)
+        samplers = {"copy": _timing.in_program(lambda x: -x, xs, calls_here)}
+        for name, (fn, kind, _) in ops.items():
+            if _applies_at(name, codec, elements):
+                inputs = xs if kind == "x" else wires
+                samplers[name] = _timing.in_program(fn, inputs, calls_here)
+        result = _timing.compare(samplers, "copy", **compare)
+        comparisons.append(dict(bytes=size, calls=calls_here, **result))
+        rows.append(_row(size, ops, result))
+        print("BENCH", json.dumps(rows[-1]), flush=True)
         del xs, wires
-    return results
+    return rows, comparisons
 
 
-def torch_copy_tbps(size: int) -> float | None:
-    """Device-to-device copy of `size` bytes through PyTorch (CUDA events), read + write."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    src = torch.randn(size // 2, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(20):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    return 2 * size / statistics.median(times) / 1e12
-
-
-def latency_in_program(key, sizes_kib, codec_name="taco", backends=("auto",)) -> list[dict]:
-    """Per-op in-program latency at small sizes, and the same for a one-element negate (floor)."""
-    codec = codecs.get_codec(codec_name, 128)
-    calls = 200
-    tiny = [(jnp.ones((1,), jnp.float32),)]
-    rows = [dict(bytes=4, floor_s=in_program_seconds(lambda x: -x, tiny, calls))]
-    for size in (s * 1024 for s in sizes_kib):
-        elements = size // 2
-        x = _inputs(codec, elements, key, "x")[:1]
-        wire = _inputs(codec, elements, key, "wire")[:1]
-        row = dict(bytes=size, copy_s=in_program_seconds(lambda v: -v, x, calls))
-        for name, (fused, _, kind, _) in _ops(codec, backends).items():
-            if not _applies_at(name, codec, elements):
-                continue
-            row[name + "_s"] = in_program_seconds(fused, x if kind == "x" else wire, calls)
-        rows.append(row)
-        print("IN_PROGRAM", json.dumps(row), flush=True)
-    return rows
+def _row(size: int, ops, result) -> dict:
+    """Medians per op: seconds a call, TB/s of logical IO, the share of the copy's bandwidth
+    (median of the paired ratios, with its interval)."""
+    times, summary = result["times_s"], result["summary"]
+    median = lambda name: statistics.median(times[name])  # noqa: E731
+    row = dict(bytes=size, copy_in_program_s=median("copy"),
+               copy_in_program_tbps=2 * size / median("copy") / 1e12,
+               aa=summary[_timing.AA_RATIO])  # fmt: skip
+    for name, (_, _, io) in ops.items():
+        if name not in times:
+            continue
+        nbytes, share = io(size // 2), summary[name]
+        scale = nbytes / (2 * size)  # the op's bytes over the copy's
+        row[name] = dict(
+            kernel_in_program_s=median(name),
+            in_program_tbps=nbytes / median(name) / 1e12,
+            in_program_of_copy=share["median"] * scale,
+            of_copy_interval=[v * scale for v in share["interval"]],
+        )
+    return row
 
 
 def _default_configs(codec, n: int) -> dict:
@@ -385,24 +361,17 @@ def _default_configs(codec, n: int) -> dict:
     return {op: dataclasses.asdict(cfg) for op, cfg in launches.items()}
 
 
-def launch_floor():
-    tiny = jax.jit(lambda x: -x)
-    x = jnp.ones((1,), jnp.float32)
-    return batched_seconds(tiny, [(x,)], min_time=0.05)[0]
+def _sizes(text: str, unit: int) -> list[int]:
+    return [int(float(v) * unit) for v in text.split(",") if v]
 
 
-def main():
+def main(argv=None):
     global PEERS  # --peers: the rows of every message timed
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     p.add_argument("--sizes-mib", default="1,4,16,64,256,1024")
-    p.add_argument("--latency-kib", default="64,256")
-    p.add_argument(
-        "--in-program-kib",
-        default="64,256,1024,4096",
-        help="sizes timed inside one jitted program (empty: skip)",
-    )
-    p.add_argument("--codec", default="taco", help="codec of the bandwidth table")
+    p.add_argument("--sizes-kib", default="64,256", help="sizes below 1 MiB (latency)")
+    p.add_argument("--codec", default="taco")
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--check-mosaic-only", action="store_true", help="check only the Mosaic ops")
     p.add_argument(
@@ -413,54 +382,72 @@ def main():
         help="kernels timed per op: auto (the registry's, as the collectives call), triton, mosaic",
     )
     p.add_argument("--peers", type=int, default=PEERS, help="rows of each message (TP group)")
-    p.add_argument("--no-reference", action="store_true", help="do not time the jnp references")
-    args = p.parse_args()
+    p.add_argument("--reference", action="store_true", help="also time the jnp references")
+    p.add_argument("--interpret", action="store_true",
+                   help="the registry's kernels in Pallas' CPU interpreter (a check)")  # fmt: skip
+    p.add_argument("--calls", type=int, default=None, help="calls a program (default "
+                   f"{IN_PROGRAM_CALLS}; {LATENCY_CALLS} below 1 MiB)")  # fmt: skip
+    p.add_argument("--budget-s", type=float, default=20.0, help="per size")
+    p.add_argument("--min-repeats", type=int, default=_timing.MIN_REPEATS)
+    p.add_argument("--max-repeats", type=int, default=30)
+    p.add_argument("--deadline", type=float, default=None,
+                   help="time.time() after which sizes stop at their minimum rounds")  # fmt: skip
+    p.add_argument("--suffix", default="", help="appended to the record's file name")
+    args = p.parse_args(argv)
     PEERS = args.peers
+    if args.interpret and args.backends != ["auto"]:
+        p.error("--interpret times the registry's kernels: --backends auto")
     key = jax.random.key(int(time.time()))  # fresh data every run
     t0 = time.time()
     checks = [] if args.skip_check else check_mosaic(key)
     if not (args.skip_check or args.check_mosaic_only):
         checks = check(key) + checks
     t_check = time.time() - t0
-    sizes = [int(s) for s in args.sizes_mib.split(",") if s]
-    lat = [int(s) for s in args.latency_kib.split(",") if s]
-    floor = launch_floor()
-    print("LAUNCH_FLOOR_S", floor, flush=True)
-    results = bench(key, sizes, lat, args.codec, args.backends, not args.no_reference)
-    in_program_kib = [int(s) for s in args.in_program_kib.split(",") if s]
-    in_program = latency_in_program(key, in_program_kib, args.codec, args.backends)
+    sizes = _sizes(args.sizes_kib, 1024) + _sizes(args.sizes_mib, MiB)
+    rows, comparisons = bench(
+        key, sizes, args.codec, args.backends, args.reference, args.interpret, args.calls,
+        budget_s=args.budget_s, min_repeats=args.min_repeats, max_repeats=args.max_repeats,
+        deadline=args.deadline,
+    )  # fmt: skip
+    codec = codecs.get_codec(args.codec, 128)
     write_record(
         "kernels" if args.codec == "taco" else f"kernels-{args.codec}",
         args.out,
+        suffix=args.suffix,
         codec=args.codec,
         backends=args.backends,
         group_size=128,
         peers=PEERS,
-        launch_floor_s=floor,
-        in_program_latency=in_program,
-        # The launches the kernels take at the largest size, per op.
-        block_configs=(
-            _default_configs(codecs.get_codec(args.codec, 128), max(sizes) * MiB // 2 // PEERS)
-            if sizes
-            else {}
-        ),
+        interpret=args.interpret,
+        # The kernel each op runs at the largest size, and the launches of the Triton ones.
+        registry={
+            op: registry.kernel_for(
+                op,
+                codec,
+                n=max(sizes) // 2 // PEERS,
+                dtype=None if op == "decode_sum_reencode" else jnp.bfloat16,
+                peers=PEERS,
+                interpret=args.interpret,
+            )
+            for op in registry.OPS
+        },  # fmt: skip
+        block_configs=_default_configs(codec, max(sizes) // 2 // PEERS),
         check_seconds=t_check,
         checks=checks,
-        bench=results,
+        bench=rows,
+        comparisons=comparisons,
     )
-    print("TB/s and % of copy: host-dispatched | in one program; x: speedup over the XLA ref")
-    names = list(_ops(codecs.get_codec(args.codec), args.backends))
-    print(f"{'bytes':>12} {'copy TB/s':>11} " + " ".join(f"{k[:13]:>28}" for k in names))
-    for r in results:
+    names = [name for name in _ops(codec, args.backends, args.reference) if name in rows[0]]
+    print("% of the copy's bandwidth, in one program (median [interval])")
+    print(f"{'bytes':>12} {'copy TB/s':>10} " + " ".join(f"{k[:22]:>24}" for k in names))
+    for r in rows:
         cells = [
-            f"{o['kernel_tbps']:4.2f} {o['of_copy']:4.0%}|"
-            f"{o['in_program_tbps']:4.2f} {o['in_program_of_copy']:4.0%} x{o['speedup'] or 0:4.1f}"
-            if (o := r.get(k))
-            else "-"
+            f"{o['in_program_of_copy']:5.0%} [{o['of_copy_interval'][0]:4.0%}, "
+            f"{o['of_copy_interval'][1]:4.0%}]" if (o := r.get(k)) else "-"
             for k in names
-        ]
-        copies = f"{r['copy_tbps']:.2f}|{r['copy_in_program_tbps']:.2f}"
-        print(f"{r['bytes']:>12} {copies:>11} " + " ".join(f"{c:>28}" for c in cells))
+        ]  # fmt: skip
+        print(f"{r['bytes']:>12} {r['copy_in_program_tbps']:10.2f} "
+              + " ".join(f"{c:>24}" for c in cells))  # fmt: skip
 
 
 if __name__ == "__main__":

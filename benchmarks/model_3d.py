@@ -20,7 +20,7 @@ time is compute + TP + PP + DP, added without overlap, each from this repository
 Links: "nvlink"; between nodes, host shared memory (~28 GB/s) and sockets (~3.4 GB/s) stand in
 for a network, as measured on the 2-GPU machine.
 
-    python benchmarks/model_3d.py --out benchmarks/results   # reads the records; no device
+    python -m benchmarks.model_3d --out benchmarks/results   # reads the records; no device
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ import math
 import os
 import pathlib
 
-from _common import write_record
-
+from benchmarks._common import write_record
 from taco_jax import policy
 
 RESULTS = pathlib.Path(__file__).parent / "results"

@@ -33,55 +33,48 @@ Cases (`--only TEXT [TEXT ...]` keeps those whose label contains one of them):
      the ZeRO-1 rows with their collectives per bucket of leaves (`--dp-bucket-elements`:
      40 M, the default, and 1, "per-leaf"). With `--dp-emulate N`, the same with dp = N
      emulated on one device.
-Memory per row: XLA's account of the compiled step (`memory_analysis`: temporaries, arguments,
-outputs) and the device's peak bytes in use, which is the row's own with `--isolate` (each case
-in a process of its own; the record is rewritten after each) and the process's so far without.
-Each configuration: compile, `--warmup` steps, then `--steps` timed steps (default 10), each
-ended by `jax.block_until_ready` (`_common.sample_seconds`); the median is reported. With
-`--profile-steps N`, N more steps run under `jax.profiler` and the record gets their GPU
-kernels' time per kind (`_common.device_time_by_kernel`). Tokens are random (speed does not
-depend on them). A configuration that fails (e.g. out of memory) is recorded
-with its error and the run goes on. Writes `train_step-<date>.json` to `--out` (default `$OUT`,
-else benchmarks/results/) and prints a table.
+Timing: the cases are timed in groups, each against its baseline (`group_key`: a TP layout's
+compressed steps against its uncompressed one, the pipelined ones against the same batch on
+one device, ZeRO-1 against replicated AdamW), every case of a group compiled and resident at
+once, one step of each per round, interleaved with an A/A control (`_timing.compare`: at
+least `--min-repeats` rounds, more until the ratios are stable or `--budget-s` is spent). A row
+keeps its step times (one per round), their median and `vs_baseline`: baseline step / its
+step, paired by round, with its interval and verdict. With `--profile-steps N`, N more steps of
+each run under `jax.profiler` and the row gets their GPU kernels' time per kind
+(`_common.device_time_by_kernel`). Memory per row: XLA's account of the compiled step
+(`memory_analysis`: temporaries, arguments, outputs) and the device's peak bytes in use while
+its group ran (an upper bound for its own). Tokens are random (speed does not depend on them).
+A case that fails to build (e.g. out of memory) is recorded with its error and the run goes on.
+Writes `train_step-<date><suffix>.json` to `--out` after each group and prints a table.
 
-    python benchmarks/train_step.py                       # every case the machine can run
-    python benchmarks/train_step.py --only "tp=4 (vmap)"  # the emulated-TP cases only
-    python benchmarks/train_step.py --smoke               # CPU check: tiny preset, 2 steps
+    python -m benchmarks.train_step                       # every case the machine can run
+    python -m benchmarks.train_step --only "tp=4 (vmap)"  # the emulated-TP cases only
+    python -m benchmarks.train_step --smoke               # CPU check: tiny preset, 2 rounds
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import pathlib
 import statistics
-import subprocess
-import sys
 import time
 import traceback
 
-# The repository root first, so that the packages of this checkout are the ones timed.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import jax
+import numpy as np
+import optax
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from _common import (  # noqa: E402
-    collective_windows,
-    device_time_by_kernel,
-    sample_seconds,
-    write_record,
-)
-
-import taco_jax  # noqa: E402
-from models import ModelConfig, ParallelConfig, layers  # noqa: E402
-from models.parallel import SCHEDULES  # noqa: E402
-from models.pipeline import StageCodecs  # noqa: E402
-from taco_train import metrics as run_metrics  # noqa: E402
-from taco_train.steps import make_steps  # noqa: E402
-from taco_train.zero import BUCKET_ELEMENTS, ZeroConfig  # noqa: E402
+import taco_jax
+from benchmarks import _timing
+from benchmarks._common import collective_windows, device_time_by_kernel, write_record
+from models import ModelConfig, ParallelConfig, layers
+from models.parallel import SCHEDULES
+from models.pipeline import StageCodecs
+from taco_train import metrics as run_metrics
+from taco_train.steps import make_steps
+from taco_train.zero import BUCKET_ELEMENTS, ZeroConfig
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -136,8 +129,8 @@ def default_cases(args) -> list[Case]:
     if n_devices >= 2:
         # Real TP over every GPU of the machine (NCCL), GPT-1.3B: bf16 psum vs compressed.
         real = ParallelConfig(tp=n_devices, remat=remat, scan_layers=not args.unroll)
-        label = f"gpt_1p3b tp={n_devices} (shard_map)"
-        run = dict(preset="gpt_1p3b", batch=args.batch_1p3b, parallel=real, impl=args.impl)
+        label = f"{args.tp_preset} tp={n_devices} (shard_map)"
+        run = dict(preset=args.tp_preset, batch=args.batch_1p3b, parallel=real, impl=args.impl)
         cases += [
             Case(f"{label} none", codec="none", **run),
             # The defaults: taco_jax.policy compresses where it measured a gain on this link.
@@ -153,7 +146,7 @@ def default_cases(args) -> list[Case]:
         ]
         # Sequence parallelism: the reduce-scatter / all-gather pair instead of all-reduces.
         sp = dataclasses.replace(real, sequence_parallel=True)
-        sp_label = f"gpt_1p3b tp={n_devices} sp (shard_map)"
+        sp_label = f"{args.tp_preset} tp={n_devices} sp (shard_map)"
         sp_run = dict(run, parallel=sp)
         cases += [
             Case(f"{sp_label} none", codec="none", **sp_run),
@@ -267,39 +260,73 @@ def pipeline_cases(args, n_devices: int, preset: str = "gpt_1p3b", overrides=(),
     return cases
 
 
+def baseline_of(case: Case) -> bool:
+    """Whether `case` is its group's baseline: nothing compressed, no ZeRO, one stage."""
+    plain = (case.codec, case.stage_codec, case.shared_grads) == ("none", "none", "none")
+    return plain and case.sharded is None and case.parallel.pp == 1
+
+
+def group_key(case: Case) -> tuple:
+    """The cases timed together, interleaved, against one baseline: a pipeline's runs with the
+    same batch on one device ("pp-ref"); a dp layout's with its replicated AdamW; a TP layout's
+    codecs with its uncompressed step; every other case alone."""
+    p = case.parallel
+    if p.pp > 1 or "pp-ref" in case.label:
+        return ("pp", case.preset, case.batch, case.overrides)
+    if p.dp > 1:
+        return ("dp", case.preset, case.batch, p.dp, p.mode)
+    if p.tp > 1:
+        return ("tp", case.preset, case.batch, case.overrides, p, case.latency_hiding)
+    return ("one", case.label)
+
+
+def groups(cases: list[Case]) -> list[list[Case]]:
+    """`cases` by `group_key`, in the order of their first case, the baseline first."""
+    by_key: dict[tuple, list[Case]] = {}
+    for case in cases:
+        by_key.setdefault(group_key(case), []).append(case)
+    return [sorted(g, key=lambda c: not baseline_of(c)) for g in by_key.values()]
+
+
+def vs_baseline(rows: list[dict]) -> dict[str, dict]:
+    """Per row with a baseline: baseline step / its step (median of the paired rounds, the
+    interval and verdict, `_timing`)."""
+    return {r["label"]: r["vs_baseline"] for r in rows if r.get("vs_baseline")}
+
+
 def split_overheads(rows: list[dict]) -> dict[str, dict]:
-    """Per pipelined row: 1 - t_ref / (P t_pp) beside the schedule's (P - 1) / (M V + P - 1)."""
-    refs = {r["batch"]: r for r in rows if "pp-ref" in r["label"] and "error" not in r}
+    """Per pipelined row on real devices: 1 - t_ref / (P t_pp) beside the schedule's bubble
+    (P - 1) / (M V + P - 1), t_ref / t_pp the paired median."""
     out = {}
     for r in rows:
-        if "error" in r or r["parallel"]["pp"] == 1 or r["batch"] not in refs:
-            continue
-        ref = refs[r["batch"]]
-        if r["parallel"]["mode"] == "emulate":  # every stage on one device: no split to judge
+        if "error" in r or r["parallel"]["pp"] == 1 or r["parallel"]["mode"] == "emulate":
+            continue  # emulated: every stage on one device, no split to judge
+        if not r.get("vs_baseline"):
             continue
         parallel = ParallelConfig(**r["parallel"])
-        measured = 1 - ref["median_step_s"] / (parallel.pp * r["median_step_s"])
+        measured = 1 - r["vs_baseline"]["median"] / parallel.pp
         out[r["label"]] = {"over_even_split": measured, "schedule_bubble": parallel.bubble_fraction}
     return out
 
 
-def emulated_over_bubble(rows: list[dict]) -> dict[str, float]:
-    """Per emulated pipelined row: its step over the reference's (same batch, one device)
-    divided by 1 - bubble. Emulated, every stage runs on one device, the bubble steps too, so
-    a schedule that costs only its bubble gives 1."""
-    refs = {r["batch"]: r for r in rows if "pp-ref" in r["label"] and "error" not in r}
+def emulated_over_bubble(rows: list[dict]) -> dict[str, dict]:
+    """Per emulated pipelined row: its step over the one-device step of the same batch, times
+    1 - bubble (median and interval of the paired rounds). Emulated, every stage runs on one
+    device, the bubble steps too, so a schedule that costs only its bubble gives 1."""
     out = {}
     for r in rows:
-        if "error" in r or r["parallel"]["mode"] != "emulate" or r["batch"] not in refs:
+        if "error" in r or r["parallel"]["mode"] != "emulate" or not r.get("vs_baseline"):
             continue
-        bubble = ParallelConfig(**r["parallel"]).bubble_fraction
-        out[r["label"]] = r["median_step_s"] * (1 - bubble) / refs[r["batch"]]["median_step_s"]
+        keep = 1 - ParallelConfig(**r["parallel"]).bubble_fraction
+        ratio = r["vs_baseline"]  # t_ref / t_pp
+        lo, hi = ratio["interval"]
+        out[r["label"]] = {"median": keep / ratio["median"], "interval": [keep / hi, keep / lo]}
     return out
 
 
 def pipeline_memory(rows: list[dict]) -> dict[str, dict]:
-    """Per pipelined or reference row: the device's peak bytes in use (its own with --isolate)
-    and XLA's temporaries of the compiled step, in GiB."""
+    """Per pipelined or reference row: XLA's temporaries of the compiled step and the device's
+    peak bytes in use while its group ran (an upper bound for the row's own), in GiB."""
     gib = lambda b: None if b is None else round(b / 2**30, 2)  # noqa: E731
     out = {}
     for r in rows:
@@ -315,7 +342,18 @@ def peak_flops() -> float | None:
     return run_metrics.peak_flops(jax.devices()[0].device_kind)
 
 
-def run_case(case: Case, steps: int, warmup: int, profile_steps: int = 0) -> dict:
+@dataclasses.dataclass
+class Built:
+    """A compiled case, ready to step: its state carried from one step to the next."""
+
+    case: Case
+    step: object  # () -> (state, metrics)
+    info: dict  # compile time, memory, collective windows
+    carry: dict
+
+
+def build(case: Case) -> Built:
+    """Compiles `case`'s training step and places its state and batch."""
     cfg = case.model()
     comm = taco_jax.TPComm.create(
         "tp",
@@ -331,20 +369,56 @@ def run_case(case: Case, steps: int, warmup: int, profile_steps: int = 0) -> dic
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (case.batch, cfg.seq_len + 1), dtype=np.int32)
     tokens = jax.device_put(tokens, built.batch_sharding)
-
     start = time.perf_counter()
     options = {"xla_gpu_enable_latency_hiding_scheduler": True} if case.latency_hiding else {}
     compiled = built.train_step.lower(state, tokens).compile(compiler_options=options)
-    compile_s = time.perf_counter() - start
+    info = {"compile_s": time.perf_counter() - start, "compiler_options": options,
+            **_compiled_memory(compiled),
+            "collective_windows": collective_windows(compiled.as_text())}  # fmt: skip
     carry = {"state": state}
 
     def step():  # each step trains on from the state the previous one left
         carry["state"], carry["metrics"] = compiled(carry["state"], tokens)
         return carry["state"], carry["metrics"]
 
-    times = sample_seconds(step, reps=steps, warmup=warmup)
-    profile = device_time_by_kernel(step, profile_steps) if profile_steps else None
-    metrics = carry["metrics"]
+    return Built(case, step, info, carry)
+
+
+def run_group(group: list[Case], args) -> tuple[list[dict], dict | None]:
+    """Compiles the group's cases, times them interleaved against the first (the baseline)
+    with an A/A control (`_timing.compare`), then profiles each with `--profile-steps`; a case
+    that fails to build is recorded with its error. (rows, the comparison)."""
+    built, rows = [], {}
+    for case in group:
+        print(f"building {case.label} ...", flush=True)
+        try:
+            built.append(build(case))
+        except Exception as err:  # noqa: BLE001 - record (e.g. OOM) and go on
+            traceback.print_exc()
+            rows[case.label] = {"label": case.label, "error": f"{type(err).__name__}: {err}"}
+    if not built:
+        return list(rows.values()), None
+    samplers = {b.case.label: _timing.wall(b.step) for b in built}
+    baseline = built[0].case.label
+    try:
+        result = _timing.compare(
+            samplers, baseline, warmup=args.warmup, budget_s=args.budget_s,
+            min_repeats=args.min_repeats, max_repeats=args.max_repeats, deadline=args.deadline,
+        )  # fmt: skip
+    except Exception as err:  # noqa: BLE001 - e.g. out of memory with every case resident
+        traceback.print_exc()
+        error = f"{type(err).__name__}: {err}"
+        return [*rows.values(), *({"label": b.case.label, "error": error} for b in built)], None
+    for b in built:
+        profile = device_time_by_kernel(b.step, args.profile_steps) if args.profile_steps else None
+        rows[b.case.label] = row_of(b, result, profile)
+        print(f"  {b.case.label}: {1e3 * rows[b.case.label]['median_step_s']:.1f} ms", flush=True)
+    return [rows[c.label] for c in group if c.label in rows], result
+
+
+def row_of(b: Built, result: dict, profile: dict | None) -> dict:
+    case, cfg = b.case, b.case.model()
+    times = result["times_s"][case.label]
     median = statistics.median(times)
     tokens_per_step = case.batch * cfg.seq_len
     flops_per_step = cfg.flops_per_token() * tokens_per_step
@@ -352,8 +426,9 @@ def run_case(case: Case, steps: int, warmup: int, profile_steps: int = 0) -> dic
     devices = case.parallel.num_devices if case.parallel.mode == "shard_map" else 1
     peak = peak_flops() * devices if peak_flops() else None
     memory = jax.devices()[0].memory_stats() or {}
+    summary = result["summary"].get(case.label)
     return {
-        **_compiled_memory(compiled),
+        **b.info,
         "label": case.label,
         "model": dataclasses.asdict(cfg),
         "parallel": dataclasses.asdict(case.parallel),
@@ -363,21 +438,19 @@ def run_case(case: Case, steps: int, warmup: int, profile_steps: int = 0) -> dic
         "sharded": dataclasses.asdict(case.sharded) if case.sharded else None,
         "algorithm": case.algorithm,
         "impl": case.impl,
-        "compiler_options": options,
         "batch": case.batch,
         "tokens_per_step": tokens_per_step,
         "num_params": cfg.num_params(),
         "flops_per_token": cfg.flops_per_token(),
-        "compile_s": compile_s,
-        "collective_windows": collective_windows(compiled.as_text()),
         "step_times_s": times,
         "median_step_s": median,
+        # baseline step / this step, paired by round: > 1 faster (`_timing`)
+        "vs_baseline": summary and {"baseline": result["baseline"], **summary},
         "tokens_per_s": tokens_per_step / median,
         "model_tflops_per_s": flops_per_step / median / 1e12,
         "mfu": flops_per_step / median / peak if peak else None,
-        "final_loss": float(metrics["loss"]),
-        # The allocator's peak since the process started: this config's own peak when it ran
-        # in a process of its own (--isolate), else an upper bound for it.
+        "final_loss": float(b.carry["metrics"]["loss"]),
+        # The allocator's peak since the process started: an upper bound for this case's.
         "peak_bytes_in_use_so_far": memory.get("peak_bytes_in_use"),
         "device_time": profile,
     }
@@ -395,28 +468,6 @@ def _compiled_memory(compiled) -> dict:
     return {"memory_analysis": {f: getattr(analysis, f, None) for f in fields}}
 
 
-ROW_MARK = "train_step row: "
-# The --isolate parent's JAX must not preallocate: its client would hold 75% of the GPU's memory
-# while each case's own process runs (every case of the first --isolate run failed for it).
-PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
-
-
-def run_isolated(case: Case) -> dict:
-    """`case` in a process of its own (this script, `--case-label`), so that the device's peak
-    memory (`memory_stats()["peak_bytes_in_use"]`) is this case's alone and an out-of-memory
-    failure leaves the other cases alone."""
-    argv = [a for a in sys.argv[1:] if a != "--isolate"]
-    env = {k: v for k, v in os.environ.items() if k != PREALLOCATE}  # the case's JAX as usual
-    child = subprocess.run([sys.executable, __file__, *argv, "--case-label", case.label],
-                           capture_output=True, text=True, env=env)  # fmt: skip
-    rows = [line for line in child.stdout.splitlines() if line.startswith(ROW_MARK)]
-    print("".join(line + "\n" for line in child.stdout.splitlines() if line not in rows), end="")
-    if rows:
-        return json.loads(rows[-1].removeprefix(ROW_MARK))
-    tail = (child.stderr or child.stdout).strip().splitlines()[-3:]
-    return {"label": case.label, "error": f"exit {child.returncode}: " + " | ".join(tail)}
-
-
 def attention_check() -> tuple[str, str]:
     """Runs one small causal bf16 attention the way the model does: (implementation, note)."""
     q = jax.numpy.ones((1, 128, 2, 64), jax.numpy.bfloat16)
@@ -429,7 +480,7 @@ def attention_check() -> tuple[str, str]:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| config | batch x T | median step (ms) | tokens/s | model TFLOP/s | MFU | compile (s) |",
+        "| config | batch x T | median step (ms) | vs baseline | tokens/s | MFU | compile (s) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -437,10 +488,13 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| {r['label']} | - | error: {r['error'].splitlines()[0][:80]} | | | | |")
             continue
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        v = r.get("vs_baseline")
+        versus = "-" if not v else (f"{v['median']:.3f}x [{v['interval'][0]:.3f}, "
+                                    f"{v['interval'][1]:.3f}] {v['verdict']}")  # fmt: skip
         lines.append(
             f"| {r['label']} | {r['batch']} x {r['model']['seq_len']} | "
-            f"{1e3 * r['median_step_s']:.1f} | {r['tokens_per_s']:,.0f} | "
-            f"{r['model_tflops_per_s']:.1f} | {mfu} | {r['compile_s']:.1f} |"
+            f"{1e3 * r['median_step_s']:.1f} | {versus} | {r['tokens_per_s']:,.0f} | {mfu} | "
+            f"{r['compile_s']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -467,56 +521,39 @@ def overlap_variants(cases: list[Case], args) -> list[Case]:
     return out
 
 
-def overheads(rows: list[dict]) -> dict[str, float]:
-    """Step-time ratio of each compressed emulated-TP row to the uncompressed one."""
-    by_label = {r["label"]: r for r in rows if "error" not in r}
-    out = {}
-    for label, r in by_label.items():
-        if r["codec"] == "none" or r["parallel"]["tp"] == 1:
-            continue
-        base = next(
-            (
-                b
-                for b in by_label.values()
-                if b["codec"] == "none"
-                and b["parallel"] == r["parallel"]
-                and b.get("compiler_options") == r.get("compiler_options")
-                and b["model"] == r["model"]
-            ),
-            None,
-        )
-        if base is not None:
-            out[label] = r["median_step_s"] / base["median_step_s"]
-    return out
-
-
-def save(rows: list[dict], args, steps: int, warmup: int, attention: str, note: str) -> None:
-    """Writes the record of the rows so far (again after each isolated case, so that a run cut
-    short by a time limit keeps what it measured)."""
+def save(rows: list[dict], comparisons: list[dict], args, attention: str, note: str) -> None:
+    """Writes the record of the rows so far (again after each group, so that a run cut short
+    by a time limit keeps what it measured)."""
     write_record(
         "train_step",
         args.out,
         suffix=("-smoke" if args.smoke else "") + args.suffix,
-        nccl_env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
         xla_flags=os.environ.get("XLA_FLAGS", ""),
         attention=attention,
         attention_note=note,
         peak_bf16_flops=peak_flops(),
         flops_formula="6 N + 12 L H Q T per token (PaLM app. B; N = matmul parameters)",
-        timing=f"median of {steps} steps after {warmup} warm-up steps, block_until_ready each",
+        timing="interleaved rounds with an A/A control per group (benchmarks/_timing.py)",
         results=rows,
-        taco_over_none_step_time=overheads(rows),
+        comparisons=comparisons,
+        vs_baseline=vs_baseline(rows),
         pipeline_over_even_split=split_overheads(rows),
         pipeline_memory=pipeline_memory(rows),
         emulated_pipeline_over_bubble=emulated_over_bubble(rows),
     )
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny preset, 2 steps (CPU check)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10)")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="tiny preset, 2 rounds (CPU check)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds of steps")
+    parser.add_argument("--budget-s", type=float, default=60.0, help="timing budget a group")
+    parser.add_argument("--min-repeats", type=int, default=_timing.MIN_REPEATS,
+                        help="rounds of steps a group, at least")  # fmt: skip
+    parser.add_argument("--max-repeats", type=int, default=20, help="rounds a group, at most")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="time.time() after which groups stop at their minimum rounds")  # fmt: skip
+    parser.add_argument("--tp-preset", default="gpt_1p3b", help="model of the real-TP runs")
     parser.add_argument("--batch-125m", type=int, default=16)
     parser.add_argument("--batch-1p3b", type=int, default=8)
     parser.add_argument("--batch-tp", type=int, default=8, help="batch of the emulated-TP runs")
@@ -545,10 +582,6 @@ def main() -> None:
     )
     parser.add_argument("--pp-codecs", nargs="+", default=list(PIPELINE_CODECS),
                         help="stage codecs of the pipelined runs")  # fmt: skip
-    parser.add_argument("--isolate", action="store_true",
-                        help="each case in a process of its own: its own peak memory, and an "
-                        "out-of-memory case cannot disturb the next")  # fmt: skip
-    parser.add_argument("--case-label", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--pp-grads", nargs="*", default=[],
                         help="pipelined cases with the shared-gradient sum compressed by these "
                         "TP codecs (compression.pp_grads), with the collective's defaults "
@@ -578,56 +611,32 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", default=None,
                         help="run only configs whose label contains one of these")  # fmt: skip
     parser.add_argument("--out", default=os.environ.get("OUT") or str(RESULTS))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.smoke:
         args.pp_batch, args.microbatches = 4, [2]
-    steps = args.steps or (2 if args.smoke else 10)
-    warmup = 1 if args.smoke else args.warmup
-
-    if args.isolate:
-        os.environ[PREALLOCATE] = "false"  # before this process first touches the device
+        args.warmup, args.min_repeats, args.max_repeats = 1, 2, 2
     attention, attention_note = attention_check()
-    rows = []
-    for case in overlap_variants(default_cases(args), args):
-        if args.only and not any(text in case.label for text in args.only):
-            continue
-        if args.case_label is not None and case.label != args.case_label:
-            continue
-        if args.isolate:
-            print(f"running {case.label} (own process) ...", flush=True)
-            rows.append(run_isolated(case))
-            save(rows, args, steps, warmup, attention, attention_note)
-            continue
-        if attention == "xla":  # cuDNN unavailable: every case runs XLA attention
-            case = dataclasses.replace(
-                case, parallel=dataclasses.replace(case.parallel, attention="xla")
-            )
-        print(f"running {case.label} ...", flush=True)
-        try:
-            rows.append(run_case(case, steps, warmup, args.profile_steps))
-            print(f"  {1e3 * rows[-1]['median_step_s']:.1f} ms per step", flush=True)
-        except Exception as err:  # noqa: BLE001 - record (e.g. OOM) and go on
-            traceback.print_exc()
-            rows.append({"label": case.label, "error": f"{type(err).__name__}: {err}"})
+    cases = [c for c in overlap_variants(default_cases(args), args)
+             if not args.only or any(text in c.label for text in args.only)]  # fmt: skip
+    if attention == "xla":  # cuDNN unavailable: every case runs XLA attention
+        cases = [dataclasses.replace(c, parallel=dataclasses.replace(c.parallel, attention="xla"))
+                 for c in cases]  # fmt: skip
+    rows, comparisons = [], []
+    for group in groups(cases):
+        group_rows, result = run_group(group, args)
+        rows += group_rows
+        if result is not None:
+            comparisons.append({"labels": [r["label"] for r in group_rows], **result})
+        save(rows, comparisons, args, attention, attention_note)
         jax.clear_caches()
-    if args.case_label is not None:  # a case of an --isolate run: the row to its parent
-        print(ROW_MARK + json.dumps(rows[-1] if rows else {"label": args.case_label,
-                                    "error": "no such case"}, default=str), flush=True)  # fmt: skip
-        return
-
-    save(rows, args, steps, warmup, attention, attention_note)
-    overhead = overheads(rows)
-    bubbles = split_overheads(rows)
     device = f"{jax.device_count()} x {jax.devices()[0].device_kind}"
     print(f"\n{device}, jax {jax.__version__}, attention: {attention}\n")
     print(table(rows))
-    for label, ratio in overhead.items():
-        print(f"{label}: {ratio:.3f} x the uncompressed step time")
     for label, memory in pipeline_memory(rows).items():
         print(f"{label}: peak {memory['peak_gib']} GiB, XLA temporaries {memory['temp_gib']} GiB")
     for label, ratio in emulated_over_bubble(rows).items():
-        print(f"{label}: {ratio:.3f} x the reference step / (1 - bubble)")
-    for label, bubble in bubbles.items():
+        print(f"{label}: {ratio['median']:.3f} x the reference step / (1 - bubble)")
+    for label, bubble in split_overheads(rows).items():
         print(f"{label}: {bubble['over_even_split']:.3f} over an even split "
               f"(schedule bubble {bubble['schedule_bubble']:.3f})")  # fmt: skip
 
