@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import datetime
+import functools
 import gzip
 import hashlib
 import json
@@ -50,6 +51,7 @@ def commit() -> str | None:
     return head + ("+" if dirty else "")
 
 
+@functools.cache
 def kernels_fingerprint(root: pathlib.Path = KERNELS) -> str:
     """A hash of the code of `pallas_kernels` (its syntax trees without docstrings: comments
     and prose do not count), so that a table marks a figure whose kernels changed since."""

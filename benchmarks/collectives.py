@@ -214,15 +214,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--algorithms", nargs="+", default=["auto"],
                    choices=tj.collectives.ALGORITHMS)  # fmt: skip
     p.add_argument("--ops", nargs="+", default=["all_reduce", "pair"], choices=tuple(OPS))
-    p.add_argument("--tp", type=int, nargs="+", default=[],
-                   help="TP sizes over the GPUs (default: 2, 4, 8 where there are as many)")  # fmt: skip
+    p.add_argument(
+        "--tp",
+        type=int,
+        nargs="+",
+        default=[],
+        help="TP sizes over the GPUs (default: 2, 4, 8 where there are as many)",
+    )
     p.add_argument("--emulate", type=int, default=0, help="N ranks under vmap on one device")
     p.add_argument("--inner", type=int, default=5, help="collectives per sample")
     p.add_argument("--budget-s", type=float, default=30.0, help="per comparison")
     p.add_argument("--min-repeats", type=int, default=_timing.MIN_REPEATS)
     p.add_argument("--max-repeats", type=int, default=30)
-    p.add_argument("--deadline", type=float, default=None,
-                   help="time.time() after which comparisons stop at their minimum rounds")  # fmt: skip
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="time.time() after which comparisons stop at their minimum rounds",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny sizes, few repeats (a CPU check)")
     p.add_argument("--suffix", default="", help="appended to the record's file name")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))

@@ -66,39 +66,106 @@ def multi_gpu_parts(n: int, links, dry: bool) -> list[Part]:
     for link in links:
         env = LINKS[link]
         sizes = ("0.0625",) if dry else SIZES_MIB
-        parts.append(Part(f"collectives-{link}", "collectives", (
-            "--tp", str(n), "--sizes-mib", *sizes, "--codecs", "taco", "int6_hadamard",
-            "--algorithms", "auto", "--ops", "all_reduce", "--inner", "2" if dry else "5",
-            "--suffix", f"-headline-{link}",
-        ), env, weight=1.0))  # fmt: skip
+        parts.append(
+            Part(
+                f"collectives-{link}",
+                "collectives",
+                (
+                    "--tp",
+                    str(n),
+                    "--sizes-mib",
+                    *sizes,
+                    "--codecs",
+                    "taco",
+                    "int6_hadamard",
+                    "--algorithms",
+                    "auto",
+                    "--ops",
+                    "all_reduce",
+                    "--inner",
+                    "2" if dry else "5",
+                    f"--suffix=-headline-{link}",
+                ),
+                env,
+                weight=1.0,
+            )
+        )
         codecs = () if link == "nvlink" else ("int6_hadamard",)
         preset = "gpt_tiny" if dry else "gpt_1p3b"
         only = [f"{preset} tp={n} (shard_map) {codec} auto" for codec in ("taco", *codecs)]
-        parts.append(Part(f"step-{link}", "train_step", (
-            "--tp-preset", preset, "--tp-codecs", *codecs, "--only",
-            f"{preset} tp={n} (shard_map) none", *only, "--suffix", f"-headline-{link}",
-        ), env, weight=2.0))  # fmt: skip
+        parts.append(
+            Part(
+                f"step-{link}",
+                "train_step",
+                (
+                    "--tp-preset",
+                    preset,
+                    "--tp-codecs",
+                    *codecs,
+                    "--only",
+                    f"{preset} tp={n} (shard_map) none",
+                    *only,
+                    f"--suffix=-headline-{link}",
+                ),
+                env,
+                weight=2.0,
+            )
+        )
     return parts
 
 
 def one_gpu_parts(dry: bool) -> list[Part]:
     """The registry's kernels, a collective under vmap, the emulated steps."""
-    kernels = ("--interpret", "--sizes-kib", "64", "--sizes-mib", "", "--calls", "2") if dry else (
-        "--sizes-kib", "", "--sizes-mib", ",".join(SIZES_MIB))  # fmt: skip
+    kernels = (
+        ("--interpret", "--sizes-kib", "64", "--sizes-mib", "", "--calls", "2")
+        if dry
+        else ("--sizes-kib", "", "--sizes-mib", ",".join(SIZES_MIB))
+    )
     vmap_sizes = ("0.0625",) if dry else ("16", "64")
     steps = [("gpt_tiny", "2", "4")] if dry else [("gpt_125m", "4", "8"), ("gpt_1p3b", "2", "4")]
     parts = [
-        Part("kernels", "kernels", ("--skip-check", *kernels, "--suffix", "-headline")),
-        Part("vmap", "collectives", ("--emulate", "4", "--sizes-mib", *vmap_sizes, "--codecs",
-                                     "taco", "--ops", "all_reduce", "--inner", "2" if dry else "5",
-                                     "--suffix", "-headline-vmap"), weight=0.5),  # fmt: skip
+        Part("kernels", "kernels", ("--skip-check", *kernels, "--suffix=-headline")),
+        Part(
+            "vmap",
+            "collectives",
+            (
+                "--emulate",
+                "4",
+                "--sizes-mib",
+                *vmap_sizes,
+                "--codecs",
+                "taco",
+                "--ops",
+                "all_reduce",
+                "--inner",
+                "2" if dry else "5",
+                "--suffix=-headline-vmap",
+            ),
+            weight=0.5,
+        ),
     ]
     for preset, tp, batch in steps:
-        parts.append(Part(f"step-{preset}", "train_step", (
-            "--emulate-preset", preset, "--emulate-tp", tp, "--batch-tp", batch,
-            "--emulate-algorithms", "one_shot", "--only", f"tp={tp} (vmap) none",
-            f"tp={tp} (vmap) taco one_shot", "--suffix", f"-headline-tp{tp}-vmap",
-        ), weight=1.5))  # fmt: skip
+        parts.append(
+            Part(
+                f"step-{preset}",
+                "train_step",
+                (
+                    "--emulate-preset",
+                    preset,
+                    "--emulate-tp",
+                    tp,
+                    "--batch-tp",
+                    batch,
+                    "--emulate-algorithms",
+                    "one_shot",
+                    "--only",
+                    f"tp={tp} (vmap) none",
+                    f"tp={tp} (vmap) taco one_shot",
+                    f"--suffix=-headline-tp{tp}-vmap",
+                ),
+                weight=1.5,
+            )
+        )
     return parts
 
 
@@ -121,11 +188,18 @@ def run_parts(parts: list[Part], out: pathlib.Path, budget_s: float, dry: bool) 
         if dry:
             env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DRY_DEVICES}"
             env["JAX_PLATFORMS"] = "cpu"
-        print(f"== {part.name}: {' '.join(f'{k}={v}' for k, v in part.env.items())} "
-              f"python -m benchmarks.{part.script} {' '.join(argv)}", flush=True)  # fmt: skip
+        print(
+            f"== {part.name}: {' '.join(f'{k}={v}' for k, v in part.env.items())} "
+            f"python -m benchmarks.{part.script} {' '.join(argv)}",
+            flush=True,
+        )
         try:
-            done = subprocess.run([sys.executable, "-m", f"benchmarks.{part.script}", *argv],
-                                  env=env, cwd=tables.REPO, timeout=max(end - time.time(), 1))  # fmt: skip
+            done = subprocess.run(
+                [sys.executable, "-m", f"benchmarks.{part.script}", *argv],
+                env=env,
+                cwd=tables.REPO,
+                timeout=max(end - time.time(), 1),
+            )
             status[part.name] = done.returncode
         except subprocess.TimeoutExpired:
             status[part.name] = None
@@ -135,13 +209,24 @@ def run_parts(parts: list[Part], out: pathlib.Path, budget_s: float, dry: bool) 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry", action="store_true", help="CPU: 8 fake devices, tiny sizes")
-    p.add_argument("--devices", type=int, default=None,
-                   help="GPUs to plan for (default: those JAX sees; --dry: 8 and 1 both)")  # fmt: skip
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="GPUs to plan for (default: those JAX sees; --dry: 8 and 1 both)",
+    )
     p.add_argument("--links", nargs="+", default=list(LINKS), choices=tuple(LINKS))
-    p.add_argument("--budget-s", type=float, default=540.0,
-                   help="seconds for every part together (one 10-minute call less the start)")  # fmt: skip
-    p.add_argument("--out", default=None,
-                   help="records (default: benchmarks/results; --dry: a temporary directory)")  # fmt: skip
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=540.0,
+        help="seconds for every part together (one 10-minute call less the start)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="records (default: benchmarks/results; --dry: a temporary directory)",
+    )
     p.add_argument("--no-tables", action="store_true", help="do not regenerate the tables")
     return p
 
@@ -161,11 +246,14 @@ def plan(args) -> list[Part]:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    out = pathlib.Path(args.out or (tempfile.mkdtemp(prefix="headline-") if args.dry
-                                    else tables.RESULTS))  # fmt: skip
+    out = pathlib.Path(
+        args.out or (tempfile.mkdtemp(prefix="headline-") if args.dry else tables.RESULTS)
+    )
     status = run_parts(plan(args), out, args.budget_s, args.dry)
-    print("== parts:", ", ".join(f"{k} {'stopped' if v is None else f'exit {v}'}"
-                                 for k, v in status.items()))  # fmt: skip
+    print(
+        "== parts:",
+        ", ".join(f"{k} {'stopped' if v is None else f'exit {v}'}" for k, v in status.items()),
+    )
     if not args.no_tables:
         if args.dry:  # the committed records and these, into copies of the documents
             written = tables.write(results=[tables.RESULTS, out], docs_dir=out, cpu_ok=True)

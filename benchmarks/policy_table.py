@@ -6,7 +6,7 @@ Output: per link, op and algorithm, the speedup over the plain collective at eac
 message size, with the commands and dates of the records it came from (`taco_jax.policy` reads
 it; docs/method.md "The auto policy" says how).
 
-    python benchmarks/policy_table.py \\
+    python -m benchmarks.policy_table \\
         nvlink=benchmarks/results/collectives-2026-11-30-x2-nvlink-fused.json \\
         shm=benchmarks/results/collectives-2026-11-30-x2-shm.json \\
         socket=benchmarks/results/collectives-2026-11-30-x2-socket.json

@@ -82,6 +82,8 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def size(nbytes: int) -> str:
+    if nbytes < MiB:
+        return f"{nbytes / 1024:g} KiB"
     return f"{nbytes // (1 << 30)} GiB" if nbytes >= 1 << 30 else f"{nbytes / MiB:g} MiB"
 
 
@@ -106,8 +108,8 @@ def pct(v: float) -> str:
 
 def judged(summary: dict, fmt=x) -> str:
     """A ratio of the harness: median [interval] verdict."""
-    lo, hi = summary["interval"]
-    return f"{fmt(summary['median'])} [{fmt(lo).rstrip('x%')}, {fmt(hi)}] {summary['verdict']}"
+    lo, hi = (fmt(v).rstrip("x%") for v in summary["interval"])
+    return f"{fmt(summary['median'])} [{lo}, {hi}] {summary['verdict']}"
 
 
 def record_link(record: dict) -> str:
@@ -122,9 +124,11 @@ LINK_NAMES = {"nvlink": "NVLink", "shm": "shared memory", "socket": "sockets"}
 
 
 NO_AA, KERNELS_CHANGED = "\u2020", "\u2021"  # the marks of `when`
-LEGEND = (f"{NO_AA} before the harness: one median per side, no A/A control, no verdict. "
-          f"{KERNELS_CHANGED} the kernels' code has changed since (for records before the "
-          f"harness: replaced in `{KERNELS_REPLACED}`, docs/decisions/004-one-kernel-per-op.md).")  # fmt: skip
+LEGEND = (
+    f"{NO_AA} before the harness: one median per side, no A/A control, no verdict. "
+    f"{KERNELS_CHANGED} the kernels' code has changed since (for records before the "
+    f"harness: replaced in `{KERNELS_REPLACED}`, docs/decisions/004-one-kernel-per-op.md)."
+)
 
 
 def marks(record: dict) -> str:
@@ -141,7 +145,9 @@ def when(records: list[dict]) -> str:
     (`abc1234`, `def5678`) \u2020\u2021". Records before the harness name the commit that
     added them."""
     dates = list(dict.fromkeys(r["date"] for r in records))
-    commits = list(dict.fromkeys(c for r in records if (c := r.get("commit") or r.get("committed_in"))))
+    commits = list(
+        dict.fromkeys(c for r in records if (c := r.get("commit") or r.get("committed_in")))
+    )
     text = ", ".join(dates) + (f" ({', '.join(f'`{c}`' for c in commits)})" if commits else "")
     flags = "".join(dict.fromkeys("".join(marks(r) for r in records)))
     return text + (f" {flags}" if flags else "")
@@ -152,7 +158,7 @@ def source(record: dict, strip: str = "") -> str:
     marks (the harness's: also its date)."""
     text = f"`{record['name'].removeprefix(strip)}`"
     if "comparisons" in record:
-        text += f" ({when([record])})"
+        text += f" {when([record])}"
     elif flags := marks(record):
         text += f" {flags}"
     return text
@@ -189,26 +195,66 @@ def median_time(comparison: dict, name: str) -> float:
 # The headline ------------------------------------------------------------------------------
 
 HEADLINE_COLLECTIVES = [  # (codec, tp, {link: the record before the harness}, its algorithm)
-    ("taco", 2, {"nvlink": "collectives-2026-11-30-x2-nvlink-auto-fused.json",
-                 "shm": "collectives-2026-11-30-x2-shm-auto.json",
-                 "socket": "collectives-2026-11-30-x2-socket-auto.json"}, "auto"),
-    ("int6_hadamard", 2, {"shm": "collectives-2026-11-30-x2-shm-subbyte.json",
-                          "socket": "collectives-2026-11-30-x2-socket-subbyte.json"}, "one_shot"),
+    (
+        "taco",
+        2,
+        {
+            "nvlink": "collectives-2026-11-30-x2-nvlink-auto-fused.json",
+            "shm": "collectives-2026-11-30-x2-shm-auto.json",
+            "socket": "collectives-2026-11-30-x2-socket-auto.json",
+        },
+        "auto",
+    ),
+    (
+        "int6_hadamard",
+        2,
+        {
+            "shm": "collectives-2026-11-30-x2-shm-subbyte.json",
+            "socket": "collectives-2026-11-30-x2-socket-subbyte.json",
+        },
+        "one_shot",
+    ),
     ("taco", 4, {"shm": "collectives-2026-11-30-x4-shm.json"}, "auto"),
-]  # fmt: skip
-HEADLINE_STEPS = [  # (codec, tp, {link: (record, baseline label, label)}) before the harness
-    ("taco", 2, {
-        "nvlink": ("train_step-2026-11-30-tp2-nvlink-fused.json", "gpt_1p3b tp=2 (shard_map) none",
-                   "gpt_1p3b tp=2 (shard_map) taco auto"),
-        "shm": ("train_step-2026-11-30-tp2-shm.json", "gpt_1p3b tp=2 (shard_map) none",
-                "gpt_1p3b tp=2 (shard_map) taco auto"),
-        "socket": ("train_step-2026-11-30-tp2-socket.json", "gpt_1p3b tp=2 (shard_map) none",
-                   "gpt_1p3b tp=2 (shard_map) taco")}),
-    ("int6_hadamard", 2, {
-        "shm": ("train_step-2026-11-30-tp2-shm-int6.json", "gpt_1p3b tp=2 (shard_map) none",
-                "gpt_1p3b tp=2 (shard_map) int6_hadamard auto")}),
-]  # fmt: skip
-HEADLINE_FROM = 16 * MiB  # the all-reduce's headline sizes: from 16 MiB
+]
+HEADLINE_STEPS = [  # (preset, codec, tp, {link: (record, baseline label, label)}) before it
+    (
+        "gpt_1p3b",
+        "taco",
+        2,
+        {
+            "nvlink": (
+                "train_step-2026-11-30-tp2-nvlink-fused.json",
+                "gpt_1p3b tp=2 (shard_map) none",
+                "gpt_1p3b tp=2 (shard_map) taco auto",
+            ),
+            "shm": (
+                "train_step-2026-11-30-tp2-shm.json",
+                "gpt_1p3b tp=2 (shard_map) none",
+                "gpt_1p3b tp=2 (shard_map) taco auto",
+            ),
+            "socket": (
+                "train_step-2026-11-30-tp2-socket.json",
+                "gpt_1p3b tp=2 (shard_map) none",
+                "gpt_1p3b tp=2 (shard_map) taco",
+            ),
+        },
+    ),
+    (
+        "gpt_1p3b",
+        "int6_hadamard",
+        2,
+        {
+            "shm": (
+                "train_step-2026-11-30-tp2-shm-int6.json",
+                "gpt_1p3b tp=2 (shard_map) none",
+                "gpt_1p3b tp=2 (shard_map) int6_hadamard auto",
+            )
+        },
+    ),
+]
+HEADLINE_FROM = 16 * MiB  # the all-reduce's headline sizes: from 16 MiB (all, where none is)
+PRESETS = {"gpt_125m": "GPT-125M", "gpt_350m": "GPT-350M", "gpt_1p3b": "GPT-1.3B"}
+STEP_LABEL = re.compile(r"(\S+) tp=(\d+) \(shard_map\) (\S+) auto$")  # a real-TP step's label
 
 
 def _verdict_span(points: list[tuple[int, dict]]) -> str:
@@ -221,56 +267,58 @@ def _verdict_span(points: list[tuple[int, dict]]) -> str:
     return text + " (" + "; ".join(f"{v}: {', '.join(sizes)}" for v, sizes in by.items()) + ")"
 
 
+def _sizes_note(sizes: list[int]) -> str:
+    """The sizes a span covers, where they are not the headline's 16 MiB-1 GiB."""
+    if (min(sizes), max(sizes)) == (HEADLINE_FROM, 1 << 30):
+        return ""
+    return f" ({size(min(sizes))}-{size(max(sizes))})" if len(sizes) > 1 else f" ({size(sizes[0])})"
+
+
 def _headline_collective_cell(records: Records, codec: str, tp: int, link: str, legacy, algo):
     """(cell, record) of the all-reduce row on `link`: the newest harness record of this
     codec and TP on the link, else the record before the harness."""
 
     def fits(r):
-        return not r.get("emulated") and record_link(r) == link and any(
-            row["codec"] == codec and row["tp"] == tp for row in r["rows"])  # fmt: skip
+        return (
+            not r.get("emulated")
+            and record_link(r) == link
+            and any(row["codec"] == codec and row["tp"] == tp for row in r["rows"])
+        )
 
+    name = f"{codec} auto"
     for record in records.harness("collectives-", fits):
-        points = []
-        for c in record["comparisons"]:
-            name = f"{codec} auto"
-            if c["tp"] == tp and c["op"] == "all_reduce" and c["bytes"] >= HEADLINE_FROM:
-                if name in c["times_s"]:
-                    points.append((c["bytes"], harness_ratio(c, "lax", name)))
+        compared = [
+            c
+            for c in record["comparisons"]
+            if c["tp"] == tp and c["op"] == "all_reduce" and name in c["times_s"]
+        ]
+        large = [c for c in compared if c["bytes"] >= HEADLINE_FROM] or compared
+        points = [(c["bytes"], harness_ratio(c, "lax", name)) for c in large]
         if points:
-            return _verdict_span(points) + _sizes_note(points, record), record
+            return _verdict_span(points) + _sizes_note([b for b, _ in points]), record
     if link not in legacy:
         return "-", None
     record = records(legacy[link])
-    rows = [r for r in record["rows"] if r["op"] == "all_reduce" and r["codec"] == codec
-            and r["tp"] == tp and r["bytes"] >= HEADLINE_FROM
-            and r["algorithm"].split(":")[0] == algo]  # fmt: skip
-    points = [(r["bytes"], r["speedup"]) for r in rows]
-    sizes = [b for b, _ in points]
-    note = (
-        ""
-        if (min(sizes), max(sizes)) == (16 * MiB, 1 << 30)
-        else (
-            f" ({size(min(sizes))}-{size(max(sizes))})"
-            if len(sizes) > 1
-            else f" ({size(sizes[0])})"
-        )
-    )
-    if len(sizes) == 2 and tp > 2:
+    rows = [
+        r
+        for r in record["rows"]
+        if r["op"] == "all_reduce"
+        and r["codec"] == codec
+        and r["tp"] == tp
+        and r["bytes"] >= HEADLINE_FROM
+        and r["algorithm"].split(":")[0] == algo
+    ]
+    sizes, ratios = [r["bytes"] for r in rows], [r["speedup"] for r in rows]
+    if len(sizes) == 2 and tp > 2:  # two sizes: each
         note = f" ({size(sizes[0]).split()[0]} / {size(sizes[1])})"
-        return " / ".join(x(v) for _, v in points) + note, record
-    return span([v for _, v in points]) + note, record
+        return " / ".join(x(v) for v in ratios) + note, record
+    return span(ratios) + _sizes_note(sizes), record
 
 
-def _sizes_note(points, record) -> str:
-    sizes = [b for b, _ in points]
-    if (min(sizes), max(sizes)) == (16 * MiB, 1 << 30):
-        return ""
-    return f" ({size(min(sizes))}-{size(max(sizes))})" if len(sizes) > 1 else f" ({size(sizes[0])})"
-
-
-def _headline_step_cell(records: Records, codec: str, tp: int, link: str, legacy):
-    preset = "gpt_1p3b"
-    base, label = f"{preset} tp={tp} (shard_map) none", f"{preset} tp={tp} (shard_map) {codec} auto"
+def _headline_step_cell(records: Records, preset: str, codec: str, tp: int, link: str, legacy):
+    """(cell, record) of the step row on `link`: the newest harness record, else the older."""
+    base = f"{preset} tp={tp} (shard_map) none"
+    label = f"{preset} tp={tp} (shard_map) {codec} auto"
 
     def fits(r):
         return record_link(r) == link and comparison_of(r, base, label) is not None
@@ -289,38 +337,58 @@ def _legacy_ratio(record: dict, base: str, label: str) -> float:
     return steps[base] / steps[label]
 
 
-def _harness_headline_rows(records: Records) -> set:
-    """(kind, codec, tp) of harness records at other TP sizes than the rows above."""
-    found = set()
+def _headline_keys(records: Records) -> tuple[set, set]:
+    """The all-reduce (codec, tp) and step (preset, codec, tp) rows that harness records
+    measured on real links."""
+    collectives, steps = set(), set()
     for r in records.harness("collectives-", lambda r: not r.get("emulated")):
-        found |= {("all-reduce", row["codec"], row["tp"]) for row in r["rows"]
-                  if row["codec"] != "lax" and row["op"] == "all_reduce"}  # fmt: skip
-    return found
+        collectives |= {
+            (row["codec"], row["tp"])
+            for row in r["rows"]
+            if row["codec"] != "lax" and row["op"] == "all_reduce"
+        }
+    for r in records.harness("train_step-"):
+        for row in r["results"]:
+            if m := STEP_LABEL.match(row["label"]):
+                steps.add((m.group(1), m.group(3), int(m.group(2))))
+    return collectives, steps
 
 
 def headline_rows(records: Records, readme: bool = False) -> list[list[str]]:
     """The headline's rows: each all-reduce (codec, TP) and step row, its cell per link and
     when it was measured. The README keeps the TP = 2 all-reduces and the `taco` step."""
-    rows = []
-    collectives = list(HEADLINE_COLLECTIVES)
-    for _, codec, tp in sorted(_harness_headline_rows(records)):
-        if not any(c == codec and t == tp for c, t, _, _ in collectives):
-            collectives.append((codec, tp, {}, "auto"))
+    measured_collectives, measured_steps = _headline_keys(records)
+    collectives = list(HEADLINE_COLLECTIVES) + [
+        (codec, tp, {}, "auto")
+        for codec, tp in sorted(measured_collectives)
+        if not any((c, t) == (codec, tp) for c, t, _, _ in HEADLINE_COLLECTIVES)
+    ]
+    steps = list(HEADLINE_STEPS) + [
+        (preset, codec, tp, {})
+        for preset, codec, tp in sorted(measured_steps)
+        if not any((p, c, t) == (preset, codec, tp) for p, c, t, _ in HEADLINE_STEPS)
+    ]
     doc = "BENCHMARKS.md" if readme else ""
+    rows = []
     for codec, tp, legacy, algo in collectives:
         if readme and tp != 2:
             continue
-        cells = [_headline_collective_cell(records, codec, tp, link, legacy, algo)
-                 for link in LINK_NAMES]  # fmt: skip
+        cells = [
+            _headline_collective_cell(records, codec, tp, link, legacy, algo) for link in LINK_NAMES
+        ]
         what = f"[all-reduce]({doc}#collectives), TP = {tp}, `{codec}`"
         what += ", defaults" if algo == "auto" else ", one-shot"
         rows.append([what, *(c for c, _ in cells), when([r for _, r in cells if r])])
-    for codec, tp, legacy in HEADLINE_STEPS:
-        if readme and codec != "taco":
+    for preset, codec, tp, legacy in steps:
+        if readme and (codec, tp) != ("taco", 2):
             continue
-        cells = [_headline_step_cell(records, codec, tp, link, legacy) for link in LINK_NAMES]
-        what = f"[GPT-1.3B training step]({doc}#training-step), TP = {tp}, `{codec}`"
-        rows.append([what, *(c for c, _ in cells), when([r for _, r in cells if r])])
+        cells = [
+            _headline_step_cell(records, preset, codec, tp, link, legacy) for link in LINK_NAMES
+        ]
+        what = f"[{PRESETS.get(preset, preset)} training step]({doc}#training-step), TP = {tp}"
+        rows.append(
+            [f"{what}, `{codec}`", *(c for c, _ in cells), when([r for _, r in cells if r])]
+        )
     return rows
 
 
@@ -340,11 +408,13 @@ def readme_measured(records: Records) -> str:
         "(PCIe-class), sockets (network-class). Speedup = NCCL's bf16 time / the compressed "
         "time, same run."
     )
-    legend = (f"{NO_AA} one median per side, no A/A control; {KERNELS_CHANGED} kernels changed "
-              "since.")  # fmt: skip
+    legend = (
+        f"{NO_AA} one median per side, no A/A control; {KERNELS_CHANGED} kernels changed since."
+    )
     rows = headline_rows(records, readme=True)
-    return "\n\n".join([fill(intro), table(HEADLINE_HEADER, rows),
-                         fill(f"{legend} {accuracy(records)}")])  # fmt: skip
+    return "\n\n".join(
+        [fill(intro), table(HEADLINE_HEADER, rows), fill(f"{legend} {accuracy(records)}")]
+    )
 
 
 def benchmarks_accuracy(records: Records) -> str:
@@ -357,23 +427,32 @@ def fill(text: str) -> str:
 
 # Convergence --------------------------------------------------------------------------------
 
-SEEDS_TP4 = ("convergence-2026-11-29.json", "convergence-2026-11-30-subbyte.json",
-             "convergence-2026-12-01-seeds.json")  # fmt: skip
+SEEDS_TP4 = (
+    "convergence-2026-11-29.json",
+    "convergence-2026-11-30-subbyte.json",
+    "convergence-2026-12-01-seeds.json",
+)
 SEEDS_TP8 = ("convergence-2026-12-01-tp8-seeds.json",)
 
 
 def _runs(records: Records, names_: tuple[str, ...]) -> list[dict]:
     """The runs of several records, each with its record's name and layout."""
-    return [dict(run, record=name, layout=run.get("layout") or f"tp{run['tp']}")
-            for name in names_ for run in records(name)["runs"]]  # fmt: skip
+    return [
+        dict(run, record=name, layout=run.get("layout") or f"tp{run['tp']}")
+        for name in names_
+        for run in records(name)["runs"]
+    ]
 
 
 def paired(runs: list[dict], layout: str, codec: str) -> dict:
     """Validation loss of `codec` against the bf16 run of the same seed in the same record
     (% of it), per seed (a seed once: the first record's), their mean and standard error, and
     the spread between seeds of those bf16 runs: (max - min) / mean of their final losses."""
-    base = {(r["record"], r["seed"]): r["final_val_loss"] for r in runs
-            if r["layout"] == layout and r["codec"] == "none"}  # fmt: skip
+    base = {
+        (r["record"], r["seed"]): r["final_val_loss"]
+        for r in runs
+        if r["layout"] == layout and r["codec"] == "none"
+    }
     pairs: dict[int, tuple[float, float]] = {}
     for r in runs:
         key = (r["record"], r["seed"])
@@ -402,8 +481,11 @@ def _pm(p: dict) -> str:
 def accuracy(records: Records, doc: str = "BENCHMARKS.md") -> str:
     """The accuracy sentence: five seeds at TP = 4 and 8, paired, and the seeds' spread."""
     tp4, tp8 = _runs(records, SEEDS_TP4), _runs(records, SEEDS_TP8)
-    p = {(c, t): paired(runs, f"tp{t}", c)
-         for c in ("taco", "int6_hadamard") for t, runs in ((4, tp4), (8, tp8))}  # fmt: skip
+    p = {
+        (c, t): paired(runs, f"tp{t}", c)
+        for c in ("taco", "int6_hadamard")
+        for t, runs in ((4, tp4), (8, tp8))
+    }
     spreads = [p[(c, t)]["spread"] for c in ("taco", "int6_hadamard") for t in (4, 8)]
     return (
         f"Validation loss ([Convergence]({doc}#convergence), a 30M GPT, five seeds, each "
@@ -427,24 +509,61 @@ CONVERGENCE = [  # (layout, codec label, records, codec in the runs, layout in t
     ("TP = 4", "`taco_no_ds` (no DS)", ("convergence-2026-11-29.json",), "taco_no_ds", "tp4"),
     ("TP = 8", "`taco_no_ds` (no DS)", ("convergence-2026-11-29.json",), "taco_no_ds", "tp8"),
     ("pp = 2", "`tahquant` sends", ("convergence-2026-11-30-dp-pp.json",), "tahquant", "pp2"),
-    ("pp = 2", "`tahquant` + `taco` shared-gradient sum", ("convergence-2026-11-30-pp-grads.json",),
-     "tahquant+grads=taco", "pp2"),
-    ("pp = 2", "`tahquant` + `int6_hadamard` sum", ("convergence-2026-11-30-pp-grads.json",),
-     "tahquant+grads=int6_hadamard", "pp2"),
+    (
+        "pp = 2",
+        "`tahquant` + `taco` shared-gradient sum",
+        ("convergence-2026-11-30-pp-grads.json",),
+        "tahquant+grads=taco",
+        "pp2",
+    ),
+    (
+        "pp = 2",
+        "`tahquant` + `int6_hadamard` sum",
+        ("convergence-2026-11-30-pp-grads.json",),
+        "tahquant+grads=int6_hadamard",
+        "pp2",
+    ),
     ("dp = 2", "`sdp4bit`", ("convergence-2026-11-30-dp-pp.json",), "sdp4bit", "dp2"),
-    ("TP 4 x PP 2 x DP 2", "all three", ("convergence-2026-12-01-3d.json",),
-     "tp=taco+pp=tahquant+dp=sdp4bit", "3ddp2pp2tp4"),
-    ("same, 91.5M GPT", "all three", ("convergence-2026-12-01-3d-91m.json",),
-     "tp=taco+pp=tahquant+dp=sdp4bit", "3ddp2pp2tp4"),
-    ("same, 91.5M GPT", "`taco` on TP alone", ("convergence-2026-12-01-3d-91m.json",),
-     "tp=taco", "3ddp2pp2tp4"),
-    ("same, 91.5M GPT", "`tahquant4` on TP (TAH-Quant's 4 bits)",
-     ("convergence-2026-12-01-3d-91m.json",), "tp=tahquant4", "3ddp2pp2tp4"),
-]  # fmt: skip
+    (
+        "TP 4 x PP 2 x DP 2",
+        "all three",
+        ("convergence-2026-12-01-3d.json",),
+        "tp=taco+pp=tahquant+dp=sdp4bit",
+        "3ddp2pp2tp4",
+    ),
+    (
+        "same, 91.5M GPT",
+        "all three",
+        ("convergence-2026-12-01-3d-91m.json",),
+        "tp=taco+pp=tahquant+dp=sdp4bit",
+        "3ddp2pp2tp4",
+    ),
+    (
+        "same, 91.5M GPT",
+        "`taco` on TP alone",
+        ("convergence-2026-12-01-3d-91m.json",),
+        "tp=taco",
+        "3ddp2pp2tp4",
+    ),
+    (
+        "same, 91.5M GPT",
+        "`tahquant4` on TP (TAH-Quant's 4 bits)",
+        ("convergence-2026-12-01-3d-91m.json",),
+        "tp=tahquant4",
+        "3ddp2pp2tp4",
+    ),
+]
 
 
-TRAFFIC = {"tp_reduce_fwd": "TP fwd", "tp_copy_bwd": "TP bwd", "pp": "PP fwd", "pp_bwd": "PP bwd",
-           "pp_grads": "PP sum", "dp_grad": "DP grad", "dp_param": "DP param"}  # fmt: skip
+TRAFFIC = {
+    "tp_reduce_fwd": "TP fwd",
+    "tp_copy_bwd": "TP bwd",
+    "pp": "PP fwd",
+    "pp_bwd": "PP bwd",
+    "pp_grads": "PP sum",
+    "dp_grad": "DP grad",
+    "dp_param": "DP param",
+}
 
 
 def _errors(runs: list[dict], layout: str, codec: str) -> str:
@@ -462,12 +581,26 @@ def convergence(records: Records) -> str:
     for layout, label, names_, codec, run_layout in CONVERGENCE:
         runs = _runs(records, names_)
         p = paired(runs, run_layout, codec)
-        rows.append([layout, label, str(len(p["seeds"])), _pm(p),
-                     "-" if len(p["seeds"]) < 2 else f"{p['spread']:.2f}%",
-                     _errors(runs, run_layout, codec),
-                     ", ".join(f"`{n.removeprefix('convergence-')}`" for n in names_)])  # fmt: skip
-    header = ["layout", "codec", "seeds", "validation loss vs bf16, paired (mean +- s.e.)",
-              "bf16 spread between seeds", "error per collective", "records (`convergence-…`)"]  # fmt: skip
+        rows.append(
+            [
+                layout,
+                label,
+                str(len(p["seeds"])),
+                _pm(p),
+                "-" if len(p["seeds"]) < 2 else f"{p['spread']:.2f}%",
+                _errors(runs, run_layout, codec),
+                ", ".join(f"`{n.removeprefix('convergence-')}`" for n in names_),
+            ]
+        )
+    header = [
+        "layout",
+        "codec",
+        "seeds",
+        "validation loss vs bf16, paired (mean +- s.e.)",
+        "bf16 spread between seeds",
+        "error per collective",
+        "records (`convergence-…`)",
+    ]
     return table(header, rows)
 
 
@@ -487,8 +620,13 @@ def default_run(records: Records) -> str:
 
 KERNEL_SIZES = tuple(s * MiB for s in (16, 64, 256, 1024))  # a TP step's messages
 LOWERINGS = [  # (codec label, peers, record, ops, an earlier run's record) before the harness
-    ("`taco`", 8, "kernels-2026-12-04-widened.json", None,
-     "kernels-2026-12-02-register-operands.json"),
+    (
+        "`taco`",
+        8,
+        "kernels-2026-12-04-widened.json",
+        None,
+        "kernels-2026-12-02-register-operands.json",
+    ),
     ("`taco`", 2, "kernels-2026-12-04-p2-widened.json", None, "kernels-2026-12-04-p2.json"),
     ("`taco_e5m2`", 8, "kernels-taco_e5m2-2026-12-03.json", ("encode", "decode"), None),
     ("`fp8`", 8, "kernels-fp8-2026-12-02-regload.json", None, None),
@@ -498,8 +636,12 @@ LOWERINGS = [  # (codec label, peers, record, ops, an earlier run's record) befo
     ("`int4_hadamard`", 8, "kernels-int4_hadamard-2026-12-03.json", None, None),
 ]
 OPS = ("encode", "decode", "decode_sum", "decode_sum_reencode")
-OP_NAMES = {"encode": "encode", "decode": "decode", "decode_sum": "decode-sum",
-            "decode_sum_reencode": "re-encode"}  # fmt: skip
+OP_NAMES = {
+    "encode": "encode",
+    "decode": "decode",
+    "decode_sum": "decode-sum",
+    "decode_sum_reencode": "re-encode",
+}
 MOSAIC_CODECS = ("`taco`", "`taco_e5m2`")  # the registry's Mosaic codecs among the rows
 
 
@@ -511,34 +653,44 @@ def _mosaic_name(op: str, peers: int, row: dict) -> str:
 
 def kernels(records: Records) -> str:
     """Triton / Mosaic, % of the copy's bandwidth in one program, the registry's in bold."""
-    header = ["codec, peers, op: Triton / Mosaic", *(size(s) for s in KERNEL_SIZES),
-              "record (`kernels-…`)"]  # fmt: skip
+    header = [
+        "codec, peers, op: Triton / Mosaic",
+        *(size(s) for s in KERNEL_SIZES),
+        "record (`kernels-…`)",
+    ]
     rows = []
     for record in records.harness("kernels", lambda r: set(r["backends"]) >= {"triton", "mosaic"}):
         rows += _harness_kernel_rows(record)
     for label, peers, name, ops, earlier in LOWERINGS:
         record = records(name)
-        runs = [{b["bytes"]: b for b in r["bench"]} for r in (record, earlier and records(earlier))
-                if r]  # fmt: skip
+        runs = [
+            {b["bytes"]: b for b in r["bench"]} for r in (record, earlier and records(earlier)) if r
+        ]
         for op in ops or OPS:
             cells = []
             for s in KERNEL_SIZES:
-                pairs = [[row.get(f"{op}_triton"), row.get(_mosaic_name(op, peers, row))]
-                         for row in (run.get(s, {}) for run in runs)]  # fmt: skip
+                pairs = [
+                    [row.get(f"{op}_triton"), row.get(_mosaic_name(op, peers, row))]
+                    for row in (run.get(s, {}) for run in runs)
+                ]
                 cell = _pair_cell(pairs[0], mosaic=label in MOSAIC_CODECS)
                 if len(pairs) > 1 and _pair_cell(pairs[1], None) != "-":
                     cell += f" ({_pair_cell(pairs[1], None)})"
                 cells.append(cell)
             if any(c != "-" for c in cells):
-                rows.append([f"{label}, {peers}, {OP_NAMES[op]}", *cells,
-                             source(record, "kernels-")])  # fmt: skip
-    earlier = [f"{source(records(e), 'kernels-')} ({label}, {peers} peers)"
-               for label, peers, _, _, e in LOWERINGS if e]  # fmt: skip
+                rows.append(
+                    [f"{label}, {peers}, {OP_NAMES[op]}", *cells, source(record, "kernels-")]
+                )
+    earlier = [
+        f"{source(records(e), 'kernels-')} ({label}, {peers} peers)"
+        for label, peers, _, _, e in LOWERINGS
+        if e
+    ]
     return table(header, rows) + "\n\nIn parentheses, an earlier run: " + ", ".join(earlier) + "."
 
 
 def _pair_cell(pair, mosaic: bool | None) -> str:
-    """"Triton / Mosaic" % of copy, the registry's in bold (`mosaic` None: neither)."""
+    """ "Triton / Mosaic" % of copy, the registry's in bold (`mosaic` None: neither)."""
     if pair[0] is None and pair[1] is None:
         return "-"
     t, m = (pct(v["in_program_of_copy"]).rstrip("%") if v else "-" for v in pair)
@@ -562,14 +714,19 @@ def _harness_kernel_rows(record: dict) -> list[list[str]]:
                 continue
             cells.append(judged(harness_ratio(c, *names_)))
         if any(cell != "-" for cell in cells):
-            rows.append([f"`{codec}`, {peers}, {OP_NAMES[op]}: Triton time / Mosaic time", *cells,
-                         source(record)])  # fmt: skip
+            rows.append(
+                [
+                    f"`{codec}`, {peers}, {OP_NAMES[op]}: Triton time / Mosaic time",
+                    *cells,
+                    source(record),
+                ]
+            )
     return rows
 
 
 def registry_kernels(records: Records) -> str:
     """The harness's kernel table: each op's kernel (the registry's) as a share of the copy."""
-    found = records.harness("kernels", lambda r: r["backends"] == ["auto"] and not r["interpret"])
+    found = records.harness("kernels", lambda r: r["backends"] == ["auto"])
     if not found:
         return "(no record of the harness yet: `python -m benchmarks.headline` on one GPU)"
     rows = []
@@ -578,10 +735,20 @@ def registry_kernels(records: Records) -> str:
             c = next(c for c in record["comparisons"] if c["bytes"] == b["bytes"])
             aa = _timing.summarize(c["times_s"])[_timing.AA_RATIO]
             cells = [_of_copy(b[op]) if op in b else "-" for op in OPS]
-            rows.append([f"`{record['codec']}`, {size(b['bytes'])}",
-                         f"{b['copy_in_program_tbps']:.2f}", *cells, judged_aa(aa)])  # fmt: skip
-        header = ["codec, message", "copy TB/s", *(f"{OP_NAMES[op]} ({record['registry'][op]})"
-                                                   for op in OPS), "A/A of the copy"]  # fmt: skip
+            rows.append(
+                [
+                    f"`{record['codec']}`, {size(b['bytes'])}",
+                    f"{b['copy_in_program_tbps']:.2f}",
+                    *cells,
+                    judged_aa(aa),
+                ]
+            )
+        header = [
+            "codec, message",
+            "copy TB/s",
+            *(f"{OP_NAMES[op]} ({record['registry'][op]})" for op in OPS),
+            "A/A of the copy",
+        ]
         return table(header, rows) + f"\n\n{names([record])}: {when([record])}."
     return ""
 
@@ -596,9 +763,11 @@ def judged_aa(aa: dict) -> str:
     return f"[{lo:.3f}, {hi:.3f}]"
 
 
-LAUNCH_SWEEPS = ("launch_sweep-2026-12-03-wave-r1.json",
-                 "launch_sweep-2026-12-04-decode_sum-p8-widened.json",
-                 "launch_sweep-2026-12-04-decode_sum-p2-sizes.json")  # fmt: skip
+LAUNCH_SWEEPS = (
+    "launch_sweep-2026-12-03-wave-r1.json",
+    "launch_sweep-2026-12-04-decode_sum-p8-widened.json",
+    "launch_sweep-2026-12-04-decode_sum-p2-sizes.json",
+)
 
 
 def launches(records: Records) -> str:
@@ -615,13 +784,29 @@ def launches(records: Records) -> str:
             triton += [r["of_copy"] for r in candidates if r["label"].startswith("Triton default")]
             defaults = [r for r in candidates if r["label"].startswith("Mosaic default")]
             mosaic.append(max(r["of_copy"] for r in defaults))
-            best.append(max(r["of_copy"] for r in candidates if not r["label"].startswith("Triton")))
+            best.append(
+                max(r["of_copy"] for r in candidates if not r["label"].startswith("Triton"))
+            )
         peers = record["rows"][0]["peers"]
         sizes = f"{size(min(by_size))}-{size(max(by_size))}, {len(by_size)} sizes"
-        rows.append([f"{record['op']}, {peers}", sizes, span(triton, pct), span(mosaic, pct),
-                     span(best, pct), source(record, "launch_sweep-")])  # fmt: skip
-    header = ["op, peers", "messages", "Triton default", "Mosaic default then", "fastest swept",
-              "record (`launch_sweep-…`)"]  # fmt: skip
+        rows.append(
+            [
+                f"{record['op']}, {peers}",
+                sizes,
+                span(triton, pct),
+                span(mosaic, pct),
+                span(best, pct),
+                source(record, "launch_sweep-"),
+            ]
+        )
+    header = [
+        "op, peers",
+        "messages",
+        "Triton default",
+        "Mosaic default then",
+        "fastest swept",
+        "record (`launch_sweep-…`)",
+    ]
     return table(header, rows)
 
 
@@ -629,8 +814,14 @@ def stage_kernels(records: Records) -> str:
     """The TAH-Quant and SDP4Bit kernels: % of the copy, ranges over sizes, and their speedup
     over the jnp references."""
     found = records.harness("stage_kernels")
-    sources = [found[0]] if found else [records("stage_kernels-2026-12-01.json"),
-                                        records("stage_kernels-2026-12-01-qwd.json")]  # fmt: skip
+    sources = (
+        [found[0]]
+        if found
+        else [
+            records("stage_kernels-2026-12-01.json"),
+            records("stage_kernels-2026-12-01-qwd.json"),
+        ]
+    )
     rows = []
     for record in sources:
         codecs = [k for k in record["results"][0] if isinstance(record["results"][0][k], dict)]
@@ -638,33 +829,54 @@ def stage_kernels(records: Records) -> str:
             cells = []
             for data in ("gaussian", "outlier_channels"):
                 per = [r[codec] for r in record["results"] if r["data"] == data]
-                cells.append(" / ".join(span([p[op]["of_copy"] for p in per], pct)
-                                        for op in ("encode", "decode")) if per else "-")  # fmt: skip
+                cells.append(
+                    " / ".join(
+                        span([p[op]["of_copy"] for p in per], pct) for op in ("encode", "decode")
+                    )
+                    if per
+                    else "-"
+                )
             every = [r[codec] for r in record["results"]]
-            speed = " / ".join(span([p[op]["speedup_over_ref"] for p in every], lambda v: f"{v:.1f}x")
-                               for op in ("encode", "decode"))  # fmt: skip
-            rows.append([f"`{codec}`", f"{every[0]['bits_per_element']:.2f}", *cells, speed,
-                         source(record)])  # fmt: skip
-    header = ["codec", "bits / element", "Gaussian: encode / decode, % of copy",
-              "outlier channels: encode / decode", "vs jnp reference (enc / dec)", "record"]  # fmt: skip
+            speed = " / ".join(
+                span([p[op]["speedup_over_ref"] for p in every], lambda v: f"{v:.1f}x")
+                for op in ("encode", "decode")
+            )
+            rows.append(
+                [f"`{codec}`", f"{every[0]['bits_per_element']:.2f}", *cells, speed, source(record)]
+            )
+    header = [
+        "codec",
+        "bits / element",
+        "Gaussian: encode / decode, % of copy",
+        "outlier channels: encode / decode",
+        "vs jnp reference (enc / dec)",
+        "record",
+    ]
     return table(header, rows)
 
 
 # Collectives --------------------------------------------------------------------------------
 
 COLLECTIVES = {  # link: (the named algorithms' record, the defaults' record) before the harness
-    "nvlink": ("collectives-2026-11-30-x2-nvlink-fused.json",
-               "collectives-2026-11-30-x2-nvlink-auto-fused.json"),
+    "nvlink": (
+        "collectives-2026-11-30-x2-nvlink-fused.json",
+        "collectives-2026-11-30-x2-nvlink-auto-fused.json",
+    ),
     "shm": ("collectives-2026-11-30-x2-shm.json", "collectives-2026-11-30-x2-shm-auto.json"),
-    "socket": ("collectives-2026-11-30-x2-socket.json",
-               "collectives-2026-11-30-x2-socket-auto.json"),
-}  # fmt: skip
+    "socket": (
+        "collectives-2026-11-30-x2-socket.json",
+        "collectives-2026-11-30-x2-socket-auto.json",
+    ),
+}
 ALGORITHMS = ("one_shot", "two_shot", "fused")
 
 
 def _rows_of(record: dict, op: str = "all_reduce", **fields) -> list[dict]:
-    return [r for r in record["rows"] if r["op"].startswith(op[:3])
-            and all(r.get(k) == v for k, v in fields.items())]  # fmt: skip
+    return [
+        r
+        for r in record["rows"]
+        if r["op"].startswith(op[:3]) and all(r.get(k) == v for k, v in fields.items())
+    ]
 
 
 def _defaults_cell(row: dict) -> str:
@@ -679,8 +891,12 @@ def _defaults_cell(row: dict) -> str:
 def plain_noise(records: Records) -> str:
     """Inline: the range of the ratios the defaults' records read where the policy chose the
     plain collective, so both sides ran `lax.psum` (an A/A pair before the harness)."""
-    ratios = [row["speedup"] for _, auto in COLLECTIVES.values()
-              for row in records(auto)["rows"] if row["algorithm"].endswith(":plain")]  # fmt: skip
+    ratios = [
+        row["speedup"]
+        for _, auto in COLLECTIVES.values()
+        for row in records(auto)["rows"]
+        if row["algorithm"].endswith(":plain")
+    ]
     return f"{min(ratios):.2f}-{max(ratios):.2f}x"
 
 
@@ -693,21 +909,42 @@ def collectives(records: Records) -> str:
         for nbytes in sorted({r["bytes"] for r in named_r["rows"] if r["bytes"] >= smallest}):
             ar = {r["algorithm"]: r for r in _rows_of(named_r, bytes=nbytes, tp=2)}
             defaults = _rows_of(auto_r, bytes=nbytes, tp=2, codec="taco")
-            pair = {r["algorithm"]: r for r in _rows_of(named_r, "reduce", bytes=nbytes, tp=2)
-                    if r["codec"] != "lax"}  # fmt: skip
+            pair = {
+                r["algorithm"]: r
+                for r in _rows_of(named_r, "reduce", bytes=nbytes, tp=2)
+                if r["codec"] != "lax"
+            }
             cells = [x(ar[a]["speedup"]) if a in ar else "-" for a in ALGORITHMS]
             pair_cell = " / ".join(
                 x(pair[a]["speedup"]) if a in pair else "-" for a in ("-", "fused")
             )
-            rows.append([LINK_NAMES[link], size(nbytes), seconds(ar["-"]["seconds"]), *cells,
-                         _defaults_cell(defaults[0]) if defaults else "-", pair_cell])  # fmt: skip
-    header = ["link", "message", "`lax.psum`", "one-shot", "two-shot", "fused", "defaults (chose)",
-              "RS + AG pair: NCCL / fused"]  # fmt: skip
+            rows.append(
+                [
+                    LINK_NAMES[link],
+                    size(nbytes),
+                    seconds(ar["-"]["seconds"]),
+                    *cells,
+                    _defaults_cell(defaults[0]) if defaults else "-",
+                    pair_cell,
+                ]
+            )
+    header = [
+        "link",
+        "message",
+        "`lax.psum`",
+        "one-shot",
+        "two-shot",
+        "fused",
+        "defaults (chose)",
+        "RS + AG pair: NCCL / fused",
+    ]
     return table(header, rows)
 
 
-SUBBYTE = [("shm", 2, "collectives-2026-11-30-x2-shm-subbyte.json"),
-           ("socket", 2, "collectives-2026-11-30-x2-socket-subbyte.json")]  # fmt: skip
+SUBBYTE = [
+    ("shm", 2, "collectives-2026-11-30-x2-shm-subbyte.json"),
+    ("socket", 2, "collectives-2026-11-30-x2-socket-subbyte.json"),
+]
 
 
 def collectives_subbyte(records: Records) -> str:
@@ -718,20 +955,47 @@ def collectives_subbyte(records: Records) -> str:
         for nbytes in sorted({r["bytes"] for r in record["rows"]}):
             ar = {r["codec"]: r for r in _rows_of(record, bytes=nbytes, tp=tp)}
             pair = {r["codec"]: r for r in _rows_of(record, "reduce", bytes=nbytes, tp=tp)}
-            cells = [f"{x(ar[c]['speedup'])} / {x(pair[c]['speedup'])}"
-                     for c in ("taco", "int6_hadamard", "int4_hadamard")]  # fmt: skip
-            rows.append([f"{LINK_NAMES[link]}, {tp}", size(nbytes), seconds(ar["lax"]["seconds"]),
-                         *cells, f"`{name.removeprefix('collectives-')}`"])  # fmt: skip
+            cells = [
+                f"{x(ar[c]['speedup'])} / {x(pair[c]['speedup'])}"
+                for c in ("taco", "int6_hadamard", "int4_hadamard")
+            ]
+            rows.append(
+                [
+                    f"{LINK_NAMES[link]}, {tp}",
+                    size(nbytes),
+                    seconds(ar["lax"]["seconds"]),
+                    *cells,
+                    f"`{name.removeprefix('collectives-')}`",
+                ]
+            )
     record = records("collectives-2026-11-30-x4-shm.json")
     for nbytes in sorted({r["bytes"] for r in record["rows"]}):
         ar = {r["algorithm"].split(":")[0]: r for r in _rows_of(record, bytes=nbytes, tp=4)}
         pair = _rows_of(record, "reduce", bytes=nbytes, tp=4, algorithm="auto")
-        cell = (f"one-shot {x(ar['one_shot']['speedup'])}, two-shot {x(ar['two_shot']['speedup'])}"
-                f", defaults {x(ar['auto']['speedup'])} / {x(pair[0]['speedup'])}")  # fmt: skip
-        rows.append(["shared memory, 4", size(nbytes), seconds(ar["-"]["seconds"]), cell, "-", "-",
-                     "`2026-11-30-x4-shm.json`"])  # fmt: skip
-    header = ["link, N", "message", "`lax.psum`", "`taco`: all-reduce / pair", "`int6_hadamard`",
-              "`int4_hadamard`", "record (`collectives-…`)"]  # fmt: skip
+        cell = (
+            f"one-shot {x(ar['one_shot']['speedup'])}, two-shot {x(ar['two_shot']['speedup'])}"
+            f", defaults {x(ar['auto']['speedup'])} / {x(pair[0]['speedup'])}"
+        )
+        rows.append(
+            [
+                "shared memory, 4",
+                size(nbytes),
+                seconds(ar["-"]["seconds"]),
+                cell,
+                "-",
+                "-",
+                "`2026-11-30-x4-shm.json`",
+            ]
+        )
+    header = [
+        "link, N",
+        "message",
+        "`lax.psum`",
+        "`taco`: all-reduce / pair",
+        "`int6_hadamard`",
+        "`int4_hadamard`",
+        "record (`collectives-…`)",
+    ]
     return table(header, rows)
 
 
@@ -745,13 +1009,30 @@ def collectives_harness(records: Records) -> str:
             aa = _timing.summarize(c["times_s"])[_timing.AA_RATIO]
             variants = [n for n in c["times_s"] if n not in ("lax", _timing.AA)]
             cells = "; ".join(f"`{n}` {judged(harness_ratio(c, 'lax', n))}" for n in variants)
-            rows.append([f"{where}, N = {c['tp']}", size(c["bytes"]), c["op"],
-                         seconds(median_time(c, "lax")), cells, judged_aa(aa), str(c["repeats"]),
-                         source(record)])  # fmt: skip
+            rows.append(
+                [
+                    f"{where}, N = {c['tp']}",
+                    size(c["bytes"]),
+                    c["op"],
+                    seconds(median_time(c, "lax")),
+                    cells,
+                    judged_aa(aa),
+                    str(c["repeats"]),
+                    source(record),
+                ]
+            )
     if not rows:
         return "(no record of the harness yet: `python -m benchmarks.headline`)"
-    header = ["where", "message", "op", "`lax`", "speedup [interval] verdict", "A/A", "rounds",
-              "record"]  # fmt: skip
+    header = [
+        "where",
+        "message",
+        "op",
+        "`lax`",
+        "speedup [interval] verdict",
+        "A/A",
+        "rounds",
+        "record",
+    ]
     return table(header, rows)
 
 
@@ -759,22 +1040,49 @@ def collectives_harness(records: Records) -> str:
 
 B1 = "gpt_1p3b tp=2 (shard_map)"
 STEP_TP2 = [  # (row, record, baseline label, {column: label})
-    ("TP = 2, NVLink", "train_step-2026-11-30-tp2-nvlink-fused.json", f"{B1} none",
-     {"taco": f"{B1} taco auto", "fused forced": f"{B1} taco fused forced"}),
-    ("TP = 2 + sequence parallelism, NVLink", "train_step-2026-11-30-tp2-sp-nvlink.json",
-     "gpt_1p3b tp=2 sp (shard_map) none", {"taco": "gpt_1p3b tp=2 sp (shard_map) taco auto"}),
-    ("TP = 2, NVLink, two batch chunks (`parallel.overlap_chunks=2`)",
-     "train_step-2026-11-30-tp2-nvlink-overlap.json", f"{B1} none chunks=2",
-     {"taco": f"{B1} taco auto chunks=2"}),
-    ("TP = 2, shared memory", "train_step-2026-11-30-tp2-shm.json", f"{B1} none",
-     {"taco": f"{B1} taco auto"}),
-    ("TP = 2, shared memory, second run", "train_step-2026-11-30-tp2-shm-int6.json", f"{B1} none",
-     {"taco": f"{B1} taco auto", "int6": f"{B1} int6_hadamard auto"}),
-    ("same, two batch chunks", "train_step-2026-11-30-tp2-shm-chunks.json", f"{B1} none chunks=2",
-     {"taco": f"{B1} taco auto chunks=2", "int6": f"{B1} int6_hadamard auto chunks=2"}),
-    ("TP = 2, sockets", "train_step-2026-11-30-tp2-socket.json", f"{B1} none",
-     {"taco": f"{B1} taco"}),
-]  # fmt: skip
+    (
+        "TP = 2, NVLink",
+        "train_step-2026-11-30-tp2-nvlink-fused.json",
+        f"{B1} none",
+        {"taco": f"{B1} taco auto", "fused forced": f"{B1} taco fused forced"},
+    ),
+    (
+        "TP = 2 + sequence parallelism, NVLink",
+        "train_step-2026-11-30-tp2-sp-nvlink.json",
+        "gpt_1p3b tp=2 sp (shard_map) none",
+        {"taco": "gpt_1p3b tp=2 sp (shard_map) taco auto"},
+    ),
+    (
+        "TP = 2, NVLink, two batch chunks (`parallel.overlap_chunks=2`)",
+        "train_step-2026-11-30-tp2-nvlink-overlap.json",
+        f"{B1} none chunks=2",
+        {"taco": f"{B1} taco auto chunks=2"},
+    ),
+    (
+        "TP = 2, shared memory",
+        "train_step-2026-11-30-tp2-shm.json",
+        f"{B1} none",
+        {"taco": f"{B1} taco auto"},
+    ),
+    (
+        "TP = 2, shared memory, second run",
+        "train_step-2026-11-30-tp2-shm-int6.json",
+        f"{B1} none",
+        {"taco": f"{B1} taco auto", "int6": f"{B1} int6_hadamard auto"},
+    ),
+    (
+        "same, two batch chunks",
+        "train_step-2026-11-30-tp2-shm-chunks.json",
+        f"{B1} none chunks=2",
+        {"taco": f"{B1} taco auto chunks=2", "int6": f"{B1} int6_hadamard auto chunks=2"},
+    ),
+    (
+        "TP = 2, sockets",
+        "train_step-2026-11-30-tp2-socket.json",
+        f"{B1} none",
+        {"taco": f"{B1} taco"},
+    ),
+]
 
 
 def _steps(record: dict) -> dict[str, dict]:
@@ -796,46 +1104,93 @@ def _step_cell(record: dict, base: str, label: str) -> str:
 
 def step_tp2(records: Records) -> str:
     one = _steps(records("train_step-2026-11-29.json"))["gpt_1p3b"]
-    rows = [["one H200, no TP", f"{one['median_step_s'] * 1e3:.1f} ms ({pct(one['mfu'])} MFU)",
-             "-", "-", source(records("train_step-2026-11-29.json"))]]  # fmt: skip
+    rows = [
+        [
+            "one H200, no TP",
+            f"{one['median_step_s'] * 1e3:.1f} ms ({pct(one['mfu'])} MFU)",
+            "-",
+            "-",
+            source(records("train_step-2026-11-29.json")),
+        ]
+    ]
     for link in LINK_NAMES:
-        for record in records.harness("train_step-", lambda r, k=link: record_link(r) == k and any(
-                "(shard_map)" in row["label"] for row in r["results"])):  # fmt: skip
+        for record in records.harness(
+            "train_step-",
+            lambda r, k=link: (
+                record_link(r) == k and any("(shard_map)" in row["label"] for row in r["results"])
+            ),
+        ):
             steps = _steps(record)
             for base in (lb for lb in steps if lb.endswith("(shard_map) none")):
                 stem = base.removesuffix(" none")
                 cells = [
                     _step_cell(record, base, f"{stem} {c} auto") for c in ("taco", "int6_hadamard")
                 ]
-                rows.append([f"{stem.split()[1].upper()}, {LINK_NAMES[link]}",
-                             f"{steps[base]['median_step_s'] * 1e3:.1f} ms", *cells,
-                             source(record)])  # fmt: skip
+                preset, tp = stem.split()[:2]
+                rows.append(
+                    [
+                        f"{PRESETS.get(preset, preset)}, TP = {tp[3:]}, {LINK_NAMES[link]}",
+                        f"{steps[base]['median_step_s'] * 1e3:.1f} ms",
+                        *cells,
+                        source(record),
+                    ]
+                )
     for row, name, base, labels in STEP_TP2:
         record = records(name)
         base_ms = f"{_steps(record)[base]['median_step_s'] * 1e3:.1f} ms"
         taco = _step_cell(record, base, labels["taco"])
         if "fused forced" in labels:
-            taco += f"; fused forced {_step_cell(record, base, labels['fused forced']).split('(')[1][:-1]}"
+            forced = _step_cell(record, base, labels["fused forced"])
+            taco += f"; fused forced {forced.split('(')[1][:-1]}"
         int6 = _step_cell(record, base, labels["int6"]) if "int6" in labels else "-"
         rows.append([row, base_ms, taco, int6, source(record)])
-    header = ["step (GPT-1.3B, 8 x 2048)", "uncompressed", "`taco`, defaults",
-              "`int6_hadamard`, defaults", "record"]  # fmt: skip
+    header = [
+        "step (GPT-1.3B, 8 x 2048)",
+        "uncompressed",
+        "`taco`, defaults",
+        "`int6_hadamard`, defaults",
+        "record",
+    ]
     return table(header, rows)
 
 
 EMULATED = [  # (row, record, baseline label, label, attention)
-    ("GPT-1.3B, TP = 2, 4 x 2048", "train_step-2026-12-04-tp2-b4-sum-mosaic.json",
-     "gpt_1p3b tp=2 (vmap) none", "gpt_1p3b tp=2 (vmap) taco one_shot", "cuDNN"),
-    ("GPT-1.3B, TP = 2, 4 x 2048", "train_step-2026-12-02-tp2-vmap-cudnn-b4.json",
-     "gpt_1p3b tp=2 (vmap) attention=xla none", "gpt_1p3b tp=2 (vmap) attention=xla taco one_shot",
-     "XLA"),
-    ("GPT-1.3B, TP = 2, 8 x 2048", "train_step-2026-12-03-tp2-vmap-b8-wave.json",
-     "gpt_1p3b tp=2 (vmap) none", "gpt_1p3b tp=2 (vmap) taco one_shot", "cuDNN"),
-    ("GPT-125M, TP = 4, 8 x 2048", "train_step-2026-12-03-tp4-wave.json",
-     "gpt_125m tp=4 (vmap) none", "gpt_125m tp=4 (vmap) taco", "cuDNN"),
-    ("GPT-125M, TP = 4, 8 x 2048", "train_step-2026-12-02-tp4-cudnn.json",
-     "gpt_125m tp=4 (vmap) attention=xla none", "gpt_125m tp=4 (vmap) attention=xla taco", "XLA"),
-]  # fmt: skip
+    (
+        "GPT-1.3B, TP = 2, 4 x 2048",
+        "train_step-2026-12-04-tp2-b4-sum-mosaic.json",
+        "gpt_1p3b tp=2 (vmap) none",
+        "gpt_1p3b tp=2 (vmap) taco one_shot",
+        "cuDNN",
+    ),
+    (
+        "GPT-1.3B, TP = 2, 4 x 2048",
+        "train_step-2026-12-02-tp2-vmap-cudnn-b4.json",
+        "gpt_1p3b tp=2 (vmap) attention=xla none",
+        "gpt_1p3b tp=2 (vmap) attention=xla taco one_shot",
+        "XLA",
+    ),
+    (
+        "GPT-1.3B, TP = 2, 8 x 2048",
+        "train_step-2026-12-03-tp2-vmap-b8-wave.json",
+        "gpt_1p3b tp=2 (vmap) none",
+        "gpt_1p3b tp=2 (vmap) taco one_shot",
+        "cuDNN",
+    ),
+    (
+        "GPT-125M, TP = 4, 8 x 2048",
+        "train_step-2026-12-03-tp4-wave.json",
+        "gpt_125m tp=4 (vmap) none",
+        "gpt_125m tp=4 (vmap) taco",
+        "cuDNN",
+    ),
+    (
+        "GPT-125M, TP = 4, 8 x 2048",
+        "train_step-2026-12-02-tp4-cudnn.json",
+        "gpt_125m tp=4 (vmap) attention=xla none",
+        "gpt_125m tp=4 (vmap) attention=xla taco",
+        "XLA",
+    ),
+]
 CODEC_KERNELS = ("encode", "decode", "exchange")  # kernel names of the codec (the profile's kinds)
 
 
@@ -855,8 +1210,10 @@ def _emulated_row(row_name: str, record: dict, base: str, label: str, attention:
     c = comparison_of(record, base, label)
     if c is not None:
         r = harness_ratio(c, base, label)
-        added = f"{1 / r['median'] - 1:+.1%} [{1 / r['interval'][1] - 1:+.1%}, " \
-                f"{1 / r['interval'][0] - 1:+.1%}] ({r['verdict']})"  # fmt: skip
+        added = (
+            f"{1 / r['median'] - 1:+.1%} [{1 / r['interval'][1] - 1:+.1%}, "
+            f"{1 / r['interval'][0] - 1:+.1%}] ({r['verdict']})"
+        )
     else:
         added = f"{step_s / base_s - 1:+.1%}"
     kernels_ms = codec_kernels_ms(steps[label])
@@ -878,20 +1235,35 @@ def _emulated_row(row_name: str, record: dict, base: str, label: str, attention:
 def step_emulated(records: Records) -> str:
     """Emulated TP on one GPU: `taco` one-shot against uncompressed, the codec's kernels."""
     rows = []
-    for record in records.harness("train_step-", lambda r: any(
-            "(vmap)" in row["label"] for row in r["results"])):  # fmt: skip
+    for record in records.harness(
+        "train_step-", lambda r: any("(vmap)" in row["label"] for row in r["results"])
+    ):
         steps = _steps(record)
         for base in (lb for lb in steps if "(vmap)" in lb and lb.endswith(" none")):
             stem = base.removesuffix(" none")
             for label in (lb for lb in steps if lb.startswith(stem + " taco")):
                 preset, tp = stem.split()[:2]
-                rows.append(_emulated_row(f"{preset}, {tp.upper()}, {steps[base]['batch']} x "
-                                          f"{steps[base]['model']['seq_len']}, {label.split()[-1]}",
-                                          record, base, label, "auto"))  # fmt: skip
+                rows.append(
+                    _emulated_row(
+                        f"{preset}, TP = {tp[3:]}, {steps[base]['batch']} x "
+                        f"{steps[base]['model']['seq_len']}, {label.split()[-1]}",
+                        record,
+                        base,
+                        label,
+                        "auto",
+                    )
+                )
     for row_name, name, base, label, attention in EMULATED:
         rows.append(_emulated_row(row_name, records(name), base, label, attention))
-    header = ["emulated step", "attention", "uncompressed", "`taco` adds", "codec kernels (of the step)",
-              "peak memory", "record"]  # fmt: skip
+    header = [
+        "emulated step",
+        "attention",
+        "uncompressed",
+        "`taco` adds",
+        "codec kernels (of the step)",
+        "peak memory",
+        "record",
+    ]
     return table(header, rows)
 
 
@@ -908,30 +1280,49 @@ def step_pp2(records: Records) -> str:
     for row, name in PP:
         steps = _steps(records(name))
         base = steps[f"{PP_LABEL} none"]["median_step_s"]
-        cells = [f"{steps[f'{PP_LABEL} {c}']['median_step_s'] * 1e3:.1f} ms "
-                 f"({x(base / steps[f'{PP_LABEL} {c}']['median_step_s'])})" for c in ("tahquant", "taco")]  # fmt: skip
+        cells = [
+            f"{steps[f'{PP_LABEL} {c}']['median_step_s'] * 1e3:.1f} ms "
+            f"({x(base / steps[f'{PP_LABEL} {c}']['median_step_s'])})"
+            for c in ("tahquant", "taco")
+        ]
         rows.append([row, f"{base * 1e3:.1f} ms", *cells, source(records(name))])
     name = "train_step-2026-11-30-pp2-socket-grads-subbyte.json"
     steps = _steps(records(name))
     base = steps[f"{PP_LABEL} none"]["median_step_s"]
     for sends in ("none", "tahquant"):
-        cells = [f"{steps[f'{PP_LABEL} {sends} grads={c}']['median_step_s'] * 1e3:.1f} "
-                 f"({x(base / steps[f'{PP_LABEL} {sends} grads={c}']['median_step_s'])})"
-                 for c in ("taco", "int6_hadamard", "int4_hadamard")]  # fmt: skip
+        cells = [
+            f"{steps[f'{PP_LABEL} {sends} grads={c}']['median_step_s'] * 1e3:.1f} "
+            f"({x(base / steps[f'{PP_LABEL} {sends} grads={c}']['median_step_s'])})"
+            for c in ("taco", "int6_hadamard", "int4_hadamard")
+        ]
         sent = "bf16" if sends == "none" else "`tahquant`"
-        rows.append([f"sockets, {sent} sends, gradient sum `taco` / `int6` / `int4`",
-                     f"{base * 1e3:.1f} ms", " / ".join(cells), "-", source(records(name))])  # fmt: skip
-    header = ["step (GPipe, M = 8)", "bf16 sends, exact sums", "`tahquant` sends", "`taco` sends",
-              "record"]  # fmt: skip
+        rows.append(
+            [
+                f"sockets, {sent} sends, gradient sum `taco` / `int6` / `int4`",
+                f"{base * 1e3:.1f} ms",
+                " / ".join(cells),
+                "-",
+                source(records(name)),
+            ]
+        )
+    header = [
+        "step (GPipe, M = 8)",
+        "bf16 sends, exact sums",
+        "`tahquant` sends",
+        "`taco` sends",
+        "record",
+    ]
     return table(header, rows)
 
 
-PP_EMULATED = ("train_step-2026-12-02-pp2-emulate-schedules.json",
-               "train_step-2026-12-02-pp2-emulate-codecs.json")  # fmt: skip
+PP_EMULATED = (
+    "train_step-2026-12-02-pp2-emulate-schedules.json",
+    "train_step-2026-12-02-pp2-emulate-codecs.json",
+)
 
 
 def bubble(parallel: dict) -> float:
-    """A schedule's idle share, (P - 1) / (M V + P - 1) (`models.ParallelConfig.bubble_fraction`)."""
+    """A schedule's idle share, (P - 1) / (M V + P - 1) (`ParallelConfig.bubble_fraction`)."""
     pp = parallel["pp"]
     return (pp - 1) / (parallel["microbatches"] * parallel["repeats"] + pp - 1)
 
@@ -952,8 +1343,9 @@ def _over_bound(record: dict, label: str, ref: str) -> str:
 def step_pp2_emulated(records: Records) -> str:
     """Both stages of pp = 2 on one GPU, each schedule against its bubble bound."""
     rows = []
-    found = records.harness("train_step-", lambda r: any("(emulate)" in row["label"]
-                                                         for row in r["results"]))  # fmt: skip
+    found = records.harness(
+        "train_step-", lambda r: any("(emulate)" in row["label"] for row in r["results"])
+    )
     for record in [*found, *(records(n) for n in PP_EMULATED)]:
         steps = _steps(record)
         memory = record.get("pipeline_memory", {})
@@ -964,31 +1356,58 @@ def step_pp2_emulated(records: Records) -> str:
             ref = next((lb for lb in steps if "pp-ref" in lb and steps[lb]["batch"] == batch), None)
             peak = memory.get(label, {}).get("peak_gib")
             ref_ms = "-" if ref is None else f"{steps[ref]['median_step_s'] * 1e3:.1f} ms"
-            rows.append([label.removeprefix("gpt_1p3b ").replace(" (emulate)", ""),
-                         f"{row['median_step_s'] * 1e3:.1f} ms", ref_ms,
-                         "-" if ref is None else _over_bound(record, label, ref),
-                         "-" if peak is None else f"{peak} GiB",
-                         source(record)])  # fmt: skip
-    header = ["emulated pp = 2 step (GPT-1.3B)", "step", "one device, same batch", "x bound",
-              "peak memory", "record"]  # fmt: skip
+            rows.append(
+                [
+                    label.removeprefix("gpt_1p3b ").replace(" (emulate)", ""),
+                    f"{row['median_step_s'] * 1e3:.1f} ms",
+                    ref_ms,
+                    "-" if ref is None else _over_bound(record, label, ref),
+                    "-" if peak is None else f"{peak} GiB",
+                    source(record),
+                ]
+            )
+    header = [
+        "emulated pp = 2 step (GPT-1.3B)",
+        "step",
+        "one device, same batch",
+        "x bound",
+        "peak memory",
+        "record",
+    ]
     return table(header, rows)
 
 
-DP = (("NVLink", "train_step-2026-11-30-dp2-nvlink.json"),
-      ("shared memory", "train_step-2026-11-30-dp2-shm.json"),
-      ("sockets", "train_step-2026-11-30-dp2-socket.json"))  # fmt: skip
+DP = (
+    ("NVLink", "train_step-2026-11-30-dp2-nvlink.json"),
+    ("shared memory", "train_step-2026-11-30-dp2-shm.json"),
+    ("sockets", "train_step-2026-11-30-dp2-socket.json"),
+)
 
 
 def step_dp2(records: Records) -> str:
     rows = []
     for link, name in DP:
         steps = _steps(records(name))
-        t = {k: steps[f"gpt_350m dp=2 {k}"]["median_step_s"] for k in
-             ("replicated", "zero1 none", "zero1 sdp4bit")}  # fmt: skip
-        rows.append([link, *(f"{v * 1e3:.1f} ms" for v in t.values()),
-                     x(t["replicated"] / t["zero1 sdp4bit"]), source(records(name))])  # fmt: skip
-    header = ["link", "replicated AdamW", "ZeRO-1", "ZeRO-1 + SDP4Bit", "SDP4Bit vs replicated",
-              "record"]  # fmt: skip
+        t = {
+            k: steps[f"gpt_350m dp=2 {k}"]["median_step_s"]
+            for k in ("replicated", "zero1 none", "zero1 sdp4bit")
+        }
+        rows.append(
+            [
+                link,
+                *(f"{v * 1e3:.1f} ms" for v in t.values()),
+                x(t["replicated"] / t["zero1 sdp4bit"]),
+                source(records(name)),
+            ]
+        )
+    header = [
+        "link",
+        "replicated AdamW",
+        "ZeRO-1",
+        "ZeRO-1 + SDP4Bit",
+        "SDP4Bit vs replicated",
+        "record",
+    ]
     return table(header, rows)
 
 
@@ -997,9 +1416,13 @@ def checkpoint(records: Records) -> str:
     rows = []
     for mode, runs in record["runs"].items():
         pauses = [m["blocked_s"] for m in runs if m["kind"] == "checkpoint"]
-        rows.append([f"`run.async_checkpoint={'true' if mode == 'async' else 'false'}`",
-                     " and ".join(f"{p:.1f} s" for p in pauses),
-                     f"{record['wall_s_printed'][mode]:.1f} s"])  # fmt: skip
+        rows.append(
+            [
+                f"`run.async_checkpoint={'true' if mode == 'async' else 'false'}`",
+                " and ".join(f"{p:.1f} s" for p in pauses),
+                f"{record['wall_s_printed'][mode]:.1f} s",
+            ]
+        )
     note = f"`{record['name']}`; {record['printed_note']}."
     return table(["saves (steps 45 and 90)", "training held up", "run"], rows) + "\n\n" + fill(note)
 
@@ -1012,21 +1435,36 @@ def codec_error(records: Records) -> str:
     results, tps = record["results"], [str(t) for t in record["tp"]]
     rows = []
     for codec, bits in record["bits_per_element"].items():
-        cells = [" / ".join(f"{results[t][codec][data]['rel_l2']:.4f}" for t in tps)
-                 for data in ("gaussian", "student_t2", "outlier_channels")]  # fmt: skip
-        collapse = " / ".join(f"{100 * results[tps[-1]][codec][d]['zero_collapse']:.2f}%"
-                              for d in ("gaussian", "student_t2", "outlier_channels"))  # fmt: skip
+        cells = [
+            " / ".join(f"{results[t][codec][data]['rel_l2']:.4f}" for t in tps)
+            for data in ("gaussian", "student_t2", "outlier_channels")
+        ]
+        collapse = " / ".join(
+            f"{100 * results[tps[-1]][codec][d]['zero_collapse']:.2f}%"
+            for d in ("gaussian", "student_t2", "outlier_channels")
+        )
         rows.append([f"`{codec}`", f"{bits:g}", *cells, collapse])
-    header = ["codec", "bits", "Gaussian", "Student-t (2 dof)", "Gaussian + 1% outlier channels",
-              f"zero collapse, TP = {tps[-1]}"]  # fmt: skip
+    header = [
+        "codec",
+        "bits",
+        "Gaussian",
+        "Student-t (2 dof)",
+        "Gaussian + 1% outlier channels",
+        f"zero collapse, TP = {tps[-1]}",
+    ]
     return table(header, rows)
 
 
 def stage_codec_error(records: Records) -> str:
     record = records("stage_codec_error-2026-11-30.json")
-    rows = [[f"`{r['codec']}`", f"{r['bits_per_element']:.2f}",
-             *(f"{r[d]:.4f}" for d in ("gaussian", "student_t3", "outlier_channels"))]
-            for r in record["results"]]  # fmt: skip
+    rows = [
+        [
+            f"`{r['codec']}`",
+            f"{r['bits_per_element']:.2f}",
+            *(f"{r[d]:.4f}" for d in ("gaussian", "student_t3", "outlier_channels")),
+        ]
+        for r in record["results"]
+    ]
     return table(["codec", "bits / element", "Gaussian", "Student-t (3)", "outlier channels"], rows)
 
 
@@ -1037,9 +1475,16 @@ def model_3d(records: Records) -> str:
         for link in ("nvlink", "shm", "socket"):
             records(name.format(link=link))
     variants = list(record["scenarios"][0]["variants"])
-    rows = [[f"{LINK_NAMES[s['inside_node']]} / {LINK_NAMES[s['between_nodes']]}",
-             *(f"{s['variants'][v]['step_ms']:.0f} ms ({x(s['variants'][v]['speedup'])})"
-               for v in variants)] for s in record["scenarios"]]  # fmt: skip
+    rows = [
+        [
+            f"{LINK_NAMES[s['inside_node']]} / {LINK_NAMES[s['between_nodes']]}",
+            *(
+                f"{s['variants'][v]['step_ms']:.0f} ms ({x(s['variants'][v]['speedup'])})"
+                for v in variants
+            ),
+        ]
+        for s in record["scenarios"]
+    ]
     return table(["TP and PP link / DP link", *variants], rows)
 
 
@@ -1049,13 +1494,22 @@ def noise_floor(records: Records) -> str:
     rows = []
     for prefix in ("kernels", "collectives-", "stage_kernels", "train_step-"):
         for record in records.harness(prefix):
-            intervals = [_timing.summarize(c["times_s"])[_timing.AA_RATIO]["interval"]
-                         for c in record["comparisons"]]  # fmt: skip
+            intervals = [
+                _timing.summarize(c["times_s"])[_timing.AA_RATIO]["interval"]
+                for c in record["comparisons"]
+            ]
             widest = max(intervals, key=lambda iv: iv[1] - iv[0])
             rounds = [c["repeats"] for c in record["comparisons"]]
-            rows.append([f"`{record['name']}`", record["device"], str(len(intervals)),
-                         span(rounds, str), f"[{widest[0]:.3f}, {widest[1]:.3f}]",
-                         when([record])])  # fmt: skip
+            rows.append(
+                [
+                    f"`{record['name']}`",
+                    record["device"],
+                    str(len(intervals)),
+                    span(rounds, str),
+                    f"[{widest[0]:.3f}, {widest[1]:.3f}]",
+                    when([record]),
+                ]
+            )
     if not rows:
         return "(no record of the harness yet: `python -m benchmarks.headline`)"
     header = ["record", "device", "comparisons", "rounds", "widest A/A interval", "measured"]
@@ -1102,8 +1556,10 @@ def render(text: str, records: Records) -> str:
         name = match.group(2)
         if name not in TABLES:
             raise KeyError(f"unknown table {name!r}; the tables are {sorted(TABLES)}")
-        lead, trail = ("\n" if edge else "" for edge in (match.group(3).startswith("\n"),
-                                                           match.group(3).endswith("\n")))  # fmt: skip
+        lead, trail = (
+            "\n" if edge else ""
+            for edge in (match.group(3).startswith("\n"), match.group(3).endswith("\n"))
+        )
         return f"{match.group(1)}{lead}{TABLES[name](records)}{trail}{match.group(4)}"
 
     return BLOCK.sub(block, text)
@@ -1118,6 +1574,7 @@ def rendered(results=(RESULTS,), cpu_ok: bool = False) -> tuple[dict[str, str], 
 def write(results=(RESULTS,), docs_dir=REPO, cpu_ok: bool = False) -> list[pathlib.Path]:
     """Regenerates the documents into `docs_dir` (the repository: in place)."""
     texts, _ = rendered(results, cpu_ok)
+    pathlib.Path(docs_dir).mkdir(parents=True, exist_ok=True)
     paths = []
     for doc, text in texts.items():
         path = pathlib.Path(docs_dir) / doc

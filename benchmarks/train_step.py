@@ -551,8 +551,12 @@ def main(argv=None) -> None:
     parser.add_argument("--min-repeats", type=int, default=_timing.MIN_REPEATS,
                         help="rounds of steps a group, at least")  # fmt: skip
     parser.add_argument("--max-repeats", type=int, default=20, help="rounds a group, at most")
-    parser.add_argument("--deadline", type=float, default=None,
-                        help="time.time() after which groups stop at their minimum rounds")  # fmt: skip
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="time.time() after which groups stop at their minimum rounds",
+    )
     parser.add_argument("--tp-preset", default="gpt_1p3b", help="model of the real-TP runs")
     parser.add_argument("--batch-125m", type=int, default=16)
     parser.add_argument("--batch-1p3b", type=int, default=8)

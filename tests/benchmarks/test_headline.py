@@ -1,0 +1,56 @@
+"""`python -m benchmarks.headline --dry`: the headline's command end to end on the CPU (8 fake
+devices, tiny sizes, two rounds), its records, and the tables it regenerates from them."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import headline, tables
+
+PARTS = {  # record written by each part of the dry run
+    "collectives-nvlink": "collectives-*-headline-nvlink.json",
+    "step-nvlink": "train_step-*-headline-nvlink.json",
+    "collectives-shm": "collectives-*-headline-shm.json",
+    "step-shm": "train_step-*-headline-shm.json",
+    "collectives-socket": "collectives-*-headline-socket.json",
+    "step-socket": "train_step-*-headline-socket.json",
+    "kernels": "kernels-*-headline.json",
+    "vmap": "collectives-*-headline-vmap.json",
+    "step-gpt_tiny": "train_step-*-headline-tp2-vmap.json",
+}
+
+
+def test_dry_plan_names_every_part():
+    """The plan the slow test runs: every link's all-reduce and step, then the one-GPU parts."""
+    args = headline.parser().parse_args(["--dry"])
+    assert [part.name for part in headline.plan(args)] == list(PARTS)
+
+
+@pytest.mark.slow
+def test_dry_run_end_to_end(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.headline", "--dry", "--out",
+                           str(tmp_path)], cwd=tables.REPO, env=env, capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = {}
+    for part, pattern in PARTS.items():
+        (path,) = tmp_path.glob(pattern)
+        records[part] = json.loads(path.read_text())
+        assert records[part]["comparisons"], part  # the harness's raw times
+    # Each link's process ran with that link's NCCL variables.
+    assert tables.record_link(records["collectives-socket"]) == "socket"
+    assert tables.record_link(records["step-shm"]) == "shm"
+    # The documents regenerated into the output directory show the dry records' rows.
+    benchmarks_md = (tmp_path / "BENCHMARKS.md").read_text()
+    for pattern in PARTS.values():
+        name = next(tmp_path.glob(pattern)).name
+        assert f"`{name}`" in benchmarks_md, name  # the noise floor lists every record
+    rows = [line for line in benchmarks_md.splitlines() if "TP = 8, `taco`" in line]
+    assert any("all-reduce" in row and " level" in row for row in rows), rows
+    assert any("gpt_tiny training step" in row for row in rows), rows
+    # ... and the committed documents were left alone.
+    assert (tables.REPO / "BENCHMARKS.md").read_text() == tables.rendered()[0]["BENCHMARKS.md"]
