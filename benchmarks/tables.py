@@ -8,10 +8,10 @@ it is written by hand. Each NAME is a function of `TABLES`, which reads its reco
 `Records` (so the set of records the tables read is known: every file in results/ must be one,
 tests/benchmarks/test_tables.py). A record of the harness (`_timing`: it holds "comparisons")
 gives each ratio its median, interval and verdict, recomputed here from its raw times; an older
-record gives one median per side and no verdict, which the tables say. Where a harness record
-measures what an older one did (the headline's rows, the kernels, the emulated steps) the
-newest one is shown. A row says when and on which commit it was measured, and whether the
-kernels' code has changed since (`_common.kernels_fingerprint`).
+record gives one median per side and no verdict, which the tables mark. A headline cell shows
+the newest harness record that measured it, else the older record; the other tables list the
+harness's records beside the older ones. A row says when and on which commit it was measured,
+and whether the kernels' code has changed since (`_common.kernels_fingerprint`).
 """
 
 from __future__ import annotations
@@ -51,9 +51,13 @@ class Records:
         self._cache: dict[str, dict] = {}
 
     def __call__(self, name: str) -> dict:
+        """The record `name`, counted as read."""
         if name not in self.paths:
             raise KeyError(f"a table reads {name!r}, which is not in benchmarks/results/")
         self.read.add(name)
+        return self._load(name)
+
+    def _load(self, name: str) -> dict:
         if name not in self._cache:
             record = json.loads(self.paths[name].read_text())
             self._cache[name] = record | {"name": name}
@@ -66,7 +70,7 @@ class Records:
         for name in self.paths:
             if not name.startswith(prefix):
                 continue
-            record = json.loads(self.paths[name].read_text())
+            record = self._load(name)
             gpu = record.get("backend") == "gpu" or self.cpu_ok
             if "comparisons" in record and gpu and where(record):
                 found.append(self(name))
@@ -76,8 +80,9 @@ class Records:
 # Formatting ---------------------------------------------------------------------------------
 
 
-def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+def table(header: str, rows: list[list[str]]) -> str:
+    """A markdown table: `header` is its cells joined by " | "."""
+    lines = [f"| {header} |", "|" + "---|" * len(header.split(" | "))]
     return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in rows)])
 
 
@@ -125,7 +130,8 @@ LINK_NAMES = {"nvlink": "NVLink", "shm": "shared memory", "socket": "sockets"}
 
 NO_AA, KERNELS_CHANGED = "\u2020", "\u2021"  # the marks of `when`
 LEGEND = (
-    f"{NO_AA} before the harness: one median per side, no A/A control, no verdict. "
+    f"{NO_AA} before the harness: one median per side, no A/A control, no verdict; the commit "
+    "named is the one that added the record. "
     f"{KERNELS_CHANGED} the kernels' code has changed since (for records before the "
     f"harness: replaced in `{KERNELS_REPLACED}`, docs/decisions/004-one-kernel-per-op.md)."
 )
@@ -164,10 +170,6 @@ def source(record: dict, strip: str = "") -> str:
     return text
 
 
-def names(records: list[dict]) -> str:
-    return ", ".join(f"`{r['name']}`" for r in records)
-
-
 # Harness ratios, from the raw times --------------------------------------------------------
 
 
@@ -194,64 +196,28 @@ def median_time(comparison: dict, name: str) -> float:
 
 # The headline ------------------------------------------------------------------------------
 
+# fmt: off
 HEADLINE_COLLECTIVES = [  # (codec, tp, {link: the record before the harness}, its algorithm)
-    (
-        "taco",
-        2,
-        {
-            "nvlink": "collectives-2026-11-30-x2-nvlink-auto-fused.json",
-            "shm": "collectives-2026-11-30-x2-shm-auto.json",
-            "socket": "collectives-2026-11-30-x2-socket-auto.json",
-        },
-        "auto",
-    ),
-    (
-        "int6_hadamard",
-        2,
-        {
-            "shm": "collectives-2026-11-30-x2-shm-subbyte.json",
-            "socket": "collectives-2026-11-30-x2-socket-subbyte.json",
-        },
-        "one_shot",
-    ),
+    ("taco", 2, {"nvlink": "collectives-2026-11-30-x2-nvlink-auto-fused.json",
+                 "shm": "collectives-2026-11-30-x2-shm-auto.json",
+                 "socket": "collectives-2026-11-30-x2-socket-auto.json"}, "auto"),
+    ("int6_hadamard", 2, {"shm": "collectives-2026-11-30-x2-shm-subbyte.json",
+                          "socket": "collectives-2026-11-30-x2-socket-subbyte.json"}, "one_shot"),
     ("taco", 4, {"shm": "collectives-2026-11-30-x4-shm.json"}, "auto"),
 ]
+# fmt: on
+# fmt: off
+B1 = "gpt_1p3b tp=2 (shard_map)"  # the labels of train_step.py's GPT-1.3B TP = 2 steps
 HEADLINE_STEPS = [  # (preset, codec, tp, {link: (record, baseline label, label)}) before it
-    (
-        "gpt_1p3b",
-        "taco",
-        2,
-        {
-            "nvlink": (
-                "train_step-2026-11-30-tp2-nvlink-fused.json",
-                "gpt_1p3b tp=2 (shard_map) none",
-                "gpt_1p3b tp=2 (shard_map) taco auto",
-            ),
-            "shm": (
-                "train_step-2026-11-30-tp2-shm.json",
-                "gpt_1p3b tp=2 (shard_map) none",
-                "gpt_1p3b tp=2 (shard_map) taco auto",
-            ),
-            "socket": (
-                "train_step-2026-11-30-tp2-socket.json",
-                "gpt_1p3b tp=2 (shard_map) none",
-                "gpt_1p3b tp=2 (shard_map) taco",
-            ),
-        },
-    ),
-    (
-        "gpt_1p3b",
-        "int6_hadamard",
-        2,
-        {
-            "shm": (
-                "train_step-2026-11-30-tp2-shm-int6.json",
-                "gpt_1p3b tp=2 (shard_map) none",
-                "gpt_1p3b tp=2 (shard_map) int6_hadamard auto",
-            )
-        },
-    ),
+    ("gpt_1p3b", "taco", 2, {
+        "nvlink": ("train_step-2026-11-30-tp2-nvlink-fused.json", f"{B1} none", f"{B1} taco auto"),
+        "shm": ("train_step-2026-11-30-tp2-shm.json", f"{B1} none", f"{B1} taco auto"),
+        "socket": ("train_step-2026-11-30-tp2-socket.json", f"{B1} none", f"{B1} taco")}),
+    ("gpt_1p3b", "int6_hadamard", 2, {
+        "shm": ("train_step-2026-11-30-tp2-shm-int6.json", f"{B1} none",
+                f"{B1} int6_hadamard auto")}),
 ]
+# fmt: on
 HEADLINE_FROM = 16 * MiB  # the all-reduce's headline sizes: from 16 MiB (all, where none is)
 PRESETS = {"gpt_125m": "GPT-125M", "gpt_350m": "GPT-350M", "gpt_1p3b": "GPT-1.3B"}
 STEP_LABEL = re.compile(r"(\S+) tp=(\d+) \(shard_map\) (\S+) auto$")  # a real-TP step's label
@@ -392,7 +358,7 @@ def headline_rows(records: Records, readme: bool = False) -> list[list[str]]:
     return rows
 
 
-HEADLINE_HEADER = ["measured", "NVLink", "PCIe-class (shared memory)", "sockets", "measured on"]
+HEADLINE_HEADER = "measured | NVLink | PCIe-class (shared memory) | sockets | measured on"
 
 
 def headline(records: Records) -> str:
@@ -409,7 +375,8 @@ def readme_measured(records: Records) -> str:
         "time, same run."
     )
     legend = (
-        f"{NO_AA} one median per side, no A/A control; {KERNELS_CHANGED} kernels changed since."
+        f"{NO_AA} one median per side, no A/A control, the commit that added the record; "
+        f"{KERNELS_CHANGED} kernels changed since."
     )
     rows = headline_rows(records, readme=True)
     return "\n\n".join(
@@ -427,11 +394,10 @@ def fill(text: str) -> str:
 
 # Convergence --------------------------------------------------------------------------------
 
-SEEDS_TP4 = (
-    "convergence-2026-11-29.json",
-    "convergence-2026-11-30-subbyte.json",
-    "convergence-2026-12-01-seeds.json",
-)
+# fmt: off
+SEEDS_TP4 = ("convergence-2026-11-29.json", "convergence-2026-11-30-subbyte.json",
+             "convergence-2026-12-01-seeds.json")
+# fmt: on
 SEEDS_TP8 = ("convergence-2026-12-01-tp8-seeds.json",)
 
 
@@ -497,73 +463,41 @@ def accuracy(records: Records, doc: str = "BENCHMARKS.md") -> str:
     )
 
 
+# fmt: off
+C = "convergence-2026-"  # the records' names, less their date
 CONVERGENCE = [  # (layout, codec label, records, codec in the runs, layout in the runs)
     ("TP = 4", "`taco`", SEEDS_TP4, "taco", "tp4"),
     ("TP = 8", "`taco`", SEEDS_TP8, "taco", "tp8"),
     ("TP = 4", "`int6_hadamard`", SEEDS_TP4, "int6_hadamard", "tp4"),
     ("TP = 8", "`int6_hadamard`", SEEDS_TP8, "int6_hadamard", "tp8"),
-    ("TP = 4", "`int5_hadamard`", ("convergence-2026-11-30-subbyte.json",), "int5_hadamard", "tp4"),
-    ("TP = 4", "`int4_hadamard`", ("convergence-2026-11-30-subbyte.json",), "int4_hadamard", "tp4"),
-    ("TP = 4", "`fp8` (no ASH)", ("convergence-2026-11-29.json",), "fp8", "tp4"),
-    ("TP = 4", "`int8_hadamard`", ("convergence-2026-11-29.json",), "int8_hadamard", "tp4"),
-    ("TP = 4", "`taco_no_ds` (no DS)", ("convergence-2026-11-29.json",), "taco_no_ds", "tp4"),
-    ("TP = 8", "`taco_no_ds` (no DS)", ("convergence-2026-11-29.json",), "taco_no_ds", "tp8"),
-    ("pp = 2", "`tahquant` sends", ("convergence-2026-11-30-dp-pp.json",), "tahquant", "pp2"),
-    (
-        "pp = 2",
-        "`tahquant` + `taco` shared-gradient sum",
-        ("convergence-2026-11-30-pp-grads.json",),
-        "tahquant+grads=taco",
-        "pp2",
-    ),
-    (
-        "pp = 2",
-        "`tahquant` + `int6_hadamard` sum",
-        ("convergence-2026-11-30-pp-grads.json",),
-        "tahquant+grads=int6_hadamard",
-        "pp2",
-    ),
-    ("dp = 2", "`sdp4bit`", ("convergence-2026-11-30-dp-pp.json",), "sdp4bit", "dp2"),
-    (
-        "TP 4 x PP 2 x DP 2",
-        "all three",
-        ("convergence-2026-12-01-3d.json",),
-        "tp=taco+pp=tahquant+dp=sdp4bit",
-        "3ddp2pp2tp4",
-    ),
-    (
-        "same, 91.5M GPT",
-        "all three",
-        ("convergence-2026-12-01-3d-91m.json",),
-        "tp=taco+pp=tahquant+dp=sdp4bit",
-        "3ddp2pp2tp4",
-    ),
-    (
-        "same, 91.5M GPT",
-        "`taco` on TP alone",
-        ("convergence-2026-12-01-3d-91m.json",),
-        "tp=taco",
-        "3ddp2pp2tp4",
-    ),
-    (
-        "same, 91.5M GPT",
-        "`tahquant4` on TP (TAH-Quant's 4 bits)",
-        ("convergence-2026-12-01-3d-91m.json",),
-        "tp=tahquant4",
-        "3ddp2pp2tp4",
-    ),
+    ("TP = 4", "`int5_hadamard`", (f"{C}11-30-subbyte.json",), "int5_hadamard", "tp4"),
+    ("TP = 4", "`int4_hadamard`", (f"{C}11-30-subbyte.json",), "int4_hadamard", "tp4"),
+    ("TP = 4", "`fp8` (no ASH)", (f"{C}11-29.json",), "fp8", "tp4"),
+    ("TP = 4", "`int8_hadamard`", (f"{C}11-29.json",), "int8_hadamard", "tp4"),
+    ("TP = 4", "`taco_no_ds` (no DS)", (f"{C}11-29.json",), "taco_no_ds", "tp4"),
+    ("TP = 8", "`taco_no_ds` (no DS)", (f"{C}11-29.json",), "taco_no_ds", "tp8"),
+    ("pp = 2", "`tahquant` sends", (f"{C}11-30-dp-pp.json",), "tahquant", "pp2"),
+    ("pp = 2", "`tahquant` + `taco` shared-gradient sum", (f"{C}11-30-pp-grads.json",),
+     "tahquant+grads=taco", "pp2"),
+    ("pp = 2", "`tahquant` + `int6_hadamard` sum", (f"{C}11-30-pp-grads.json",),
+     "tahquant+grads=int6_hadamard", "pp2"),
+    ("dp = 2", "`sdp4bit`", (f"{C}11-30-dp-pp.json",), "sdp4bit", "dp2"),
+    ("TP 4 x PP 2 x DP 2", "all three", (f"{C}12-01-3d.json",),
+     "tp=taco+pp=tahquant+dp=sdp4bit", "3ddp2pp2tp4"),
+    ("same, 91.5M GPT", "all three", (f"{C}12-01-3d-91m.json",),
+     "tp=taco+pp=tahquant+dp=sdp4bit", "3ddp2pp2tp4"),
+    ("same, 91.5M GPT", "`taco` on TP alone", (f"{C}12-01-3d-91m.json",), "tp=taco",
+     "3ddp2pp2tp4"),
+    ("same, 91.5M GPT", "`tahquant4` on TP (TAH-Quant's 4 bits)", (f"{C}12-01-3d-91m.json",),
+     "tp=tahquant4", "3ddp2pp2tp4"),
 ]
+# fmt: on
 
 
-TRAFFIC = {
-    "tp_reduce_fwd": "TP fwd",
-    "tp_copy_bwd": "TP bwd",
-    "pp": "PP fwd",
-    "pp_bwd": "PP bwd",
-    "pp_grads": "PP sum",
-    "dp_grad": "DP grad",
-    "dp_param": "DP param",
-}
+# fmt: off
+TRAFFIC = {"tp_reduce_fwd": "TP fwd", "tp_copy_bwd": "TP bwd", "pp": "PP fwd", "pp_bwd": "PP bwd",
+           "pp_grads": "PP sum", "dp_grad": "DP grad", "dp_param": "DP param"}
+# fmt: on
 
 
 def _errors(runs: list[dict], layout: str, codec: str) -> str:
@@ -581,26 +515,14 @@ def convergence(records: Records) -> str:
     for layout, label, names_, codec, run_layout in CONVERGENCE:
         runs = _runs(records, names_)
         p = paired(runs, run_layout, codec)
-        rows.append(
-            [
-                layout,
-                label,
-                str(len(p["seeds"])),
-                _pm(p),
-                "-" if len(p["seeds"]) < 2 else f"{p['spread']:.2f}%",
-                _errors(runs, run_layout, codec),
-                ", ".join(f"`{n.removeprefix('convergence-')}`" for n in names_),
-            ]
-        )
-    header = [
-        "layout",
-        "codec",
-        "seeds",
-        "validation loss vs bf16, paired (mean +- s.e.)",
-        "bf16 spread between seeds",
-        "error per collective",
-        "records (`convergence-…`)",
-    ]
+        rows.append([layout, label, str(len(p["seeds"])), _pm(p),
+                     "-" if len(p["seeds"]) < 2 else f"{p['spread']:.2f}%",
+                     _errors(runs, run_layout, codec),
+                     ", ".join(f"`{n.removeprefix('convergence-')}`" for n in names_)])  # fmt: skip
+    header = (
+        "layout | codec | seeds | validation loss vs bf16, paired (mean +- s.e.) | "
+        "bf16 spread between seeds | error per collective | records (`convergence-…`)"
+    )
     return table(header, rows)
 
 
@@ -619,15 +541,11 @@ def default_run(records: Records) -> str:
 # Kernels ------------------------------------------------------------------------------------
 
 KERNEL_SIZES = tuple(s * MiB for s in (16, 64, 256, 1024))  # a TP step's messages
+# fmt: off
+K = "kernels-2026-12-"  # the records' names, less their date
 LOWERINGS = [  # (codec label, peers, record, ops, an earlier run's record) before the harness
-    (
-        "`taco`",
-        8,
-        "kernels-2026-12-04-widened.json",
-        None,
-        "kernels-2026-12-02-register-operands.json",
-    ),
-    ("`taco`", 2, "kernels-2026-12-04-p2-widened.json", None, "kernels-2026-12-04-p2.json"),
+    ("`taco`", 8, f"{K}04-widened.json", None, f"{K}02-register-operands.json"),
+    ("`taco`", 2, f"{K}04-p2-widened.json", None, f"{K}04-p2.json"),
     ("`taco_e5m2`", 8, "kernels-taco_e5m2-2026-12-03.json", ("encode", "decode"), None),
     ("`fp8`", 8, "kernels-fp8-2026-12-02-regload.json", None, None),
     ("`int8`", 8, "kernels-int8-2026-12-02-mosaic.json", None, None),
@@ -635,13 +553,12 @@ LOWERINGS = [  # (codec label, peers, record, ops, an earlier run's record) befo
     ("`int6_hadamard`", 8, "kernels-int6_hadamard-2026-12-03.json", None, None),
     ("`int4_hadamard`", 8, "kernels-int4_hadamard-2026-12-03.json", None, None),
 ]
+# fmt: on
 OPS = ("encode", "decode", "decode_sum", "decode_sum_reencode")
-OP_NAMES = {
-    "encode": "encode",
-    "decode": "decode",
-    "decode_sum": "decode-sum",
-    "decode_sum_reencode": "re-encode",
-}
+# fmt: off
+OP_NAMES = {"encode": "encode", "decode": "decode", "decode_sum": "decode-sum",
+            "decode_sum_reencode": "re-encode"}
+# fmt: on
 MOSAIC_CODECS = ("`taco`", "`taco_e5m2`")  # the registry's Mosaic codecs among the rows
 
 
@@ -653,13 +570,11 @@ def _mosaic_name(op: str, peers: int, row: dict) -> str:
 
 def kernels(records: Records) -> str:
     """Triton / Mosaic, % of the copy's bandwidth in one program, the registry's in bold."""
-    header = [
-        "codec, peers, op: Triton / Mosaic",
-        *(size(s) for s in KERNEL_SIZES),
-        "record (`kernels-…`)",
-    ]
+    sizes = " | ".join(size(s) for s in KERNEL_SIZES)
+    header = f"codec, peers, op: Triton / Mosaic | {sizes} | record (`kernels-…`)"
     rows = []
-    for record in records.harness("kernels", lambda r: set(r["backends"]) >= {"triton", "mosaic"}):
+    both = lambda r: {"triton", "mosaic"} <= set(r["backends"])
+    for record in records.harness("kernels", both):
         rows += _harness_kernel_rows(record)
     for label, peers, name, ops, earlier in LOWERINGS:
         record = records(name)
@@ -700,57 +615,47 @@ def _pair_cell(pair, mosaic: bool | None) -> str:
 
 
 def _harness_kernel_rows(record: dict) -> list[list[str]]:
-    """A harness record of both lowerings: Triton / Mosaic time of each op with its interval
-    and verdict (> 1: Mosaic faster), per size."""
-    peers, codec = record["peers"], record["codec"]
+    """A harness record of both lowerings: Triton / Mosaic % of copy per op and size, the
+    registry's in bold, with the verdict of Mosaic against Triton (paired, A/A-controlled)."""
+    mosaic = record["registry"]["encode"].startswith("mosaic")
     rows = []
     for op in OPS:
         cells = []
-        for s in KERNEL_SIZES:
-            c = next((c for c in record["comparisons"] if c["bytes"] == s), None)
-            names_ = [f"{op}_triton", f"{op}_mosaic"]
-            if c is None or not all(n in c["times_s"] for n in names_):
+        for nbytes in KERNEL_SIZES:
+            bench = next((b for b in record["bench"] if b["bytes"] == nbytes), {})
+            c = next((c for c in record["comparisons"] if c["bytes"] == nbytes), None)
+            pair = [f"{op}_triton", f"{op}_mosaic"]
+            if c is None or not all(name in c["times_s"] for name in pair):
                 cells.append("-")
                 continue
-            cells.append(judged(harness_ratio(c, *names_)))
+            verdict = harness_ratio(c, *pair)["verdict"]
+            cells.append(f"{_pair_cell([bench[n] for n in pair], mosaic)} {verdict}")
         if any(cell != "-" for cell in cells):
-            rows.append(
-                [
-                    f"`{codec}`, {peers}, {OP_NAMES[op]}: Triton time / Mosaic time",
-                    *cells,
-                    source(record),
-                ]
-            )
+            label = f"`{record['codec']}`, {record['peers']}, {OP_NAMES[op]}"
+            rows.append([label, *cells, source(record, "kernels-")])
     return rows
 
 
 def registry_kernels(records: Records) -> str:
-    """The harness's kernel table: each op's kernel (the registry's) as a share of the copy."""
-    found = records.harness("kernels", lambda r: r["backends"] == ["auto"])
-    if not found:
+    """The registry's kernels with the harness: % of the copy [interval] per op and size, the
+    newest record of each codec and peer count."""
+    newest: dict[tuple, dict] = {}
+    for record in records.harness("kernels", lambda r: "auto" in r["backends"]):
+        newest.setdefault((record["codec"], record["peers"]), record)
+    if not newest:
         return "(no record of the harness yet: `python -m benchmarks.headline` on one GPU)"
     rows = []
-    for record in found[:1]:
+    for record in newest.values():
         for b in record["bench"]:
             c = next(c for c in record["comparisons"] if c["bytes"] == b["bytes"])
             aa = _timing.summarize(c["times_s"])[_timing.AA_RATIO]
             cells = [_of_copy(b[op]) if op in b else "-" for op in OPS]
-            rows.append(
-                [
-                    f"`{record['codec']}`, {size(b['bytes'])}",
-                    f"{b['copy_in_program_tbps']:.2f}",
-                    *cells,
-                    judged_aa(aa),
-                ]
-            )
-        header = [
-            "codec, message",
-            "copy TB/s",
-            *(f"{OP_NAMES[op]} ({record['registry'][op]})" for op in OPS),
-            "A/A of the copy",
-        ]
-        return table(header, rows) + f"\n\n{names([record])}: {when([record])}."
-    return ""
+            kernels_ = "/".join(dict.fromkeys(record["registry"].values()))
+            what = f"`{record['codec']}`, {record['peers']}, {size(b['bytes'])} ({kernels_})"
+            rows.append([what, *cells, judged_aa(aa), source(record, "kernels-")])
+    ops = " | ".join(OP_NAMES[op] for op in OPS)
+    header = f"codec, peers, message (kernels) | {ops} | copy A/A | record (`kernels-…`)"
+    return table(header, rows)
 
 
 def _of_copy(op: dict) -> str:
@@ -763,11 +668,11 @@ def judged_aa(aa: dict) -> str:
     return f"[{lo:.3f}, {hi:.3f}]"
 
 
-LAUNCH_SWEEPS = (
-    "launch_sweep-2026-12-03-wave-r1.json",
-    "launch_sweep-2026-12-04-decode_sum-p8-widened.json",
-    "launch_sweep-2026-12-04-decode_sum-p2-sizes.json",
-)
+# fmt: off
+LAUNCH_SWEEPS = ("launch_sweep-2026-12-03-wave-r1.json",
+                 "launch_sweep-2026-12-04-decode_sum-p8-widened.json",
+                 "launch_sweep-2026-12-04-decode_sum-p2-sizes.json")
+# fmt: on
 
 
 def launches(records: Records) -> str:
@@ -789,24 +694,12 @@ def launches(records: Records) -> str:
             )
         peers = record["rows"][0]["peers"]
         sizes = f"{size(min(by_size))}-{size(max(by_size))}, {len(by_size)} sizes"
-        rows.append(
-            [
-                f"{record['op']}, {peers}",
-                sizes,
-                span(triton, pct),
-                span(mosaic, pct),
-                span(best, pct),
-                source(record, "launch_sweep-"),
-            ]
-        )
-    header = [
-        "op, peers",
-        "messages",
-        "Triton default",
-        "Mosaic default then",
-        "fastest swept",
-        "record (`launch_sweep-…`)",
-    ]
+        rows.append([f"{record['op']}, {peers}", sizes, span(triton, pct), span(mosaic, pct),
+                     span(best, pct), source(record, "launch_sweep-")])  # fmt: skip
+    header = (
+        "op, peers | messages | Triton default | Mosaic default then | fastest swept | "
+        "record (`launch_sweep-…`)"
+    )
     return table(header, rows)
 
 
@@ -844,30 +737,23 @@ def stage_kernels(records: Records) -> str:
             rows.append(
                 [f"`{codec}`", f"{every[0]['bits_per_element']:.2f}", *cells, speed, source(record)]
             )
-    header = [
-        "codec",
-        "bits / element",
-        "Gaussian: encode / decode, % of copy",
-        "outlier channels: encode / decode",
-        "vs jnp reference (enc / dec)",
-        "record",
-    ]
+    header = (
+        "codec | bits / element | Gaussian: encode / decode, % of copy | "
+        "outlier channels: encode / decode | vs jnp reference (enc / dec) | record"
+    )
     return table(header, rows)
 
 
 # Collectives --------------------------------------------------------------------------------
 
+# fmt: off
+X2 = "collectives-2026-11-30-x2"  # the records' names, less their link
 COLLECTIVES = {  # link: (the named algorithms' record, the defaults' record) before the harness
-    "nvlink": (
-        "collectives-2026-11-30-x2-nvlink-fused.json",
-        "collectives-2026-11-30-x2-nvlink-auto-fused.json",
-    ),
-    "shm": ("collectives-2026-11-30-x2-shm.json", "collectives-2026-11-30-x2-shm-auto.json"),
-    "socket": (
-        "collectives-2026-11-30-x2-socket.json",
-        "collectives-2026-11-30-x2-socket-auto.json",
-    ),
+    "nvlink": (f"{X2}-nvlink-fused.json", f"{X2}-nvlink-auto-fused.json"),
+    "shm": (f"{X2}-shm.json", f"{X2}-shm-auto.json"),
+    "socket": (f"{X2}-socket.json", f"{X2}-socket-auto.json"),
 }
+# fmt: on
 ALGORITHMS = ("one_shot", "two_shot", "fused")
 
 
@@ -918,33 +804,18 @@ def collectives(records: Records) -> str:
             pair_cell = " / ".join(
                 x(pair[a]["speedup"]) if a in pair else "-" for a in ("-", "fused")
             )
-            rows.append(
-                [
-                    LINK_NAMES[link],
-                    size(nbytes),
-                    seconds(ar["-"]["seconds"]),
-                    *cells,
-                    _defaults_cell(defaults[0]) if defaults else "-",
-                    pair_cell,
-                ]
-            )
-    header = [
-        "link",
-        "message",
-        "`lax.psum`",
-        "one-shot",
-        "two-shot",
-        "fused",
-        "defaults (chose)",
-        "RS + AG pair: NCCL / fused",
-    ]
+            rows.append([LINK_NAMES[link], size(nbytes), seconds(ar["-"]["seconds"]), *cells,
+                         _defaults_cell(defaults[0]) if defaults else "-", pair_cell])  # fmt: skip
+    header = (
+        "link | message | `lax.psum` | one-shot | two-shot | fused | defaults (chose) | "
+        "RS + AG pair: NCCL / fused"
+    )
     return table(header, rows)
 
 
-SUBBYTE = [
-    ("shm", 2, "collectives-2026-11-30-x2-shm-subbyte.json"),
-    ("socket", 2, "collectives-2026-11-30-x2-socket-subbyte.json"),
-]
+# fmt: off
+SUBBYTE = [("shm", 2, f"{X2}-shm-subbyte.json"), ("socket", 2, f"{X2}-socket-subbyte.json")]
+# fmt: on
 
 
 def collectives_subbyte(records: Records) -> str:
@@ -959,15 +830,8 @@ def collectives_subbyte(records: Records) -> str:
                 f"{x(ar[c]['speedup'])} / {x(pair[c]['speedup'])}"
                 for c in ("taco", "int6_hadamard", "int4_hadamard")
             ]
-            rows.append(
-                [
-                    f"{LINK_NAMES[link]}, {tp}",
-                    size(nbytes),
-                    seconds(ar["lax"]["seconds"]),
-                    *cells,
-                    f"`{name.removeprefix('collectives-')}`",
-                ]
-            )
+            rows.append([f"{LINK_NAMES[link]}, {tp}", size(nbytes), seconds(ar["lax"]["seconds"]),
+                         *cells, f"`{name.removeprefix('collectives-')}`"])  # fmt: skip
     record = records("collectives-2026-11-30-x4-shm.json")
     for nbytes in sorted({r["bytes"] for r in record["rows"]}):
         ar = {r["algorithm"].split(":")[0]: r for r in _rows_of(record, bytes=nbytes, tp=4)}
@@ -976,26 +840,12 @@ def collectives_subbyte(records: Records) -> str:
             f"one-shot {x(ar['one_shot']['speedup'])}, two-shot {x(ar['two_shot']['speedup'])}"
             f", defaults {x(ar['auto']['speedup'])} / {x(pair[0]['speedup'])}"
         )
-        rows.append(
-            [
-                "shared memory, 4",
-                size(nbytes),
-                seconds(ar["-"]["seconds"]),
-                cell,
-                "-",
-                "-",
-                "`2026-11-30-x4-shm.json`",
-            ]
-        )
-    header = [
-        "link, N",
-        "message",
-        "`lax.psum`",
-        "`taco`: all-reduce / pair",
-        "`int6_hadamard`",
-        "`int4_hadamard`",
-        "record (`collectives-…`)",
-    ]
+        rows.append(["shared memory, 4", size(nbytes), seconds(ar["-"]["seconds"]), cell, "-",
+                     "-", "`2026-11-30-x4-shm.json`"])  # fmt: skip
+    header = (
+        "link, N | message | `lax.psum` | `taco`: all-reduce / pair | `int6_hadamard` | "
+        "`int4_hadamard` | record (`collectives-…`)"
+    )
     return table(header, rows)
 
 
@@ -1009,80 +859,34 @@ def collectives_harness(records: Records) -> str:
             aa = _timing.summarize(c["times_s"])[_timing.AA_RATIO]
             variants = [n for n in c["times_s"] if n not in ("lax", _timing.AA)]
             cells = "; ".join(f"`{n}` {judged(harness_ratio(c, 'lax', n))}" for n in variants)
-            rows.append(
-                [
-                    f"{where}, N = {c['tp']}",
-                    size(c["bytes"]),
-                    c["op"],
-                    seconds(median_time(c, "lax")),
-                    cells,
-                    judged_aa(aa),
-                    str(c["repeats"]),
-                    source(record),
-                ]
-            )
+            rows.append([f"{where}, N = {c['tp']}", size(c["bytes"]), c["op"],
+                         seconds(median_time(c, "lax")), cells, judged_aa(aa), str(c["repeats"]),
+                         source(record)])  # fmt: skip
     if not rows:
         return "(no record of the harness yet: `python -m benchmarks.headline`)"
-    header = [
-        "where",
-        "message",
-        "op",
-        "`lax`",
-        "speedup [interval] verdict",
-        "A/A",
-        "rounds",
-        "record",
-    ]
+    header = "where | message | op | `lax` | speedup [interval] verdict | A/A | rounds | record"
     return table(header, rows)
 
 
 # Training steps ----------------------------------------------------------------------------
 
-B1 = "gpt_1p3b tp=2 (shard_map)"
+# fmt: off
+T = "train_step-2026-11-30-tp2"  # the records' names, less their suffix
 STEP_TP2 = [  # (row, record, baseline label, {column: label})
-    (
-        "TP = 2, NVLink",
-        "train_step-2026-11-30-tp2-nvlink-fused.json",
-        f"{B1} none",
-        {"taco": f"{B1} taco auto", "fused forced": f"{B1} taco fused forced"},
-    ),
-    (
-        "TP = 2 + sequence parallelism, NVLink",
-        "train_step-2026-11-30-tp2-sp-nvlink.json",
-        "gpt_1p3b tp=2 sp (shard_map) none",
-        {"taco": "gpt_1p3b tp=2 sp (shard_map) taco auto"},
-    ),
-    (
-        "TP = 2, NVLink, two batch chunks (`parallel.overlap_chunks=2`)",
-        "train_step-2026-11-30-tp2-nvlink-overlap.json",
-        f"{B1} none chunks=2",
-        {"taco": f"{B1} taco auto chunks=2"},
-    ),
-    (
-        "TP = 2, shared memory",
-        "train_step-2026-11-30-tp2-shm.json",
-        f"{B1} none",
-        {"taco": f"{B1} taco auto"},
-    ),
-    (
-        "TP = 2, shared memory, second run",
-        "train_step-2026-11-30-tp2-shm-int6.json",
-        f"{B1} none",
-        {"taco": f"{B1} taco auto", "int6": f"{B1} int6_hadamard auto"},
-    ),
-    (
-        "same, two batch chunks",
-        "train_step-2026-11-30-tp2-shm-chunks.json",
-        f"{B1} none chunks=2",
-        {"taco": f"{B1} taco auto chunks=2", "int6": f"{B1} int6_hadamard auto chunks=2"},
-    ),
-    (
-        "TP = 2, sockets",
-        "train_step-2026-11-30-tp2-socket.json",
-        f"{B1} none",
-        {"taco": f"{B1} taco"},
-    ),
+    ("TP = 2, NVLink", f"{T}-nvlink-fused.json", f"{B1} none",
+     {"taco": f"{B1} taco auto", "fused forced": f"{B1} taco fused forced"}),
+    ("TP = 2 + sequence parallelism, NVLink", f"{T}-sp-nvlink.json",
+     "gpt_1p3b tp=2 sp (shard_map) none", {"taco": "gpt_1p3b tp=2 sp (shard_map) taco auto"}),
+    ("TP = 2, NVLink, two batch chunks (`parallel.overlap_chunks=2`)", f"{T}-nvlink-overlap.json",
+     f"{B1} none chunks=2", {"taco": f"{B1} taco auto chunks=2"}),
+    ("TP = 2, shared memory", f"{T}-shm.json", f"{B1} none", {"taco": f"{B1} taco auto"}),
+    ("TP = 2, shared memory, second run", f"{T}-shm-int6.json", f"{B1} none",
+     {"taco": f"{B1} taco auto", "int6": f"{B1} int6_hadamard auto"}),
+    ("same, two batch chunks", f"{T}-shm-chunks.json", f"{B1} none chunks=2",
+     {"taco": f"{B1} taco auto chunks=2", "int6": f"{B1} int6_hadamard auto chunks=2"}),
+    ("TP = 2, sockets", f"{T}-socket.json", f"{B1} none", {"taco": f"{B1} taco"}),
 ]
+# fmt: on
 
 
 def _steps(record: dict) -> dict[str, dict]:
@@ -1127,14 +931,9 @@ def step_tp2(records: Records) -> str:
                     _step_cell(record, base, f"{stem} {c} auto") for c in ("taco", "int6_hadamard")
                 ]
                 preset, tp = stem.split()[:2]
-                rows.append(
-                    [
-                        f"{PRESETS.get(preset, preset)}, TP = {tp[3:]}, {LINK_NAMES[link]}",
-                        f"{steps[base]['median_step_s'] * 1e3:.1f} ms",
-                        *cells,
-                        source(record),
-                    ]
-                )
+                rows.append([f"{PRESETS.get(preset, preset)}, TP = {tp[3:]}, {LINK_NAMES[link]}",
+                             f"{steps[base]['median_step_s'] * 1e3:.1f} ms", *cells,
+                             source(record)])  # fmt: skip
     for row, name, base, labels in STEP_TP2:
         record = records(name)
         base_ms = f"{_steps(record)[base]['median_step_s'] * 1e3:.1f} ms"
@@ -1144,53 +943,28 @@ def step_tp2(records: Records) -> str:
             taco += f"; fused forced {forced.split('(')[1][:-1]}"
         int6 = _step_cell(record, base, labels["int6"]) if "int6" in labels else "-"
         rows.append([row, base_ms, taco, int6, source(record)])
-    header = [
-        "step (GPT-1.3B, 8 x 2048)",
-        "uncompressed",
-        "`taco`, defaults",
-        "`int6_hadamard`, defaults",
-        "record",
-    ]
+    header = (
+        "step (GPT-1.3B, 8 x 2048) | uncompressed | `taco`, defaults | "
+        "`int6_hadamard`, defaults | record"
+    )
     return table(header, rows)
 
 
+# fmt: off
+V2, V4 = "gpt_1p3b tp=2 (vmap)", "gpt_125m tp=4 (vmap)"  # emulated steps' labels
 EMULATED = [  # (row, record, baseline label, label, attention)
-    (
-        "GPT-1.3B, TP = 2, 4 x 2048",
-        "train_step-2026-12-04-tp2-b4-sum-mosaic.json",
-        "gpt_1p3b tp=2 (vmap) none",
-        "gpt_1p3b tp=2 (vmap) taco one_shot",
-        "cuDNN",
-    ),
-    (
-        "GPT-1.3B, TP = 2, 4 x 2048",
-        "train_step-2026-12-02-tp2-vmap-cudnn-b4.json",
-        "gpt_1p3b tp=2 (vmap) attention=xla none",
-        "gpt_1p3b tp=2 (vmap) attention=xla taco one_shot",
-        "XLA",
-    ),
-    (
-        "GPT-1.3B, TP = 2, 8 x 2048",
-        "train_step-2026-12-03-tp2-vmap-b8-wave.json",
-        "gpt_1p3b tp=2 (vmap) none",
-        "gpt_1p3b tp=2 (vmap) taco one_shot",
-        "cuDNN",
-    ),
-    (
-        "GPT-125M, TP = 4, 8 x 2048",
-        "train_step-2026-12-03-tp4-wave.json",
-        "gpt_125m tp=4 (vmap) none",
-        "gpt_125m tp=4 (vmap) taco",
-        "cuDNN",
-    ),
-    (
-        "GPT-125M, TP = 4, 8 x 2048",
-        "train_step-2026-12-02-tp4-cudnn.json",
-        "gpt_125m tp=4 (vmap) attention=xla none",
-        "gpt_125m tp=4 (vmap) attention=xla taco",
-        "XLA",
-    ),
+    ("GPT-1.3B, TP = 2, 4 x 2048", "train_step-2026-12-04-tp2-b4-sum-mosaic.json", f"{V2} none",
+     f"{V2} taco one_shot", "cuDNN"),
+    ("GPT-1.3B, TP = 2, 4 x 2048", "train_step-2026-12-02-tp2-vmap-cudnn-b4.json",
+     f"{V2} attention=xla none", f"{V2} attention=xla taco one_shot", "XLA"),
+    ("GPT-1.3B, TP = 2, 8 x 2048", "train_step-2026-12-03-tp2-vmap-b8-wave.json", f"{V2} none",
+     f"{V2} taco one_shot", "cuDNN"),
+    ("GPT-125M, TP = 4, 8 x 2048", "train_step-2026-12-03-tp4-wave.json", f"{V4} none",
+     f"{V4} taco", "cuDNN"),
+    ("GPT-125M, TP = 4, 8 x 2048", "train_step-2026-12-02-tp4-cudnn.json",
+     f"{V4} attention=xla none", f"{V4} attention=xla taco", "XLA"),
 ]
+# fmt: on
 CODEC_KERNELS = ("encode", "decode", "exchange")  # kernel names of the codec (the profile's kinds)
 
 
@@ -1255,23 +1029,20 @@ def step_emulated(records: Records) -> str:
                 )
     for row_name, name, base, label, attention in EMULATED:
         rows.append(_emulated_row(row_name, records(name), base, label, attention))
-    header = [
-        "emulated step",
-        "attention",
-        "uncompressed",
-        "`taco` adds",
-        "codec kernels (of the step)",
-        "peak memory",
-        "record",
-    ]
+    header = (
+        "emulated step | attention | uncompressed | `taco` adds | codec kernels (of the step) | "
+        "peak memory | record"
+    )
     return table(header, rows)
 
 
-PP = [  # (row, record, {column: label})
+# fmt: off
+PP = [  # (row, record)
     ("NVLink, layers unrolled", "train_step-2026-11-30-pp2-nvlink-unroll.json"),
     ("NVLink, scanned", "train_step-2026-11-30-pp2-nvlink.json"),
     ("sockets, scanned", "train_step-2026-11-30-pp2-socket.json"),
 ]
+# fmt: on
 PP_LABEL = "gpt_1p3b pp=2 gpipe M=8"
 
 
@@ -1305,20 +1076,16 @@ def step_pp2(records: Records) -> str:
                 source(records(name)),
             ]
         )
-    header = [
-        "step (GPipe, M = 8)",
-        "bf16 sends, exact sums",
-        "`tahquant` sends",
-        "`taco` sends",
-        "record",
-    ]
+    header = (
+        "step (GPipe, M = 8) | bf16 sends, exact sums | `tahquant` sends | `taco` sends | record"
+    )
     return table(header, rows)
 
 
-PP_EMULATED = (
-    "train_step-2026-12-02-pp2-emulate-schedules.json",
-    "train_step-2026-12-02-pp2-emulate-codecs.json",
-)
+# fmt: off
+PP_EMULATED = ("train_step-2026-12-02-pp2-emulate-schedules.json",
+               "train_step-2026-12-02-pp2-emulate-codecs.json")
+# fmt: on
 
 
 def bubble(parallel: dict) -> float:
@@ -1356,32 +1123,22 @@ def step_pp2_emulated(records: Records) -> str:
             ref = next((lb for lb in steps if "pp-ref" in lb and steps[lb]["batch"] == batch), None)
             peak = memory.get(label, {}).get("peak_gib")
             ref_ms = "-" if ref is None else f"{steps[ref]['median_step_s'] * 1e3:.1f} ms"
-            rows.append(
-                [
-                    label.removeprefix("gpt_1p3b ").replace(" (emulate)", ""),
-                    f"{row['median_step_s'] * 1e3:.1f} ms",
-                    ref_ms,
-                    "-" if ref is None else _over_bound(record, label, ref),
-                    "-" if peak is None else f"{peak} GiB",
-                    source(record),
-                ]
-            )
-    header = [
-        "emulated pp = 2 step (GPT-1.3B)",
-        "step",
-        "one device, same batch",
-        "x bound",
-        "peak memory",
-        "record",
-    ]
+            rows.append([label.removeprefix("gpt_1p3b ").replace(" (emulate)", ""),
+                         f"{row['median_step_s'] * 1e3:.1f} ms", ref_ms,
+                         "-" if ref is None else _over_bound(record, label, ref),
+                         "-" if peak is None else f"{peak} GiB", source(record)])  # fmt: skip
+    header = (
+        "emulated pp = 2 step (GPT-1.3B) | step | one device, same batch | x bound | "
+        "peak memory | record"
+    )
     return table(header, rows)
 
 
-DP = (
-    ("NVLink", "train_step-2026-11-30-dp2-nvlink.json"),
-    ("shared memory", "train_step-2026-11-30-dp2-shm.json"),
-    ("sockets", "train_step-2026-11-30-dp2-socket.json"),
-)
+# fmt: off
+DP = (("NVLink", "train_step-2026-11-30-dp2-nvlink.json"),
+      ("shared memory", "train_step-2026-11-30-dp2-shm.json"),
+      ("sockets", "train_step-2026-11-30-dp2-socket.json"))
+# fmt: on
 
 
 def step_dp2(records: Records) -> str:
@@ -1392,22 +1149,9 @@ def step_dp2(records: Records) -> str:
             k: steps[f"gpt_350m dp=2 {k}"]["median_step_s"]
             for k in ("replicated", "zero1 none", "zero1 sdp4bit")
         }
-        rows.append(
-            [
-                link,
-                *(f"{v * 1e3:.1f} ms" for v in t.values()),
-                x(t["replicated"] / t["zero1 sdp4bit"]),
-                source(records(name)),
-            ]
-        )
-    header = [
-        "link",
-        "replicated AdamW",
-        "ZeRO-1",
-        "ZeRO-1 + SDP4Bit",
-        "SDP4Bit vs replicated",
-        "record",
-    ]
+        rows.append([link, *(f"{v * 1e3:.1f} ms" for v in t.values()),
+                     x(t["replicated"] / t["zero1 sdp4bit"]), source(records(name))])  # fmt: skip
+    header = "link | replicated AdamW | ZeRO-1 | ZeRO-1 + SDP4Bit | SDP4Bit vs replicated | record"
     return table(header, rows)
 
 
@@ -1416,15 +1160,11 @@ def checkpoint(records: Records) -> str:
     rows = []
     for mode, runs in record["runs"].items():
         pauses = [m["blocked_s"] for m in runs if m["kind"] == "checkpoint"]
-        rows.append(
-            [
-                f"`run.async_checkpoint={'true' if mode == 'async' else 'false'}`",
-                " and ".join(f"{p:.1f} s" for p in pauses),
-                f"{record['wall_s_printed'][mode]:.1f} s",
-            ]
-        )
+        rows.append([f"`run.async_checkpoint={'true' if mode == 'async' else 'false'}`",
+                     " and ".join(f"{p:.1f} s" for p in pauses),
+                     f"{record['wall_s_printed'][mode]:.1f} s"])  # fmt: skip
     note = f"`{record['name']}`; {record['printed_note']}."
-    return table(["saves (steps 45 and 90)", "training held up", "run"], rows) + "\n\n" + fill(note)
+    return table("saves (steps 45 and 90) | training held up | run", rows) + "\n\n" + fill(note)
 
 
 # Codec error, the model ------------------------------------------------------------------
@@ -1444,14 +1184,10 @@ def codec_error(records: Records) -> str:
             for d in ("gaussian", "student_t2", "outlier_channels")
         )
         rows.append([f"`{codec}`", f"{bits:g}", *cells, collapse])
-    header = [
-        "codec",
-        "bits",
-        "Gaussian",
-        "Student-t (2 dof)",
-        "Gaussian + 1% outlier channels",
-        f"zero collapse, TP = {tps[-1]}",
-    ]
+    header = (
+        "codec | bits | Gaussian | Student-t (2 dof) | Gaussian + 1% outlier channels | "
+        f"zero collapse, TP = {tps[-1]}"
+    )
     return table(header, rows)
 
 
@@ -1465,7 +1201,7 @@ def stage_codec_error(records: Records) -> str:
         ]
         for r in record["results"]
     ]
-    return table(["codec", "bits / element", "Gaussian", "Student-t (3)", "outlier channels"], rows)
+    return table("codec | bits / element | Gaussian | Student-t (3) | outlier channels", rows)
 
 
 def model_3d(records: Records) -> str:
@@ -1485,7 +1221,7 @@ def model_3d(records: Records) -> str:
         ]
         for s in record["scenarios"]
     ]
-    return table(["TP and PP link / DP link", *variants], rows)
+    return table(" | ".join(["TP and PP link / DP link", *variants]), rows)
 
 
 def noise_floor(records: Records) -> str:
@@ -1512,7 +1248,7 @@ def noise_floor(records: Records) -> str:
             )
     if not rows:
         return "(no record of the harness yet: `python -m benchmarks.headline`)"
-    header = ["record", "device", "comparisons", "rounds", "widest A/A interval", "measured"]
+    header = "record | device | comparisons | rounds | widest A/A interval | measured"
     return table(header, rows)
 
 

@@ -120,3 +120,33 @@ def test_a_harness_record_takes_its_headline_row(tmp_path, same_kernels):
     assert "2099-01-01" in row[4] and "`abc1234`" in row[4]
     record = records("collectives-2099-01-01-headline-shm.json")
     assert tables.marks(record) == ("" if same_kernels else tables.KERNELS_CHANGED)
+
+
+def test_a_kernels_record_of_both_lowerings(tmp_path):
+    """A harness record timing the registry's kernel (Mosaic for `taco`) and both lowerings:
+    Mosaic 1.2x Triton's speed, 1% noise, reads "faster" beside the two shares of the copy."""
+    bench, comparisons = [], []
+    for i, nbytes in enumerate(s << 20 for s in (16, 64)):
+        times = {"copy": [], _timing.AA: []}
+        for r in range(8):
+            jitter = 1 + 0.01 * math.sin(5 * i + 3 * r)
+            times["copy"].append(1e-4 * jitter)
+            times[_timing.AA].append(1e-4 / jitter)
+            for op in tables.OPS:
+                times.setdefault(f"{op}_triton", []).append(1.2e-4 * jitter)
+                times.setdefault(op, []).append(1e-4 / jitter)
+                times.setdefault(f"{op}_mosaic", []).append(1e-4 / jitter)
+        share = {"in_program_of_copy": 0.9, "of_copy_interval": [0.88, 0.92]}
+        bench.append({"bytes": nbytes, **{n: share for n in times if n not in ("copy", "A'")}})
+        comparisons.append({"bytes": nbytes, "repeats": 8, "times_s": times})
+    record = {"date": "2099-01-01", "commit": "abc1234", "backend": "gpu", "device": "1 x GPU",
+              "kernels": _common.kernels_fingerprint(), "codec": "taco", "peers": 8,
+              "backends": ["auto", "triton", "mosaic"], "bench": bench, "comparisons": comparisons,
+              "registry": {op: "mosaic" for op in tables.OPS}}  # fmt: skip
+    (tmp_path / "kernels-2099-01-01.json").write_text(json.dumps(record))
+    records = tables.Records([tables.RESULTS, tmp_path])
+    lowerings = tables.kernels(records).splitlines()
+    encode = next(line for line in lowerings if line.startswith("| `taco`, 8, encode |"))
+    assert "| 90 / **90** faster | 90 / **90** faster | - | - |" in encode
+    registry = tables.registry_kernels(records)
+    assert "| `taco`, 8, 16 MiB (mosaic) | 90% [88, 92%] |" in registry
