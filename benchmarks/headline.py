@@ -231,14 +231,18 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def gpus() -> int:
+    """The GPUs JAX sees, asked of a process of its own: this one must not hold GPU memory
+    while the parts run."""
+    probe = "import jax; print(jax.device_count() if jax.default_backend() == 'gpu' else 0)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    return int(done.stdout.strip() or 0)
+
+
 def plan(args) -> list[Part]:
     if args.dry:
         return multi_gpu_parts(DRY_DEVICES, args.links, dry=True) + one_gpu_parts(dry=True)
-    devices = args.devices
-    if devices is None:
-        import jax
-
-        devices = jax.device_count() if jax.default_backend() == "gpu" else 0
+    devices = args.devices if args.devices is not None else gpus()
     if devices < 1:
         sys.exit("the headline is measured on GPUs: run on a GPU machine, or --dry on a CPU")
     return multi_gpu_parts(devices, args.links, dry=False) if devices > 1 else one_gpu_parts(False)
@@ -254,12 +258,18 @@ def main(argv=None) -> int:
         "== parts:",
         ", ".join(f"{k} {'stopped' if v is None else f'exit {v}'}" for k, v in status.items()),
     )
-    if not args.no_tables:
-        if args.dry:  # the committed records and these, into copies of the documents
-            written = tables.write(results=[tables.RESULTS, out], docs_dir=out, cpu_ok=True)
-        else:
-            written = tables.write()
+    if args.no_tables:
+        pass
+    elif args.dry:  # the committed records and these, into copies of the documents
+        written = tables.write(results=[tables.RESULTS, out], docs_dir=out, cpu_ok=True)
         print("== tables:", ", ".join(str(p) for p in written))
+    elif out.resolve() != tables.RESULTS.resolve():
+        print(
+            f"== tables: copy the records of {out} into {tables.RESULTS}, then run "
+            "python -m benchmarks.tables"
+        )
+    else:
+        print("== tables:", ", ".join(str(p) for p in tables.write()))
     return 0 if all(v == 0 for v in status.values()) else 1
 
 
