@@ -26,7 +26,7 @@ Cases (`--only TEXT [TEXT ...]` keeps those whose label contains one of them):
      1 - t_ref / (P t_pp) (the share of the step beyond the one-device step divided over P
      stages: idle steps, smaller microbatches, stage sends, the circular schedule's regroup),
      next to the schedule's bubble (P - 1) / (M V + P - 1). The bubble itself comes from two
-     runs at different M (BENCHMARKS.md, "Pipelined training step").
+     runs at different M (BENCHMARKS.md, "Pipelined step").
   5. With >= 2 devices, data parallelism over all of them (`--dp-preset`, default GPT-350M,
      `--dp-batch` sequences): replicated AdamW (an fp32 all-reduce of the gradients), ZeRO-1
      uncompressed, and ZeRO-1 with SDP4Bit (TLq-HS gradients, qWD weights; `taco_train.zero`),
