@@ -1007,26 +1007,23 @@ def _emulated_row(row_name: str, record: dict, base: str, label: str, attention:
 
 
 def step_emulated(records: Records) -> str:
-    """Emulated TP on one GPU: `taco` one-shot against uncompressed, the codec's kernels."""
-    rows = []
-    for record in records.harness(
-        "train_step-", lambda r: any("(vmap)" in row["label"] for row in r["results"])
-    ):
+    """Emulated TP on one GPU: `taco` against uncompressed, the codec's kernels; of the
+    harness's records the newest of each step, batch and profile."""
+    rows, seen = [], set()
+    vmapped = lambda r: any("(vmap)" in row["label"] for row in r["results"])
+    for record in records.harness("train_step-", vmapped):
         steps = _steps(record)
         for base in (lb for lb in steps if "(vmap)" in lb and lb.endswith(" none")):
             stem = base.removesuffix(" none")
             for label in (lb for lb in steps if lb.startswith(stem + " taco")):
+                key = (label, steps[base]["batch"], bool(steps[label].get("device_time")))
+                if key in seen:
+                    continue
+                seen.add(key)
                 preset, tp = stem.split()[:2]
-                rows.append(
-                    _emulated_row(
-                        f"{preset}, TP = {tp[3:]}, {steps[base]['batch']} x "
-                        f"{steps[base]['model']['seq_len']}, {label.split()[-1]}",
-                        record,
-                        base,
-                        label,
-                        "auto",
-                    )
-                )
+                what = (f"{PRESETS.get(preset, preset)}, TP = {tp[3:]}, {steps[base]['batch']} x "
+                        f"{steps[base]['model']['seq_len']}, {label.split()[-1]}")  # fmt: skip
+                rows.append(_emulated_row(what, record, base, label, "auto"))
     for row_name, name, base, label, attention in EMULATED:
         rows.append(_emulated_row(row_name, records(name), base, label, attention))
     header = (
