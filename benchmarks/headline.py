@@ -11,7 +11,8 @@ each with those variables set: the all-reduce of `taco` and `int6_hadamard` with
 (`int6_hadamard` too off NVLink) (`train_step.py`). On one GPU, what one GPU allows: the
 kernels the registry picks against a copy (`kernels.py`), `compressed_psum` under `vmap`
 against `lax.psum` (`collectives.py --emulate 4`), and the emulated steps of GPT-125M at TP = 4
-and GPT-1.3B at TP = 2, `taco` one-shot against uncompressed (`train_step.py`). Every
+and GPT-1.3B at TP = 2, `taco` one-shot against uncompressed, with the device time of the
+codec's kernels in a profile of two steps (`train_step.py`). Every
 comparison is interleaved with its A/A control (`_timing`). The parts share `--budget-s`: each
 gets a deadline, after which its comparisons stop at their minimum rounds, and a part still
 running at the end of the budget is stopped (what it recorded stays). Records go to `--out`
@@ -162,6 +163,7 @@ def one_gpu_parts(dry: bool) -> list[Part]:
                     f"tp={tp} (vmap) none",
                     f"tp={tp} (vmap) taco one_shot",
                     f"--suffix=-headline-tp{tp}-vmap",
+                    *(() if dry else ("--profile-steps", "2")),  # the codec kernels' share
                 ),
                 weight=1.5,
             )
