@@ -83,7 +83,7 @@ class StageCodecs:
       final norm) through `taco_jax.compressed_psum`: a TP codec name (`taco_jax.CODEC_NAMES`,
       the collective's "auto" options) or a `taco_jax.CommConfig`; "none" is `lax.psum`. For
       GPT-1.3B that sum is 0.4 GB of fp32, more bytes than all of a step's stage sends
-      (BENCHMARKS.md, "Pipelined training step").
+      (BENCHMARKS.md, "Pipelined step (pp = 2)").
     telemetry: record each compressed collective's relative error (`taco_jax.telemetry`, tags
       "pp:<codec>" and "pp_grads:<codec>").
     """

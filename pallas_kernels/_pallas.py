@@ -28,8 +28,8 @@ except ImportError as error:  # a JAX whose Pallas no longer has the Triton lowe
 __all__ = ["pl", "plgpu", "pltriton"]
 
 # Every operand and result of a kernel holds at most this many bytes: the kernels address their
-# buffers with 32-bit offsets (past it, BENCHMARKS.md "Messages of 2 GiB and more", the fused
-# all-reduce returned non-finite values). The collectives split messages to stay below it.
+# buffers with 32-bit offsets (past it the fused all-reduce returned non-finite values,
+# docs/decisions/008). The collectives split messages to stay below it.
 MAX_BUFFER_BYTES = (1 << 31) - 1
 
 

@@ -8,7 +8,7 @@ encoded rows: the exchange of the compressed reduce-scatter (`taco_jax.collectiv
 
 Why a kernel and not encode -> NCCL all-gather: those two run one after the other, and on
 NVLink the all-gather of the wire alone takes most of what NCCL's bf16 all-reduce takes
-(BENCHMARKS.md, "Where the time goes"). Here each program encodes its tiles as
+(docs/decisions/007-fused-exchange-on-nvlink.md). Here each program encodes its tiles as
 `encode_mosaic` does and TMA-stores every tile's codes and scales both into its own output and
 straight into the same place of every peer's output (`plgpu.remote_ref`), so the transfer runs
 under the encode of the next tiles. When its stores have landed, a program signals the program of

@@ -45,7 +45,7 @@ PARAM_CODECS = ("none", "qwd")
 # The most padded elements (summed over the dp ranks' shards) of one communication bucket, a
 # larger leaf having one of its own: Megatron-LM's distributed optimizer's 40 M parameters. On
 # one H200 a GPT-350M step with SDP4Bit runs as fast with them as with one collective per leaf
-# (BENCHMARKS.md, "The sharded optimizer's buckets").
+# (docs/decisions/014-zero-buckets.md).
 BUCKET_ELEMENTS = 40_000_000
 
 
@@ -241,7 +241,7 @@ class _Buckets:
         Several leaves pass an optimization barrier first: in a training step XLA otherwise
         fuses their producers (the biases' gradient reductions) into the concatenation, and on
         an H200 that one fusion took 4.4 ms a step where a copy of its bytes takes ~0.1 ms
-        (BENCHMARKS.md, "The sharded optimizer's buckets")."""
+        (docs/decisions/014-zero-buckets.md)."""
         parts = [leaves[i] for i in group]
         if len(parts) > 1:
             parts = lax.optimization_barrier(parts)
