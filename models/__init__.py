@@ -1,4 +1,4 @@
-"""Flax NNX GPT / Qwen2.5-style models with Megatron tensor parallelism over taco_jax operators.
+"""Flax NNX GPT / Qwen2.5 / Llama models with Megatron tensor parallelism over taco_jax operators.
 
 ModelConfig                         (config.py: geometry, presets, parameter count, FLOPs)
 Transformer                         (model.py: the per-device model)
@@ -6,7 +6,8 @@ ParallelConfig, init_params,
 make_loss_and_grads, ...            (parallel.py: shard_map / vmap / unsharded runners)
 StageCodecs,
 make_pipeline_loss_and_grads        (pipeline.py: GPipe / circular stages over "pp", with TP, DP)
-hf.load, hf.save                    (hf.py: Hugging Face GPT-2 / Qwen2 checkpoints, safetensors;
+hf.load, hf.save                    (hf.py: Hugging Face GPT-2 / Qwen2 / Llama / Mistral
+                                     checkpoints, safetensors;
                                      `from models import hf`, needs the train extra)
 
 The optimizer side (train state, jitted steps) lives in the training application, `taco_train`.

@@ -14,6 +14,36 @@ from typing import Literal
 # Megatron pads the vocabulary so that every TP degree that divides it gets an equal shard
 # (`--make-vocab-size-divisible-by 128`); padded logits are masked out of the loss.
 VOCAB_MULTIPLE = 128
+ARCHS = ("gpt", "qwen2", "llama", "mistral")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's rotary frequency scaling (transformers' rope_type "llama3").
+
+    Frequencies whose wavelength exceeds original_max_position_embeddings / low_freq_factor are
+    divided by `factor`, those below original_max_position_embeddings / high_freq_factor kept,
+    those between interpolated smoothly (`models.layers.rotary_frequencies`).
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self):
+        if not self.factor > 0:
+            raise ValueError(f"rope_scaling.factor={self.factor} must be > 0")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                f"rope_scaling needs 0 < low_freq_factor={self.low_freq_factor} < "
+                f"high_freq_factor={self.high_freq_factor}"
+            )
+        if self.original_max_position_embeddings < 1:
+            raise ValueError(
+                f"rope_scaling.original_max_position_embeddings="
+                f"{self.original_max_position_embeddings} must be >= 1"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,8 +54,12 @@ class ModelConfig:
     positions, tied input/output embeddings, biases on every linear layer (GPT-2 / Megatron GPT).
     arch "qwen2": RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention, bias on QKV
     only, untied output embedding (Qwen2.5-7B; the smaller Qwen2.5 models tie it).
+    arch "llama": qwen2 without the QKV bias (Llama 2 / 3, TinyLlama, SmolLM2); "mistral": the
+    same model under Mistral's name (Mistral without a sliding window).
     tie_embeddings: the output head is the input embedding; None is the arch's default (gpt
-    tied, qwen2 untied).
+    tied, the others untied).
+    rope_scaling: Llama 3.1's scaling of the rotary frequencies (a `RopeScaling`, or a dict of
+    its fields); None is plain rotary embeddings.
     """
 
     vocab_size: int
@@ -35,15 +69,20 @@ class ModelConfig:
     n_heads: int
     n_kv_heads: int
     d_ff: int
-    arch: Literal["gpt", "qwen2"] = "gpt"
+    arch: Literal["gpt", "qwen2", "llama", "mistral"] = "gpt"
     norm_eps: float = 1e-5
     rope_theta: float = 10_000.0
     init_std: float = 0.02
     tie_embeddings: bool | None = None
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
-        if self.arch not in ("gpt", "qwen2"):
-            raise ValueError(f"arch={self.arch!r} must be 'gpt' or 'qwen2'")
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch={self.arch!r} must be one of {ARCHS}")
+        if isinstance(self.rope_scaling, dict):  # from TOML or a saved run's config.json
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if not isinstance(self.rope_scaling, RopeScaling | None):
+            raise ValueError(f"rope_scaling={self.rope_scaling!r} must be a RopeScaling or a dict")
         for name in (
             "vocab_size",
             "seq_len",
@@ -66,8 +105,22 @@ class ModelConfig:
                 f"arch='gpt' is multi-head attention: n_kv_heads={self.n_kv_heads} must equal "
                 f"n_heads={self.n_heads}"
             )
-        if self.arch == "qwen2" and self.head_dim % 2:
+        if self.rotary and self.head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim=}")
+        if self.rope_scaling is not None and not self.rotary:
+            raise ValueError(
+                f"rope_scaling is for rotary positions; arch={self.arch!r} learns them"
+            )
+
+    @property
+    def rotary(self) -> bool:
+        """Rotary positions (every arch but gpt, which learns them)."""
+        return self.arch != "gpt"
+
+    @property
+    def qkv_bias(self) -> bool:
+        """A bias on the QKV projection (gpt, qwen2; Llama and Mistral have none)."""
+        return self.arch in ("gpt", "qwen2")
 
     @property
     def head_dim(self) -> int:
@@ -104,7 +157,8 @@ class ModelConfig:
             embed = self.seq_len * d
             final = 2 * d
         else:
-            attn = d * qkv_heads * hd + qkv_heads * hd + self.n_heads * hd * d
+            bias = qkv_heads * hd if self.qkv_bias else 0
+            attn = d * qkv_heads * hd + bias + self.n_heads * hd * d
             mlp = 3 * d * f
             norms = 2 * d
             embed = 0
@@ -173,6 +227,19 @@ PRESETS: dict[str, ModelConfig] = {
         arch="qwen2",
         norm_eps=1e-6,
         rope_theta=1e6,
+    ),
+    # Llama 3.1's layout (no QKV bias, untied head, "llama3" rotary scaling) at qwen2_tiny's size.
+    "llama_tiny": ModelConfig(
+        vocab_size=256,
+        seq_len=32,
+        d_model=64,
+        n_layers=2,
+        n_heads=8,
+        n_kv_heads=4,
+        d_ff=160,
+        arch="llama",
+        rope_theta=10_000.0,
+        rope_scaling=RopeScaling(8.0, 1.0, 4.0, 16),
     ),
     # Qwen2.5-7B config.json: hidden 3584, 28 layers, 28 heads, 4 KV heads, intermediate 18944,
     # vocab 152064, rms_norm_eps 1e-6, rope_theta 1e6. Sequence length 4096 for training.

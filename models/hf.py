@@ -1,16 +1,18 @@
-"""Hugging Face checkpoints in and out: GPT-2 (`GPT2LMHeadModel`) and Qwen2 / Qwen2.5
-(`Qwen2ForCausalLM`) directories of `config.json` and safetensors files.
+"""Hugging Face checkpoints in and out: GPT-2 (`GPT2LMHeadModel`), Qwen2 / Qwen2.5
+(`Qwen2ForCausalLM`), Llama 2 / 3 / 3.1+ (`LlamaForCausalLM`, rope_scaling "llama3" included)
+and Mistral without a sliding window (`MistralForCausalLM`): directories of `config.json` and
+safetensors files.
 
     cfg, params = models.hf.load("Qwen2.5-0.5B")        # full fp32 parameters, host memory
     models.hf.save(cfg, params, "out")                   # a directory transformers loads
 
-One table per architecture (`_rules`) maps each of our parameters to the Hugging Face tensors
-it is made of, with the reshape and transpose between the layouts (as jax-ml/bonsai's
-`models/qwen3/params.py` does); loading and saving both read it. Our layouts: QKV [D, K, R, H]
-with KV head k's q_per_kv queries, key and value in slots 0..R-1 (`models.model`), blocks
-stacked on a leading layers axis, the vocabulary padded to `ModelConfig.padded_vocab` (zero rows
-on load, dropped on save). GPT-2's Conv1D weights are stored [in, out], torch.nn.Linear's
-[out, in].
+One table per layout (`_rules`: GPT-2's; Qwen2's, Llama's and Mistral's, alike) maps each of
+our parameters to the Hugging Face tensors it is made of, with the reshape and transpose between
+the layouts (as jax-ml/bonsai's `models/qwen3/params.py` does); loading and saving both read it.
+Our layouts: QKV [D, K, R, H] with KV head k's q_per_kv queries, key and value in slots 0..R-1
+(`models.model`), blocks stacked on a leading layers axis, the vocabulary padded to
+`ModelConfig.padded_vocab` (zero rows on load, dropped on save). GPT-2's Conv1D weights are
+stored [in, out], torch.nn.Linear's [out, in].
 
 With `shardings` (a tree of `jax.sharding.Sharding`s like the parameters', e.g.
 `NamedSharding(mesh, models.param_specs(cfg))`) every device reads only the slices of the
@@ -18,7 +20,8 @@ safetensors files its shard is made of (`safe_open(...).get_slice`), so a checkp
 one device's memory loads under TP and PP.
 
 Errors name the file and the key in one line (`CheckpointError`): no config.json, an
-architecture other than these two, a missing tensor, a shape that does not match.
+architecture other than these, a setting ours lacks (a sliding window, a rope type other than
+ROPE_TYPES, biases Llama may add), a missing tensor, a shape that does not match.
 """
 
 from __future__ import annotations
@@ -33,12 +36,19 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from models.config import ModelConfig
+from models.config import ModelConfig, RopeScaling
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-ARCHITECTURES = {"GPT2LMHeadModel": "gpt", "Qwen2ForCausalLM": "qwen2"}
+# Hugging Face architecture -> (our arch, its config.json's model_type).
+ARCHITECTURES = {
+    "GPT2LMHeadModel": ("gpt", "gpt2"),
+    "Qwen2ForCausalLM": ("qwen2", "qwen2"),
+    "LlamaForCausalLM": ("llama", "llama"),
+    "MistralForCausalLM": ("mistral", "mistral"),
+}
+ROPE_TYPES = ("default", "llama3")
 # Buffers some checkpoints hold that are not parameters (GPT-2's causal mask, old rotary tables).
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
@@ -58,13 +68,14 @@ def load_config(path: str | Path) -> ModelConfig:
         raise CheckpointError(f"{file}: no such file (a Hugging Face model directory holds one)")
     hf = json.loads(file.read_text())
     archs = hf.get("architectures") or []
-    arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    arch = next((ARCHITECTURES[a][0] for a in archs if a in ARCHITECTURES), None)
     if arch is None:
         raise CheckpointError(
-            f"{file}: architectures={archs} is not one of {sorted(ARCHITECTURES)}"
+            f"{file}: architectures={archs} (model_type={hf.get('model_type')!r}) is not "
+            f"supported; supported: {', '.join(sorted(ARCHITECTURES))}"
         )
     try:
-        return _gpt2_config(hf, file) if arch == "gpt" else _qwen2_config(hf, file)
+        return _gpt2_config(hf, file) if arch == "gpt" else _rotary_config(hf, file, arch)
     except KeyError as error:
         raise CheckpointError(f"{file}: key {error.args[0]!r} is missing") from None
 
@@ -97,28 +108,58 @@ def _gpt2_config(hf: dict, file: Path) -> ModelConfig:
     )
 
 
-def rope_theta(hf: dict, file: Path) -> float:
-    """Rotary base from transformers 4.x's `rope_theta` or 5.x's `rope_parameters`; only the
-    default (unscaled) rotary embedding is ours."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    for name, table in (("rope_parameters", params), ("rope_scaling", scaling)):
-        kind = table.get("rope_type", table.get("type", "default"))
-        _require(kind == "default", file, f"{name}.rope_type={kind!r} is not supported (default)")
-    theta = params.get("rope_theta", hf.get("rope_theta"))
+def _rope(hf: dict, file: Path) -> tuple[float, RopeScaling | None]:
+    """(rope theta, scaling) as transformers reads them: 4.x's `rope_theta` and `rope_scaling`,
+    5.x's `rope_parameters` (where both are set, 5.x takes `rope_scaling`). Rope types other
+    than ROPE_TYPES are refused."""
+    name = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    table = hf.get(name) or {}
+    kind = table.get("rope_type", table.get("type", "default"))
+    supported = ", ".join(ROPE_TYPES)
+    _require(kind in ROPE_TYPES, file,
+             f"{name}.rope_type={kind!r} is not supported; supported: {supported}")  # fmt: skip
+    theta = table.get("rope_theta", hf.get("rope_theta"))
     _require(theta is not None, file, "neither rope_theta nor rope_parameters.rope_theta is set")
-    return float(theta)
+    partial = table.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    _require(partial == 1.0, file, f"partial_rotary_factor={partial} is not supported (1.0)")
+    if kind == "default":
+        return float(theta), None
+    try:
+        scaling = RopeScaling(
+            factor=float(table["factor"]),
+            low_freq_factor=float(table["low_freq_factor"]),
+            high_freq_factor=float(table["high_freq_factor"]),
+            # transformers 5.x's default; 4.x requires the key
+            original_max_position_embeddings=int(
+                table.get("original_max_position_embeddings", hf["max_position_embeddings"])
+            ),
+        )
+    except KeyError as error:
+        raise CheckpointError(f"{file}: key {name}.{error.args[0]} is missing") from None
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{file}: {error}") from None
+    return float(theta), scaling
 
 
-def _qwen2_config(hf: dict, file: Path) -> ModelConfig:
+def _rotary_config(hf: dict, file: Path, arch: str) -> ModelConfig:
+    """Qwen2, Llama and Mistral: the same config.json keys; each refuses what ours lacks."""
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     act = hf.get("hidden_act", "silu")
-    _require(act == "silu", file, f"hidden_act={act!r} is not Qwen2's silu")
+    _require(act == "silu", file, f"hidden_act={act!r} is not supported (silu)")
     head_dim = hf.get("head_dim") or d // heads
     _require(head_dim * heads == d, file,
              f"head_dim={head_dim} x num_attention_heads={heads} != hidden_size={d}")  # fmt: skip
-    _require(not hf.get("use_sliding_window", False), file,
-             "use_sliding_window=true is not supported")  # fmt: skip
+    if arch == "qwen2":
+        _require(not hf.get("use_sliding_window", False), file,
+                 "use_sliding_window=true is not supported")  # fmt: skip
+    if arch == "mistral":  # transformers' MistralConfig defaults to a window of 4096
+        window = hf.get("sliding_window", 4096)
+        _require(window is None, file,
+                 f"sliding_window={window} is not supported (null: full attention)")  # fmt: skip
+    if arch in ("llama", "mistral"):
+        for key in ("attention_bias", "mlp_bias"):
+            _require(not hf.get(key, False), file, f"{key}=true is not supported")
+    theta, scaling = _rope(hf, file)
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         seq_len=hf["max_position_embeddings"],
@@ -127,32 +168,45 @@ def _qwen2_config(hf: dict, file: Path) -> ModelConfig:
         n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads,
         d_ff=hf["intermediate_size"],
-        arch="qwen2",
+        arch=arch,
         norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=rope_theta(hf, file),
+        rope_theta=theta,
+        rope_scaling=scaling,
         tie_embeddings=hf.get("tie_word_embeddings", False),
     )
 
 
 def hf_config(cfg: ModelConfig) -> dict:
     """The config.json of `cfg` (transformers 4.x keys, which 5.x reads too)."""
-    common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tied_embeddings,
+    architecture, model_type = next(
+        (name, kind) for name, (arch, kind) in ARCHITECTURES.items() if arch == cfg.arch
+    )
+    common = {"architectures": [architecture], "model_type": model_type,
+              "vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tied_embeddings,
               "torch_dtype": "float32"}  # fmt: skip
     if cfg.arch == "gpt":
         return {
-            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
+            **common,
             "n_positions": cfg.seq_len, "n_embd": cfg.d_model, "n_layer": cfg.n_layers,
             "n_head": cfg.n_heads, "n_inner": cfg.d_ff, "activation_function": "gelu_new",
             "layer_norm_epsilon": cfg.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
             "attn_pdrop": 0.0,
         }  # fmt: skip
+    arch_keys = {
+        "qwen2": {"use_sliding_window": False},
+        "llama": {"attention_bias": False, "mlp_bias": False},
+        "mistral": {"sliding_window": None},
+    }[cfg.arch]
+    scaling = cfg.rope_scaling
     return {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **common,
+        **common,
         "max_position_embeddings": cfg.seq_len, "hidden_size": cfg.d_model,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "intermediate_size": cfg.d_ff,
         "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-        "use_sliding_window": False, "attention_dropout": 0.0,
+        "rope_scaling": None if scaling is None else
+                        {"rope_type": "llama3", **dataclasses.asdict(scaling)},
+        "attention_dropout": 0.0, **arch_keys,
     }  # fmt: skip
 
 
@@ -201,7 +255,7 @@ def _piece(name, factors, perm, hf_shape=None) -> Piece:
 
 
 def _rules(cfg: ModelConfig) -> list[Rule]:
-    return _gpt2_rules(cfg) if cfg.arch == "gpt" else _qwen2_rules(cfg)
+    return _gpt2_rules(cfg) if cfg.arch == "gpt" else _rotary_rules(cfg)
 
 
 def _vocab_rules(cfg: ModelConfig, embed: str) -> list[Rule]:
@@ -239,7 +293,8 @@ def _gpt2_rules(cfg: ModelConfig) -> list[Rule]:
     ]  # fmt: skip
 
 
-def _qwen2_rules(cfg: ModelConfig) -> list[Rule]:
+def _rotary_rules(cfg: ModelConfig) -> list[Rule]:
+    """Qwen2, Llama and Mistral name their tensors alike; Qwen2 adds the QKV bias."""
     d, k, q, h, f = cfg.d_model, cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim, cfg.d_ff
     p = "model.layers.{i}."
     a = p + "self_attn."
@@ -253,11 +308,12 @@ def _qwen2_rules(cfg: ModelConfig) -> list[Rule]:
     ]
     up = [_piece(p + f"mlp.{x}_proj.weight", [[1, f], [d]], (2, 0, 1)) for x in ("gate", "up")]
     vec = lambda name: _piece(name, [[d]], (0,))
+    bias = [Rule(("blocks", "attn", "bqkv"), tuple(qkv_b), axis=1, layered=True)]
     return [
         *_vocab_rules(cfg, "model.embed_tokens.weight"),
         Rule(("blocks", "norm_attn", "scale"), (vec(p + "input_layernorm.weight"),), layered=True),
         Rule(("blocks", "attn", "wqkv"), tuple(qkv_w), axis=2, layered=True),
-        Rule(("blocks", "attn", "bqkv"), tuple(qkv_b), axis=1, layered=True),
+        *(bias if cfg.qkv_bias else []),
         Rule(("blocks", "attn", "wo"),
              (_piece(a + "o_proj.weight", [[d], [cfg.n_heads, h]], (1, 2, 0)),), layered=True),
         Rule(("blocks", "norm_mlp", "scale"), (vec(p + "post_attention_layernorm.weight"),),
@@ -435,8 +491,8 @@ def load(
     shardings: None returns numpy arrays (the whole model in host memory); a tree of
     `jax.sharding.Sharding`s shaped like the parameters returns `jax.Array`s built with
     `jax.make_array_from_callback`, each device reading only its own slices from the files.
-    seq_len: the training sequence length for a rotary (qwen2) model, instead of config.json's
-    max_position_embeddings (GPT-2's learned positions fix it).
+    seq_len: the training sequence length of a rotary model (all but GPT-2), instead of
+    config.json's max_position_embeddings (GPT-2's learned positions fix it).
     """
     from models.parallel import abstract_params
 

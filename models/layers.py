@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from models.config import RopeScaling
 from taco_jax import (
     TPComm,
     comm_config,
@@ -131,14 +133,37 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def rotary(x: jax.Array, theta: float) -> jax.Array:
+def rotary_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None = None
+) -> jax.Array:
+    """The rotary frequencies theta^(-2i/H), i < H/2: [H/2] fp32.
+
+    With `scaling`, Llama 3.1's ("llama3", as transformers' `_compute_llama3_parameters`): a
+    frequency f of wavelength w = 2 pi / f is kept where w < L / high_freq_factor, divided by
+    factor where w > L / low_freq_factor, and in between (1 - s) f / factor + s f with
+    s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor), L the
+    original_max_position_embeddings (continuous at both ends: s = 1 and s = 0 there).
+    """
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    if scaling is None:
+        return inv_freq
+    context = scaling.original_max_position_embeddings
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    wavelength = 2 * math.pi / inv_freq
+    s = (context / wavelength - low) / (high - low)
+    smoothed = (1 - s) * inv_freq / scaling.factor + s * inv_freq
+    scaled = jnp.where(wavelength > context / low, inv_freq / scaling.factor, smoothed)
+    return jnp.where(wavelength < context / high, inv_freq, scaled)
+
+
+def rotary(x: jax.Array, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
     """Rotary position embedding (Su et al. 2021), half-split layout as in Qwen2 / Llama.
 
     x: [B, T, N, H] at positions 0..T-1 -> same shape; pairs (i, i + H/2) rotate by
-    position * theta^(-2i/H).
+    position * `rotary_frequencies(H, theta, scaling)`[i].
     """
     t, h = x.shape[1], x.shape[-1]
-    inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
+    inv_freq = rotary_frequencies(h, theta, scaling)  # [H/2]
     angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq  # [T, H/2]
     cos = jnp.cos(angles)[None, :, None, :]
     sin = jnp.sin(angles)[None, :, None, :]

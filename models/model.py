@@ -1,4 +1,4 @@
-"""The decoder-only transformer (GPT-2/Megatron GPT or Qwen2.5-style) as one per-device function.
+"""The decoder-only transformer (GPT-2 / Megatron GPT, Qwen2.5 or Llama) as one per-device function.
 
 Megatron TP layout (Shoeybi et al. 2019, section 3), per block:
   x -> norm -> enter (f / SP all-gather) -> QKV (column-parallel over KV heads) -> attention
@@ -32,7 +32,7 @@ REMAT_SAVED_NAMES = ("tp_reduce", "sp_gather", "sp_scatter")
 
 
 class Norm(nnx.Module):
-    """LayerNorm (gpt) or RMSNorm (qwen2) over D; parameters replicated across TP."""
+    """LayerNorm (gpt) or RMSNorm (the rotary archs) over D; parameters replicated across TP."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.eps = cfg.norm_eps
@@ -53,29 +53,37 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, k, r, h = cfg.d_model, cfg.n_kv_heads, cfg.q_per_kv + 2, cfg.head_dim
         resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # GPT-2: scale residual writes
-        self.rope_theta = cfg.rope_theta if cfg.arch == "qwen2" else None
+        self.rope_theta = cfg.rope_theta if cfg.rotary else None
+        self.rope_scaling = cfg.rope_scaling
         self.wqkv = layers.param(
             rngs, (d, k, r, h), ("embed", "kv_heads", "slots", "head_dim"), cfg.init_std
         )
-        self.bqkv = layers.param(rngs, (k, r, h), ("kv_heads", "slots", "head_dim"), None)
+        self.bqkv = (
+            layers.param(rngs, (k, r, h), ("kv_heads", "slots", "head_dim"), None)
+            if cfg.qkv_bias
+            else None
+        )
         self.wo = layers.param(rngs, (cfg.n_heads, h, d), ("heads", "head_dim", "embed"), resid_std)
         self.bo = layers.param(rngs, (d,), ("embed",), None) if cfg.arch == "gpt" else None
 
     def __call__(self, x: jax.Array, ctx: TPContext) -> jax.Array:  # [B, T(_sp), D] -> same
         w = self.wqkv[...].astype(ctx.dtype)  # [D, K, R, H] local K
-        qkv = ctx.enter_product("BTD,DKRH->BTKRH", x, w) + self.bqkv[...].astype(ctx.dtype)
+        qkv = ctx.enter_product("BTD,DKRH->BTKRH", x, w)
+        if self.bqkv is not None:
+            qkv = qkv + self.bqkv[...].astype(ctx.dtype)
         b, t, k, r, h = qkv.shape
         q = qkv[:, :, :, : r - 2].reshape(b, t, k * (r - 2), h)  # [B, T, N, H], n = k (R-2) + j
         key, value = qkv[:, :, :, r - 2], qkv[:, :, :, r - 1]  # [B, T, K, H]
         if self.rope_theta is not None:
-            q, key = layers.rotary(q, self.rope_theta), layers.rotary(key, self.rope_theta)
+            q = layers.rotary(q, self.rope_theta, self.rope_scaling)
+            key = layers.rotary(key, self.rope_theta, self.rope_scaling)
         o = layers.attention(q, key, value, ctx.attention, ctx.ranks_vmapped)  # [B, T, N, H]
         out = ctx.exit_product("BTNH,NHD->BTD", o, self.wo[...].astype(ctx.dtype))
         return out if self.bo is None else out + self.bo[...].astype(ctx.dtype)
 
 
 class Mlp(nnx.Module):
-    """GELU MLP (gpt) or SwiGLU (qwen2): column-parallel up / gate, row-parallel down, over F."""
+    """GELU MLP (gpt) or SwiGLU (others): column-parallel up / gate, row-parallel down, over F."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.d_ff

@@ -5,8 +5,9 @@ Each fixture directory holds a randomly initialized model saved with `save_pretr
 logits of that batch), against which tests/models/test_hf.py checks `models.hf.load`.
 Needs torch and transformers, which the project does not depend on. Run it under transformers
 4.x (the committed fixtures: 4.57.6, torch 2.11) for gpt2, qwen2_untied and qwen2_tied, whose
-config.json holds `rope_theta`, and under 5.x (5.24.0) for qwen2_untied_v5, the same model as
-5.x writes it (`rope_parameters`):
+config.json holds `rope_theta`, and under 5.x for qwen2_untied_v5 (5.24.0), the same model as
+5.x writes it (`rope_parameters`), and for llama3_untied, llama_tied, mistral and
+llama31_rope_frequencies.npy (5.25.0, torch 2.13):
 
     python -m venv /tmp/hf && /tmp/hf/bin/pip install torch "transformers<5" safetensors numpy
     /tmp/hf/bin/python scripts/make_hf_fixtures.py [OUT_DIR]
@@ -42,6 +43,59 @@ def _qwen2(tied: bool) -> transformers.PreTrainedModel:
         rope_theta=1e6, tie_word_embeddings=tied, use_sliding_window=False,
     )  # fmt: skip
     return transformers.Qwen2ForCausalLM(config)
+
+
+def _llama3() -> transformers.PreTrainedModel:
+    """Llama 3.1's layout: GQA, untied head, rope_scaling "llama3". Head size 8 has the
+    frequencies 1, 0.1, 0.01, 0.001 (theta 1e4), of wavelengths 6.3, 63, 628 and 6283; with
+    original_max_position_embeddings 128 and frequency factors 1 and 4 the first is kept
+    (< 128 / 4), the second interpolated (between 32 and 128) and the others divided by 8
+    (> 128 / 1): every case of the scaling moves the logits."""
+    rope = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 128}  # fmt: skip
+    config = transformers.LlamaConfig(
+        vocab_size=256, max_position_embeddings=256, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, intermediate_size=96, rms_norm_eps=1e-5,
+        rope_parameters=rope, tie_word_embeddings=False,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def _llama_tied() -> transformers.PreTrainedModel:
+    """SmolLM2's (and Llama 3.2 1B's) tied head, GQA 4:1, unscaled rotary embeddings."""
+    config = transformers.LlamaConfig(
+        vocab_size=256, max_position_embeddings=64, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, intermediate_size=96, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e5}, tie_word_embeddings=True,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def _mistral() -> transformers.PreTrainedModel:
+    """Mistral 7B v0.2+'s layout: no sliding window, GQA 4:1, untied head."""
+    config = transformers.MistralConfig(
+        vocab_size=256, max_position_embeddings=64, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, intermediate_size=96, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, sliding_window=None,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    return transformers.MistralForCausalLM(config)
+
+
+def _llama31_frequencies(out: Path) -> None:
+    """transformers' rotary frequencies for Llama 3.1 8B's config.json (head size 128, theta
+    5e5, rope_scaling "llama3": factor 8, frequency factors 1 and 4, original length 8192)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    config = transformers.LlamaConfig(
+        hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072,
+        rope_parameters=rope,
+    )  # fmt: skip
+    frequencies, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](config)
+    assert attention_factor == 1.0  # "llama3" scales the frequencies only
+    np.save(out / "llama31_rope_frequencies.npy", frequencies.numpy())
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -88,6 +142,10 @@ def main() -> None:
     torch.manual_seed(0)
     if int(transformers.__version__.split(".")[0]) >= 5:
         make("qwen2_untied_v5", _qwen2(tied=False), 2, out)
+        make("llama3_untied", _llama3(), 4, out)
+        make("llama_tied", _llama_tied(), 5, out)
+        make("mistral", _mistral(), 6, out)
+        _llama31_frequencies(out)
         return
     make("gpt2", _gpt2(), 1, out)
     make("qwen2_untied", _qwen2(tied=False), 2, out)

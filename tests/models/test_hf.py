@@ -1,14 +1,16 @@
 """models.hf: Hugging Face checkpoints in and out, against transformers' own logits.
 
 The fixtures (tests/models/fixtures/hf/, made by scripts/make_hf_fixtures.py with transformers)
-are tiny random GPT-2 and Qwen2 models (tied and untied heads, GQA, one sharded checkpoint) with
-transformers' fp32 logits of a fixed batch.
+are tiny random GPT-2, Qwen2, Llama and Mistral models (tied and untied heads, GQA, Llama 3.1's
+rope scaling, one sharded checkpoint) with transformers' fp32 logits of a fixed batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -23,6 +25,8 @@ from jax.sharding import PartitionSpec as P
 pytest.importorskip("safetensors")
 
 from models import hf  # noqa: E402
+from models.config import RopeScaling  # noqa: E402
+from models.layers import rotary_frequencies  # noqa: E402
 from models.parallel import (  # noqa: E402
     ParallelConfig,
     make_logits,
@@ -32,7 +36,8 @@ from models.parallel import (  # noqa: E402
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-NAMES = ("gpt2", "qwen2_untied", "qwen2_tied", "qwen2_untied_v5")
+NAMES = ("gpt2", "qwen2_untied", "qwen2_tied", "qwen2_untied_v5", "llama3_untied", "llama_tied",
+         "mistral")  # fmt: skip
 # A Python with torch and transformers (not project dependencies), for the test that
 # transformers loads what we save; unset, that test is skipped.
 HF_PYTHON = os.environ.get("TACO_HF_PYTHON")
@@ -77,6 +82,76 @@ def test_fixture_geometry():
     assert v4["rope_theta"] == 1e6 and "rope_parameters" not in v4  # transformers 4.x
     assert v5["rope_parameters"]["rope_theta"] == 1e6 and "rope_theta" not in v5  # 5.x
     assert hf.load_config(FIXTURES / "qwen2_untied_v5") == untied
+    llama3, llama_tied, mistral = (hf.load_config(FIXTURES / n)
+                                   for n in ("llama3_untied", "llama_tied", "mistral"))  # fmt: skip
+    assert (llama3.arch, llama3.n_kv_heads, llama3.tied_embeddings) == ("llama", 4, False)
+    assert llama3.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 128)
+    assert (llama_tied.arch, llama_tied.n_kv_heads, llama_tied.tied_embeddings) == (
+        "llama", 2, True)  # fmt: skip
+    assert llama_tied.rope_scaling is None and mistral.rope_scaling is None
+    assert (mistral.arch, mistral.n_kv_heads, mistral.tied_embeddings) == ("mistral", 2, False)
+    assert json.loads((FIXTURES / "mistral" / hf.CONFIG_FILE).read_text())["sliding_window"] is None
+
+
+# config.json of published checkpoints as the Hub serves them (transformers 4.x keys, extras
+# included), with the parameter count transformers builds from each (`numel` of every
+# parameter; the Hub's "8.03B", "7.25B", "135M").
+PUBLISHED = {
+    "Llama-3.1-8B": ({
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu",
+        "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+        "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+        "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
+    }, 8_030_261_248),
+    "Mistral-7B-v0.3": ({
+        "architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+        "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096,
+        "initializer_range": 0.02, "intermediate_size": 14336,
+        "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "transformers_version": "4.42.0.dev0", "use_cache": True,
+        "vocab_size": 32768,
+    }, 7_248_023_552),
+    "SmolLM2-135M": ({
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "silu", "hidden_size": 576,
+        "initializer_range": 0.041666666666666664, "intermediate_size": 1536,
+        "is_llama_config": True, "max_position_embeddings": 8192, "mlp_bias": False,
+        "model_type": "llama", "num_attention_heads": 9, "num_hidden_layers": 30,
+        "num_key_value_heads": 3, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+        "rope_interleaved": False, "rope_scaling": None, "rope_theta": 100000,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.42.3",
+        "use_cache": True, "vocab_size": 49152,
+    }, 134_515_008),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_published_configs_load_with_their_parameter_count(name, tmp_path):
+    config, count = PUBLISHED[name]
+    (tmp_path / hf.CONFIG_FILE).write_text(json.dumps(config))
+    cfg = hf.load_config(tmp_path)
+    assert cfg.num_params() == count and cfg.padded_vocab == cfg.vocab_size
+    assert (cfg.rope_scaling is not None) == (name == "Llama-3.1-8B")
+
+
+def test_llama31_rotary_frequencies_equal_transformers():
+    """Llama 3.1 8B's rope (head size 128, theta 5e5, "llama3" factor 8, 1, 4, 8192: 6 of its 64
+    frequencies interpolated, 29 divided) against transformers' `_compute_llama3_parameters`.
+    Both are fp32: a power (ours theta^-x, theirs 1 / theta^x) then a handful of roundings in
+    the smoothing, each <= 1 ulp, so they agree to ~8 eps_fp32 relative."""
+    theirs = np.load(FIXTURES / "llama31_rope_frequencies.npy")
+    ours = np.asarray(rotary_frequencies(128, 5e5, RopeScaling(8.0, 1.0, 4.0, 8192)))
+    np.testing.assert_allclose(ours, theirs, rtol=8 * np.finfo(np.float32).eps, atol=0)
+    unscaled = np.asarray(rotary_frequencies(128, 5e5))
+    assert np.sum(~np.isclose(unscaled, theirs, rtol=1e-3)) == 6 + 29  # the scaling is exercised
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -140,12 +215,64 @@ def test_rope_theta_from_transformers_4_and_5_configs(tmp_path):
     assert hf.load_config(_edited(tmp_path, "qwen2_untied", as_v4)).rope_theta == 54321.0
 
 
-def test_scaled_rope_is_refused(tmp_path):
-    def yarn(config):
-        config["rope_parameters"] = {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}
+def test_llama3_rope_from_transformers_4_config(tmp_path):
+    """Llama 3.1's config.json as transformers 4.x writes it: `rope_theta` beside a
+    `rope_scaling` table; save writes that form, and its original length whatever seq_len is."""
 
-    with pytest.raises(hf.CheckpointError, match="rope_type='yarn'"):
-        hf.load_config(_edited(tmp_path, "qwen2_untied", yarn))
+    def as_v4(config):
+        scaling = config.pop("rope_parameters")
+        config["rope_theta"] = scaling.pop("rope_theta")
+        config["rope_scaling"] = scaling
+
+    cfg = hf.load_config(FIXTURES / "llama3_untied")
+    assert hf.load_config(_edited(tmp_path, "llama3_untied", as_v4)) == cfg
+    written = hf.hf_config(dataclasses.replace(cfg, seq_len=64))
+    assert written["rope_theta"] == 1e4 and "rope_parameters" not in written
+    assert written["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 128}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "table"),
+    [("qwen2_untied", "rope_parameters"), ("llama3_untied", "rope_scaling")],
+)
+def test_other_rope_types_are_refused(tmp_path, name, table):
+    def yarn(config):
+        config[table] = {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}
+
+    with pytest.raises(hf.CheckpointError) as info:
+        hf.load_config(_edited(tmp_path, name, yarn))
+    assert str(info.value).endswith(
+        f"config.json: {table}.rope_type='yarn' is not supported; supported: default, llama3"
+    )
+
+
+def test_llama3_rope_without_its_factors(tmp_path):
+    directory = _edited(tmp_path, "llama3_untied", lambda c: c["rope_parameters"].pop("factor"))
+    with pytest.raises(hf.CheckpointError, match=r"config\.json: key rope_parameters\.factor is"):
+        hf.load_config(directory)
+
+
+@pytest.mark.parametrize(
+    ("name", "edit", "message"),
+    [
+        ("mistral", {"sliding_window": 4096}, "sliding_window=4096 is not supported"),
+        ("llama3_untied", {"attention_bias": True}, "attention_bias=true is not supported"),
+        ("llama_tied", {"mlp_bias": True}, "mlp_bias=true is not supported"),
+        ("llama_tied", {"hidden_act": "gelu"}, "hidden_act='gelu' is not supported (silu)"),
+        ("llama_tied", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ],
+)
+def test_what_ours_lacks_is_refused(tmp_path, name, edit, message):
+    with pytest.raises(hf.CheckpointError, match=f"config\\.json: {re.escape(message)}"):
+        hf.load_config(_edited(tmp_path, name, lambda c: c.update(edit)))
+
+
+def test_mistral_without_the_key_has_transformers_default_window(tmp_path):
+    directory = _edited(tmp_path, "mistral", lambda c: c.pop("sliding_window"))
+    with pytest.raises(hf.CheckpointError, match="sliding_window=4096 is not supported"):
+        hf.load_config(directory)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,9 +286,15 @@ def test_no_config_json(tmp_path):
 
 
 def test_unknown_architecture(tmp_path):
-    directory = _edited(tmp_path, "gpt2", lambda c: c.update(architectures=["LlamaForCausalLM"]))
-    with pytest.raises(hf.CheckpointError, match=r"config\.json: architectures=\['Llama"):
-        hf.load(directory)
+    def gemma(config):
+        config.update(architectures=["GemmaForCausalLM"], model_type="gemma")
+
+    with pytest.raises(hf.CheckpointError) as info:
+        hf.load(_edited(tmp_path, "gpt2", gemma))
+    assert str(info.value).endswith(
+        "config.json: architectures=['GemmaForCausalLM'] (model_type='gemma') is not supported; "
+        "supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"
+    )
 
 
 def _rewrite_tensors(directory: Path, edit) -> None:
@@ -264,7 +397,7 @@ def _record_reads(monkeypatch) -> list[tuple[str, tuple[slice, ...], int]]:
     return reads
 
 
-@pytest.mark.parametrize("name", ["gpt2", "qwen2_tied"])
+@pytest.mark.parametrize("name", ["gpt2", "qwen2_tied", "llama3_untied"])
 def test_tp4_load_reads_only_each_devices_slices(name, monkeypatch):
     """tp = 4 on a (dp 2, tp 4) mesh of 8 CPU devices: the arrays equal the full load, every
     device's shard of a TP-split parameter is a quarter, and the bytes read are exactly the
@@ -293,7 +426,8 @@ def test_tp4_load_reads_only_each_devices_slices(name, monkeypatch):
         (*wqkv.shape[:2], wqkv.shape[2] // 4, *wqkv.shape[3:])}  # fmt: skip
 
 
-def test_pipeline_stages_read_only_their_layers(monkeypatch):
+@pytest.mark.parametrize("name", ["qwen2_untied", "mistral"])
+def test_pipeline_stages_read_only_their_layers(name, monkeypatch):
     """pp = 2 x tp = 2 (`full_layout_specs`): stage s reads layer s's tensors only."""
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices")
@@ -301,11 +435,11 @@ def test_pipeline_stages_read_only_their_layers(monkeypatch):
 
     parallel = ParallelConfig(dp=2, pp=2, tp=2)
     mesh = make_mesh(parallel)
-    cfg = hf.load_config(FIXTURES / "qwen2_untied")
+    cfg = hf.load_config(FIXTURES / name)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), full_layout_specs(cfg))
-    full = hf.load(FIXTURES / "qwen2_untied")[1]
+    full = hf.load(FIXTURES / name)[1]
     reads = _record_reads(monkeypatch)
-    _, sharded = hf.load(FIXTURES / "qwen2_untied", shardings=shardings)
+    _, sharded = hf.load(FIXTURES / name, shardings=shardings)
     assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), sharded, full))
     # o_proj.weight [D, N H] of layer l: the 4 devices of stage l (dp 2 x tp 2) read it, each
     # all D rows and its half of the heads' columns; no device reads the other stage's layer.
@@ -317,7 +451,8 @@ def test_pipeline_stages_read_only_their_layers(monkeypatch):
         (cfg.d_model, half)}  # fmt: skip
 
 
-def test_tp4_loaded_model_runs_as_the_full_one():
+@pytest.mark.parametrize("name", ["qwen2_untied", "llama3_untied"])
+def test_tp4_loaded_model_runs_as_the_full_one(name):
     """The TP-sharded load fed to the shard_map model (codec "none") gives the full model's
     logits: the slices are where the TP ranks expect them."""
     if jax.device_count() < 4:
@@ -326,13 +461,13 @@ def test_tp4_loaded_model_runs_as_the_full_one():
 
     parallel = ParallelConfig(tp=4, compute_dtype="float32")
     mesh = make_mesh(parallel)
-    cfg = hf.load_config(FIXTURES / "qwen2_untied")
+    cfg = hf.load_config(FIXTURES / name)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg))
-    _, params = hf.load(FIXTURES / "qwen2_untied", shardings=shardings)
-    tokens = np.load(FIXTURES / "qwen2_untied" / "tokens.npy")
+    _, params = hf.load(FIXTURES / name, shardings=shardings)
+    tokens = np.load(FIXTURES / name / "tokens.npy")
     logits = make_logits(cfg, parallel, taco_jax.TPComm.create("tp", fwd="none"), mesh)
     ours = np.asarray(jax.jit(logits)(params, jax.device_put(tokens, NamedSharding(mesh, P()))))
-    theirs = np.load(FIXTURES / "qwen2_untied" / "logits.npy")
+    theirs = np.load(FIXTURES / name / "logits.npy")
     assert _relative_max_diff(ours[..., : cfg.vocab_size], theirs) <= LOGITS_RTOL
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import pytest
 
 from models import ModelConfig, init_params
-from models.config import PRESETS
+from models.config import PRESETS, RopeScaling
 from models.parallel import abstract_params, logical_axes, weight_decay_mask
 
 
@@ -16,7 +17,7 @@ def _count(tree) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
 
 
-@pytest.mark.parametrize("name", ["gpt_tiny", "qwen2_tiny"])
+@pytest.mark.parametrize("name", ["gpt_tiny", "qwen2_tiny", "llama_tiny"])
 def test_num_params_counts_initialized_leaves(name):
     cfg = ModelConfig.preset(name)
     assert _count(init_params(cfg, jax.random.key(0))) == cfg.num_params()
@@ -48,6 +49,20 @@ def test_qwen25_0p5b_counts_as_published():
                       n_kv_heads=2, d_ff=4864, arch="qwen2", tie_embeddings=True)  # fmt: skip
     assert cfg.padded_vocab == cfg.vocab_size
     assert round(cfg.num_params() / 1e6) == 494
+
+
+def test_llama_has_no_qkv_bias():
+    """Llama is Qwen2's layout without the QKV bias: one tensor fewer per layer."""
+    llama = init_params(ModelConfig.preset("llama_tiny"), jax.random.key(0))["blocks"]["attn"]
+    qwen2 = init_params(ModelConfig.preset("qwen2_tiny"), jax.random.key(0))["blocks"]["attn"]
+    assert set(qwen2) - set(llama) == {"bqkv"}
+
+
+def test_rope_scaling_from_a_dict_round_trips():
+    """A saved run's config.json holds `dataclasses.asdict(cfg)`: the scaling comes back."""
+    cfg = ModelConfig.preset("llama_tiny")
+    assert ModelConfig(**dataclasses.asdict(cfg)) == cfg
+    assert isinstance(ModelConfig(**dataclasses.asdict(cfg)).rope_scaling, RopeScaling)
 
 
 @pytest.mark.parametrize(
@@ -91,7 +106,19 @@ def test_unknown_preset_names_it():
     [
         (dict(n_heads=5), "d_model=64 is not a multiple of n_heads=5"),
         (dict(n_kv_heads=2), "n_kv_heads=2 must equal n_heads=8"),
-        (dict(arch="llama"), "arch='llama'"),
+        (dict(arch="mamba"), "arch='mamba'"),
+        (dict(rope_scaling=RopeScaling(8.0, 1.0, 4.0, 16)), "arch='gpt' learns them"),
+        (
+            dict(
+                rope_scaling=dict(
+                    factor=8.0,
+                    low_freq_factor=4.0,
+                    high_freq_factor=4.0,
+                    original_max_position_embeddings=16,
+                )
+            ),
+            "low_freq_factor=4.0 <",
+        ),
         (dict(d_ff=0), "d_ff=0"),
     ],
 )

@@ -99,6 +99,7 @@ def _needs_devices(n: int):
 GPT_VOCAB_200 = ModelConfig.preset("gpt_tiny", vocab_size=200)  # padded to 256: masked columns
 GPT = ModelConfig.preset("gpt_tiny")
 QWEN = ModelConfig.preset("qwen2_tiny")  # GQA: 8 query heads over 4 KV heads
+LLAMA = ModelConfig.preset("llama_tiny")  # no QKV bias, "llama3" rotary scaling
 
 # Every TP size under both runners, SP on and off under both, and GQA under both.
 SLOW = pytest.mark.slow  # > ~10 s each on the 2-core CPU: the slow tier
@@ -113,6 +114,7 @@ EXACT_CASES = [
     pytest.param("vmap", 8, True, GPT, {}, marks=SLOW),
     pytest.param("shard_map", 4, False, QWEN, {}, marks=SLOW),
     pytest.param("vmap", 2, True, QWEN, {}, marks=SLOW),
+    pytest.param("vmap", 4, True, LLAMA, {}, marks=SLOW),
 ]
 
 

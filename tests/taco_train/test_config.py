@@ -1,10 +1,20 @@
 """Config files, command-line overrides and validation errors."""
 
+import json
 from pathlib import Path
 
 import pytest
 
-from taco_train.config import TrainConfig, apply_override, build_config, load_config, parse_value
+from models.config import RopeScaling
+from taco_train.config import (
+    ConfigError,
+    TrainConfig,
+    apply_override,
+    build_config,
+    from_saved,
+    load_config,
+    parse_value,
+)
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.toml"))
 
@@ -65,6 +75,20 @@ def test_int_widens_to_float_and_strings_parse():
     assert parse_value("taco") == "taco" and parse_value('"x"') == "x"
     assert parse_value("true") is True and parse_value("3e-4") == 3e-4
     assert load_config(None, ["compression.bwd=none"]).compression.bwd == "none"
+
+
+def test_rope_scaling_is_a_toml_table_and_survives_the_saved_config():
+    """`model.rope_scaling` (Llama 3.1's) from a TOML inline table; a run directory's
+    config.json (`to_dict`, then `from_saved` on resume or export) restores it."""
+    table = ("{factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0, "
+             "original_max_position_embeddings = 16}")  # fmt: skip
+    cfg = load_config(None, ['model.preset="llama_tiny"', 'data.tokenizer="byte"',
+                             f"model.rope_scaling={table}"])  # fmt: skip
+    assert cfg.model.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 16)
+    assert from_saved(json.loads(json.dumps(cfg.to_dict()))).model == cfg.model
+    with pytest.raises(ConfigError, match="rope_scaling='x' must be a RopeScaling or a dict"):
+        load_config(None, ['model.preset="llama_tiny"', 'data.tokenizer="byte"',
+                           'model.rope_scaling="x"'])  # fmt: skip
 
 
 def test_tp_takes_tahquant_grids_with_their_own_group_size():

@@ -20,6 +20,7 @@ from train_testing import REPO, TINY, tiny_overrides
 pytest.importorskip("safetensors")
 
 from models import hf  # noqa: E402
+from models.config import RopeScaling  # noqa: E402
 from models.parallel import reference_loss_and_grads  # noqa: E402
 from taco_train import data, trainer  # noqa: E402
 from taco_train.config import ConfigError, load_config, resolve_model  # noqa: E402
@@ -29,7 +30,7 @@ from taco_train.main import main  # noqa: E402
 
 FIXTURES = REPO / "tests" / "models" / "fixtures" / "hf"
 QWEN = str(FIXTURES / "qwen2_tied")  # sharded, tied head, with a tokenizer.json
-FINETUNE = REPO / "configs" / "finetune_qwen25_0p5b.toml"
+LLAMA3 = str(FIXTURES / "llama3_untied")  # rope_scaling "llama3", untied head, no tokenizer
 
 
 def _config(tmp_path, cache, *extra, init_from=QWEN):
@@ -104,12 +105,19 @@ def test_absent_checkpoint_parses_and_fails_when_run(tmp_path, cache):
         resolve_model(cfg, required=True)
 
 
-def test_finetune_config_parses_without_the_checkpoint():
-    cfg = load_config(FINETUNE)
+@pytest.mark.parametrize(
+    ("name", "tp", "geometry"),
+    # The checkpoints' config.json: (width, layers, arch, tied head).
+    [("finetune_qwen25_0p5b", 2, (896, 24, "qwen2", True)),
+     ("finetune_smollm2_135m", 3, (576, 30, "llama", True))],
+)  # fmt: skip
+def test_finetune_config_parses_without_the_checkpoint(name, tp, geometry):
+    cfg = load_config(REPO / "configs" / f"{name}.toml")
     assert cfg.init_from is not None and cfg.data.tokenizer == "hf"
-    assert cfg.compression.fwd == "taco" and cfg.parallel.tp == 2
-    if cfg.model is not None:  # the checkpoint is downloaded here: Qwen2.5-0.5B's geometry
-        assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.tied_embeddings) == (896, 24, True)
+    assert cfg.compression.fwd == "taco" and cfg.parallel.tp == tp
+    if cfg.model is not None:  # the checkpoint is downloaded here
+        m = cfg.model
+        assert (m.d_model, m.n_layers, m.arch, m.tied_embeddings) == geometry
 
 
 def test_cli_error_for_a_missing_checkpoint_is_one_line(tmp_path, cache, capsys):
@@ -187,6 +195,33 @@ def test_finetune_starts_from_the_checkpoint_and_exports_the_result(layout, tmp_
     assert jax.tree.all(same) or _equal_but_padding(final, exported, cfg.model)
     assert (tmp_path / "export" / "tokenizer.json").is_file()
     assert not jax.tree.all(jax.tree.map(np.array_equal, params, exported))  # it trained
+
+
+@pytest.mark.slow
+def test_finetune_from_llama3_keeps_its_rope_scaling(tmp_path, cache):
+    """A Llama 3.1-style checkpoint through the trainer (TP 2 x DP 2) and out: step 1's loss is
+    the checkpoint's, and the run's saved config (a dict) restores the rope scaling, so the
+    export is the same model."""
+    jax.clear_caches()
+    cfg = _config(tmp_path, cache, "model.seq_len=16", 'data.tokenizer="byte"',
+                  'compression.fwd="none"', "run.steps=3", "run.eval_every=3",
+                  "run.checkpoint_every=3", "run.log_every=1", *LAYOUTS["shard_map_tp2_dp2"],
+                  init_from=LLAMA3)  # fmt: skip
+    trainer.train_and_evaluate(cfg)
+    records = [json.loads(line) for line in (cfg_out(cfg) / "metrics.jsonl").open()]
+    first = next(r for r in records if r.get("kind") == "train" and r["step"] == 1)
+    _, params = hf.load(LLAMA3, seq_len=16)
+    loss, _ = reference_loss_and_grads(cfg.model, params, jnp.asarray(_first_batch(cfg)))
+    # As above: fp32 both ways, reassociation only (~1e-6); the rope scaling dropped anywhere
+    # would move the loss by far more (it moves the fixture's logits by 17%).
+    np.testing.assert_allclose(first["loss"], float(loss), rtol=1e-5)
+
+    export(cfg_out(cfg), tmp_path / "export")
+    cfg2, exported = hf.load(tmp_path / "export")
+    assert cfg2 == cfg.model and cfg2.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 128)
+    final = _final_params(cfg_out(cfg), 3)
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), final,
+                                     exported))  # fmt: skip
 
 
 def _equal_but_padding(final, exported, model) -> bool:
