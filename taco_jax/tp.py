@@ -14,7 +14,8 @@ With sequence parallelism (Korthikanti et al. 2022) they become
 
 `TPComm` holds the forward and backward `CommConfig`s, so activations and activation gradients
 can use different codecs (e.g. `taco` forward and `taco_e5m2` or `none` backward). Every
-communication point is tagged with `checkpoint_name` so remat policies and profiles can name it.
+communication point is tagged with `checkpoint_name` so remat policies and profiles can name it,
+and each call site may be named (`name=`, `layer=`) for `taco_jax.telemetry` and `site_codecs`.
 """
 
 from __future__ import annotations
@@ -26,18 +27,21 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from taco_jax import telemetry
 from taco_jax.codecs import DEFAULT_CODEC
 from taco_jax.collectives import (
     CodecLike,
     CommConfig,
+    all_reduce_at,
     as_varying,
+    call_site,
     cast_varying,
     compressed_all_gather,
-    compressed_psum,
     compressed_psum_scatter,
     fwd_bwd_configs,
     matmul_all_reduce,
     type_carrier,
+    uses_layer,
     varies_along,
 )
 
@@ -61,42 +65,59 @@ class TPComm:
     ) -> TPComm:
         """Both directions from codecs (names, `Codec`s or `CommConfig`s); `bwd` defaults to
         `fwd`. `overrides`: `CommConfig` options applied to both, as for `compressed_psum`
-        (`telemetry=True` records each collective's relative error, see `taco_jax.telemetry`).
+        (`telemetry=True` measures each call site's error, `taco_jax.telemetry`;
+        `site_codecs` gives named call sites codecs of their own).
         """
         fwd_cfg, bwd_cfg = fwd_bwd_configs(fwd, bwd, **overrides)
         return cls(axis_name, fwd_cfg, bwd_cfg)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _copy(x, comm: TPComm):
+# Each operator's call site reports as f"{name}/fwd" or f"{name}/bwd" of its `layer` (None or a
+# traced int32; `collectives.compressed_psum` says how).
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _copy(x, layer, comm: TPComm, name: str):
     # Typed varying where shard_map tracks it: otherwise the column-parallel layer's implicit
     # pcast would transpose to an uncompressed psum of the cotangent before this one's.
     return as_varying(x, comm.axis_name)
 
 
-def _copy_fwd(x, comm):
-    return _copy(x, comm), type_carrier(x)
+def _copy_fwd(x, layer, comm, name):
+    kept = layer if uses_layer(comm.bwd, f"{name}/bwd") else None
+    return _copy(x, layer, comm, name), (type_carrier(x), kept)
 
 
-def _copy_bwd(comm, like, ct):
-    reduced = compressed_psum(ct, comm.axis_name, codec=comm.bwd, name="tp_copy_bwd")
-    return (cast_varying(reduced, comm.axis_name, like),)
+def _copy_bwd(comm, name, residuals, ct):
+    like, layer = residuals
+    site = f"{name}/bwd"
+    reduced, stats = all_reduce_at(ct, comm.axis_name, comm.bwd, site, layer)
+    telemetry.report(site, stats, layer=layer, axis_name=comm.axis_name)
+    return cast_varying(reduced, comm.axis_name, like), None
 
 
 _copy.defvjp(_copy_fwd, _copy_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _reduce(x, comm: TPComm):
-    return compressed_psum(x, comm.axis_name, codec=comm.fwd, name="tp_reduce_fwd")
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _reduce(x, layer, comm: TPComm, name: str):
+    site = f"{name}/fwd"
+    out, stats = all_reduce_at(x, comm.axis_name, comm.fwd, site, layer)
+    telemetry.report(site, stats, layer=layer, axis_name=comm.axis_name)
+    return out
 
 
-def _reduce_fwd(x, comm):
-    return _reduce(x, comm), type_carrier(x)
+def _reduce_fwd(x, layer, comm, name):
+    # The forward's statistics are reported by the backward (`taco_jax.telemetry`).
+    out, stats = all_reduce_at(x, comm.axis_name, comm.fwd, f"{name}/fwd", layer)
+    kept = None if stats is None else layer
+    return out, (type_carrier(x), kept, telemetry.keep(stats))
 
 
-def _reduce_bwd(comm, like, ct):
-    return (cast_varying(ct, comm.axis_name, like),)
+def _reduce_bwd(comm, name, residuals, ct):
+    like, layer, stats = residuals
+    telemetry.report(f"{name}/fwd", stats, layer=layer, axis_name=comm.axis_name)
+    return cast_varying(ct, comm.axis_name, like), None
 
 
 _reduce.defvjp(_reduce_fwd, _reduce_bwd)
@@ -104,7 +125,7 @@ _reduce.defvjp(_reduce_fwd, _reduce_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _reduce_matmul(x, w, comm: TPComm):
-    return matmul_all_reduce(x, w, comm.axis_name, comm.fwd, "tp_reduce_fwd")
+    return matmul_all_reduce(x, w, comm.axis_name, comm.fwd, "tp_reduce/fwd")
 
 
 def _reduce_matmul_fwd(x, w, comm):
@@ -136,7 +157,7 @@ def _copy_matmul_bwd(comm, residuals, ct):
     # f's backward of the matmul's input gradient ct @ w^T: its compressed all-reduce, the
     # product encoded by its matmul; the weight's gradient as autodiff takes it.
     x, w = residuals
-    dx = matmul_all_reduce(ct, w.T, comm.axis_name, comm.bwd, "tp_copy_bwd")
+    dx = matmul_all_reduce(ct, w.T, comm.axis_name, comm.bwd, "tp_copy/bwd")
     _, matmul_vjp = jax.vjp(jnp.matmul, as_varying(x, comm.axis_name), w)
     return cast_varying(dx, comm.axis_name, x).astype(x.dtype), matmul_vjp(ct)[1]
 
@@ -144,19 +165,23 @@ def _copy_matmul_bwd(comm, residuals, ct):
 _copy_matmul.defvjp(_copy_matmul_fwd, _copy_matmul_bwd)
 
 
-def copy_to_tp(x: jax.Array, comm: TPComm) -> jax.Array:
+def copy_to_tp(x: jax.Array, comm: TPComm, *, name: str = "tp_copy", layer=None) -> jax.Array:
     """Megatron f: identity forward; backward `compressed_psum` of the cotangent (`comm.bwd`).
 
     Sharding: `x[B, T, D]` replicated -> the same, now feeding a column-parallel layer.
+    name, layer: the call site, `<name>/bwd` (`compressed_psum`'s arguments).
     """
-    return checkpoint_name(_copy(x, comm), "tp_copy")
+    name, layer = call_site(name, layer)
+    return checkpoint_name(_copy(x, layer, comm, name), "tp_copy")
 
 
-def reduce_from_tp(x: jax.Array, comm: TPComm) -> jax.Array:
+def reduce_from_tp(x: jax.Array, comm: TPComm, *, name: str = "tp_reduce", layer=None) -> jax.Array:
     """Megatron g: forward `compressed_psum` (`comm.fwd`), equal to `lax.psum` up to FP8
     rounding; backward identity. Sharding: `x[B, T, D]{U_tp} -> x[B, T, D]`.
+    name, layer: the call site, `<name>/fwd` (`compressed_psum`'s arguments).
     """
-    return checkpoint_name(_reduce(x, comm), "tp_reduce")
+    name, layer = call_site(name, layer)
+    return checkpoint_name(_reduce(x, layer, comm, name), "tp_reduce")
 
 
 def _check_product_operands(op: str, x: jax.Array, w: jax.Array) -> None:
@@ -198,25 +223,28 @@ def reduce_matmul_from_tp(x: jax.Array, w: jax.Array, comm: TPComm) -> jax.Array
     return checkpoint_name(out.reshape(*lead, w.shape[1]), "tp_reduce")
 
 
-def gather_from_sp(x: jax.Array, comm: TPComm, *, axis: int = 1) -> jax.Array:
+def gather_from_sp(
+    x: jax.Array, comm: TPComm, *, axis: int = 1, name: str = "sp_gather", layer=None
+) -> jax.Array:
     """Sequence-parallel entry: all-gather forward along `axis`, reduce-scatter backward.
 
     Equal to `lax.all_gather(x, comm.axis_name, axis=axis, tiled=True)` up to FP8 rounding.
-    Sharding: `x[B, T/N, D] -> x[B, T, D]`.
+    Sharding: `x[B, T/N, D] -> x[B, T, D]`. name, layer: the call site (`compressed_psum`'s).
     """
-    out = compressed_all_gather(
-        x, comm.axis_name, axis=axis, tiled=True, codec=comm.fwd, bwd_codec=comm.bwd
-    )
+    out = compressed_all_gather(x, comm.axis_name, axis=axis, tiled=True, codec=comm.fwd,
+                                bwd_codec=comm.bwd, name=name, layer=layer)  # fmt: skip
     return checkpoint_name(out, "sp_gather")
 
 
-def scatter_to_sp(x: jax.Array, comm: TPComm, *, axis: int = 1) -> jax.Array:
+def scatter_to_sp(
+    x: jax.Array, comm: TPComm, *, axis: int = 1, name: str = "sp_scatter", layer=None
+) -> jax.Array:
     """Sequence-parallel exit: reduce-scatter forward along `axis`, all-gather backward.
 
     Equal to `lax.psum_scatter(x, comm.axis_name, scatter_dimension=axis, tiled=True)` up to FP8
-    rounding. Sharding: `x[B, T, D]{U_tp} -> x[B, T/N, D]`.
+    rounding. Sharding: `x[B, T, D]{U_tp} -> x[B, T/N, D]`. name, layer: the call site.
     """
-    out = compressed_psum_scatter(
-        x, comm.axis_name, scatter_dimension=axis, tiled=True, codec=comm.fwd, bwd_codec=comm.bwd
-    )
+    out = compressed_psum_scatter(x, comm.axis_name, scatter_dimension=axis, tiled=True,
+                                  codec=comm.fwd, bwd_codec=comm.bwd, name=name,
+                                  layer=layer)  # fmt: skip
     return checkpoint_name(out, "sp_scatter")
