@@ -183,9 +183,12 @@ def _with_blocks(params: dict, model: ModelConfig, pick) -> dict:
     return _map_axes(lambda axes, x: pick(x) if axes[0] == "layers" else x, model, params)
 
 
-def _first_layer(model, parallel, run, stage, step, m):
+def _first_layer(ctx, model, parallel, run, stage, step, m):
     """The model's index of the first layer of the chunk `_run_chunk` runs (traced: it
-    depends on the stage); chunk c holds layers [c L / (P V), (c + 1) L / (P V))."""
+    depends on the stage); chunk c holds layers [c L / (P V), (c + 1) L / (P V)). 0 where the
+    call sites need no layer (`TPContext.names_layers`): nothing is computed then."""
+    if not ctx.names_layers:
+        return 0
     _, _, chunk, mixed = run
     per_chunk = model.n_layers // (parallel.pp * parallel.repeats)
     if mixed:
@@ -280,7 +283,7 @@ def _stage_loss(model, parallel, codecs, ctx, params, tokens, key):
         elif v > 1:  # later: the first stage's work item i is microbatch i mod M's next pass
             x = jnp.where(stage == 0, store[jnp.mod(i, m)], x)
         chunk = nnx.merge(graphdef(model), _run_chunk(params, model, run, stage, i, m))
-        first = _first_layer(model, parallel, run, stage, i, m)
+        first = _first_layer(ctx, model, parallel, run, stage, i, m)
         y = chunk.run_blocks(x, ctx, remat=parallel.remat, scan_layers=parallel.scan_layers,
                              first_layer=first)  # fmt: skip
         keep_y = y if run[0] + run[1] > done_from else None
@@ -396,7 +399,7 @@ def _one_f_one_b(model, parallel, codecs, ctx, params, tokens, key):
 
     def forward(rest, blocks, x):
         net = merge(rest, blocks)
-        first = stage * (model.n_layers // stages)  # 1F1B: one chunk per stage
+        first = stage * (model.n_layers // stages) if ctx.names_layers else 0  # one chunk each
         return net.run_blocks(x, ctx, remat=parallel.remat, scan_layers=parallel.scan_layers,
                               first_layer=first)  # fmt: skip
 

@@ -121,8 +121,10 @@ def _send(x, axis_name, pairs, full, partial: bool, direction: _Direction, key):
     None); `partial`: some rank receives nothing."""
     if direction.codec.is_identity:
         out = _moved(x, axis_name, pairs, full)
+        if not direction.telemetry:
+            return out, None
         stats = telemetry.unmeasured(_sent_bytes(x, axis_name, pairs))
-        return out, telemetry.per_rank(stats, axis_name) if direction.telemetry else None
+        return out, telemetry.per_rank(stats, axis_name)
     encode, decode = _wire_ops(direction)
     if key is not None:  # ranks draw independent rounding noise
         key = jax.random.fold_in(key, lax.axis_index(axis_name))
@@ -160,6 +162,8 @@ def _ppermute(x, key, axis_name, perms, n_ranks, fwd, bwd, name):
 
 
 def _ppermute_fwd(x, key, axis_name, perms, n_ranks, fwd, bwd, name):
+    if not fwd.telemetry:
+        return _ppermute(x, key, axis_name, perms, n_ranks, fwd, bwd, name), (key, None)
     # The forward's statistics are reported by the backward (`taco_jax.telemetry`).
     pairs, full = perms
     out, stats = _send(x, axis_name, pairs, full, len(pairs) < n_ranks, fwd, key)

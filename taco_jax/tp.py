@@ -37,6 +37,7 @@ from taco_jax.collectives import (
     call_site,
     cast_varying,
     compressed_all_gather,
+    compressed_psum,
     compressed_psum_scatter,
     fwd_bwd_configs,
     matmul_all_reduce,
@@ -101,17 +102,15 @@ _copy.defvjp(_copy_fwd, _copy_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _reduce(x, layer, comm: TPComm, name: str):
-    site = f"{name}/fwd"
-    out, stats = all_reduce_at(x, comm.axis_name, comm.fwd, site, layer)
-    telemetry.report(site, stats, layer=layer, axis_name=comm.axis_name)
-    return out
+    return compressed_psum(x, comm.axis_name, codec=comm.fwd, name=name, layer=layer)
 
 
 def _reduce_fwd(x, layer, comm, name):
+    if not comm.fwd.telemetry:
+        return _reduce(x, layer, comm, name), (type_carrier(x), None, None)
     # The forward's statistics are reported by the backward (`taco_jax.telemetry`).
     out, stats = all_reduce_at(x, comm.axis_name, comm.fwd, f"{name}/fwd", layer)
-    kept = None if stats is None else layer
-    return out, (type_carrier(x), kept, telemetry.keep(stats))
+    return out, (type_carrier(x), layer, telemetry.keep(stats))
 
 
 def _reduce_bwd(comm, name, residuals, ct):
