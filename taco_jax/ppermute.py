@@ -236,14 +236,6 @@ def compressed_ppermute(
     if impl not in _backends.IMPLS:
         raise ValueError(f"unknown impl={impl!r}; choose one of {_backends.IMPLS}")
     fwd = _Direction(fwd_codec, impl, telemetry)
-    if telemetry and not under_shard_map and len(pairs) == n_ranks:
-        # Seen with jax 0.11.2 on the CPU: XLA fails to compile this combination (an internal
-        # "instruction is live and cannot be removed" check), a crash rather than an answer.
-        raise ValueError(
-            f"telemetry=True with the full permutation perm={perm!r} under vmap (TP or a "
-            "mesh emulated, parallel.mode='vmap' or 'emulate') is not supported (an XLA "
-            "compile failure); record it under shard_map, or with a partial permutation"
-        )
     perms = (pairs, pairs if under_shard_map else _completed(pairs, n_ranks))
     bwd_direction = _Direction(bwd, impl, telemetry)
     return _ppermute(x, key, axis_name, perms, n_ranks, fwd, bwd_direction, name)

@@ -375,13 +375,6 @@ class TrainConfig:
             f"compression.error_budget={c.error_budget} needs measuring steps: set "
             "run.comm_error_every (e.g. 100)",
         )
-        _check(  # taco_jax.compressed_ppermute refuses it while tracing, after the data is ready
-            not (p.mode == "emulate" and p.schedule == "circular" and measuring),
-            f"run.comm_error_every={self.run.comm_error_every} with parallel.schedule='circular' "
-            "under parallel.mode='emulate' is not supported (the circular schedule's sends form "
-            "a full permutation, whose measurement under vmap XLA fails to compile); set "
-            "run.comm_error_every=0 or parallel.schedule='gpipe'",
-        )
         for name in ("dp_grad", "dp_param"):
             _check(
                 getattr(c, name) == "none" or self.optimizer.sharded,
