@@ -82,8 +82,9 @@ class SiteError:
 
     @property
     def codec_nonfinite(self) -> bool:
-        """The compressed output held non-finite values the exact one did not."""
-        return self.nonfinite > self.exact_nonfinite
+        """The compressed output held non-finite values where the exact one held none (a codec
+        spreads a non-finite input over its group: that is not its doing)."""
+        return self.nonfinite > 0 and self.exact_nonfinite == 0
 
 
 def site_name(site: str, layer: int | None) -> str:
@@ -196,7 +197,7 @@ def _merged(sums: dict, axes: dict) -> tuple[dict, dict]:
 
 def over_budget(errors: dict[str, SiteError], budget: float) -> list[str]:
     """The sites whose error exceeds `budget` (a relative error), or whose compressed output
-    held non-finite values the exact one did not; a site whose inputs were not finite is not
-    the codec's doing and stays."""
+    held non-finite values where the exact one held none; a site whose exact result was not
+    finite (nor then its error) is not over it: its inputs were not finite."""
     return [site for site, e in errors.items()
             if e.error is not None and (e.codec_nonfinite or e.error > budget)]  # fmt: skip
