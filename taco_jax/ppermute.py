@@ -143,12 +143,13 @@ def _send(x, axis_name, pairs, full, partial: bool, direction: _Direction, key):
             out = jnp.where(_receives(axis_name, pairs), out, jnp.zeros_like(out))
         return out
 
-    out = _local.on_local_blocks(compressed, x, *(() if key is None else (key,)))
+    keys = () if key is None else (key,)
+    out = _local.on_local_blocks(compressed, x, *keys, axis_name=axis_name)
     if not direction.telemetry:
         return out, None
     # Ranks that receive nothing hold exact zeros in both: they add nothing to the sums.
     exact = lambda v: _moved(v.astype(jnp.float32), axis_name, pairs, full)  # noqa: E731
-    reference = _local.on_local_blocks(exact, x)
+    reference = _local.on_local_blocks(exact, x, axis_name=axis_name)
     stats = telemetry.measure(out, reference, _sent_bytes(x, axis_name, pairs))
     return out, telemetry.per_rank(stats, axis_name)
 
