@@ -32,7 +32,11 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from taco_jax import _local
 
 # The sums one call of a site reports (fp32): the squared error against the exact collective
 # and the exact values squared (both over the compressed calls only), the non-finite values of
@@ -129,7 +133,7 @@ def per_rank(stats: jax.Array | None, axis_name) -> jax.Array | None:
     `shard_map` counts them per rank. Adding 0 changes no value."""
     if stats is None:
         return None
-    return stats + (jax.lax.axis_index(axis_name) * 0).astype(stats.dtype)
+    return stats + (lax.axis_index(axis_name) * 0).astype(stats.dtype)
 
 
 def keep(stats: jax.Array | None) -> jax.Array | None:
@@ -148,7 +152,24 @@ def report(site: str, stats: jax.Array | None, *, layer=None, axis_name="") -> N
     if stats is None:
         return
     index = jnp.asarray(-1 if layer is None else layer, jnp.int32)
-    jax.debug.callback(functools.partial(_accumulate, site, _axis_label(axis_name)), index, stats)
+    callback = functools.partial(_accumulate, site, _axis_label(axis_name))
+    free = _local.free_axes()
+    if not free:
+        jax.debug.callback(callback, index, stats)
+        return
+
+    # In a partial shard_map (GSPMD), jax 0.11.2 cannot call back beside the axes left to the
+    # compiler ("Closing over inputs to shard_map ... sharded on `Explicit` axes"): the call
+    # goes from a map manual over them, its first device only (the sums are whole-array ones).
+    def once(index, stats):
+        first = lax.axis_index(free) == 0
+        jax.debug.callback(lambda first, *args: bool(first) and callback(*args), first, index,
+                           stats)  # fmt: skip
+        return index
+
+    mesh = jax.sharding.get_abstract_mesh()
+    jax.shard_map(once, mesh=mesh, in_specs=(P(), P()), out_specs=P(), axis_names=set(free),
+                  check_vma=False)(index, stats)  # fmt: skip
 
 
 def _accumulate(site: str, axis: str, layer, stats) -> None:
