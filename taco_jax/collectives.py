@@ -420,8 +420,8 @@ def _addressable(
 
 def _measured(compressed, exact, x: jax.Array, cfg: CommConfig, nbytes, **block):
     """(`compressed(x)`, its `taco_jax.telemetry.STATS` against `exact` of x in fp32 where
-    `cfg.telemetry`, else None), both collectives on each device's block (`_local`, with
-    `block`'s dim and change); the statistics are sums over the whole array."""
+    `cfg.telemetry`, else None), both collectives on each device's block (`_local`;
+    `block`: `on_local_blocks`' keywords); the statistics are sums over the whole array."""
     out = _local.on_local_blocks(compressed, x, **block)
     if not cfg.telemetry:
         return out, None
@@ -652,7 +652,7 @@ def _compressed_all_gather(
 # --------------------------------------------------------------------------------------------
 # Public ops. Each is a custom_vjp whose backward is the compressed conjugate collective. A call
 # site reports (`taco_jax.telemetry`) as f"{name}/fwd" and f"{name}/bwd" of its `layer`: None
-# or a traced int32, a primal argument because the backward needs its value too (`_site`).
+# or a traced int32, a primal argument because the backward needs its value too (`call_site`).
 
 
 def call_site(name: str, layer) -> tuple[str, jax.Array | None]:
