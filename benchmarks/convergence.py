@@ -44,7 +44,7 @@ import statistics
 import time
 
 from benchmarks._common import today, write_record
-from taco_train import metrics
+from taco_train import comm_error, metrics
 from taco_train.config import ConfigError, load_config
 from taco_train.trainer import train_and_evaluate
 
@@ -61,6 +61,8 @@ PAPER = {"taco": 0.25, "tah_quant_path": 2.9}
 DIMS = ("tp", "dp", "pp", "3d")
 DP_CODECS = {"none": ("none", "none"), "sdp4bit": ("tlq_hs", "qwd")}
 PP_MICROBATCHES = 4
+# Measuring steps (`run.comm_error_every`): each codec's error per op, beside its loss.
+COMM_ERROR_EVERY = 50
 PP_GRADS = "+grads="  # "<stage codec>+grads=<TP codec>": the shared-gradient sum compressed too
 
 
@@ -136,7 +138,7 @@ def run_config(args, codec: str, dim: str, size: int, seed: int, out_root: pathl
     out_dir = out_root / run_key(codec, f"{dim}{size}", seed).replace("/", "_")
     overrides = [
         *layout_overrides(dim, size, codec),
-        "compression.telemetry=true",
+        f"run.comm_error_every={COMM_ERROR_EVERY}",
         f"run.seed={seed}",
         f"data.seed={seed}",
         f"run.out_dir={out_dir}",
@@ -165,11 +167,11 @@ def one_run(args, codec: str, dim: str, size: int, seed: int, out_root: pathlib.
 def summarize(records: list[dict], codec: str, layout: str, seed: int, wall: float, cfg) -> dict:
     train = [r for r in records if r.get("kind") == "train"]
     val = [r for r in records if r.get("kind") == "eval"]
-    telemetry = {}
-    for r in train:
-        for key, value in r.items():
-            if key.startswith("telemetry/train/"):
-                telemetry.setdefault(key.removeprefix("telemetry/train/"), []).append(value)
+    errors = {}  # per op (the call site without its layer), over layers and measuring steps
+    for r in records:
+        if r.get("kind") == "comm":
+            for site, value in comm_error.site_errors(r).items():
+                errors.setdefault(comm_error.op_of(site), []).append(value)
     tail = train[-5:] if train else []
     return {
         "codec": codec,
@@ -182,7 +184,7 @@ def summarize(records: list[dict], codec: str, layout: str, seed: int, wall: flo
         "final_train_loss": statistics.mean(r["loss"] for r in tail) if tail else None,
         "final_val_loss": val[-1]["val_loss"] if val else None,
         "val_curve": [(r["step"], r["val_loss"]) for r in val],
-        "comm_rel_err": {k: statistics.mean(v) for k, v in telemetry.items()},
+        "comm_rel_err": {k: statistics.mean(v) for k, v in errors.items()},
     }
 
 

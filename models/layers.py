@@ -60,6 +60,15 @@ class TPContext:
         none = comm_config("none")
         return dataclasses.replace(self.comm, fwd=none, bwd=none)
 
+    @property
+    def names_layers(self) -> bool:
+        """Whether call sites need their layer's index: to report it (telemetry) or to pick a
+        codec by it (`site_codecs`). Else none is passed, and the program is what it is
+        without names."""
+        if not self.sharded:
+            return False
+        return any(c.telemetry or c.site_codecs for c in (self.comm.fwd, self.comm.bwd))
+
     def untracked(self) -> TPContext:
         """The same context with the collectives' telemetry off."""
         if not self.sharded:
@@ -74,29 +83,35 @@ class TPContext:
     def size(self) -> int:
         return lax.axis_size(self.comm.axis_name) if self.sharded else 1
 
-    def enter(self, x: jax.Array) -> jax.Array:
-        """Before a column-parallel layer: f, or the SP all-gather. [B, T(_sp), D] -> [B, T, D]."""
+    def enter(self, x: jax.Array, name: str = "enter", layer=None) -> jax.Array:
+        """Before a column-parallel layer: f, or the SP all-gather. [B, T(_sp), D] -> [B, T, D].
+        name, layer: the call site (`taco_jax.telemetry`), e.g. "mlp_in" of layer 3."""
         if not self.sharded:
             return x
         if self.sequence_parallel:
-            return gather_from_sp(x, self.comm, axis=1)
-        return copy_to_tp(x, self.comm)
+            return gather_from_sp(x, self.comm, axis=1, name=name, layer=layer)
+        return copy_to_tp(x, self.comm, name=name, layer=layer)
 
-    def exit(self, x: jax.Array) -> jax.Array:
-        """After a row-parallel layer: g or SP reduce-scatter; [B, T, D]{U} -> [B, T(_sp), D]."""
+    def exit(self, x: jax.Array, name: str = "exit", layer=None) -> jax.Array:
+        """After a row-parallel layer: g or SP reduce-scatter; [B, T, D]{U} -> [B, T(_sp), D].
+        name, layer: the call site, as `enter`'s."""
         if not self.sharded:
             return x
         if self.sequence_parallel:
-            return scatter_to_sp(x, self.comm, axis=1)
-        return reduce_from_tp(x, self.comm)
+            return scatter_to_sp(x, self.comm, axis=1, name=name, layer=layer)
+        return reduce_from_tp(x, self.comm, name=name, layer=layer)
 
-    def enter_product(self, subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    def enter_product(
+        self, subscripts: str, x: jax.Array, w: jax.Array, name: str = "enter", layer=None
+    ) -> jax.Array:
         """`jnp.einsum(subscripts, enter(x), w)`: a column-parallel layer's product."""
-        return jnp.einsum(subscripts, self.enter(x), w)
+        return jnp.einsum(subscripts, self.enter(x, name, layer), w)
 
-    def exit_product(self, subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    def exit_product(
+        self, subscripts: str, x: jax.Array, w: jax.Array, name: str = "exit", layer=None
+    ) -> jax.Array:
         """`exit(jnp.einsum(subscripts, x, w))`: a row-parallel layer's product."""
-        return self.exit(jnp.einsum(subscripts, x, w))
+        return self.exit(jnp.einsum(subscripts, x, w), name, layer)
 
     def psum_exact(self, x: jax.Array) -> jax.Array:
         """Exact `lax.psum` over TP with Megatron semantics (identity backward), differentiable."""
@@ -268,7 +283,7 @@ def vocab_parallel_embed(
     mine = (local >= 0) & (local < v_local)
     rows = jnp.take(table, jnp.where(mine, local, 0), axis=0)  # [B, T, D]
     rows = jnp.where(mine[..., None], rows, 0.0).astype(ctx.dtype)
-    return ctx.exit(rows)
+    return ctx.exit(rows, "embed")
 
 
 def vocab_parallel_cross_entropy(

@@ -25,10 +25,13 @@ from jax import lax
 from models import layers
 from models.config import ModelConfig
 from models.layers import TPContext
+from taco_jax import telemetry
 
 # Saved under remat: the outputs of the TP collectives, so that recomputing a block's forward in
 # the backward pass never repeats communication (Korthikanti et al. 2022 recompute the rest).
-REMAT_SAVED_NAMES = ("tp_reduce", "sp_gather", "sp_scatter")
+# Also saved: the collectives' error statistics of a measuring step (`taco_jax.telemetry`), so
+# that the exact collectives beside them are not run again either.
+REMAT_SAVED_NAMES = ("tp_reduce", "sp_gather", "sp_scatter", telemetry.CHECKPOINT_NAME)
 
 
 class Norm(nnx.Module):
@@ -66,9 +69,10 @@ class Attention(nnx.Module):
         self.wo = layers.param(rngs, (cfg.n_heads, h, d), ("heads", "head_dim", "embed"), resid_std)
         self.bo = layers.param(rngs, (d,), ("embed",), None) if cfg.arch == "gpt" else None
 
-    def __call__(self, x: jax.Array, ctx: TPContext) -> jax.Array:  # [B, T(_sp), D] -> same
+    def __call__(self, x: jax.Array, ctx: TPContext, layer=None) -> jax.Array:
+        # x: [B, T(_sp), D] -> same; layer: this block's index, naming its call sites
         w = self.wqkv[...].astype(ctx.dtype)  # [D, K, R, H] local K
-        qkv = ctx.enter_product("BTD,DKRH->BTKRH", x, w)
+        qkv = ctx.enter_product("BTD,DKRH->BTKRH", x, w, "attn_in", layer)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv[...].astype(ctx.dtype)
         b, t, k, r, h = qkv.shape
@@ -78,7 +82,9 @@ class Attention(nnx.Module):
             q = layers.rotary(q, self.rope_theta, self.rope_scaling)
             key = layers.rotary(key, self.rope_theta, self.rope_scaling)
         o = layers.attention(q, key, value, ctx.attention, ctx.ranks_vmapped)  # [B, T, N, H]
-        out = ctx.exit_product("BTNH,NHD->BTD", o, self.wo[...].astype(ctx.dtype))
+        out = ctx.exit_product(
+            "BTNH,NHD->BTD", o, self.wo[...].astype(ctx.dtype), "attn_out", layer
+        )
         return out if self.bo is None else out + self.bo[...].astype(ctx.dtype)
 
 
@@ -97,16 +103,17 @@ class Mlp(nnx.Module):
             self.w_up = layers.param(rngs, (d, 2, f), ("embed", "gate", "mlp"), cfg.init_std)
         self.w_down = layers.param(rngs, (f, d), ("mlp", "embed"), resid_std)
 
-    def __call__(self, x: jax.Array, ctx: TPContext) -> jax.Array:  # [B, T(_sp), D] -> same
+    def __call__(self, x: jax.Array, ctx: TPContext, layer=None) -> jax.Array:
+        # x: [B, T(_sp), D] -> same; layer: this block's index, naming its call sites
         w_up = self.w_up[...].astype(ctx.dtype)
         if self.gpt:
-            hidden = jax.nn.gelu(
-                ctx.enter_product("BTD,DF->BTF", x, w_up) + self.b_up[...].astype(ctx.dtype)
-            )
+            up = ctx.enter_product("BTD,DF->BTF", x, w_up, "mlp_in", layer)
+            hidden = jax.nn.gelu(up + self.b_up[...].astype(ctx.dtype))
         else:
-            gate_up = ctx.enter_product("BTD,DCF->BTCF", x, w_up)  # C = 2: gate, up
+            gate_up = ctx.enter_product("BTD,DCF->BTCF", x, w_up, "mlp_in", layer)  # C = 2
             hidden = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]  # [B, T, F] local F
-        out = ctx.exit_product("BTF,FD->BTD", hidden, self.w_down[...].astype(ctx.dtype))
+        w_down = self.w_down[...].astype(ctx.dtype)
+        out = ctx.exit_product("BTF,FD->BTD", hidden, w_down, "mlp_out", layer)
         return out + self.b_down[...].astype(ctx.dtype) if self.gpt else out
 
 
@@ -119,9 +126,10 @@ class Block(nnx.Module):
         self.norm_mlp = Norm(cfg, rngs=rngs)
         self.mlp = Mlp(cfg, rngs=rngs)
 
-    def __call__(self, x: jax.Array, ctx: TPContext) -> jax.Array:  # [B, T(_sp), D] -> same
-        x = x + self.attn(self.norm_attn(x), ctx)
-        return x + self.mlp(self.norm_mlp(x), ctx)
+    def __call__(self, x: jax.Array, ctx: TPContext, layer=None) -> jax.Array:
+        # x: [B, T(_sp), D] -> same; layer: this block's index (an int or traced int32)
+        x = x + self.attn(self.norm_attn(x), ctx, layer)
+        return x + self.mlp(self.norm_mlp(x), ctx, layer)
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -169,7 +177,7 @@ class Transformer(nnx.Module):
 
     def head(self, x: jax.Array, ctx: TPContext) -> jax.Array:  # [B, T(_sp), D] -> [B, T, V_local]
         """Final norm and output projection (tied: the embedding): the last stage's part."""
-        x = ctx.enter(self.norm_out(x))  # [B, T, D]
+        x = ctx.enter(self.norm_out(x), "head_in")  # [B, T, D]
         if self.cfg.tied_embeddings:
             return jnp.einsum("BTD,VD->BTV", x, self.wte[...].astype(ctx.dtype))
         return jnp.einsum("BTD,DV->BTV", x, self.lm_head[...].astype(ctx.dtype))
@@ -182,24 +190,32 @@ class Transformer(nnx.Module):
         t_sp = t // ctx.size()
         return lax.dynamic_slice_in_dim(self.wpe[...], ctx.rank() * t_sp, t_sp, axis=0)
 
-    def run_blocks(self, x: jax.Array, ctx: TPContext, *, remat: bool, scan_layers: bool):
+    def run_blocks(
+        self, x: jax.Array, ctx: TPContext, *, remat: bool, scan_layers: bool, first_layer=0
+    ):
         """The stacked blocks this model holds, in order (a pipeline stage holds its own slice
-        of the "layers" axis). [B, T(_sp), D] -> same."""
+        of the "layers" axis, whose first is the model's layer `first_layer`: an int or a
+        traced int32). [B, T(_sp), D] -> same."""
         graphdef, stacked = nnx.split(self.blocks)
+        n = jax.tree.leaves(stacked)[0].shape[0]
 
-        def block(chunks, layer_state):
+        def block(chunks, xs):
+            layer_state, index = xs  # index: the layer's, where call sites need it, else None
             layer = nnx.merge(graphdef, layer_state)
-            return tuple(layer(chunk, ctx) for chunk in chunks), None
+            return tuple(layer(chunk, ctx, index) for chunk in chunks), None
 
         if remat:
             policy = jax.checkpoint_policies.save_only_these_names(*REMAT_SAVED_NAMES)
             block = jax.checkpoint(block, policy=policy)
         chunks = split_batch(x, ctx.overlap_chunks)
+        named = ctx.names_layers
         if scan_layers:
-            chunks = lax.scan(block, chunks, stacked)[0]
+            indices = first_layer + jnp.arange(n, dtype=jnp.int32) if named else None
+            chunks = lax.scan(block, chunks, (stacked, indices))[0]
         else:
-            for i in range(jax.tree.leaves(stacked)[0].shape[0]):
-                chunks = block(chunks, jax.tree.map(lambda a, i=i: a[i], stacked))[0]
+            for i in range(n):
+                layer_state = jax.tree.map(lambda a, i=i: a[i], stacked)
+                chunks = block(chunks, (layer_state, first_layer + i if named else None))[0]
         return chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks, axis=0)
 
 

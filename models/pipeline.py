@@ -84,8 +84,9 @@ class StageCodecs:
       the collective's "auto" options) or a `taco_jax.CommConfig`; "none" is `lax.psum`. For
       GPT-1.3B that sum is 0.4 GB of fp32, more bytes than all of a step's stage sends
       (BENCHMARKS.md, "Pipelined step (pp = 2)").
-    telemetry: record each compressed collective's relative error (`taco_jax.telemetry`, tags
-      "pp:<codec>" and "pp_grads:<codec>").
+    telemetry: measure each call site's error (`taco_jax.telemetry`): the sends "pp_send/fwd"
+      and their transposes "pp_send/bwd" (under "1f1b" the gradients' own sends,
+      "pp_send_grads/fwd"), and the shared gradients' sum "pp_grads/fwd".
     """
 
     forward: str = "none"
@@ -148,7 +149,7 @@ def _send_forward(y, parallel: ParallelConfig, codecs: StageCodecs, key, step):
     step_key = None if key is None else jax.random.fold_in(key, step)
     return taco_jax.compressed_ppermute(
         y, PP_AXIS, pairs, codec=codecs.forward, bwd_codec=codecs.backward, key=step_key,
-        telemetry=codecs.telemetry, name="pp",
+        telemetry=codecs.telemetry, name="pp_send",
     )  # fmt: skip
 
 
@@ -180,6 +181,19 @@ def _with_blocks(params: dict, model: ModelConfig, pick) -> dict:
     """The local parameters with the staged blocks [V, 1, L / (P V), ...] replaced by
     `pick(leaf)` (one chunk's [L / (P V), ...])."""
     return _map_axes(lambda axes, x: pick(x) if axes[0] == "layers" else x, model, params)
+
+
+def _first_layer(ctx, model, parallel, run, stage, step, m):
+    """The model's index of the first layer of the chunk `_run_chunk` runs (traced: it
+    depends on the stage); chunk c holds layers [c L / (P V), (c + 1) L / (P V)). 0 where the
+    call sites need no layer (`TPContext.names_layers`): nothing is computed then."""
+    if not ctx.names_layers:
+        return 0
+    _, _, chunk, mixed = run
+    per_chunk = model.n_layers // (parallel.pp * parallel.repeats)
+    if mixed:
+        chunk = jnp.where(stage <= step - chunk * m, chunk, chunk - 1)
+    return (chunk * parallel.pp + stage) * per_chunk
 
 
 def _run_chunk(params, model, run, stage, step, m):
@@ -269,7 +283,9 @@ def _stage_loss(model, parallel, codecs, ctx, params, tokens, key):
         elif v > 1:  # later: the first stage's work item i is microbatch i mod M's next pass
             x = jnp.where(stage == 0, store[jnp.mod(i, m)], x)
         chunk = nnx.merge(graphdef(model), _run_chunk(params, model, run, stage, i, m))
-        y = chunk.run_blocks(x, ctx, remat=parallel.remat, scan_layers=parallel.scan_layers)
+        first = _first_layer(ctx, model, parallel, run, stage, i, m)
+        y = chunk.run_blocks(x, ctx, remat=parallel.remat, scan_layers=parallel.scan_layers,
+                             first_layer=first)  # fmt: skip
         keep_y = y if run[0] + run[1] > done_from else None
         return (_send_forward(y, parallel, codecs, key, i), store), keep_y
 
@@ -383,7 +399,9 @@ def _one_f_one_b(model, parallel, codecs, ctx, params, tokens, key):
 
     def forward(rest, blocks, x):
         net = merge(rest, blocks)
-        return net.run_blocks(x, ctx, remat=parallel.remat, scan_layers=parallel.scan_layers)
+        first = stage * (model.n_layers // stages) if ctx.names_layers else 0  # one chunk each
+        return net.run_blocks(x, ctx, remat=parallel.remat, scan_layers=parallel.scan_layers,
+                              first_layer=first)  # fmt: skip
 
     def pullback_of(params, x):  # params: (blocks, rest); the pullback's cotangents: blocks, x
         blocks, rest = params
@@ -477,7 +495,7 @@ def _send(x, parallel: ParallelConfig, codecs: StageCodecs, key, draw: int, *, b
     draw_key = None if key is None else jax.random.fold_in(key, draw)
     return taco_jax.compressed_ppermute(
         x, PP_AXIS, pairs, codec=codec, key=draw_key, telemetry=codecs.telemetry,
-        name="pp_bwd" if backward else "pp",
+        name="pp_send_grads" if backward else "pp_send",
     )  # fmt: skip
 
 

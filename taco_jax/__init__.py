@@ -10,7 +10,7 @@ Public API:
   tahquant: TAH-Quant, the stage codecs (get_stage_codec, STAGE_CODEC_NAMES)
   sdp4bit: SDP4Bit's data-parallel compressors (tlq_hs_psum_scatter, qwd_all_gather)
   policy: what the "auto" options choose (whether and how to compress), from measurements
-  telemetry: per-collective relative error (a study tool)
+  telemetry: each compressed collective's error by call site (layer_07/mlp_out/fwd)
 
 The library needs JAX and NumPy only; the fused GPU kernels (`pallas_kernels`) are imported on
 first use, and nothing here imports the models or the training application.

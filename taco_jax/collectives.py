@@ -19,10 +19,12 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax._src import core as _jax_core  # extend_axis_env_nd: no public form (see _axes_bound)
 
@@ -66,7 +68,11 @@ class CommConfig:
       compresses every message where no bytes move: the CPU, `vmap` emulation).
     link: "auto" | "nvlink" | "shm" | "socket"; the link the policy assumes ("auto": from
       NCCL's switches, `taco_jax.policy.detect_link`).
-    telemetry: also run the exact collective and record the relative error (`taco_jax.telemetry`).
+    telemetry: measure: also run the exact collective in fp32 and report each call site's error
+      to `taco_jax.telemetry` (a program built without it is unchanged).
+    site_codecs: codecs of named call sites that differ from `codec` (`taco_jax.telemetry`'s
+      site names, e.g. {"layer_03/mlp_out/fwd": "none"}, as an error budget's fallbacks set
+      them); given as a mapping, kept as sorted (site, codec) pairs.
     """
 
     codec: Codec | tahquant.TahQuant = dataclasses.field(default_factory=codecs.get_codec)
@@ -77,8 +83,13 @@ class CommConfig:
     min_compress_bytes: int | None = None
     link: str = "auto"
     telemetry: bool = False
+    site_codecs: tuple[tuple[str, Codec | tahquant.TahQuant], ...] = ()
 
     def __post_init__(self):
+        if isinstance(self.site_codecs, Mapping):  # frozen: set once, here
+            pairs = tuple(sorted((site, collective_codec(codec))
+                                 for site, codec in self.site_codecs.items()))  # fmt: skip
+            object.__setattr__(self, "site_codecs", pairs)
         if self.impl not in _backends.IMPLS:
             raise ValueError(f"unknown impl={self.impl!r}; choose one of {_backends.IMPLS}")
         if self.algorithm not in ALGORITHMS:
@@ -108,8 +119,8 @@ OPTION_NAMES = ("group_size",) + tuple(
 
 def comm_config(codec: CodecLike = codecs.DEFAULT_CODEC, **overrides) -> CommConfig:
     """A `CommConfig` from a codec name, a `Codec` or a `CommConfig`, with keyword overrides of
-    its fields (`impl`, `algorithm`, `slices`, `min_compress_bytes`, `link`, `telemetry`) and of
-    `group_size`.
+    its fields (`impl`, `algorithm`, `slices`, `min_compress_bytes`, `link`, `telemetry`,
+    `site_codecs`) and of `group_size`.
 
     comm_config("taco", slices=4) == CommConfig(get_codec("taco"), slices=4).
     """
@@ -407,32 +418,91 @@ def _addressable(
     )
 
 
-def _recorded(compressed, exact, cfg: CommConfig, tag: str):
-    """`compressed`, also recording its relative error to `exact` where `cfg.telemetry`; on each
-    device's block (`_local`), where jax 0.11.2 cannot lower a `jax.debug.callback` of a value
-    typed over `Explicit` axes inside a partial shard_map."""
+def _measured(compressed, exact, x: jax.Array, cfg: CommConfig, nbytes, **block):
+    """(`compressed(x)`, its `taco_jax.telemetry.STATS` against `exact` of x in fp32 where
+    `cfg.telemetry`, else None), both collectives on each device's block (`_local`;
+    `block`: `on_local_blocks`' keywords); the statistics are sums over the whole array."""
+    out = _local.on_local_blocks(compressed, x, **block)
     if not cfg.telemetry:
-        return compressed
-
-    def recorded(x):
-        out = compressed(x)
-        telemetry.record(f"{tag}:{cfg.codec.name}", out, exact(x))
-        return out
-
-    return recorded
+        return out, None
+    reference = _local.on_local_blocks(lambda v: exact(v.astype(jnp.float32)), x, **block)
+    return out, telemetry.measure(out, reference, nbytes)
 
 
-def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) -> jax.Array:
+def _plain(out: jax.Array, cfg: CommConfig, nbytes) -> tuple[jax.Array, jax.Array | None]:
+    """A collective that ran uncompressed: its output, and its bytes where `cfg.telemetry`."""
+    return out, telemetry.unmeasured(nbytes) if cfg.telemetry else None
+
+
+def _nbytes(x: jax.Array) -> int:
+    return x.size * x.dtype.itemsize
+
+
+def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig):
+    """(the all-reduce of x with `cfg`, its statistics or None: `_measured`)."""
     n_ranks = axis_size(axis_name)
+    if n_ranks == 1:  # N = 1 moves nothing, so nothing is compressed or measured
+        return lax.psum(x, axis_name), None
+    nbytes = 2 * (n_ranks - 1) / n_ranks * _nbytes(x)
     may_fuse = _exchange_fused(x, axis_name, cfg, n_ranks)
     choice = cfg.choice("all_reduce", x, axis_name, n_ranks, fused=may_fuse)
-    if n_ranks == 1 or not choice.compress:
-        return lax.psum(x, axis_name)  # N = 1 moves nothing, so nothing is compressed
+    if not choice.compress:
+        return _plain(lax.psum(x, axis_name), cfg, nbytes)
     compressed = functools.partial(_compressed_all_reduce, axis_name=axis_name, cfg=cfg,
                                    algorithm=choice.algorithm, n_ranks=n_ranks)  # fmt: skip
     exact = functools.partial(lax.psum, axis_name=axis_name)
-    recorded = _recorded(compressed, exact, cfg, tag)
-    return _local.on_local_blocks(recorded, x, axis_name=axis_name, sums=True)
+    return _measured(compressed, exact, x, cfg, nbytes, axis_name=axis_name, sums=True)
+
+
+# A call site's name with a layer, as `taco_jax.telemetry.site_name` writes it.
+_LAYERED_SITE = re.compile(r"layer_(\d+)/(.+)")
+
+
+def _with_codec(cfg: CommConfig, codec) -> CommConfig:
+    return dataclasses.replace(cfg, codec=codec, site_codecs=())
+
+
+def _at_site(collective, x: jax.Array, cfg: CommConfig, site: str, layer, axis_name: AxisName):
+    """`collective(x, cfg)` -> (out, statistics or None) with the configuration of call site
+    `site` (`<name>/<fwd|bwd>`) of layer `layer` (None, or a traced int32): its codec from
+    `cfg.site_codecs`. Where the layer is traced and some layers' codecs differ, a
+    `lax.switch` on the layer picks the codec (one branch per codec). The statistics are each
+    rank's (`taco_jax.telemetry.per_rank`)."""
+    out, stats = _site_collective(collective, x, cfg, site, layer)
+    return out, telemetry.per_rank(stats, axis_name)
+
+
+def _site_collective(collective, x: jax.Array, cfg: CommConfig, site: str, layer):
+    table = dict(cfg.site_codecs)
+    if layer is None:
+        return collective(x, _with_codec(cfg, table.get(site, cfg.codec)))
+    by_layer = {int(m[1]): codec for name, codec in table.items()
+                if (m := _LAYERED_SITE.fullmatch(name)) and m[2] == site}  # fmt: skip
+    if not by_layer:
+        return collective(x, _with_codec(cfg, cfg.codec))
+    choices = [cfg.codec] + [c for c in dict.fromkeys(by_layer.values()) if c != cfg.codec]
+    branch_of_layer = np.zeros(max(by_layer) + 1, np.int32)
+    for index, codec in by_layer.items():
+        branch_of_layer[index] = choices.index(codec)
+    listed = (layer >= 0) & (layer < branch_of_layer.size)  # layers beyond keep `cfg.codec`
+    last = branch_of_layer.size - 1
+    branch = jnp.where(listed, jnp.asarray(branch_of_layer)[jnp.clip(layer, 0, last)], 0)
+    branches = [functools.partial(collective, cfg=_with_codec(cfg, c)) for c in choices]
+    return lax.switch(branch, branches, x)
+
+
+def uses_layer(cfg: CommConfig, site: str) -> bool:
+    """Whether call site `site` of `cfg` needs its layer's value: to report it, or to pick its
+    codec (`_at_site`)."""
+    layered = (_LAYERED_SITE.fullmatch(name) for name, _ in cfg.site_codecs)
+    return cfg.telemetry or any(m is not None and m[2] == site for m in layered)
+
+
+def all_reduce_at(x: jax.Array, axis_name: AxisName, cfg: CommConfig, site: str, layer=None):
+    """(the all-reduce of x at call site `site` of layer `layer`, its statistics or None), for
+    operators with their own vjp (`taco_jax.tp`): they report the statistics
+    (`taco_jax.telemetry.report`)."""
+    return _at_site(lambda v, cfg: _all_reduce(v, axis_name, cfg), x, cfg, site, layer, axis_name)
 
 
 def _compressed_all_reduce(
@@ -467,14 +537,8 @@ def _compressed_all_reduce(
     return out.reshape(-1)[:size].reshape(x.shape)
 
 
-def _reduce_scatter(
-    x: jax.Array,
-    axis_name: AxisName,
-    dim: int,
-    tiled: bool,
-    cfg: CommConfig,
-    tag: str,
-) -> jax.Array:
+def _reduce_scatter(x: jax.Array, axis_name: AxisName, dim: int, tiled: bool, cfg: CommConfig):
+    """(the reduce-scatter of x with `cfg`, its statistics or None: `_measured`)."""
     n_ranks = axis_size(axis_name)
     if x.ndim == 0 or x.shape[dim] % n_ranks:
         raise ValueError(
@@ -484,16 +548,16 @@ def _reduce_scatter(
     if not tiled and x.shape[dim] != n_ranks:
         raise ValueError(f"tiled=False needs shape[{dim}] == axis size {n_ranks}, got {x.shape}")
     if n_ranks == 1:
-        return x if tiled else jnp.squeeze(x, dim)
+        return (x if tiled else jnp.squeeze(x, dim)), None
+    nbytes = (n_ranks - 1) / n_ranks * _nbytes(x)
     fused = _exchange_fused(x, axis_name, cfg, n_ranks)
     exact = functools.partial(_lax_psum_scatter, axis_name=axis_name, dim=dim, tiled=tiled)
     if not cfg.choice("reduce_scatter", x, axis_name, n_ranks, fused=fused).compress:
-        return exact(x)
+        return _plain(exact(x), cfg, nbytes)
     compressed = functools.partial(_compressed_reduce_scatter, axis_name=axis_name, dim=dim,
                                    tiled=tiled, cfg=cfg, fused=fused, n_ranks=n_ranks)  # fmt: skip
     change = "keep" if tiled else "drop"
-    recorded = _recorded(compressed, exact, cfg, tag)
-    return _local.on_local_blocks(recorded, x, dim=dim, change=change, axis_name=axis_name)
+    return _measured(compressed, exact, x, cfg, nbytes, dim=dim, change=change, axis_name=axis_name)
 
 
 def _lax_psum_scatter(x: jax.Array, *, axis_name: AxisName, dim: int, tiled: bool) -> jax.Array:
@@ -536,27 +600,24 @@ def _compressed_reduce_scatter(
     return jnp.moveaxis(block, 0, dim) if tiled else block[0]
 
 
-def _all_gather(
-    x: jax.Array,
-    axis_name: AxisName,
-    axis: int,
-    tiled: bool,
-    cfg: CommConfig,
-    tag: str,
-) -> jax.Array:
+def _all_gather(x: jax.Array, axis_name: AxisName, axis: int, tiled: bool, cfg: CommConfig):
+    """(the all-gather of x with `cfg`, its statistics or None: `_measured`)."""
     n_ranks = axis_size(axis_name)
     fused = _exchange_fused(x, axis_name, cfg, n_ranks)
     # The policy reads the all-gather's output size (the sequence-parallel pair's message).
     choice = cfg.choice("all_gather", x, axis_name, n_ranks, scale=n_ranks, fused=fused)
-    if n_ranks == 1 or not choice.compress:
-        # N = 1 moves nothing; the lax op then only adds or keeps the gathered axis.
-        return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+    exact = functools.partial(lax.all_gather, axis_name=axis_name, axis=axis, tiled=tiled)
+    if n_ranks == 1:  # N = 1 moves nothing; the lax op then only adds or keeps the gathered axis
+        return exact(x), None
+    nbytes = (n_ranks - 1) * _nbytes(x)
+    if not choice.compress:
+        return _plain(exact(x), cfg, nbytes)
     compressed = functools.partial(_compressed_all_gather, axis_name=axis_name, axis=axis,
                                    tiled=tiled, cfg=cfg, fused=fused, n_ranks=n_ranks)  # fmt: skip
-    exact = functools.partial(lax.all_gather, axis_name=axis_name, axis=axis, tiled=tiled)
-    recorded = _recorded(compressed, exact, cfg, tag)
     change = "keep" if tiled else "insert"
-    return _local.on_local_blocks(recorded, x, dim=axis, change=change, axis_name=axis_name)
+    return _measured(
+        compressed, exact, x, cfg, nbytes, dim=axis, change=change, axis_name=axis_name
+    )
 
 
 def _compressed_all_gather(
@@ -589,34 +650,62 @@ def _compressed_all_gather(
 
 
 # --------------------------------------------------------------------------------------------
-# Public ops. Each is a custom_vjp whose backward is the compressed conjugate collective; `tag`
-# names the op in telemetry (the backward records under f"{tag}_bwd").
+# Public ops. Each is a custom_vjp whose backward is the compressed conjugate collective. A call
+# site reports (`taco_jax.telemetry`) as f"{name}/fwd" and f"{name}/bwd" of its `layer`: None
+# or a traced int32, a primal argument because the backward needs its value too (`call_site`).
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _psum(x, axis_name, cfg, tag, bwd_cfg):
-    return _all_reduce(x, axis_name, cfg, tag)
+def call_site(name: str, layer) -> tuple[str, jax.Array | None]:
+    """(name, layer) of a call site: an int layer goes into the name (its codec is then chosen
+    while tracing), a traced one stays an argument."""
+    if layer is None or isinstance(layer, int | np.integer):
+        return telemetry.site_name(name, None if layer is None else int(layer)), None
+    return name, jnp.asarray(layer, jnp.int32)
 
 
-def _psum_fwd(x, axis_name, cfg, tag, bwd_cfg):
+def _reported(result, site: str, layer, axis_name: AxisName) -> jax.Array:
+    """The output of `result` (out, statistics), its statistics reported under `site`."""
+    out, stats = result
+    telemetry.report(site, stats, layer=layer, axis_name=axis_name)
+    return out
+
+
+def _residual_layer(layer, stats, bwd_cfg: CommConfig, bwd_site: str):
+    """The layer, kept for the backward only where it reports or picks a codec with it (a
+    program that needs neither keeps nothing more than before)."""
+    return layer if stats is not None or uses_layer(bwd_cfg, bwd_site) else None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _psum(x, layer, axis_name, cfg, bwd_cfg, name):
+    result = all_reduce_at(x, axis_name, cfg, f"{name}/fwd", layer)
+    return _reported(result, f"{name}/fwd", layer, axis_name)
+
+
+def _psum_fwd(x, layer, axis_name, cfg, bwd_cfg, name):
     # The empty residuals carry only x's sharding type, for the backward's cast, and the axes'
-    # sizes (`_axes_bound`).
-    out = _batched_under_vmap(_all_reduce(x, axis_name, cfg, tag), axis_name)
-    return out, (type_carrier(x), _axis_sizes(axis_name))
+    # sizes (`_axes_bound`); the forward's statistics are reported by the backward
+    # (`taco_jax.telemetry`: once, where remat runs the forward twice).
+    out, stats = all_reduce_at(x, axis_name, cfg, f"{name}/fwd", layer)
+    layer = _residual_layer(layer, stats, bwd_cfg, f"{name}/bwd")
+    residuals = (type_carrier(x), _axis_sizes(axis_name), layer, telemetry.keep(stats))
+    return _batched_under_vmap(out, axis_name), residuals
 
 
-def _psum_bwd(axis_name, cfg, tag, bwd_cfg, residuals, ct):
+def _psum_bwd(axis_name, cfg, bwd_cfg, name, residuals, ct):
     """`lax.psum`'s own transpose, compressed with `bwd_cfg`.
 
     lax.psum transposes to the identity where shard_map tracks that the output is replicated
     (`check_vma=True`, x typed varying) and to a psum of the cotangent elsewhere (`vmap`,
     `check_vma=False`).
     """
-    like, sizes = residuals
+    like, sizes, layer, stats = residuals
+    telemetry.report(f"{name}/fwd", stats, layer=layer, axis_name=axis_name)
     if varies_along(like, axis_name):
-        return (cast_varying(ct, axis_name, like),)
+        return cast_varying(ct, axis_name, like), None
     with _axes_bound(axis_name, sizes):
-        return (_all_reduce(ct, axis_name, bwd_cfg, f"{tag}_bwd"),)
+        result = all_reduce_at(ct, axis_name, bwd_cfg, f"{name}/bwd", layer)
+        return _reported(result, f"{name}/bwd", layer, axis_name), None
 
 
 _psum.defvjp(_psum_fwd, _psum_bwd)
@@ -629,6 +718,7 @@ def compressed_psum(
     codec: CodecLike = codecs.DEFAULT_CODEC,
     bwd_codec: CodecLike | None = None,
     name: str = "all_reduce",
+    layer: int | jax.Array | None = None,
     **overrides,
 ) -> jax.Array:
     """All-reduce with compressed traffic: equal to `jax.lax.psum(x, axis_name)` up to FP8 rounding.
@@ -661,41 +751,55 @@ def compressed_psum(
         their decode-sums are the stage kernels' decodes summed by XLA, and the stochastic ones
         draw their noise from each message's bits (`tahquant.message_key`).
       bwd_codec: codec of the backward psum (see Backward); None means `codec`.
-      name: this collective's label in `taco_jax.telemetry`.
+      name, layer: this call site's name, `<name>/fwd` and `<name>/bwd` in
+        `taco_jax.telemetry` (where `telemetry=True`) and in `site_codecs`, behind
+        `layer_07/` for layer 7; `layer`: None, an int, or a traced int32 (the index of a
+        `lax.scan` over layers).
       **overrides: any `CommConfig` option, applied to both directions: `group_size` (G,
         32..512), `impl` ("auto": Pallas kernels on GPU, else XLA; "xla", "pallas",
         "pallas_interpret"), `algorithm` ("auto", "one_shot", "two_shot", "fused"), `slices` (1..16
         independent pieces), `min_compress_bytes` (smaller messages run `lax.psum`; None:
         `taco_jax.policy`), `link` (what the policy assumes),
-        `telemetry`. Defaults: `CommConfig`'s.
+        `telemetry` (measure each call site's error), `site_codecs`. Defaults: `CommConfig`'s.
     """
     _check_floating(x, "compressed_psum")
     cfg, bwd_cfg = fwd_bwd_configs(codec, bwd_codec, **overrides)
-    return _psum(x, axis_name, cfg, name, bwd_cfg)
+    name, layer = call_site(name, layer)
+    return _psum(x, layer, axis_name, cfg, bwd_cfg, name)
 
 
 def _transposed_pair(forward, backward):
-    """A custom_vjp op `(x, axis_name, dim, tiled, cfg, bwd_cfg, tag)` running `forward` with
-    `cfg`, whose backward is `backward` of the cotangent with `bwd_cfg`: reduce-scatter and
-    all-gather are each other's transpose along the same dimension."""
+    """A custom_vjp op `(x, layer, axis_name, dim, tiled, cfg, bwd_cfg, name)` running
+    `forward` with `cfg`, whose backward is `backward` of the cotangent with `bwd_cfg`:
+    reduce-scatter and all-gather are each other's transpose along the same dimension. Call
+    sites as `_psum`'s."""
 
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
-    def op(x, axis_name, dim, tiled, cfg, bwd_cfg, tag):
-        return forward(x, axis_name, dim, tiled, cfg, tag)
+    def run(collective, x, axis_name, dim, tiled, cfg, site, layer):
+        at = lambda v, cfg: collective(v, axis_name, dim, tiled, cfg)  # noqa: E731
+        return _at_site(at, x, cfg, site, layer, axis_name)
 
-    def op_fwd(x, axis_name, dim, tiled, cfg, bwd_cfg, tag):
-        out = _batched_under_vmap(forward(x, axis_name, dim, tiled, cfg, tag), axis_name)
-        return out, (type_carrier(x), _axis_sizes(axis_name))
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+    def op(x, layer, axis_name, dim, tiled, cfg, bwd_cfg, name):
+        result = run(forward, x, axis_name, dim, tiled, cfg, f"{name}/fwd", layer)
+        return _reported(result, f"{name}/fwd", layer, axis_name)
 
-    def op_bwd(axis_name, dim, tiled, cfg, bwd_cfg, tag, residuals, ct):
-        like, sizes = residuals
+    def op_fwd(x, layer, axis_name, dim, tiled, cfg, bwd_cfg, name):
+        out, stats = run(forward, x, axis_name, dim, tiled, cfg, f"{name}/fwd", layer)
+        layer = _residual_layer(layer, stats, bwd_cfg, f"{name}/bwd")
+        residuals = (type_carrier(x), _axis_sizes(axis_name), layer, telemetry.keep(stats))
+        return _batched_under_vmap(out, axis_name), residuals
+
+    def op_bwd(axis_name, dim, tiled, cfg, bwd_cfg, name, residuals, ct):
+        like, sizes, layer, stats = residuals
+        telemetry.report(f"{name}/fwd", stats, layer=layer, axis_name=axis_name)
         with _axes_bound(axis_name, sizes):
-            grad = backward(ct, axis_name, dim, tiled, bwd_cfg, f"{tag}_bwd")
+            result = run(backward, ct, axis_name, dim, tiled, bwd_cfg, f"{name}/bwd", layer)
+            grad = _reported(result, f"{name}/bwd", layer, axis_name)
         # An x typed replicated (shard_map's check_vma) entered as if pvary'd to each rank,
         # which transposes to the sum of the ranks' cotangents (as lax's collectives do).
         if varies_along(grad, axis_name) and not varies_along(like, axis_name):
             grad = lax.psum(grad, axis_name)
-        return (grad,)
+        return grad, None
 
     op.defvjp(op_fwd, op_bwd)
     return op
@@ -720,6 +824,7 @@ def compressed_psum_scatter(
     codec: CodecLike = codecs.DEFAULT_CODEC,
     bwd_codec: CodecLike | None = None,
     name: str = "reduce_scatter",
+    layer: int | jax.Array | None = None,
     **overrides,
 ) -> jax.Array:
     """Reduce-scatter with compressed traffic: equal to
@@ -733,7 +838,8 @@ def compressed_psum_scatter(
     _check_floating(x, "compressed_psum_scatter")
     dim = _normalize_dim(scatter_dimension, x.ndim, "scatter_dimension")
     cfg, bwd_cfg = fwd_bwd_configs(codec, bwd_codec, **overrides)
-    return _psum_scatter(x, axis_name, dim, tiled, cfg, bwd_cfg, name)
+    name, layer = call_site(name, layer)
+    return _psum_scatter(x, layer, axis_name, dim, tiled, cfg, bwd_cfg, name)
 
 
 def compressed_all_gather(
@@ -745,6 +851,7 @@ def compressed_all_gather(
     codec: CodecLike = codecs.DEFAULT_CODEC,
     bwd_codec: CodecLike | None = None,
     name: str = "all_gather",
+    layer: int | jax.Array | None = None,
     **overrides,
 ) -> jax.Array:
     """All-gather with compressed traffic: equal to
@@ -758,7 +865,8 @@ def compressed_all_gather(
     _check_floating(x, "compressed_all_gather")
     gather_axis = _normalize_dim(axis, x.ndim + (0 if tiled else 1), "axis")
     cfg, bwd_cfg = fwd_bwd_configs(codec, bwd_codec, **overrides)
-    return _all_gather_op(x, axis_name, gather_axis, tiled, cfg, bwd_cfg, name)
+    name, layer = call_site(name, layer)
+    return _all_gather_op(x, layer, axis_name, gather_axis, tiled, cfg, bwd_cfg, name)
 
 
 def wire_bytes_per_rank(num_elements: int, n_ranks: int, cfg: CommConfig) -> int:

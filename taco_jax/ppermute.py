@@ -109,11 +109,22 @@ def _moved(v, axis_name, pairs, full):
     return moved if full == pairs else jnp.where(_receives(axis_name, pairs), moved, 0)
 
 
-def _send(x, axis_name, pairs, full, partial: bool, direction: _Direction, key, tag):
-    """One compressed ppermute of x along `pairs`, moved along `full`; `partial`: some rank
-    receives nothing."""
+def _sent_bytes(x, axis_name, pairs) -> jax.Array:
+    """The bytes this rank sends in `lax.ppermute` along `pairs`: x's, where it is a source."""
+    sends = jnp.isin(lax.axis_index(axis_name), jnp.asarray([s for s, _ in pairs]))
+    return jnp.where(sends, x.size * x.dtype.itemsize, 0)
+
+
+def _send(x, axis_name, pairs, full, partial: bool, direction: _Direction, key):
+    """(one compressed ppermute of x along `pairs`, moved along `full`, and where
+    `direction.telemetry` its `taco_jax.telemetry.STATS` against `lax.ppermute` in fp32, else
+    None); `partial`: some rank receives nothing."""
     if direction.codec.is_identity:
-        return _moved(x, axis_name, pairs, full)
+        out = _moved(x, axis_name, pairs, full)
+        if not direction.telemetry:
+            return out, None
+        stats = telemetry.unmeasured(_sent_bytes(x, axis_name, pairs))
+        return out, telemetry.per_rank(stats, axis_name)
     encode, decode = _wire_ops(direction)
     if key is not None:  # ranks draw independent rounding noise
         key = jax.random.fold_in(key, lax.axis_index(axis_name))
@@ -130,33 +141,47 @@ def _send(x, axis_name, pairs, full, partial: bool, direction: _Direction, key, 
         if partial:  # a rank that receives nothing decoded a filler's message or a zero wire
             # (which need not decode to 0: a TP codec's zero pre-scale): it returns zeros
             out = jnp.where(_receives(axis_name, pairs), out, jnp.zeros_like(out))
-        if direction.telemetry:  # here, not outside: as in collectives._recorded
-            receives = _receives(axis_name, pairs)  # only receivers count: the others hold 0
-            exact = _moved(x, axis_name, pairs, full)
-            telemetry.record(f"{tag}:{direction.codec.name}", out, exact, counted=receives)
         return out
 
     keys = () if key is None else (key,)
-    return _local.on_local_blocks(compressed, x, *keys, axis_name=axis_name)
+    out = _local.on_local_blocks(compressed, x, *keys, axis_name=axis_name)
+    if not direction.telemetry:
+        return out, None
+    # Ranks that receive nothing hold exact zeros in both: they add nothing to the sums.
+    exact = lambda v: _moved(v.astype(jnp.float32), axis_name, pairs, full)  # noqa: E731
+    reference = _local.on_local_blocks(exact, x, axis_name=axis_name)
+    stats = telemetry.measure(out, reference, _sent_bytes(x, axis_name, pairs))
+    return out, telemetry.per_rank(stats, axis_name)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
-def _ppermute(x, key, axis_name, perms, n_ranks, fwd, bwd, tag):
+def _ppermute(x, key, axis_name, perms, n_ranks, fwd, bwd, name):
     pairs, full = perms
-    return _send(x, axis_name, pairs, full, len(pairs) < n_ranks, fwd, key, tag)
+    out, stats = _send(x, axis_name, pairs, full, len(pairs) < n_ranks, fwd, key)
+    telemetry.report(f"{name}/fwd", stats, axis_name=axis_name)
+    return out
 
 
-def _ppermute_fwd(x, key, axis_name, perms, n_ranks, fwd, bwd, tag):
-    return _ppermute(x, key, axis_name, perms, n_ranks, fwd, bwd, tag), key
+def _ppermute_fwd(x, key, axis_name, perms, n_ranks, fwd, bwd, name):
+    if not fwd.telemetry:
+        return _ppermute(x, key, axis_name, perms, n_ranks, fwd, bwd, name), (key, None)
+    # The forward's statistics are reported by the backward (`taco_jax.telemetry`).
+    pairs, full = perms
+    out, stats = _send(x, axis_name, pairs, full, len(pairs) < n_ranks, fwd, key)
+    return out, (key, telemetry.keep(stats))
 
 
-def _ppermute_bwd(axis_name, perms, n_ranks, fwd, bwd, tag, key, ct):
+def _ppermute_bwd(axis_name, perms, n_ranks, fwd, bwd, name, residuals, ct):
+    key, stats = residuals
+    telemetry.report(f"{name}/fwd", stats, axis_name=axis_name)
     pairs, full = perms
     inverse = tuple((d, s) for s, d in pairs)
     ct_key = None if key is None else jax.random.fold_in(key, 1)  # noise apart from the forward
     full = inverse if full == pairs else _completed(inverse, n_ranks)
     partial = len(pairs) < n_ranks
-    return _send(ct, axis_name, inverse, full, partial, bwd, ct_key, f"{tag}_bwd"), None
+    out, stats = _send(ct, axis_name, inverse, full, partial, bwd, ct_key)
+    telemetry.report(f"{name}/bwd", stats, axis_name=axis_name)
+    return out, None
 
 
 _ppermute.defvjp(_ppermute_fwd, _ppermute_bwd)
@@ -193,8 +218,9 @@ def compressed_ppermute(
         in its index; the backward folds in 1.
       impl: the codec kernels (as `CommConfig.impl`): fused Pallas kernels on a GPU for the TP
         codecs and TAH-Quant; `tahquant_adaptive` always runs its jnp reference.
-      telemetry: also run `lax.ppermute` and record the relative error (`taco_jax.telemetry`).
-      name: the telemetry label.
+      telemetry: also run `lax.ppermute` in fp32 and report the error of the call site,
+        `<name>/fwd` and `<name>/bwd` (`taco_jax.telemetry`).
+      name: the call site's name.
     """
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"compressed_ppermute compresses floating arrays, got dtype={x.dtype}")
@@ -211,14 +237,6 @@ def compressed_ppermute(
     if impl not in _backends.IMPLS:
         raise ValueError(f"unknown impl={impl!r}; choose one of {_backends.IMPLS}")
     fwd = _Direction(fwd_codec, impl, telemetry)
-    if telemetry and not under_shard_map and len(pairs) == n_ranks:
-        # Seen with jax 0.11.2 on the CPU: XLA fails to compile this combination (an internal
-        # "instruction is live and cannot be removed" check), a crash rather than an answer.
-        raise ValueError(
-            f"telemetry=True with the full permutation perm={perm!r} under vmap (TP or a "
-            "mesh emulated, parallel.mode='vmap' or 'emulate') is not supported (an XLA "
-            "compile failure); record it under shard_map, or with a partial permutation"
-        )
     perms = (pairs, pairs if under_shard_map else _completed(pairs, n_ranks))
     bwd_direction = _Direction(bwd, impl, telemetry)
     return _ppermute(x, key, axis_name, perms, n_ranks, fwd, bwd_direction, name)

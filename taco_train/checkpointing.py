@@ -13,6 +13,9 @@ the manifest while training goes on. The guarantees stay: the checkpoint counts 
 are pruned) only after that, which the next save, `wait` and `close` wait for, so a crash
 mid-save leaves the previous good checkpoint, and the run's end waits for the save in flight.
 
+Beside the state a checkpoint holds a little JSON (orbax's custom metadata, in a file of the step
+that the manifest covers): the error budget's fallbacks, which a resumed run keeps.
+
 Restoring uses an abstract state carrying the target shardings, so each process reads only its
 shards and the restored arrays are placed exactly where `train_step` expects them.
 """
@@ -104,8 +107,9 @@ class Checkpointer:
         restoring verifies them again)."""
         return [s for s in self.steps() if (self._step_dir(s) / MANIFEST).exists()]
 
-    def save(self, step: int, state: Any) -> float:
-        """Saves the checkpoint of `step`; returns the seconds the caller was blocked.
+    def save(self, step: int, state: Any, metadata: dict[str, Any] | None = None) -> float:
+        """Saves the checkpoint of `step`, with `metadata` (JSON, e.g. the error budget's
+        fallbacks; `metadata(step)` reads it back); returns the seconds the caller was blocked.
 
         It first waits for the save before it (`wait`). Synchronous, it returns once the new
         checkpoint is complete and verified; asynchronous, once orbax holds the state in host
@@ -113,7 +117,8 @@ class Checkpointer:
         """
         started = time.perf_counter()
         self.wait()
-        self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
+        self._manager.save(step, args=ocp.args.StandardSave(state), force=True,
+                           custom_metadata=metadata or {})  # fmt: skip
         self._pending = step
         if jax.process_index() == 0:
             if self.asynchronous:
@@ -179,6 +184,10 @@ class Checkpointer:
                     reason = f"restoring it failed ({type(error).__name__})"
             self._set_aside(step, reason)
         return None
+
+    def metadata(self, step: int) -> dict[str, Any]:
+        """The `metadata` saved with the checkpoint of `step` ({} for one saved without)."""
+        return dict(self._manager.metadata(step).custom_metadata or {})
 
     def _set_aside(self, step: int, reason: str) -> None:
         aside = self.directory / f"{step}.unusable"

@@ -20,7 +20,7 @@ import dataclasses
 import tomllib
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -60,8 +60,13 @@ class CompressionConfig:
     impl, algorithm, slices, min_compress_bytes, link: the collective options of
       `taco_jax.CommConfig` (and the codec's group size), with the library's defaults
       (min_compress_bytes unset: `taco_jax.policy` decides).
-    telemetry: record the relative error of every compressed collective against the exact one
-      (`taco_jax.telemetry`) and log it to the metrics file.
+    error_budget: a relative error; a call site whose error, measured on a step of
+      `run.comm_error_every`, exceeds it (or whose codec made values non-finite) runs
+      `fallback_codec` from the next step on, and uncompressed if that exceeds it too
+      (`taco_train.comm_error`); None: no budget.
+    fallback_codec: the codec such a call site falls back to first (`taco_jax.CODEC_NAMES`;
+      "none": uncompressed at once; the sharded optimizer's collectives always fall back to
+      uncompressed).
     pp / pp_bwd: codecs of the pipeline's stage-to-stage traffic (activations / their gradients;
       `taco_jax.ppermute.CODEC_NAMES`; pp_bwd None: the codec's backward).
     pp_grads: codec of the pipeline's sum over stages of the gradients of the parameters every
@@ -83,7 +88,8 @@ class CompressionConfig:
     slices: int = _COMM.slices
     min_compress_bytes: int | None = _COMM.min_compress_bytes
     link: str = _COMM.link
-    telemetry: bool = _COMM.telemetry
+    error_budget: float | None = None
+    fallback_codec: str = "none"
     pp: str = "none"
     pp_bwd: str | None = None
     pp_grads: str = "none"
@@ -97,6 +103,7 @@ class CompressionConfig:
             ("fwd", tp_names),
             ("bwd", tp_names),
             ("pp_grads", taco_jax.CODEC_NAMES),
+            ("fallback_codec", taco_jax.CODEC_NAMES),
         ):
             codec = getattr(self, name)
             if codec is not None and codec not in valid:
@@ -110,36 +117,58 @@ class CompressionConfig:
             if getattr(self, name) not in valid:
                 raise ConfigError(f"compression.{name}={getattr(self, name)!r} is not one of "
                                   f"{valid}")  # fmt: skip
+        if self.error_budget is not None and not self.error_budget > 0:
+            raise ConfigError(f"compression.error_budget={self.error_budget} must be > 0")
         if self.pp_link not in taco_jax.policy.LINKS:
             raise ConfigError(
                 f"compression.pp_link={self.pp_link!r} is not one of {taco_jax.policy.LINKS}"
             )
         self.make_comm()  # Validates group_size, impl, slices and min_compress_bytes in the core.
 
-    def make_comm(self) -> taco_jax.TPComm:
-        stage_fields = ("fwd", "bwd", "pp", "pp_bwd", "pp_grads", "pp_link", "dp_grad",
-                        "dp_param")  # fmt: skip
-        options = {k: v for k, v in dataclasses.asdict(self).items() if k not in stage_fields}
-        return taco_jax.TPComm.create("tp", fwd=self.fwd, bwd=self.bwd, **options)
+    def make_comm(
+        self, *, measure: bool = False, fallbacks: Mapping[str, str] | None = None
+    ) -> taco_jax.TPComm:
+        """The TP collectives' `TPComm`. measure: report each call site's error
+        (`taco_jax.telemetry`); fallbacks: {call site: codec} of the sites the error budget
+        moved off their codec (`taco_jax.CommConfig.site_codecs`)."""
+        options = {k: getattr(self, k) for k in COLLECTIVE_OPTIONS}
+        return taco_jax.TPComm.create("tp", fwd=self.fwd, bwd=self.bwd, telemetry=measure,
+                                      site_codecs=dict(fallbacks or {}), **options)  # fmt: skip
 
-    def stage_codecs(self) -> StageCodecs:
+    def stage_codecs(
+        self, *, measure: bool = False, fallbacks: Mapping[str, str] | None = None
+    ) -> StageCodecs:
+        """The pipeline's codecs (`measure`, `fallbacks` as `make_comm`'s)."""
+        fallbacks = fallbacks or {}
         shared = self.pp_grads
         if shared != "none":  # a compressed_psum with the TP collectives' options, its own link
-            options = ("group_size", "impl", "algorithm", "min_compress_bytes", "telemetry")
-            shared = taco_jax.comm_config(
-                shared, link=self.pp_link, **{k: getattr(self, k) for k in options}
-            )
-        return StageCodecs(
-            forward=self.pp, backward=self.pp_bwd, telemetry=self.telemetry, shared_grads=shared
-        )
+            options = {k: getattr(self, k) for k in COLLECTIVE_OPTIONS if k != "link"}
+            shared = taco_jax.comm_config(shared, link=self.pp_link, telemetry=measure,
+                                          site_codecs=dict(fallbacks), **options)  # fmt: skip
+        forward = fallbacks.get("pp_send/fwd", self.pp)
+        backward = fallbacks.get("pp_send/bwd", fallbacks.get("pp_send_grads/fwd", self.pp_bwd))
+        return StageCodecs(forward=forward, backward=backward, telemetry=measure,
+                           shared_grads=shared)  # fmt: skip
 
     def zero_config(
-        self, grad_clip: float, dp_axis: str | tuple[str, ...], bucket_elements: int
+        self,
+        grad_clip: float,
+        dp_axis: str | tuple[str, ...],
+        bucket_elements: int,
+        *,
+        measure: bool = False,
+        fallbacks: Mapping[str, str] | None = None,
     ) -> zero.ZeroConfig:
-        return zero.ZeroConfig(
-            dp_axis, self.dp_grad, self.dp_param, grad_clip, self.impl, self.telemetry,
-            bucket_elements,
-        )  # fmt: skip
+        """The sharded optimizer's configuration (`measure`, `fallbacks` as `make_comm`'s)."""
+        fallbacks = fallbacks or {}
+        grad = "none" if "dp_grads" in fallbacks else self.dp_grad
+        param = "none" if "dp_params" in fallbacks else self.dp_param
+        return zero.ZeroConfig(dp_axis, grad, param, grad_clip, self.impl, measure,
+                               bucket_elements)  # fmt: skip
+
+
+# The collective options `CompressionConfig` passes on to `taco_jax.CommConfig`.
+COLLECTIVE_OPTIONS = ("group_size", "impl", "algorithm", "slices", "min_compress_bytes", "link")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +263,9 @@ class RunConfig:
     profile_steps: trace this many train steps with `jax.profiler` into `out_dir/profile`
       (TensorBoard's profile plugin or Perfetto open it), starting at step `profile_start`
       (after compilation); 0 traces nothing.
+    comm_error_every: run every this many steps a measuring step: the same step, also reporting
+      each compressed collective's error against the exact one (`taco_train.comm_error`;
+      docs/training.md, "Compression error"); 0: never.
     async_checkpoint: write checkpoints in the background (orbax's async save; a checkpoint
       still counts only once complete with its manifest, `taco_train.checkpointing`); false
       blocks the loop until each is written and verified.
@@ -256,6 +288,7 @@ class RunConfig:
     profile_steps: int = 0
     profile_start: int = 5
     async_checkpoint: bool = True
+    comm_error_every: int = 0
 
     def __post_init__(self):
         for name in ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every"):
@@ -276,6 +309,8 @@ class RunConfig:
             f"run.peak_tflops={self.peak_tflops} must be > 0",
         )
         _check(self.profile_steps >= 0, f"run.profile_steps={self.profile_steps} must be >= 0")
+        _check(self.comm_error_every >= 0,
+               f"run.comm_error_every={self.comm_error_every} must be >= 0 (0: never)")  # fmt: skip
         _check(self.profile_start >= 1, f"run.profile_start={self.profile_start} must be >= 1")
 
 
@@ -334,12 +369,11 @@ class TrainConfig:
                 f"compression.{name}={getattr(c, name)!r} compresses pipeline traffic: needs "
                 "parallel.pp > 1",
             )
-        _check(  # taco_jax.compressed_ppermute refuses it while tracing, after the data is ready
-            not (p.mode == "emulate" and p.schedule == "circular" and c.telemetry),
-            "compression.telemetry=true with parallel.schedule='circular' under "
-            "parallel.mode='emulate' is not supported (the circular schedule's sends form a "
-            "full permutation, whose telemetry under vmap XLA fails to compile); set "
-            "compression.telemetry=false or parallel.schedule='gpipe'",
+        measuring = self.run.comm_error_every > 0
+        _check(
+            c.error_budget is None or measuring,
+            f"compression.error_budget={c.error_budget} needs measuring steps: set "
+            "run.comm_error_every (e.g. 100)",
         )
         for name in ("dp_grad", "dp_param"):
             _check(

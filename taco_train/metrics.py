@@ -31,7 +31,8 @@ def mfu(tokens_per_s: float, flops_per_token: float, n_devices: int, peak: float
 
 class MetricsWriter:
     """Appends one JSON object per line to `path`, and (with `tensorboard_dir`) every numeric
-    field as a TensorBoard scalar `<kind>/<field>` (telemetry fields keep their own tag).
+    field as a TensorBoard scalar `<kind>/<field>` (fields named with a "/" keep their own tag),
+    and figures as TensorBoard images (`write_figure`).
 
     On resume from `start_step`, records of later steps (written after the checkpoint the run
     resumes from) are dropped, so the file reads like one uninterrupted run; TensorBoard is told
@@ -72,13 +73,29 @@ class MetricsWriter:
                 self._board.add_scalar(tag, value, record["step"])
             self._board.flush()
 
+    @property
+    def wants_figures(self) -> bool:
+        """Whether `write_figure` writes anywhere (TensorBoard is on)."""
+        return self._board is not None
+
+    def write_figure(self, tag: str, figure, step: int) -> None:
+        """A matplotlib figure as a TensorBoard image under `tag` at `step` (closes it)."""
+        if self._board is not None:
+            self._board.add_figure(tag, figure, step, close=True)
+            self._board.flush()
+
+    def records(self) -> list[dict[str, Any]]:
+        """The records written so far (those of earlier invocations of a resumed run too)."""
+        return read_jsonl(self.path) if self.enabled else []
+
     def close(self) -> None:
         if self._board is not None:
             self._board.close()
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """The TensorBoard scalars of one record: `train/loss`, `eval/val_loss`, `telemetry/...`."""
+    """The TensorBoard scalars of one record: `train/loss`, `eval/val_loss`,
+    `comm_error/<call site>`, ... (nested fields are left to metrics.jsonl)."""
     out = {}
     for key, value in record.items():
         if key in ("kind", "step") or isinstance(value, bool) or not isinstance(value, int | float):

@@ -26,7 +26,7 @@ from jax.experimental import multihost_utils
 import taco_jax
 from models.parallel import ParallelConfig, check_devices, weight_decay_mask
 from taco_jax import telemetry
-from taco_train import data, metrics, optim
+from taco_train import comm_error, data, metrics, optim
 from taco_train.checkpointing import Checkpointer, abstract_state
 from taco_train.config import ConfigError, TrainConfig, resolve_model
 from taco_train.steps import make_steps, state_split
@@ -82,11 +82,25 @@ class _Run:
         self.train_batches = data.Batches(self.dataset.train, b, t, seed, "training split")
         self.val_batches = data.Batches(self.dataset.val, b, t, seed, "validation split")
         self.schedule = optim.lr_schedule(cfg.optimizer, cfg.run.steps)
-        self.steps = build_steps(cfg)
+        self.build({})
         self.n_devices = self.steps.mesh.devices.size
         device_kind = self.steps.mesh.devices.flat[0].device_kind
         self.peak = metrics.peak_flops(device_kind, cfg.run.peak_tflops)
         self.tokens_per_step = b * t
+
+    def build(self, fallbacks: dict[str, str]) -> None:
+        """The run's jitted steps with the error budget's `fallbacks` ({call site: codec}), and
+        the measuring step beside the train step where `run.comm_error_every` asks for one."""
+        self.fallbacks = dict(fallbacks)
+        self.steps = build_steps(self.cfg, self.fallbacks)
+        self.measure_step = None
+        if self.cfg.run.comm_error_every:
+            self.measure_step = build_steps(self.cfg, self.fallbacks, measure=True).train_step
+
+    def measures(self, step: int) -> bool:
+        """Whether (1-based) `step` is a measuring step."""
+        every = self.cfg.run.comm_error_every
+        return every > 0 and step % every == 0
 
     def global_batch(self, rows: np.ndarray) -> jax.Array:
         """The global [B, T + 1] batch as one array laid out by `batch_sharding`. Every process
@@ -122,29 +136,32 @@ def _fresh_state(run: _Run, key: jax.Array):
     return run.steps.start(params)
 
 
-def build_steps(cfg: TrainConfig):
-    """The jitted steps of the run `cfg` (`taco_train.steps.make_steps`)."""
+def build_steps(cfg: TrainConfig, fallbacks: dict[str, str] | None = None, measure: bool = False):
+    """The jitted steps of the run `cfg` (`taco_train.steps.make_steps`), the call sites of
+    `fallbacks` on their fallback codecs; `measure`: with the collectives' measurement on
+    (`taco_jax.telemetry`), for the measuring steps (`taco_train.comm_error`)."""
     mask = weight_decay_mask(cfg.model)
+    comp, sites = cfg.compression, {"measure": measure, "fallbacks": fallbacks}
     sharded = None
     if cfg.optimizer.sharded:  # ZeRO-1: the sharded step clips over its shards itself
-        sharded = cfg.compression.zero_config(
-            cfg.optimizer.grad_clip, cfg.parallel.dp_axis, cfg.optimizer.bucket_elements
-        )
+        sharded = comp.zero_config(cfg.optimizer.grad_clip, cfg.parallel.dp_axis,
+                                   cfg.optimizer.bucket_elements, **sites)  # fmt: skip
     make_optimizer = optim.make_adamw if sharded else optim.make_optimizer
     optimizer = make_optimizer(cfg.optimizer, cfg.run.steps, mask)
     return make_steps(
         cfg.model,
         cfg.parallel,
-        cfg.compression.make_comm(),
+        comp.make_comm(**sites),
         optimizer,
-        cfg.compression.stage_codecs(),
+        comp.stage_codecs(**sites),
         cfg.run.seed,
         sharded,
     )
 
 
 def _init_or_restore(run: _Run, ckpt: Checkpointer):
-    """The newest good checkpoint's state and step, or a fresh state at step 0."""
+    """The newest good checkpoint's state and step, or a fresh state at step 0; a restored
+    run takes up the error budget's fallbacks saved with its checkpoint."""
     key = jax.random.key(run.cfg.run.seed)
     if not run.cfg.run.resume or not ckpt.steps():
         return _fresh_state(run, key), 0
@@ -157,6 +174,11 @@ def _init_or_restore(run: _Run, ckpt: Checkpointer):
         )
     state, step = restored
     _say(f"resuming from {ckpt.directory} at step {step}")
+    fallbacks = ckpt.metadata(step).get(comm_error.METADATA_KEY, {})
+    if fallbacks:
+        run.build(fallbacks)
+        moved = ", ".join(f"{site} -> {codec}" for site, codec in fallbacks.items())
+        _say(f"call sites off their codec (the error budget's, kept from the checkpoint): {moved}")
     return state, step
 
 
@@ -237,6 +259,7 @@ RUN_OUTPUTS = (
     "loss.png",
     "checkpoints",
     "tensorboard",
+    "comm_error.png",
     "profile",
     "collectives_policy.txt",
 )
@@ -343,7 +366,10 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
         if lead:
             records = metrics.read_jsonl(run.out / "metrics.jsonl")
             metrics.plot_losses(records, run.out / "loss.png", str(run.out))
+            comm_error.write_png(records, run.out / "comm_error.png", comp.error_budget)
     if start < end:
+        if lead and (table := comm_error.table(records, comp.error_budget)):
+            _say(table)
         _say(_summary(run, start, end, last, time.perf_counter() - started))
     return last
 
@@ -463,22 +489,31 @@ def _steps(run: _Run, state, start, end, ckpt, writer, bar, profiler, stops) -> 
     cfg = run.cfg.run
     last: dict[str, Any] = {}
     t_mark, steps_since = None, 0
+    compiles = True  # the next train step compiles its program: time from its end
     skips = _SkipWatch(run, state, start)
     for step in range(start, end):
         batch = run.global_batch(run.train_batches.train(step))
-        profiler.before(step + 1)
-        state, out = run.steps.train_step(state, batch)
         done = step + 1
+        measuring = run.measures(done)
+        if measuring:  # not training time: its compile, the exact collectives, the host work
+            jax.block_until_ready(state)
+            paused = time.perf_counter()
+        profiler.before(done)
+        state, out = (run.measure_step if measuring else run.steps.train_step)(state, batch)
         profiler.after(done, out)
-        if t_mark is None:  # The first step compiles; time from its end.
+        if measuring:
+            compiles |= _after_measuring(run, done, writer, bar)  # new program: it compiles
+            if t_mark is not None:
+                t_mark += time.perf_counter() - paused
+        elif compiles:
             jax.block_until_ready(out)
-            t_mark, steps_since = time.perf_counter(), 0
+            t_mark, steps_since, compiles = time.perf_counter(), 0, False
         else:
             steps_since += 1
         bar.update(1)
         if done % cfg.log_every == 0 or done == cfg.steps:
             jax.block_until_ready(out)
-            seconds = time.perf_counter() - t_mark
+            seconds = 0.0 if t_mark is None else time.perf_counter() - t_mark
             record = _train_record(run, done, out, seconds, steps_since)
             timed = last.get("timed", (0, 0.0))
             last["timed"] = (timed[0] + steps_since, timed[1] + seconds)  # for the summary
@@ -488,7 +523,6 @@ def _steps(run: _Run, state, start, end, ckpt, writer, bar, profiler, stops) -> 
         evaluate = done % cfg.eval_every == 0 or done == cfg.steps
         if evaluate:
             record = {"kind": "eval", "step": done, "val_loss": run.evaluate(state)}
-            record.update(_telemetry(run, "eval"))
             last["eval"] = _emit(record, writer, bar)
             if not metrics.is_finite(record["val_loss"]):
                 raise Diverged(f"validation loss {record['val_loss']} at step {done}")
@@ -514,7 +548,7 @@ def _save(run: _Run, ckpt: Checkpointer, step: int, state, writer) -> None:
     started = time.perf_counter()
     if not bool(run.steps.is_finite(state)):  # never a checkpoint to resume into NaN
         raise Diverged(f"the train state is not finite at step {step}; not saved")
-    ckpt.save(step, state)
+    ckpt.save(step, state, {comm_error.METADATA_KEY: run.fallbacks})
     blocked = time.perf_counter() - started
     asynchronous = run.cfg.run.async_checkpoint
     writer.write({"kind": "checkpoint", "step": step, "blocked_s": blocked, "async": asynchronous})
@@ -554,15 +588,33 @@ def _train_record(run: _Run, step: int, out, seconds: float, steps_timed: int) -
         flops = run.cfg.model.flops_per_token()
         record["tokens_per_s"] = tokens_per_s
         record["mfu"] = metrics.mfu(tokens_per_s, flops, run.n_devices, run.peak)
-    record.update(_telemetry(run, "train"))
     return record
 
 
-def _telemetry(run: _Run, prefix: str) -> dict[str, float]:
-    """Mean relative error of each compressed collective since the last drain (when enabled)."""
-    if not run.cfg.compression.telemetry:
-        return {}
-    return {f"telemetry/{prefix}/{tag}": err for tag, err in telemetry.drain().items()}
+def _after_measuring(run: _Run, step: int, writer, bar) -> bool:
+    """After measuring step `step`: its "comm" record, line and picture, then the error
+    budget (`taco_train.comm_error`). Returns whether call sites switched codecs (the steps
+    are then rebuilt: every rank takes the new program from the next step)."""
+    errors = telemetry.drain(all_processes=True)  # every process decides from the same sums
+    record = comm_error.record(step, errors)
+    writer.write(record)
+    if jax.process_index() == 0:
+        bar.write(comm_error.line(record))
+        budget = run.cfg.compression.error_budget
+        figure = writer.wants_figures and comm_error.figure(writer.records(), budget)
+        if figure:
+            writer.write_figure("comm/error_by_layer_and_op", figure, step)
+    budget = run.cfg.compression.error_budget
+    if budget is None:
+        return False
+    new = comm_error.over_budget(errors, budget, run.fallbacks,
+                                 run.cfg.compression.fallback_codec)  # fmt: skip
+    if not new:
+        return False
+    _say(comm_error.switch_line(step, new, errors, budget))
+    writer.write(comm_error.fallback_record(step, new, errors))
+    run.build({**run.fallbacks, **new})
+    return True
 
 
 def _emit(record: dict[str, Any], writer, bar) -> dict[str, Any]:

@@ -61,9 +61,9 @@ class ShardState(flax.struct.PyTreeNode):
 class ZeroConfig:
     """The dp axes (one axis, or (outer, inner) for TLq-HS's two levels), the codec of each
     collective, the global-norm clipping threshold (None: no clipping), the codec kernels
-    (`impl`, as `taco_jax.CommConfig.impl`), and `telemetry`: also run each compressed
-    collective exactly and record the relative error (`taco_jax.telemetry`, tags
-    "dp_grad:<codec>" and "dp_param:<codec>"; a debugging and study tool), and
+    (`impl`, as `taco_jax.CommConfig.impl`), and `telemetry`: also run each collective
+    exactly and report its error (`taco_jax.telemetry`, call sites "dp_grads" and
+    "dp_params"), and
     `bucket_elements`, the most padded elements of one communication bucket, a larger leaf
     having one of its own (None: one bucket per kind of leaf; 1: one per leaf; `_Buckets`)."""
 
@@ -258,6 +258,16 @@ class _Buckets:
         return [r.reshape(-1)[: math.prod(self.shapes[i])].reshape(self.shapes[i])
                 for r, i in zip(rows, group, strict=True)]  # fmt: skip
 
+    def reduce_scatter_bytes(self) -> float:
+        """Bytes a rank sends in the plain fp32 reduce-scatters of every bucket (a ring's)."""
+        return 4 * sum(self.shards) * (self.ranks - 1)
+
+    def all_gather_bytes(self, replica: list[jax.Array]) -> float:
+        """Bytes a rank sends in the plain all-gathers of every bucket (a ring's)."""
+        return sum(s * r.dtype.itemsize for s, r in zip(self.shards, replica, strict=True)) * (
+            self.ranks - 1
+        )
+
     def _offsets(self, group: list[int]) -> list[int]:
         return list(itertools.accumulate(self.shards[i] for i in group[:-1]))
 
@@ -346,10 +356,10 @@ def update(
     leaves = jax.tree.leaves
     tree = lambda flat: jax.tree.unflatten(buckets.treedef, flat)  # noqa: E731
     shards = tree(_mean_shards(leaves(grads), buckets, cfg, grad_key))
-    if cfg.telemetry and cfg.grad_codec != "none":
+    if cfg.telemetry:
         plain = dataclasses.replace(cfg, grad_codec="none")
-        _record(f"dp_grad:{cfg.grad_codec}", shards,
-                _mean_shards(leaves(grads), buckets, plain, grad_key))  # fmt: skip
+        exact = lambda: _mean_shards(leaves(grads), buckets, plain, grad_key)  # noqa: E731
+        _report("dp_grads", cfg.grad_codec, shards, exact, buckets.reduce_scatter_bytes(), cfg)
     norm = _global_norm(shards, cfg, split)
     if cfg.grad_clip is not None:  # optax.clip_by_global_norm's rule, on the global norm
         clip = cfg.grad_clip
@@ -357,14 +367,20 @@ def update(
     updates, opt_state = optimizer.update(shards, state.opt_state, state.master)
     master = optax.apply_updates(state.master, updates)
     new_replica = tree(_new_replica(leaves(master), leaves(replica), buckets, cfg, param_key))
-    if cfg.telemetry and cfg.param_codec != "none":
+    if cfg.telemetry:
         plain = dataclasses.replace(cfg, param_codec="none")
-        exact = _new_replica(leaves(master), leaves(replica), buckets, plain, param_key)
-        _record(f"dp_param:{cfg.param_codec}", new_replica, exact)
+        exact = lambda: _new_replica(leaves(master), leaves(replica), buckets, plain, param_key)  # noqa: E731
+        nbytes = buckets.all_gather_bytes(leaves(replica))
+        _report("dp_params", cfg.param_codec, new_replica, exact, nbytes, cfg)
     return ShardState(master, opt_state), new_replica, norm
 
 
-def _record(tag: str, approx: Any, exact: Any) -> None:
-    """Telemetry of a whole pytree: the relative error of all its leaves as one vector."""
-    flat = lambda tree: jnp.concatenate([x.reshape(-1) for x in jax.tree.leaves(tree)])  # noqa: E731
-    telemetry.record(tag, flat(approx), flat(exact))
+def _report(site: str, codec: str, out: Any, exact, nbytes: float, cfg: ZeroConfig) -> None:
+    """`taco_jax.telemetry` of call site `site`: `out` against `exact()` (pytrees), or only
+    its bytes where `codec` is "none"."""
+    if codec == "none":
+        stats = telemetry.unmeasured(nbytes)
+    else:
+        stats = telemetry.measure(out, jax.tree.map(lambda x: x.astype(jnp.float32), exact()),
+                                  nbytes)  # fmt: skip
+    telemetry.report(site, telemetry.per_rank(stats, cfg.axes), axis_name=cfg.dp_axes)

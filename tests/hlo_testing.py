@@ -53,3 +53,20 @@ def collectives(hlo: str, mesh) -> set[tuple[str, str, frozenset[str]]]:
             types = frozenset(re.findall(r"(\w+)\[", op.group(1)))
             found.add((op.group(2), group_axis(line, mesh), types))
     return found
+
+
+_SOURCE_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
+def program(hlo: str) -> str:
+    """Compiled HLO text without what records where it was traced from (the source tables,
+    each instruction's metadata and stack frame): what two programs must share to be the same."""
+    lines, in_table = [], False
+    for line in hlo.splitlines():
+        if line in _SOURCE_TABLES:
+            in_table = True
+        elif in_table and line.startswith(("%", "ENTRY", "HloModule")):
+            in_table = False
+        if not in_table:
+            lines.append(re.sub(r", metadata=\{[^}]*\}|, stack_frame_id=\d+", "", line))
+    return "\n".join(lines)

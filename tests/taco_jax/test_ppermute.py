@@ -158,24 +158,19 @@ def test_nonfinite_values_stay_visible():
     assert bool(jnp.all(jnp.isfinite(out[2, 128:]))) and bool(jnp.all(jnp.isfinite(out[0])))
 
 
-@pytest.mark.parametrize("mode,perm", [("vmap", CHAIN4), ("shard_map", CYCLE4),
+@pytest.mark.parametrize("mode,perm", [("vmap", CHAIN4), ("vmap", CYCLE4), ("shard_map", CYCLE4),
                                        ("shard_map", CHAIN4)])  # fmt: skip
 def test_telemetry_records_the_stage_error_of_receivers(mode, perm):
-    """The mean over the ranks that receive (the others hold exact zeros and would pull the mean
-    down by 1/4 for a chain of 4). Asymmetric INT8 of N(0, 1) groups of 128: step
+    """Over the ranks that receive (the others hold exact zeros in both, adding nothing to the
+    sums), also under vmap with a full permutation. Asymmetric INT8 of N(0, 1) groups of 128: step
     (max - min) / 255 ~ 5.2 / 255 = 0.0204, stochastic rounding error variance <= step^2 / 4 and,
     for uniform fractions, step^2 / 6: RMS 0.0083-0.0102 of the values' RMS."""
     telemetry.drain()
     x = _ranks(4, (4096,), seed=7)
     fn = lambda v: tj.compressed_ppermute(v, "pp", perm, key=KEY, telemetry=True, name="pp")  # noqa: E731
     run_tp(fn, x, tp=4, mode=mode, axis_name="pp")
-    assert 0.0075 < telemetry.drain()["pp:tahquant"] < 0.0105
-
-
-def test_telemetry_under_vmap_with_a_full_permutation_says_why_not():
-    fn = lambda v: tj.compressed_ppermute(v, "pp", CYCLE4, key=KEY, telemetry=True)  # noqa: E731
-    with pytest.raises(ValueError, match="XLA compile failure"):
-        run_tp(fn, _ranks(4, (128,)), tp=4, mode="vmap", axis_name="pp")
+    recorded = telemetry.drain()
+    assert set(recorded) == {"pp/fwd"} and 0.0075 < recorded["pp/fwd"].error < 0.0105
 
 
 def test_errors_name_the_offending_value():

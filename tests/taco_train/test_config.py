@@ -131,17 +131,22 @@ def test_validation_errors_name_the_value(override, message):
         load_config(None, ["parallel.dp=4", override])
 
 
-def test_emulated_circular_schedule_with_telemetry_is_refused_before_the_data():
-    circular = ["parallel.mode='emulate'", "parallel.pp=2", "parallel.microbatches=2",
-                "parallel.schedule='circular'", "parallel.repeats=2"]  # fmt: skip
-    with pytest.raises(ValueError, match="compression.telemetry=true with parallel.schedule"):
-        load_config(None, [*circular, "compression.telemetry=true"])
-    assert load_config(None, circular).parallel.schedule == "circular"
+def test_an_error_budget_needs_measuring_steps():
+    with pytest.raises(ValueError, match="compression.error_budget=0.05 needs measuring steps"):
+        load_config(None, ["compression.error_budget=0.05"])
+    cfg = load_config(None, ["compression.error_budget=0.05", "run.comm_error_every=100"])
+    assert cfg.compression.error_budget == 0.05 and cfg.run.comm_error_every == 100
+    with pytest.raises(ValueError, match="compression.error_budget=-0.1 must be > 0"):
+        load_config(None, ["compression.error_budget=-0.1", "run.comm_error_every=100"])
+    with pytest.raises(ValueError, match="run.comm_error_every=-1 must be >= 0"):
+        load_config(None, ["run.comm_error_every=-1"])
+    with pytest.raises(ValueError, match="compression.fallback_codec='int9' is not one of"):
+        load_config(None, ["compression.fallback_codec=int9"])
 
 
 def test_one_f_one_b_schedule_is_accepted_and_takes_no_repeats():
     one_f_one_b = ["parallel.mode='shard_map'", "parallel.pp=2", "parallel.microbatches=4",
-                   "parallel.schedule=1f1b", "compression.telemetry=true"]  # fmt: skip
+                   "parallel.schedule=1f1b", "run.comm_error_every=2"]  # fmt: skip
     assert load_config(None, one_f_one_b).parallel.schedule == "1f1b"
     with pytest.raises(ValueError, match="repeats=2 needs schedule='circular'"):
         load_config(None, [*one_f_one_b, "parallel.repeats=2"])

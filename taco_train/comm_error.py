@@ -1,0 +1,283 @@
+"""Compression error in a training run, and the error budget (docs/training.md, "Compression
+error").
+
+Every `run.comm_error_every` steps the trainer runs a measuring step: the train step built
+with the collectives' measurement on (`taco_jax.telemetry`), a program of its own, so that
+every other step runs the program it runs without measuring. After it, this module gives
+- a "comm" record for metrics.jsonl (`record`): each call site's relative error against the
+  exact fp32 collective (`comm_error/<site>`, a TensorBoard scalar each), its non-finite
+  values, and the share of the TP bytes that went compressed; a console line (`line`); and a
+  picture of the error by layer and op over the measuring steps (`figure`);
+- the error budget (`compression.error_budget`, `over_budget`): a call site over it moves one
+  step down its ladder, its codec -> `compression.fallback_codec` -> uncompressed
+  (`next_codec`), for the rest of the run. The trainer says so in one line (`switch_line`),
+  records it (`fallback_record`), rebuilds its steps with the sites' new codecs
+  (`taco_jax.CommConfig.site_codecs`: every rank switches at the same step, one program) and
+  saves them in each checkpoint (`METADATA_KEY`), so a resumed run keeps them;
+- at the end, a table per op (`table`) and `comm_error.png`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import numpy as np
+
+from taco_jax import telemetry
+
+METADATA_KEY = "comm_fallbacks"  # in a checkpoint's metadata: {call site: codec}
+ERROR_PREFIX = "comm_error/"
+TP_AXIS = "tp"
+# The sharded optimizer's sites: SDP4Bit's codecs, with no other codec to fall back to.
+DP_SITES = ("dp_grads", "dp_params")
+_LAYERED = re.compile(r"layer_(\d+)/(.+)")
+# The model's call sites in the order a block runs them (the figure's and the table's order).
+OP_ORDER = ("embed", "attn_in", "attn_out", "mlp_in", "mlp_out", "head_in")
+
+
+def op_of(site: str) -> str:
+    """A call site without its layer: "layer_03/mlp_out/fwd" -> "mlp_out/fwd"."""
+    match = _LAYERED.fullmatch(site)
+    return match[2] if match else site
+
+
+def layer_of(site: str) -> int | None:
+    match = _LAYERED.fullmatch(site)
+    return int(match[1]) if match else None
+
+
+def _op_key(op: str) -> tuple:
+    name, _, direction = op.rpartition("/")
+    rank = OP_ORDER.index(name) if name in OP_ORDER else len(OP_ORDER)
+    return (rank, name or direction, direction != "fwd")
+
+
+def next_codec(site: str, current: str | None, fallback_codec: str) -> str:
+    """The codec a call site over the budget runs next: `fallback_codec` after its own codec
+    (`current` None; the sharded optimizer's sites have no other), then "none"."""
+    if current is None and fallback_codec != "none" and site not in DP_SITES:
+        return fallback_codec
+    return "none"
+
+
+def over_budget(
+    errors: dict[str, telemetry.SiteError],
+    budget: float,
+    fallbacks: dict[str, str],
+    fallback_codec: str,
+) -> dict[str, str]:
+    """{call site: the codec it runs next} of the sites `errors` puts over `budget`
+    (`taco_jax.telemetry.over_budget`)."""
+    return {site: next_codec(site, fallbacks.get(site), fallback_codec)
+            for site in telemetry.over_budget(errors, budget)}  # fmt: skip
+
+
+def tp_share(errors: dict[str, telemetry.SiteError]) -> float | None:
+    """The share of the TP collectives' bytes (a ring's, uncompressed) that went compressed."""
+    tp = [e for e in errors.values() if e.axis == TP_AXIS]
+    total = sum(e.nbytes for e in tp)
+    return sum(e.compressed_bytes for e in tp) / total if total else None
+
+
+def record(step: int, errors: dict[str, telemetry.SiteError]) -> dict[str, Any]:
+    """The "comm" metrics record of a measuring step."""
+    measured = {site: e for site, e in errors.items() if e.error is not None}
+    out: dict[str, Any] = {"kind": "comm", "step": step}
+    out.update({ERROR_PREFIX + site: e.error for site, e in measured.items()})
+    out["nonfinite"] = {site: e.nonfinite for site, e in measured.items()}
+    share = tp_share(errors)
+    if share is not None:
+        out["tp_bytes_compressed"] = share
+    return out
+
+
+def site_errors(rec: dict[str, Any]) -> dict[str, float]:
+    """{call site: error} of a "comm" record."""
+    return {k.removeprefix(ERROR_PREFIX): v for k, v in rec.items() if k.startswith(ERROR_PREFIX)}
+
+
+def line(rec: dict[str, Any]) -> str:
+    """The console line of a "comm" record: the largest error and where, the mean, the TP
+    bytes that went compressed, and the sites with non-finite values."""
+    errors = site_errors(rec)
+    parts = [f"step {rec['step']:>6d}", "comm error"]
+    if errors:
+        worst = max(errors, key=lambda s: _ordered(errors[s]))
+        parts[-1] += (f" max {errors[worst]:.4f} ({worst}), mean "
+                      f"{np.mean(list(errors.values())):.4f} over {len(errors)} sites")  # fmt: skip
+    if "tp_bytes_compressed" in rec:
+        parts.append(f"TP bytes compressed {100 * rec['tp_bytes_compressed']:.1f}%")
+    bad = [site for site, n in rec.get("nonfinite", {}).items() if n]
+    if bad:
+        parts.append(f"non-finite at {len(bad)} sites ({bad[0]}, ...)")
+    return " | ".join(parts)
+
+
+def _ordered(error: float) -> float:
+    return math.inf if math.isnan(error) else error  # NaN is the worst
+
+
+def switch_line(step: int, new: dict[str, str], errors, budget: float) -> str:
+    """The one log line of the call sites that leave their codec after measuring step `step`."""
+    moves = ", ".join(f"{site} ({_said(errors[site])}) -> {codec}" for site, codec in new.items())
+    return f"step {step}: over compression.error_budget={budget:g}: {moves}, from step {step + 1}"
+
+
+def _said(error: telemetry.SiteError) -> str:
+    if error.codec_nonfinite:
+        return f"{error.nonfinite} non-finite values"
+    return f"error {error.error:.4f}"
+
+
+def fallback_record(step: int, new: dict[str, str], errors) -> dict[str, Any]:
+    """The "comm_fallback" metrics record of the call sites that switch after step `step`."""
+    sites = {
+        site: {"codec": codec, "error": errors[site].error, "nonfinite": errors[site].nonfinite}
+        for site, codec in new.items()
+    }
+    return {"kind": "comm_fallback", "step": step, "sites": sites}
+
+
+def _history(records) -> tuple[list[int], dict[str, dict[int, float]]]:
+    """The measuring steps, and per call site its error at each."""
+    comm = sorted((r for r in records if r.get("kind") == "comm"), key=lambda r: r["step"])
+    by_site: dict[str, dict[int, float]] = {}
+    for rec in comm:
+        for site, error in site_errors(rec).items():
+            by_site.setdefault(site, {})[rec["step"]] = error
+    return [r["step"] for r in comm], by_site
+
+
+def _fallbacks(records) -> dict[str, tuple[str, int]]:
+    """{call site: (its last codec, the step after which it switched)}."""
+    out = {}
+    for rec in sorted((r for r in records if r.get("kind") == "comm_fallback"),
+                      key=lambda r: r["step"]):  # fmt: skip
+        for site, what in rec["sites"].items():
+            out[site] = (what["codec"], rec["step"])
+    return out
+
+
+def figure(records: list[dict[str, Any]], budget: float | None = None):
+    """The relative error by layer and op over the measuring steps: one heat map per op
+    (layers down, steps across, log color), the sites outside the blocks in one more; a blank
+    cell: not compressed at that step (fallen back). None without "comm" records."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+
+    steps, by_site = _history(records)
+    if not steps:
+        return None
+    layered = sorted({op_of(s) for s in by_site if layer_of(s) is not None}, key=_op_key)
+    others = sorted((s for s in by_site if layer_of(s) is None), key=_op_key)
+    n_layers = 1 + max((layer_of(s) for s in by_site if layer_of(s) is not None), default=-1)
+    column = {step: i for i, step in enumerate(steps)}
+    panels = []
+    for op in layered:
+        grid = np.full((n_layers, len(steps)), np.nan)
+        for site, values in by_site.items():
+            if op_of(site) == op:
+                for step, error in values.items():
+                    grid[layer_of(site), column[step]] = error
+        panels.append((op, grid, [f"{i}" for i in range(n_layers)], "layer"))
+    if others:
+        grid = np.full((len(others), len(steps)), np.nan)
+        for row, site in enumerate(others):
+            for step, error in by_site[site].items():
+                grid[row, column[step]] = error
+        panels.append(("outside the blocks", grid, others, ""))
+    finite = np.concatenate([g[np.isfinite(g) & (g > 0)] for _, g, _, _ in panels])
+    low, high = (finite.min(), finite.max()) if finite.size else (1e-3, 1e-1)
+    if budget is not None:
+        low, high = min(low, budget), max(high, budget)
+    norm = LogNorm(vmin=low, vmax=max(high, low * 1.01))
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="0.85")
+    widths = [1.0] * len(layered) + ([1.6] if others else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(1.5 + 2.4 * sum(widths), 3.8), dpi=110,
+                             gridspec_kw={"width_ratios": widths}, squeeze=False,
+                             layout="constrained")  # fmt: skip
+    fig.suptitle("relative error of each call site against the exact fp32 collective "
+                 "(gray: not compressed)", fontsize=9)  # fmt: skip
+    ticks = np.unique(np.linspace(0, len(steps) - 1, min(len(steps), 5)).round().astype(int))
+    for ax, (title, grid, labels, ylabel) in zip(axes[0], panels, strict=True):
+        image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)
+        ax.set_title(title, fontsize=9)
+        ax.set_xticks(ticks, [str(steps[i]) for i in ticks], fontsize=7)
+        ax.set_yticks(range(len(labels)), labels, fontsize=7 if ylabel else 6)
+        ax.set_xlabel("step", fontsize=8)
+        if ylabel:
+            ax.set_ylabel(ylabel, fontsize=8)
+    if others:  # the sites' names, on the right of their panel
+        axes[0][-1].yaxis.tick_right()
+    bar = fig.colorbar(image, ax=axes[0].tolist(), fraction=0.04, pad=0.02)
+    bar.set_label("relative error" + ("" if budget is None else " (red: the budget)"), fontsize=8)
+    if budget is not None:
+        bar.ax.axhline(budget, color="red", linewidth=2)
+    return fig
+
+
+def write_png(records: list[dict[str, Any]], png, budget: float | None = None) -> bool:
+    """`figure` as a PNG at `png`; False (nothing written) without "comm" records."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(records, budget)
+    if fig is None:
+        return False
+    fig.savefig(png, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+def table(records: list[dict[str, Any]], budget: float | None = None) -> str | None:
+    """The end-of-run table: per op the largest error (where and when), the mean over its
+    layers and measuring steps, its non-finite values, and its call sites that fell back; then
+    the share of TP bytes compressed at the first and last measuring step. None without
+    "comm" records."""
+    steps, by_site = _history(records)
+    if not steps:
+        return None
+    fell = _fallbacks(records)
+    nonfinite: dict[str, int] = {}
+    for rec in records:
+        if rec.get("kind") == "comm":
+            for site, n in rec.get("nonfinite", {}).items():
+                nonfinite[op_of(site)] = nonfinite.get(op_of(site), 0) + n
+    ops = sorted({op_of(s) for s in by_site} | {op_of(s) for s in fell}, key=_op_key)
+    budget_text = "" if budget is None else f"; budget {budget:g}"
+    header = f"  {'op':<24} {'largest':>8}  {'at':<24} {'mean':>8} {'non-finite':>10}  fell back"
+    title = (f"compression error per op over {len(steps)} measuring steps (steps {steps[0]}-"
+             f"{steps[-1]}; relative to the exact fp32 collective{budget_text}):")  # fmt: skip
+    rows = [title, header]
+    for op in ops:
+        values = [(e, site, step) for site, v in by_site.items() if op_of(site) == op
+                  for step, e in v.items()]  # fmt: skip
+        fallen = [f"{_layer_or_site(site)} -> {codec} after {step}"
+                  for site, (codec, step) in fell.items() if op_of(site) == op]  # fmt: skip
+        if values:
+            worst, site, step = max(values, key=lambda v: _ordered(v[0]))
+            layer = layer_of(site)
+            where = f"step {step}" if layer is None else f"layer_{layer:02d}, step {step}"
+            mean = f"{np.mean([v[0] for v in values]):8.4f}"
+            largest = f"{worst:8.4f}"
+        else:
+            largest, where, mean = f"{'-':>8}", "-", f"{'-':>8}"
+        rows.append(f"  {op:<24} {largest}  {where:<24} {mean} {nonfinite.get(op, 0):>10d}  "
+                    f"{'; '.join(fallen) or '-'}")  # fmt: skip
+    shares = [(r["step"], r["tp_bytes_compressed"]) for r in records
+              if r.get("kind") == "comm" and "tp_bytes_compressed" in r]  # fmt: skip
+    if shares:
+        shares.sort()
+        (first, a), (last, b) = shares[0], shares[-1]
+        rows.append(f"  TP bytes compressed: {100 * a:.1f}% at step {first}, {100 * b:.1f}% at "
+                    f"step {last}")  # fmt: skip
+    return "\n".join(rows)
+
+
+def _layer_or_site(site: str) -> str:
+    layer = layer_of(site)
+    return site if layer is None else f"layer_{layer:02d}"
