@@ -9,6 +9,7 @@ run exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -24,7 +25,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import taco_jax
-from models.parallel import ParallelConfig, check_devices, weight_decay_mask
+from models.parallel import PP_AXIS, ParallelConfig, check_devices, make_mesh, weight_decay_mask
 from taco_jax import telemetry
 from taco_train import data, metrics, optim
 from taco_train.checkpointing import Checkpointer, abstract_state
@@ -82,7 +83,8 @@ class _Run:
         self.train_batches = data.Batches(self.dataset.train, b, t, seed, "training split")
         self.val_batches = data.Batches(self.dataset.val, b, t, seed, "validation split")
         self.schedule = optim.lr_schedule(cfg.optimizer, cfg.run.steps)
-        self.steps = build_steps(cfg)
+        self.links = resolve_links(cfg)
+        self.steps = build_steps(cfg, self.links)
         self.n_devices = self.steps.mesh.devices.size
         device_kind = self.steps.mesh.devices.flat[0].device_kind
         self.peak = metrics.peak_flops(device_kind, cfg.run.peak_tflops)
@@ -122,8 +124,35 @@ def _fresh_state(run: _Run, key: jax.Array):
     return run.steps.start(params)
 
 
-def build_steps(cfg: TrainConfig):
-    """The jitted steps of the run `cfg` (`taco_train.steps.make_steps`)."""
+def resolve_links(cfg: TrainConfig) -> dict[str, taco_jax.policy.Link]:
+    """{"link" / "pp_link": the link of the TP groups / pipeline stages} where the config leaves
+    it at "auto" and that axis spans real devices: from the devices of the run's mesh
+    (`taco_jax.policy.mesh_link`: their hosts, NVML). config.json keeps "auto"."""
+    p, comp = cfg.parallel, cfg.compression
+    if p.mode != "shard_map":
+        return {}
+    axes = {"link": ("tp", p.tp), "pp_link": (PP_AXIS, p.pp)}
+    wanted = {key: axis for key, (axis, size) in axes.items()
+              if getattr(comp, key) == "auto" and size > 1}  # fmt: skip
+    if not wanted:
+        return {}
+    mesh = make_mesh(p)
+    return {key: taco_jax.policy.mesh_link(mesh, axis) for key, axis in wanted.items()}
+
+
+def _say_links(links: dict[str, taco_jax.policy.Link]) -> None:
+    """One line per link "auto" resolved: which, and why."""
+    for key, link in links.items():
+        advice = f" (set compression.{key} to choose it)" if link.assumed else ""
+        _say(f"compression.{key}=auto -> {link.name}: {link.why}{advice}")
+
+
+def build_steps(cfg: TrainConfig, links: dict[str, taco_jax.policy.Link] | None = None):
+    """The jitted steps of the run `cfg` (`taco_train.steps.make_steps`), with the links of
+    `resolve_links` in place of "auto"."""
+    if links:
+        resolved = {key: link.name for key, link in links.items()}
+        cfg = dataclasses.replace(cfg, compression=dataclasses.replace(cfg.compression, **resolved))
     mask = weight_decay_mask(cfg.model)
     sharded = None
     if cfg.optimizer.sharded:  # ZeRO-1: the sharded step clips over its shards itself
@@ -275,15 +304,16 @@ def _write_config(cfg: TrainConfig, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(_config_json(cfg), indent=1))
 
 
-def _say_policy(cfg: TrainConfig, out: Path) -> None:
+def _say_policy(cfg: TrainConfig, out: Path, link: str = "auto") -> None:
     """Where the collectives' "auto" policy compresses on this machine's link, when it decides
     (TP over real GPUs with min_compress_bytes unset, docs/method.md "The auto policy"):
     printed, and kept in `collectives_policy.txt` beside the run's config, so a run recorded as
-    `taco` says where it really compressed."""
+    `taco` says where it really compressed. link: the TP link (`resolve_links`'s, or the
+    config's)."""
     comp = cfg.compression
     real_tp = cfg.parallel.tp > 1 and cfg.parallel.mode == "shard_map"
     if real_tp and comp.min_compress_bytes is None and jax.default_backend() == "gpu":
-        text = taco_jax.policy.summary(comp.link, cfg.parallel.tp)
+        text = taco_jax.policy.summary(link, cfg.parallel.tp)
         _say("collectives (auto policy, by message bytes per rank; set "
              "compression.min_compress_bytes=0 to compress every one):\n" + text)  # fmt: skip
         if jax.process_index() == 0:
@@ -325,7 +355,8 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
         f"model {params / 1e6:.2f}M params | {layout} | {codecs} | train tokens "
         f"{run.dataset.train.size:,} | steps {start} -> {cfg.run.steps} | out {run.out}"
     )
-    _say_policy(cfg, run.out)
+    _say_links(run.links)
+    _say_policy(cfg, run.out, run.links["link"].name if "link" in run.links else comp.link)
     end = cfg.run.steps if cfg.run.stop_at is None else cfg.run.stop_at
     if start >= end:
         _say(f"the run in {run.out} is at step {start}, the end of this one ({end}): nothing to "
