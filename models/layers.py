@@ -148,15 +148,16 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def rotary(x: jax.Array, theta: float) -> jax.Array:
+def rotary(x: jax.Array, theta: float, offset: jax.Array | int = 0) -> jax.Array:
     """Rotary position embedding (Su et al. 2021), half-split layout as in Qwen2 / Llama.
 
-    x: [B, T, N, H] at positions 0..T-1 -> same shape; pairs (i, i + H/2) rotate by
-    position * theta^(-2i/H).
+    x: [B, T, N, H] at positions offset..offset+T-1 -> same shape; pairs (i, i + H/2) rotate
+    by position * theta^(-2i/H).
     """
     t, h = x.shape[1], x.shape[-1]
     inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
-    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq  # [T, H/2]
+    positions = offset + jnp.arange(t, dtype=jnp.float32)
+    angles = positions[:, None] * inv_freq  # [T, H/2]
     cos = jnp.cos(angles)[None, :, None, :]
     sin = jnp.sin(angles)[None, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)

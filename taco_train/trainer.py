@@ -257,6 +257,8 @@ def _shard_layout(flat_config: dict[str, Any]) -> tuple[int, int, int]:
     return state_split(ParallelConfig(**fields))
 
 
+# The run's tokenizer (`data.Tokenizer.save`), beside its config: what export and sample read.
+TOKENIZER_FILE = "tokenizer.json"
 # What a run writes into run.out_dir (docs/training.md, "Outputs"): what `run.resume=false`
 # moves into the archive, so that the new run neither resumes nor mixes with the old one.
 RUN_OUTPUTS = (
@@ -268,6 +270,7 @@ RUN_OUTPUTS = (
     "tensorboard",
     "profile",
     "collectives_policy.txt",
+    TOKENIZER_FILE,
 )
 
 
@@ -335,6 +338,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
     lead = jax.process_index() == 0
     if lead:
         _write_config(cfg, run.out)
+        run.dataset.tokenizer.save(run.out / TOKENIZER_FILE)  # the export's and sample's
     ckpt = Checkpointer(run.out / "checkpoints", cfg.run.keep_checkpoints, cfg.run.async_checkpoint)
     state, start = _init_or_restore(run, ckpt)
     record_changes(changes, start, run.out)
