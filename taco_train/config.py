@@ -237,6 +237,8 @@ class RunConfig:
     async_checkpoint: write checkpoints in the background (orbax's async save; a checkpoint
       still counts only once complete with its manifest, `taco_train.checkpointing`); false
       blocks the loop until each is written and verified.
+    sample_tokens: at the end, print a sample of this many tokens from the final checkpoint
+      (`taco_train.sample`); 0 prints none.
     """
 
     steps: int = 1000
@@ -256,6 +258,7 @@ class RunConfig:
     profile_steps: int = 0
     profile_start: int = 5
     async_checkpoint: bool = True
+    sample_tokens: int = 0
 
     def __post_init__(self):
         for name in ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every"):
@@ -277,6 +280,7 @@ class RunConfig:
         )
         _check(self.profile_steps >= 0, f"run.profile_steps={self.profile_steps} must be >= 0")
         _check(self.profile_start >= 1, f"run.profile_start={self.profile_start} must be >= 1")
+        _check(self.sample_tokens >= 0, f"run.sample_tokens={self.sample_tokens} must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -380,7 +380,31 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
             metrics.plot_losses(records, run.out / "loss.png", str(run.out))
     if start < end:
         _say(_summary(run, start, end, last, time.perf_counter() - started))
+        if cfg.run.sample_tokens and lead:
+            _print_sample(cfg, run.out)
     return last
+
+
+# The end-of-run sample: tempered, from the likeliest tokens (greedy text from a small model
+# tends to repeat itself), the same for the same run (seeded by run.seed).
+SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 40
+
+
+def _print_sample(cfg: TrainConfig, out: Path) -> None:
+    """A sample of `run.sample_tokens` tokens from the final checkpoint, after an end-of-text
+    token (a new document), on stdout: what `python -m taco_train.sample` prints."""
+    from taco_train import sample
+
+    model, params, tokenizer, eot = sample.load(out)
+    budget = cfg.run.sample_tokens
+    if model.arch == "gpt":  # the learned positions hold the start token and seq_len - 1 more
+        budget = min(budget, model.seq_len - 1)
+    top_k = min(SAMPLE_TOP_K, model.vocab_size)
+    text = sample.complete(model, params, tokenizer, eot, "", budget, seed=cfg.run.seed,
+                           temperature=SAMPLE_TEMPERATURE, top_k=top_k)  # fmt: skip
+    how = f"{budget} tokens at most, temperature {SAMPLE_TEMPERATURE}, top-k {top_k}"
+    more = f"python -m taco_train.sample {out} --prompt ... for more"
+    print(f"sample ({how}; {more}):\n{text}", flush=True)
 
 
 def _summary(run: _Run, start: int, end: int, last: dict[str, Any], seconds: float) -> str:
