@@ -443,7 +443,9 @@ def prepare_dataset(
 def _given_tokenizer(path: str | Path | None, vocab_size: int) -> Tokenizer:
     """The Hugging Face tokenizer.json at `path`, checked against the model's vocabulary."""
     if path is None or not Path(path).is_file():
-        raise DataError(f"data.tokenizer='hf' reads a tokenizer.json: {path} is not a file")
+        raise DataError(f"data.tokenizer='hf' reads model.init_from's tokenizer.json, and {path} "
+                        "is not a file: set data.tokenizer=bpe (trained on data.corpus) or "
+                        "data.tokenizer=byte")  # fmt: skip
     tok = Tokenizer.load(Path(path))
     if tok.vocab_size > vocab_size:
         raise ValueError(f"{path}: the tokenizer's {tok.vocab_size} ids do not fit the model's "
