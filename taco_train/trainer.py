@@ -131,7 +131,9 @@ def resolve_links(cfg: TrainConfig) -> dict[str, taco_jax.policy.Link]:
     p, comp = cfg.parallel, cfg.compression
     if p.mode != "shard_map":
         return {}
-    axes = {"link": ("tp", p.tp), "pp_link": (PP_AXIS, p.pp)}
+    axes = {"link": ("tp", p.tp)}
+    if comp.pp_grads != "none":  # the one collective that reads pp_link
+        axes["pp_link"] = (PP_AXIS, p.pp)
     wanted = {key: axis for key, (axis, size) in axes.items()
               if getattr(comp, key) == "auto" and size > 1}  # fmt: skip
     if not wanted:
