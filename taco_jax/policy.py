@@ -26,7 +26,7 @@ by NVLink: "nvlink", else the PCIe-class table ("shm"). Without NVML (`nvidia-ml
 the device kind decides ("PCIe" in it: "shm", else NVLink is assumed) and the log line says so.
 The TP group's devices come from the mesh: `mesh_link(mesh, axis_name)`, or while tracing the
 concrete mesh where JAX exposes it (under `jax.set_mesh`); otherwise the group is taken to be
-this process's devices, which the log line says too.
+this process's devices (with several processes a guess, which the log line says).
 """
 
 from __future__ import annotations

@@ -405,7 +405,8 @@ def _valid_keys(section: str) -> list[str]:
 
 
 def _did_you_mean(name: str, valid: Sequence[str], shown=str) -> str:
-    """ " (did you mean X?)" with the valid name closest to `name`, shown by `shown`; or ""."""
+    """The hint ' (did you mean X?)', X the valid name closest to `name` as `shown` writes it;
+    '' where none is close."""
     close = difflib.get_close_matches(name, valid, n=1)
     return f" (did you mean {shown(close[0])}?)" if close else ""
 

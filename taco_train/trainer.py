@@ -394,7 +394,8 @@ SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 40
 
 def _print_sample(cfg: TrainConfig, out: Path) -> None:
     """A sample of `run.sample_tokens` tokens from the final checkpoint, after an end-of-text
-    token (a new document), on stdout: what `python -m taco_train.sample` prints."""
+    token (a new document), on stdout: the text `python -m taco_train.sample RUN_DIR
+    --temperature 0.8 --top-k 40 --seed SEED` prints."""
     from taco_train import sample
 
     model, params, tokenizer, eot = sample.load(out)
