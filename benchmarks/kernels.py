@@ -8,37 +8,23 @@ record `kernels-<date>.json`:
 1. Checks, on fresh random data each run: every fused codec (and `taco` with G = 32 .. 512),
    bf16 and fp32 input, rows that do not fill a tile, two poisons of the outputs to catch
    unwritten bytes; codes compared in code steps, scales relatively, against the references.
-   Then the Mosaic GPU kernels (Hopper only): every op each codec of MOSAIC_CHECK_CODECS has
-   one for, at 16, 64 and 512 tiles per row, two fresh inputs each. `--check-mosaic-only` runs
+   Then the Mosaic GPU kernels (Hopper only): every op of each codec they take, at 16, 64 and
+   512 tiles per row, two fresh inputs each. `--check-mosaic-only` runs
    only the latter, `--skip-check` neither.
 2. Timings per bf16 message size (`--latency-kib`, `--sizes-mib`): a copy of the same bytes
    (an XLA negate; from 64 MiB also torch's `copy_`, timed with CUDA events, where torch is
    installed), the XLA-fused jnp references (unless `--no-reference`) and the kernels of each
-   op (encode, decode, decode-sum, decode-sum-reencode) for each of `--backends`: "auto" (as
-   the collectives call them), "triton", "mosaic" (the public ops' Mosaic kernels: the sums
-   with peer steps by `decode_mosaic.default_peer_steps`), "mosaic_steps" and "mosaic_rows"
-   (the Mosaic sums with one peer's tile, or every peer's, per pipeline step), Mosaic only at
-   sizes its kernels take. Two
-   timings: host-dispatched batches (`kernel_s`, `_common.batched_seconds`) and 16 dependent
-   calls inside one jitted program (`kernel_in_program_s`, `_common.in_program_seconds`, no
-   per-call dispatch, which at 64 MiB lasts as long as a kernel). Inputs rotate over >= 256 MiB
-   so that nothing is served from L2.
+   op (encode, decode, decode-sum, decode-sum-reencode) for each of `--backends`: "auto" (the
+   kernel `pallas_kernels.registry` picks, as the collectives call them), "triton", "mosaic"
+   (Hopper, the codecs the Mosaic kernels take; the sums of more than two peers with peer
+   steps, as the registry runs them). Two timings: host-dispatched batches (`kernel_s`,
+   `_common.batched_seconds`) and 16 dependent calls inside one jitted program
+   (`kernel_in_program_s`, `_common.in_program_seconds`, no per-call dispatch, which at 64 MiB
+   lasts as long as a kernel). Inputs rotate over >= 256 MiB so that nothing is served from L2.
 3. Small messages (`--in-program-kib`): each op's latency inside one program of 200 dependent
    calls (one input, in L2 as a fresh activation would be), beside a one-element negate (the
    floor); `launch_floor_s` is a host-dispatched one-element jitted op.
 Bandwidth is logical IO: bytes read + bytes written, once each.
-
-`--matmul-encode [MxKxH ...]` times the encode in the matmul's epilogue instead (record
-`matmul_encode-<date>.json`, rewritten after each shape; default shapes: the emulated steps'
-row-parallel projections, then smaller products): per shape, one call's device time in a
-program of 16 dependent calls of XLA's matmul; XLA's matmul then `pallas_kernels.encode`
-("auto") of the product as it lies (what the collectives encode) and in `codecs.tile_major`
-order (`matmul_encode(backend="unfused")`, an XLA transpose more); the fused kernel given the
-folded weight, the fold (once per weight and step), and the kernel with the Hadamard in its
-epilogue (no fold). docs/development_history.md, "The encode in a warp-specialized matmul's
-epilogue".
-
-    PYTHONPATH=. python benchmarks/kernels.py --matmul-encode --out $OUT
 """
 
 from __future__ import annotations
@@ -63,8 +49,8 @@ from pallas_kernels import (
     decode_sum_kernel,
     encode_kernel,
     encode_mosaic,
+    registry,
 )
-from pallas_kernels import matmul_encode_mosaic as mem
 from taco_jax import codecs
 
 PEERS = 8  # rows of the benchmark: an 8-way TP group
@@ -73,82 +59,75 @@ L2_FLUSH_BYTES = 256 * MiB  # > 4x the H200's 60 MB L2
 IN_PROGRAM_CALLS = 16  # dependent calls per program at bandwidth sizes (inputs rotate)
 
 
-def _ops(codec, backends=("auto",)):
-    """name -> (fused fn, reference fn, input builder, bytes moved) for `elements` bf16 values.
+BACKENDS = ("auto", "triton", "mosaic")
 
-    Per op, one entry per backend of `backends` ("auto": what the collectives call, named by
-    the op alone; "triton", "mosaic": that kernel, named `<op>_<backend>`, Mosaic only where
-    its kernel applies: Hopper, 8-bit codes)."""
+
+def _ops(codec, backends=("auto",)):
+    """name -> (kernel fn, reference fn, input kind, bytes moved) for `elements` bf16 values.
+
+    Per op, one entry per backend of `backends` ("auto": the registry's kernel, named by the op
+    alone; "triton", "mosaic": that kernel, named `<op>_<backend>`, Mosaic only where its
+    kernels run: a Hopper GPU, a codec they take)."""
     m = lambda el: el // PEERS  # noqa: E731
     wb = codec.wire_bytes
     n_of = lambda w: _n(codec, w)  # noqa: E731
+    steps = PEERS > 2  # the registry's Mosaic sums of more than two peers
+    kernels = {
+        "auto": (pk.encode, pk.decode, pk.decode_sum, pk.decode_sum_reencode),
+        "triton": (
+            encode_kernel.encode,
+            decode_kernel.decode,
+            decode_sum_kernel.decode_sum,
+            decode_sum_kernel.decode_sum_reencode,
+        ),
+        "mosaic": (
+            encode_mosaic.encode,
+            decode_mosaic.decode,
+            lambda c, w, n, *a: decode_mosaic.decode_sum(c, w, n, *a, peer_steps=steps),
+            lambda c, w, n: decode_mosaic.decode_sum_reencode(c, w, n, peer_steps=steps),
+        ),
+    }
     ops = {
         "encode": (
-            lambda b: lambda x: pk.encode(codec, x, backend=b),
+            lambda k: lambda x: k(codec, x),
             lambda x: pk.encode_reference(codec, x),
             "x",
             lambda el: 2 * el + PEERS * wb(m(el)),
         ),
         "decode": (
-            lambda b: lambda w: pk.decode(codec, w, n_of(w), jnp.bfloat16, backend=b),
+            lambda k: lambda w: k(codec, w, n_of(w), jnp.bfloat16),
             lambda w: pk.decode_reference(codec, w, n_of(w), jnp.bfloat16),
             "wire",
             lambda el: PEERS * wb(m(el)) + 2 * el,
         ),
         "decode_sum": (
-            lambda b: lambda w: pk.decode_sum(codec, w, n_of(w), backend=b),
+            lambda k: lambda w: k(codec, w, n_of(w)),
             lambda w: pk.decode_sum_reference(codec, w, n_of(w)),
             "wire",
             lambda el: PEERS * wb(m(el)) + 4 * m(el),
         ),
         "decode_sum_reencode": (
-            lambda b: lambda w: pk.decode_sum_reencode(codec, w, n_of(w), backend=b),
+            lambda k: lambda w: k(codec, w, n_of(w)),
             lambda w: pk.decode_sum_reencode_reference(codec, w, n_of(w)),
             "wire",
             lambda el: (PEERS + 1) * wb(m(el)),
         ),
     }
-    # "mosaic_steps" / "mosaic_rows": the Mosaic sums with `peer_steps` on / off.
-    sums = {
-        f"mosaic_{kind}": {
-            "decode_sum": lambda w, s=steps: decode_mosaic.decode_sum(
-                codec, w, n_of(w), peer_steps=s
-            ),
-            "decode_sum_reencode": lambda w, s=steps: decode_mosaic.decode_sum_reencode(
-                codec, w, n_of(w), peer_steps=s
-            ),
-        }
-        for kind, steps in (("steps", True), ("rows", False))
-    }
     out = {}
-    for op, (fused, reference, kind, io) in ops.items():
+    for i, (op, (bind, reference, kind, io)) in enumerate(ops.items()):
         for backend in backends:
-            if backend.startswith("mosaic") and not _mosaic_applies(op, codec):
+            if backend == "mosaic" and not registry.mosaic_runs(codec):
                 continue
-            if backend in sums and op not in sums[backend]:
-                continue
-            fn = sums[backend][op] if backend in sums else fused(backend)
             name = op if backend == "auto" else f"{op}_{backend}"
-            out[name] = (jax.jit(fn), jax.jit(reference), kind, io)
+            out[name] = (jax.jit(bind(kernels[backend][i])), jax.jit(reference), kind, io)
     return out
-
-
-def _mosaic_applies(op: str, codec, n: int = 1 << 20) -> bool:
-    """Whether `op` has a Mosaic GPU kernel for `codec` here, for rows of `n` elements."""
-    if not _pallas.hopper_gpu():
-        return False
-    if op == "encode":
-        x = jax.ShapeDtypeStruct((PEERS, n), jnp.bfloat16)
-        return encode_mosaic.unsupported(codec, x) is None
-    return decode_mosaic.unsupported(codec, n, reencode=op == "decode_sum_reencode") is None
 
 
 def _applies_at(name: str, codec, elements: int) -> bool:
     """Whether the timed variant `name` (`_ops`) runs at a message of `elements` values."""
     if "_mosaic" not in name:
         return True
-    op = name.split("_mosaic")[0]
-    return _mosaic_applies(op, codec, elements // PEERS)
+    return encode_mosaic.unsupported(codec, elements // PEERS) is None
 
 
 def _n(codec, wire):
@@ -194,7 +173,7 @@ def _side_difference(codec, wire, ref, n: int) -> float:
 
 
 def check(key):
-    """interpret=False vs reference for every fused codec; returns rows for the JSON."""
+    """The Triton kernels vs the references for every fused codec; rows for the JSON."""
     rows = []
     cases = [(name, 128) for name in codecs.CODEC_NAMES if name != "none"]
     cases += [("taco", g) for g in (32, 64, 256, 512)]
@@ -206,16 +185,17 @@ def check(key):
             x = (jax.random.normal(k, (PEERS, n), jnp.float32) * 3).astype(dtype)
             b = codec.wire_bytes(n)
             poison = jnp.full((PEERS, b), 0xAB, jnp.uint8)
-            wire = pk.encode(codec, x, out_init=poison)
+            wire = encode_kernel.encode(codec, x, out_init=poison)
             ref = pk.encode_reference(codec, x)
             diffs, steps = _ulp_mismatch(codec, wire, ref, n)
-            dec = pk.decode(codec, ref, n, jnp.float32, out_init=jnp.full((PEERS, n), jnp.nan))
+            dec = decode_kernel.decode(codec, ref, n, out_init=jnp.full((PEERS, n), jnp.nan))
             dec_ref = pk.decode_reference(codec, ref, n)
             dec_err = float(jnp.max(jnp.abs(dec - dec_ref)) / jnp.max(jnp.abs(dec_ref)))
-            s = pk.decode_sum(codec, ref, n, out_init=jnp.full((n,), jnp.nan))
+            s = decode_sum_kernel.decode_sum(codec, ref, n, out_init=jnp.full((n,), jnp.nan))
             s_ref = pk.decode_sum_reference(codec, ref, n)
             sum_err = float(jnp.max(jnp.abs(s - s_ref)) / jnp.max(jnp.abs(s_ref)))
-            r = pk.decode_sum_reencode(codec, ref, n, out_init=jnp.full((b,), 0xAB, jnp.uint8))
+            poisoned = jnp.full((b,), 0xAB, jnp.uint8)
+            r = decode_sum_kernel.decode_sum_reencode(codec, ref, n, out_init=poisoned)
             r_ref = pk.decode_sum_reencode_reference(codec, ref, n)
             r_diffs, r_steps = _ulp_mismatch(codec, r, r_ref, n)
             row = dict(
@@ -235,9 +215,16 @@ def check(key):
                 # E8M0: groups whose exponent differs (a flip moves its codes by ~8 steps).
                 dsr_scale_difference=_side_difference(codec, r, r_ref, n),
                 # Two poisons: an element the kernel never writes keeps the poison, so differs.
-                unwritten=int(jnp.sum(wire != pk.encode(codec, x, out_init=poison ^ 0xFF)))
+                unwritten=int(
+                    jnp.sum(wire != encode_kernel.encode(codec, x, out_init=poison ^ 0xFF))
+                )
                 + int(
-                    jnp.sum(r != pk.decode_sum_reencode(codec, ref, n, out_init=poison[0] ^ 0xFF))
+                    jnp.sum(
+                        r
+                        != decode_sum_kernel.decode_sum_reencode(
+                            codec, ref, n, out_init=poisoned ^ 0xFF
+                        )
+                    )
                 ),
             )
             rows.append(row)
@@ -245,14 +232,13 @@ def check(key):
     return rows
 
 
-MOSAIC_CHECK_CODECS = ("taco", "taco_e8m0", "taco_e5m2", "fp8", "int8", "int8_hadamard",
-                       "int6_hadamard", "int5_hadamard", "int4_hadamard")  # fmt: skip
+MOSAIC_CHECK_CODECS = ("taco", "taco_e5m2", "taco_no_ds")  # what `encode_mosaic` takes
 
 
 def check_mosaic(key) -> list[dict]:
-    """The Mosaic GPU kernels vs the references (Hopper only): every op each codec of
-    `MOSAIC_CHECK_CODECS` has a Mosaic kernel for, at 16, 64 and 512 tiles per row, two fresh
-    inputs per case (a byte the kernel skipped would keep the first call's value)."""
+    """The Mosaic GPU kernels vs the references (Hopper only): every op of each codec they
+    take, at 16, 64 and 512 tiles per row, two fresh inputs per case (a byte the kernel skipped
+    would keep the first call's value)."""
     if not _pallas.hopper_gpu():
         return []
     rows = []
@@ -271,27 +257,31 @@ def check_mosaic(key) -> list[dict]:
 
 
 def _check_mosaic_ops(codec, x, n) -> dict:
-    """Each Mosaic op of `codec` on `x` (PEERS rows of n) against its reference."""
-    out = {}
+    """Each Mosaic op of `codec` on `x` (PEERS rows of n) against its reference, the sums with
+    and without peer steps."""
     ref = pk.encode_reference(codec, x)
-    if encode_mosaic.unsupported(codec, x) is None:
-        wire = pk.encode(codec, x, backend="mosaic")
-        diffs, steps = _ulp_mismatch(codec, wire, ref, n)
-        out.update(encode_code_mismatch=diffs, encode_max_code_steps=steps,
-                   encode_scale_max_rel=_side_difference(codec, wire, ref, n))  # fmt: skip
-    if decode_mosaic.unsupported(codec, n) is None:
-        dec = pk.decode(codec, ref, n, jnp.float32, backend="mosaic")
-        dec_ref = pk.decode_reference(codec, ref, n)
-        out["decode_max_rel"] = float(jnp.max(jnp.abs(dec - dec_ref)) / jnp.max(jnp.abs(dec_ref)))
-        s = pk.decode_sum(codec, ref, n, backend="mosaic")
-        s_ref = pk.decode_sum_reference(codec, ref, n)
-        out["decode_sum_max_rel"] = float(jnp.max(jnp.abs(s - s_ref)) / jnp.max(jnp.abs(s_ref)))
-    if decode_mosaic.unsupported(codec, n, reencode=True) is None:
-        r = pk.decode_sum_reencode(codec, ref, n, backend="mosaic")
-        r_ref = pk.decode_sum_reencode_reference(codec, ref, n)
-        diffs, steps = _ulp_mismatch(codec, r, r_ref, n)
-        out.update(dsr_code_mismatch=diffs, dsr_max_code_steps=steps,
-                   dsr_scale_max_rel=_side_difference(codec, r, r_ref, n))  # fmt: skip
+    wire = encode_mosaic.encode(codec, x)
+    diffs, steps = _ulp_mismatch(codec, wire, ref, n)
+    out = dict(
+        encode_code_mismatch=diffs,
+        encode_max_code_steps=steps,
+        encode_scale_max_rel=_side_difference(codec, wire, ref, n),
+    )
+    dec = decode_mosaic.decode(codec, ref, n, jnp.float32)
+    dec_ref = pk.decode_reference(codec, ref, n)
+    out["decode_max_rel"] = float(jnp.max(jnp.abs(dec - dec_ref)) / jnp.max(jnp.abs(dec_ref)))
+    s_ref = pk.decode_sum_reference(codec, ref, n)
+    r_ref = pk.decode_sum_reencode_reference(codec, ref, n)
+    for suffix, peer_steps in (("", False), ("_peer_steps", True)):
+        s = decode_mosaic.decode_sum(codec, ref, n, peer_steps=peer_steps)
+        out[f"decode_sum{suffix}_max_rel"] = float(
+            jnp.max(jnp.abs(s - s_ref)) / jnp.max(jnp.abs(s_ref))
+        )
+        r = decode_mosaic.decode_sum_reencode(codec, ref, n, peer_steps=peer_steps)
+        diffs, code_steps = _ulp_mismatch(codec, r, r_ref, n)
+        out[f"dsr{suffix}_code_mismatch"] = diffs
+        out[f"dsr{suffix}_max_code_steps"] = code_steps
+        out[f"dsr{suffix}_scale_max_rel"] = _side_difference(codec, r, r_ref, n)
     return out
 
 
@@ -401,52 +391,6 @@ def launch_floor():
     return batched_seconds(tiny, [(x,)], min_time=0.05)[0]
 
 
-# The row-parallel projections of the emulated steps (BENCHMARKS.md, "Training step"): GPT-125M
-# at TP = 4 (16384 tokens; attention out K = 768 / 4, MLP down K = 3072 / 4) and GPT-1.3B at
-# TP = 2 (8192 tokens; K = 2048 / 2 and 8192 / 2), then smaller products.
-MATMUL_ENCODE_SHAPES = ("16384x192x768", "16384x768x768", "8192x1024x2048", "8192x4096x2048",
-                        "8192x768x768", "4096x768x768", "2048x768x768", "512x256x512")  # fmt: skip
-
-
-def time_matmul_encode(codec, shape: str, calls: int = IN_PROGRAM_CALLS) -> dict:
-    """One `--matmul-encode` row (module docstring), us per call."""
-    m, k, h = (int(d) for d in shape.split("x"))
-    ka, kb = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
-    b = (0.05 * jax.random.normal(kb, (k, h), jnp.float32)).astype(jnp.bfloat16)
-    folded = mem.fold_hadamard(codec, b)
-    inputs, weights = [(a,), (a * 1.5,)], [(b,), (b * 1.5,)]
-    us = lambda fn, xs=inputs: 1e6 * in_program_seconds(fn, xs, calls)  # noqa: E731
-    row = {"shape": shape, "m": m, "k": k, "h": h}
-    row["xla_matmul_us"] = us(lambda x: x @ b)
-    row["unfused_us"] = us(lambda x: pk.encode(codec, (x @ b).reshape(1, -1)))
-    row["unfused_tile_major_us"] = us(lambda x: pk.matmul_encode(codec, x, b, backend="unfused"))
-    row["fused_us"] = us(lambda x: mem.matmul_encode_kernel(codec, x, folded, hadamard="folded"))
-    row["fold_us"] = us(lambda w: mem.fold_hadamard(codec, w), weights)
-    epilogue = lambda x: mem.matmul_encode_kernel(codec, x, b, hadamard="epilogue")  # noqa: E731
-    row["fused_epilogue_us"] = us(epilogue)
-    print(
-        f"{shape:>16}  matmul {row['xla_matmul_us']:7.1f} us, then encode "
-        f"{row['unfused_us']:7.1f} (tile-major {row['unfused_tile_major_us']:7.1f}), fused "
-        f"{row['fused_us']:7.1f} + the fold {row['fold_us']:5.1f}, Hadamard in the epilogue "
-        f"{row['fused_epilogue_us']:7.1f}",
-        flush=True,
-    )
-    return row
-
-
-def matmul_encode_main(args) -> None:
-    codec = codecs.get_codec(args.codec)
-    rows = []
-    for shape in args.matmul_encode or MATMUL_ENCODE_SHAPES:
-        rows.append(time_matmul_encode(codec, shape))
-        write_record(
-            "matmul_encode", args.out, codec=args.codec, calls=IN_PROGRAM_CALLS,
-            timing="device time of one call in one program of `calls` dependent calls, "
-            "median of 7 programs", rows=rows,
-        )  # fmt: skip
-
-
 def main():
     global PEERS  # --peers: the rows of every message timed
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -465,18 +409,12 @@ def main():
         "--backends",
         nargs="+",
         default=["auto"],
-        choices=(*_pallas.BACKENDS, "mosaic_steps", "mosaic_rows"),
-        help="kernels timed per op: auto (as the collectives call), triton, mosaic, "
-        "mosaic_steps / mosaic_rows (the Mosaic sums with one peer's / every peer's tile per "
-        "pipeline step)",
+        choices=BACKENDS,
+        help="kernels timed per op: auto (the registry's, as the collectives call), triton, mosaic",
     )
     p.add_argument("--peers", type=int, default=PEERS, help="rows of each message (TP group)")
     p.add_argument("--no-reference", action="store_true", help="do not time the jnp references")
-    p.add_argument("--matmul-encode", nargs="*", metavar="MxKxH",
-                   help="time the encode in the matmul's epilogue instead (docstring)")  # fmt: skip
     args = p.parse_args()
-    if args.matmul_encode is not None:
-        return matmul_encode_main(args)
     PEERS = args.peers
     key = jax.random.key(int(time.time()))  # fresh data every run
     t0 = time.time()

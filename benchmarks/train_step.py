@@ -9,9 +9,7 @@ Cases (`--only TEXT [TEXT ...]` keeps those whose label contains one of them):
      models and TP with `--emulate-preset`, `--emulate-tp`): the step time with every TP
      collective uncompressed ("none") and compressed ("taco", and each of `--tp-codecs`, with
      each of `--emulate-algorithms`; with `--emulate-attention`, each attention), and the
-     ratio; on a GPU with `--impl auto` also "taco" through the XLA reference codec; with
-     `--emulate-matmul-encode`, each one-shot case again with the row-parallel products
-     encoded in their matmuls ("matmul_encode", `ParallelConfig.matmul_encode`).
+     ratio; on a GPU with `--impl auto` also "taco" through the XLA reference codec.
   3. With >= 2 devices, GPT-1.3B with real TP over all of them (`shard_map`, NCCL): "none",
      "taco auto" (the defaults: `taco_jax.policy` compresses where it measured a gain on this
      link) and "taco ... forced" (every collective compressed, `min_compress_bytes=0`); the
@@ -210,11 +208,6 @@ def emulated_tp_cases(args, emulated: ParallelConfig) -> list[Case]:
                 tag = "" if algorithm == "auto" else f" {algorithm}"
                 cases.append(Case(f"{label} {codec}{tag}", codec=codec, impl=args.impl,
                                   algorithm=algorithm, **run))  # fmt: skip
-                if args.emulate_matmul_encode and algorithm == "one_shot":
-                    fused = dataclasses.replace(parallel, matmul_encode=True)
-                    cases.append(Case(f"{label} {codec}{tag} matmul_encode", codec=codec,
-                                      impl=args.impl, algorithm=algorithm,
-                                      **dict(run, parallel=fused)))  # fmt: skip
     return cases
 
 
@@ -536,9 +529,6 @@ def main() -> None:
                         choices=("auto", "one_shot", "two_shot"),
                         help="all-reduce algorithms of the compressed emulated-TP runs "
                         "(auto: two-shot under vmap)")  # fmt: skip
-    parser.add_argument("--emulate-matmul-encode", action="store_true",
-                        help="also each one-shot emulated-TP case with the row-parallel "
-                        "products encoded in their matmuls")  # fmt: skip
     parser.add_argument("--pp-batch", type=int, default=8, help="batch of the pipelined runs")
     parser.add_argument("--pp-preset", default="gpt_1p3b", help="model of the pipelined runs")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8],

@@ -1,10 +1,13 @@
 """A GSPMD-sharded Flax NNX GPT whose tensor-parallel reductions move FP8 (docs/gspmd.md).
 
-The parameters carry their shardings (`nnx.with_partitioning`), the train step is a plain
-`jax.jit` on a (dp, tp) mesh, and the compiler partitions everything: data parallelism, the
-optimizer, the loss. Only the TP reductions go through taco_jax: the attention and MLP blocks
-run their matmuls in `jax.shard_map`s manual over "tp" alone (`taco_jax.gspmd`), so each
-all-reduce GSPMD would do in fp32 becomes a compressed one. Runs on 8 CPU devices:
+Written as MaxText and Levanter write models: the layers' parameters are stacked [L, ...] and
+the block runs under `jax.lax.scan` inside `jax.checkpoint`; the parameters carry their
+shardings (`nnx.with_partitioning`: fsdp on the embedding, tensor on heads and MLP columns) on
+a (data, fsdp, tensor) mesh, and the train step is a plain `jax.jit` that the compiler
+partitions: data parallelism, FSDP's gathers, the optimizer, the loss. Only the TP reductions go
+through taco_jax: the attention and MLP blocks run their matmuls in `jax.shard_map`s manual over
+"tensor" alone (`taco_jax.gspmd`), so each all-reduce GSPMD would do in fp32 becomes a
+compressed one. Runs on 8 CPU devices:
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/gspmd_gpt.py --steps 30
 """
@@ -24,6 +27,11 @@ from jax.sharding import PartitionSpec as P
 import taco_jax
 from taco_jax.gspmd import column_parallel_dense, row_parallel_dense
 
+AXES = ("data", "fsdp", "tensor")
+BATCH = P(("data", "fsdp"))  # the batch over every data-parallel axis
+REMAT = {"nothing": jax.checkpoint_policies.nothing_saveable,
+         "dots": jax.checkpoint_policies.checkpoint_dots}  # fmt: skip
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -33,11 +41,17 @@ class Config:
     d_ff: int = 512
     n_layers: int = 2
     seq_len: int = 64
+    remat: str = "nothing"  # a key of REMAT
 
 
 def _param(rngs: nnx.Rngs, shape, sharding, fan_in: int) -> nnx.Param:
     init = nnx.with_partitioning(nnx.initializers.normal(fan_in**-0.5), sharding)
     return nnx.Param(init(rngs.params(), shape))
+
+
+def _norm(x, scale):  # LayerNorm without bias, x [B, T, D], scale [D]
+    mean = x.mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-5) * scale
 
 
 def attention(x, w_qkv, w_out, comm: taco_jax.TPComm):
@@ -48,39 +62,43 @@ def attention(x, w_qkv, w_out, comm: taco_jax.TPComm):
         o = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [B, T, H/N, E]
         return taco_jax.reduce_from_tp(jnp.einsum("BTHE,HED->BTD", o, w_out), comm)
 
-    specs = (P(), P(None, None, "tp"), P("tp"))
-    return jax.shard_map(heads, in_specs=specs, out_specs=P(), axis_names={"tp"})(x, w_qkv, w_out)
+    if jax.sharding.get_abstract_mesh().are_all_axes_explicit:  # FSDP's gather, typed
+        w_qkv = jax.sharding.reshard(w_qkv, P(None, None, "tensor"))
+        w_out = jax.sharding.reshard(w_out, P("tensor"))
+    specs = (P(), P(None, None, "tensor"), P("tensor"))
+    return jax.shard_map(heads, in_specs=specs, out_specs=P(), axis_names={"tensor"})(
+        x, w_qkv, w_out
+    )
 
 
-class Block(nnx.Module):
-    def __init__(self, cfg: Config, comm: taco_jax.TPComm, *, rngs: nnx.Rngs):
-        d, h = cfg.d_model, cfg.n_heads
-        self.comm = comm
-        self.ln1, self.ln2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)
-        self.w_qkv = _param(rngs, (d, 3, h, d // h), (None, None, "tp", None), d)
-        self.w_out = _param(rngs, (h, d // h, d), ("tp", None, None), d)
-        self.w_up = _param(rngs, (d, cfg.d_ff), (None, "tp"), d)  # column-parallel
-        self.w_down = _param(rngs, (cfg.d_ff, d), ("tp", None), cfg.d_ff)  # row-parallel
-
-    def __call__(self, x):  # x [B, T, D]
-        x = x + attention(self.ln1(x), self.w_qkv[...], self.w_out[...], self.comm)
-        h = jax.nn.gelu(column_parallel_dense(self.ln2(x), self.w_up[...], self.comm))
-        return x + row_parallel_dense(h, self.w_down[...], self.comm)
+def block(x, layer: dict, comm: taco_jax.TPComm):  # x [B, T, D]; layer: one layer's weights
+    x = x + attention(_norm(x, layer["ln1"]), layer["w_qkv"], layer["w_out"], comm)
+    h = jax.nn.gelu(column_parallel_dense(_norm(x, layer["ln2"]), layer["w_up"], comm))
+    return x + row_parallel_dense(h, layer["w_down"], comm)
 
 
 class GPT(nnx.Module):
     def __init__(self, cfg: Config, comm: taco_jax.TPComm, *, rngs: nnx.Rngs):
-        self.embed = _param(rngs, (cfg.vocab, cfg.d_model), (None, None), cfg.d_model)
-        self.pos = _param(rngs, (cfg.seq_len, cfg.d_model), (None, None), cfg.d_model)
-        self.blocks = nnx.List([Block(cfg, comm, rngs=rngs) for _ in range(cfg.n_layers)])
-        self.ln_f = nnx.LayerNorm(cfg.d_model, rngs=rngs)
+        d, h, f, n = cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.n_layers
+        self.cfg, self.comm = cfg, comm
+        self.embed = _param(rngs, (cfg.vocab, d), (None, None), d)  # replicated: a tied head
+        self.pos = _param(rngs, (cfg.seq_len, d), (None, None), d)
+        self.layers = nnx.Dict(  # stacked over the layers, axis 0 unsharded
+            ln1=nnx.Param(jnp.ones((n, d))), ln2=nnx.Param(jnp.ones((n, d))),
+            w_qkv=_param(rngs, (n, d, 3, h, d // h), (None, "fsdp", None, "tensor", None), d),
+            w_out=_param(rngs, (n, h, d // h, d), (None, "tensor", None, "fsdp"), d),
+            w_up=_param(rngs, (n, d, f), (None, "fsdp", "tensor"), d),  # column-parallel
+            w_down=_param(rngs, (n, f, d), (None, "tensor", "fsdp"), f),  # row-parallel
+        )  # fmt: skip
+        self.ln_f = nnx.Param(jnp.ones((d,)))
 
     def __call__(self, tokens):  # tokens [B, T] -> logits [B, T, V]
-        x = jax.nn.one_hot(tokens, self.embed.shape[0]) @ self.embed[...]
-        x = x + self.pos[: tokens.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.ln_f(x) @ self.embed[...].T  # tied head
+        embed = self.embed[...]
+        x = jax.nn.one_hot(tokens, embed.shape[0]) @ embed + self.pos[: tokens.shape[1]]
+        body = lambda x, layer: (block(x, layer, self.comm), None)
+        body = jax.checkpoint(body, policy=REMAT[self.cfg.remat])
+        x, _ = jax.lax.scan(body, x, {k: v[...] for k, v in self.layers.items()})
+        return _norm(x, self.ln_f[...]) @ embed.T  # tied head
 
 
 def make_batch(cfg: Config, batch: int, key) -> jax.Array:  # [batch, T + 1]
@@ -91,14 +109,14 @@ def make_batch(cfg: Config, batch: int, key) -> jax.Array:  # [batch, T + 1]
     return (start + stride * jnp.arange(cfg.seq_len + 1)) % cfg.vocab
 
 
-def setup(dp: int, tp: int, codec: str, axis_type: AxisType, n_layers: int = 2):
+def setup(shape: tuple[int, int, int], codec: str, axis_type: AxisType, n_layers: int = 2):
     """The mesh, the jitted train step, and the sharded parameters and optimizer state."""
-    if jax.device_count() < dp * tp:
-        raise SystemExit(f"needs {dp * tp} devices, found {jax.device_count()}; on a CPU set "
+    count = shape[0] * shape[1] * shape[2]
+    if jax.device_count() < count:
+        raise SystemExit(f"needs {count} devices, found {jax.device_count()}; on a CPU set "
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8")  # fmt: skip
-    mesh = jax.make_mesh((dp, tp), ("dp", "tp"), axis_types=(axis_type, axis_type),
-                         devices=jax.devices()[: dp * tp])  # fmt: skip
-    cfg, comm = Config(n_layers=n_layers), taco_jax.TPComm.create(fwd=codec)
+    mesh = jax.make_mesh(shape, AXES, axis_types=(axis_type,) * 3, devices=jax.devices()[:count])
+    cfg, comm = Config(n_layers=n_layers), taco_jax.TPComm.create("tensor", fwd=codec)
     optimizer = optax.adamw(3e-3)
     with jax.set_mesh(mesh):  # annotated parameters are created sharded
         graphdef, params = nnx.split(GPT(cfg, comm, rngs=nnx.Rngs(0)))
@@ -117,15 +135,15 @@ def setup(dp: int, tp: int, codec: str, axis_type: AxisType, n_layers: int = 2):
     return cfg, mesh, step, params, opt_state
 
 
-def train(steps: int, dp: int, tp: int, codec: str, axis_type: AxisType, n_layers: int = 2,
-          batch: int = 16) -> list[float]:  # fmt: skip
-    """Trains for `steps` steps on batches sharded over dp; returns the losses."""
-    cfg, mesh, step, params, opt_state = setup(dp, tp, codec, axis_type, n_layers)
+def train(steps: int, shape: tuple[int, int, int], codec: str, axis_type: AxisType,
+          n_layers: int = 2, batch: int = 16) -> list[float]:  # fmt: skip
+    """Trains for `steps` steps on batches sharded over (data, fsdp); returns the losses."""
+    cfg, mesh, step, params, opt_state = setup(shape, codec, axis_type, n_layers)
     losses = []
     with jax.set_mesh(mesh):
         for i in range(steps):
             tokens = make_batch(cfg, batch, jax.random.key(i))
-            tokens = jax.device_put(tokens, jax.NamedSharding(mesh, P("dp")))
+            tokens = jax.device_put(tokens, jax.NamedSharding(mesh, BATCH))
             params, opt_state, loss = step(params, opt_state, tokens)
             losses.append(float(loss))
             print(f"step {i:3d}  loss {losses[-1]:.4f}")
@@ -135,14 +153,16 @@ def train(steps: int, dp: int, tp: int, codec: str, axis_type: AxisType, n_layer
 def main(argv=None) -> list[float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--dp", type=int, default=2)
-    parser.add_argument("--tp", type=int, default=4)
+    parser.add_argument("--data", type=int, default=2)
+    parser.add_argument("--fsdp", type=int, default=2)
+    parser.add_argument("--tensor", type=int, default=2)
     parser.add_argument("--codec", default="taco", choices=taco_jax.CODEC_NAMES)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--axis-type", default="explicit", choices=["explicit", "auto"])
     args = parser.parse_args(argv)
     axis_type = AxisType.Explicit if args.axis_type == "explicit" else AxisType.Auto
-    return train(args.steps, args.dp, args.tp, args.codec, axis_type, args.layers)
+    shape = (args.data, args.fsdp, args.tensor)
+    return train(args.steps, shape, args.codec, axis_type, args.layers)
 
 
 if __name__ == "__main__":

@@ -23,11 +23,9 @@ from jax import lax
 from taco_jax import (
     TPComm,
     comm_config,
-    copy_matmul_to_tp,
     copy_to_tp,
     gather_from_sp,
     reduce_from_tp,
-    reduce_matmul_from_tp,
     scatter_to_sp,
 )
 
@@ -41,8 +39,6 @@ class TPContext:
     dtype: compute dtype of matmuls and activations (parameters stay fp32).
     overlap_chunks: independent batch chunks through the blocks (`ParallelConfig.overlap_chunks`).
     ranks_vmapped: the ranks run under `jax.vmap` (emulated TP, `models.spmd`).
-    matmul_encode: `enter_product` and `exit_product` encode the all-reduced products in their
-      matmuls (`ParallelConfig`).
     """
 
     comm: TPComm | None = None
@@ -51,7 +47,6 @@ class TPContext:
     attention: str = "auto"  # "auto" | "xla" | "cudnn", see `attention`
     overlap_chunks: int = 1
     ranks_vmapped: bool = False
-    matmul_encode: bool = False
 
     @property
     def sharded(self) -> bool:
@@ -94,23 +89,11 @@ class TPContext:
         return reduce_from_tp(x, self.comm)
 
     def enter_product(self, subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
-        """`jnp.einsum(subscripts, enter(x), w)` of a column-parallel layer: x [B, T(_sp), D],
-        w [D, ...] (local columns). With `matmul_encode` (and no sequence parallelism) the
-        backward's all-reduce of the input gradient is encoded in its matmul, on w flattened to
-        [D, N] (`copy_matmul_to_tp`)."""
-        if self.sharded and self.matmul_encode and not self.sequence_parallel:
-            out = copy_matmul_to_tp(x, w.reshape(w.shape[0], -1), self.comm)
-            return out.reshape(*x.shape[:-1], *w.shape[1:])
+        """`jnp.einsum(subscripts, enter(x), w)`: a column-parallel layer's product."""
         return jnp.einsum(subscripts, self.enter(x), w)
 
     def exit_product(self, subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
-        """`exit(jnp.einsum(subscripts, x, w))` of a row-parallel layer: x [B, T, ...] and
-        w [..., D] contract over x's trailing (local) axes. With `matmul_encode` (and no
-        sequence parallelism) the product is encoded in its matmul, on x and w flattened to
-        [B, T, K] and [K, D] (`reduce_matmul_from_tp`)."""
-        if self.sharded and self.matmul_encode and not self.sequence_parallel:
-            d = w.shape[-1]
-            return reduce_matmul_from_tp(x.reshape(*x.shape[:2], -1), w.reshape(-1, d), self.comm)
+        """`exit(jnp.einsum(subscripts, x, w))`: a row-parallel layer's product."""
         return self.exit(jnp.einsum(subscripts, x, w))
 
     def psum_exact(self, x: jax.Array) -> jax.Array:

@@ -76,13 +76,6 @@ class ParallelConfig:
     independent chunks, so that XLA can run one chunk's TP collectives while it computes another
     chunk's matmuls (docs/method.md, "Overlapping TP collectives with compute": two chunks paid
     over host shared memory, compressed or not, and cost a few percent on NVLink).
-    matmul_encode: each all-reduced product is encoded in its matmul's epilogue where the
-    one-shot compressed all-reduce runs: the row-parallel projections' outputs
-    (`taco_jax.reduce_matmul_from_tp`) and, in the backward, the column-parallel projections'
-    input gradients (`copy_matmul_to_tp`); the same function where the kernels run unfused
-    (not with sequence parallelism, whose reduce-scatter is another collective). Off by
-    default: in the emulated GPT-125M and GPT-1.3B steps it measured level with the unfused
-    one-shot step (BENCHMARKS.md, "Encode in the matmul").
     """
 
     dp: int = 1
@@ -99,7 +92,6 @@ class ParallelConfig:
     repeats: int = 1
     overlap_chunks: int = 1
     dp_intra: int = 1
-    matmul_encode: bool = False
 
     def __post_init__(self):
         if self.dp < 1 or self.tp < 1 or self.pp < 1:
@@ -108,11 +100,6 @@ class ParallelConfig:
             raise ValueError(f"dp_intra={self.dp_intra} must be >= 1 and divide dp={self.dp}")
         if self.overlap_chunks < 1:
             raise ValueError(f"overlap_chunks={self.overlap_chunks} must be >= 1")
-        if self.matmul_encode and self.sequence_parallel:
-            raise ValueError(
-                "matmul_encode=True encodes the all-reduces of products; with "
-                "sequence_parallel=True there are none (reduce-scatters and all-gathers)"
-            )
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not one of {MODES}")
         if self.compute_dtype not in COMPUTE_DTYPES:
@@ -340,7 +327,6 @@ def _context(parallel: ParallelConfig, comm: taco_jax.TPComm | None) -> TPContex
         parallel.attention,
         parallel.overlap_chunks,
         ranks_vmapped=emulated,
-        matmul_encode=parallel.matmul_encode,
     )
 
 

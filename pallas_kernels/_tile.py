@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels import _pallas
+from pallas_kernels._pallas import pl, pltriton
 from pallas_kernels.config import BlockConfig
 from taco_jax import codecs
 from taco_jax.codecs import Codec
@@ -30,45 +30,18 @@ def hadamard_block(group_size: int, cfg: BlockConfig) -> np.ndarray:
     return codecs.signs_matrix(min(group_size, cfg.hadamard_dot))
 
 
-def sylvester_signs(b: int):
-    """The same +-1 block as `hadamard_block`, built from an iota inside the kernel."""
-    i = lax.broadcasted_iota(jnp.int32, (b, b), 0)
-    j = lax.broadcasted_iota(jnp.int32, (b, b), 1)
-    return (1 - 2 * codecs.sylvester_parity(i, j)).astype(jnp.bfloat16)
-
-
-def signs(h_ref, cfg: BlockConfig):
-    """The kernel's +-1 dot block: loaded from h_ref, or built in registers (cfg)."""
-    return sylvester_signs(h_ref.shape[0]) if cfg.signs_in_kernel else h_ref[...]
-
-
 def for_each_tile(cfg: BlockConfig, program, load, process) -> None:
-    """process(tile, load(tile)) for each tile of `program` (a loop if cfg.tiles_per_program > 1).
-
-    With cfg.prefetch the loop loads tile k + 1 before it processes tile k (a register double
-    buffer): the next tile's bytes are in flight while this one does its math.
-    """
+    """process(tile, load(tile)) for each tile of `program` (a loop over several tiles)."""
     first = program * cfg.tiles_per_program
-    count = cfg.tiles_per_program
-    if count == 1:
+    if cfg.tiles_per_program == 1:
         process(first, load(first))
         return
-    if not cfg.prefetch:
 
-        def step(k, carry):
-            process(first + k, load(first + k))
-            return carry
+    def step(k, carry):
+        process(first + k, load(first + k))
+        return carry
 
-        lax.fori_loop(0, count, step, 0)
-        return
-
-    def prefetching_step(k, raw):
-        upcoming = load(first + k + 1)
-        process(first + k, raw)
-        return upcoming
-
-    last = lax.fori_loop(0, count - 1, prefetching_step, load(first))
-    process(first + count - 1, last)
+    lax.fori_loop(0, cfg.tiles_per_program, step, 0)
 
 
 def _bf16_pieces(x: jnp.ndarray, exact: bool) -> list[jnp.ndarray]:
@@ -145,15 +118,14 @@ def load_1d(ref, row, start, size: int, limit: int, *, offset: int = 0, masked: 
     at or past `limit` read as 0."""
     mask = _mask(start, size, limit, masked=masked)
     other = None if mask is None else 0
-    return _pallas.load(ref.at[_row(row), _pallas.ds(offset + start, size)], mask=mask,
-                        other=other)  # fmt: skip
+    return pltriton.load(ref.at[_row(row), pl.ds(offset + start, size)], mask=mask, other=other)
 
 
 def store_1d(ref, row, start, value, limit: int, *, offset: int = 0, masked: bool = True):
     """ref[row, offset + start : ...] = value, but for elements whose index past `offset` is at
     or past `limit`."""
     mask = _mask(start, value.shape[0], limit, masked=masked)
-    _pallas.store(ref.at[_row(row), _pallas.ds(offset + start, value.shape[0])], value, mask=mask)
+    pltriton.store(ref.at[_row(row), pl.ds(offset + start, value.shape[0])], value, mask=mask)
 
 
 def _plane_span(codec: Codec, plane: codecs.CodePlane, tile, t: int, n: int):
@@ -184,16 +156,16 @@ def store_side(ref, row, offset: int, width: int, tile, data, groups: int, *, ma
     groups (`groups` per row)."""
     t = data.shape[0] // width
     mask = _mask(tile * t, width * t, groups, width, masked)
-    _pallas.store(ref.at[_row(row), _pallas.ds(offset + width * tile * t, width * t)], data,
-                  mask=mask)  # fmt: skip
+    pltriton.store(ref.at[_row(row), pl.ds(offset + width * tile * t, width * t)], data, mask=mask)
 
 
-def load_side(ref, row, offset: int, width: int, tile, t: int, groups: int, *, masked: bool,
-              other: int = 0):  # fmt: skip
+def load_side(
+    ref, row, offset: int, width: int, tile, t: int, groups: int, *, masked: bool, other: int = 0
+):
     """One tile's side bytes [width * T] of the section at `offset` (as `store_side`); bytes
     past the row read as `other`."""
-    return _pallas.load(
-        ref.at[_row(row), _pallas.ds(offset + width * tile * t, width * t)],
+    return pltriton.load(
+        ref.at[_row(row), pl.ds(offset + width * tile * t, width * t)],
         mask=_mask(tile * t, width * t, groups, width, masked),
         other=other if masked else None,
     )

@@ -6,10 +6,13 @@ rounding (the Hadamard is a tensor-core dot of the exact codes, then scaled by s
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _pallas, _tile, decode_mosaic
+from pallas_kernels import _pallas, _tile
+from pallas_kernels._pallas import pl
 from pallas_kernels.config import BlockConfig, block_config
 from taco_jax import codecs
 from taco_jax.codecs import Codec
@@ -27,9 +30,9 @@ def decoded_tile(codec: Codec, q, d, hblock, interpret: bool):
 def _decode_kernel(
     wire_ref, h_ref, out_ref, *, codec: Codec, n: int, cfg: BlockConfig, interpret: bool
 ):
-    row = _pallas.program_id(0)
+    row = pl.program_id(0)
     g, t = codec.group_size, cfg.groups_per_tile
-    hblock = _tile.signs(h_ref, cfg) if codec.hadamard else None
+    hblock = h_ref[...] if codec.hadamard else None
     unit = codecs.hadamard_unit(g) if codec.hadamard else 1.0
 
     def load(tile):
@@ -40,16 +43,15 @@ def _decode_kernel(
         x = decoded_tile(codec, q, d, hblock, interpret).reshape(t * g).astype(out_ref.dtype)
         _tile.store_1d(out_ref, row, tile * t * g, x, n, masked=cfg.masked(n // g))
 
-    _tile.for_each_tile(cfg, _pallas.program_id(1), load, decode_tile)
+    _tile.for_each_tile(cfg, pl.program_id(1), load, decode_tile)
 
 
 def default_config(codec: Codec, rows: int, n: int) -> BlockConfig:
-    """The launch `decode` takes for rows [R, n] unless given one. Codes split over several bit
-    planes (6 and 5 bits) take `config.PLANES_ENCODE_DECODE`; 4-bit codes are one nibble plane,
-    whose decode kept the loop of two tiles (104% of the copy at 1 GiB against 97%)."""
+    """The launch `decode` takes for rows [R, n] unless given one: codes split over several bit
+    planes (6 and 5 bits) take one tile per program; 4-bit codes, one plane, keep the loop."""
     planes = len(codecs.PLANE_WIDTHS[codec.bits]) > 1
-    groups = n // codec.group_size
-    return block_config(codec.group_size, groups, rows=rows, dot=codec.hadamard, planes=planes)
+    launch = ("planes" if planes else "dot") if codec.hadamard else "no_dot"
+    return block_config(launch, codec.group_size, n // codec.group_size, rows=rows)
 
 
 def decode(
@@ -61,28 +63,19 @@ def decode(
     interpret=False,
     out_init=None,
     config: BlockConfig | None = None,
-    backend: str = "auto",
-):
-    """wire[R, codec.wire_bytes(n)] -> x[R, n] of `dtype` (out_init, config, backend: as
-    `encode`; the Mosaic GPU kernel is `decode_mosaic.decode`)."""
+) -> jax.Array:
+    """wire[R, codec.wire_bytes(n)] -> x[R, n] of `dtype` (out_init, config: as `encode`)."""
     check_wire(codec, wire, n)
-    triton_options = interpret or out_init is not None or config is not None
-    kernel = decode_mosaic.kernel_for("decode", backend, triton_options, codec, wire, n, dtype)
-    if kernel == "mosaic":
-        return decode_mosaic.decode(codec, wire, n, dtype)
-    if kernel == "reference":
-        return decode_reference(codec, wire, n, dtype)
     rows = wire.shape[0]
-    groups = n // codec.group_size
     cfg = config or default_config(codec, rows, n)
     h = jnp.asarray(_tile.hadamard_block(codec.group_size, cfg), jnp.bfloat16)
     return _pallas.call(
-        _pallas.partial(_decode_kernel, codec=codec, n=n, cfg=cfg, interpret=interpret),
+        functools.partial(_decode_kernel, codec=codec, n=n, cfg=cfg, interpret=interpret),
         wire,
         h,
         out_init=out_init,
         out_shape=jax.ShapeDtypeStruct((rows, n), dtype),
-        grid=(rows, cfg.grid_size(groups)),
+        grid=(rows, cfg.grid_size(n // codec.group_size)),
         name=f"taco_decode_{codec.name}_g{codec.group_size}",
         interpret=interpret,
         num_warps=cfg.num_warps,

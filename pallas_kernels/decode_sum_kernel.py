@@ -18,10 +18,13 @@ only at rounding ties.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _pallas, _tile, decode_mosaic
+from pallas_kernels import _pallas, _tile
+from pallas_kernels._pallas import pl
 from pallas_kernels.config import BlockConfig, block_config
 from pallas_kernels.decode_kernel import check_wire, decoded_tile
 from taco_jax import codecs
@@ -56,7 +59,7 @@ def _decode_sum_kernel(
     wire_ref, h_ref, out_ref, *, codec: Codec, n: int, cfg: BlockConfig, interpret: bool
 ):
     g, t = codec.group_size, cfg.groups_per_tile
-    hblock = _tile.signs(h_ref, cfg) if codec.hadamard else None
+    hblock = h_ref[...] if codec.hadamard else None
     unit = codecs.hadamard_unit(g) if codec.hadamard else 1.0
 
     def decoded(q, d):  # one peer through its own dot chain: its codes are exact in bf16
@@ -73,8 +76,8 @@ def _decode_sum_kernel(
         x = x.reshape(t * g).astype(out_ref.dtype)  # summed in fp32, stored in the output dtype
         _tile.store_1d(out_ref, 0, tile * t * g, x, n, masked=cfg.masked(n // g))
 
-    load = _pallas.partial(_load_peers, codec, wire_ref, n=n, cfg=cfg)
-    _tile.for_each_tile(cfg, _pallas.program_id(0), load, decode_sum_tile)
+    load = functools.partial(_load_peers, codec, wire_ref, n=n, cfg=cfg)
+    _tile.for_each_tile(cfg, pl.program_id(0), load, decode_sum_tile)
 
 
 def _decode_sum_reencode_kernel(
@@ -87,36 +90,39 @@ def _decode_sum_reencode_kernel(
         )
         _tile.store_groups(codec, out_ref, 0, tile, n, cfg, codes, scale, prescale)
 
-    load = _pallas.partial(_load_peers, codec, wire_ref, n=n, cfg=cfg)
-    _tile.for_each_tile(cfg, _pallas.program_id(0), load, reencode_tile)
+    load = functools.partial(_load_peers, codec, wire_ref, n=n, cfg=cfg)
+    _tile.for_each_tile(cfg, pl.program_id(0), load, reencode_tile)
 
 
 def default_config(codec: Codec, peers: int, n: int, *, reencode: bool = False) -> BlockConfig:
     """The launch of `decode_sum` (`reencode`: of `decode_sum_reencode`, which never applies the
-    Hadamard: H H = I) summing `peers` rows of n unless given one."""
-    dot = codec.hadamard and not reencode
-    return block_config(codec.group_size, n // codec.group_size, peers=peers, dot=dot)
+    Hadamard: H H = I) summing `peers` rows of n, unless given one."""
+    if not codec.hadamard or reencode:
+        launch = "peers_no_dot"
+    else:
+        launch = "two_peers_dot" if peers == 2 else "peers_dot"
+    return block_config(launch, codec.group_size, n // codec.group_size)
 
 
-def _launch(kernel, codec, wire, n, out, name, interpret, out_init, config, *, signs: bool):
-    """Launches one program per tile group; `signs`: the kernel takes the Hadamard block."""
+def _launch(kernel, codec, wire, n, out_shape, name, *, interpret, out_init, config, signs):
+    """One program per tile group; `signs`: the kernel takes the Hadamard block."""
     check_wire(codec, wire, n)
-    groups = n // codec.group_size
     cfg = config or default_config(codec, wire.shape[0], n, reencode=not signs)
     inputs = [wire]
     if signs:
         inputs.append(jnp.asarray(_tile.hadamard_block(codec.group_size, cfg), jnp.bfloat16))
-    return _pallas.call(
-        _pallas.partial(kernel, codec=codec, n=n, cfg=cfg, interpret=interpret),
+    out = _pallas.call(
+        functools.partial(kernel, codec=codec, n=n, cfg=cfg, interpret=interpret),
         *inputs,
         out_init=None if out_init is None else out_init[None],
-        out_shape=out,
-        grid=(cfg.grid_size(groups),),
+        out_shape=out_shape,
+        grid=(cfg.grid_size(n // codec.group_size),),
         name=f"{name}_{codec.name}_g{codec.group_size}",
         interpret=interpret,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    return out[0]
 
 
 def decode_sum(
@@ -127,33 +133,23 @@ def decode_sum(
     *,
     interpret=False,
     out_init=None,
-    config=None,
-    backend: str = "auto",
-    product: tuple[int, int] | None = None,
-):
-    """wire[N, B] -> [n] of `dtype`, the fp32 sum of the N decoded rows, rounded once to `dtype`
-    (out_init, config, backend: as `encode`; Mosaic GPU: `decode_mosaic.decode_sum`, with
-    `peer_steps` by `decode_mosaic.default_peer_steps`).
-
-    product: (M, H) where the rows hold an [M, H] product's groups in `codecs.tile_major` order
-      (`matmul_encode`): the sum comes back in the product's row-major order,
-      `codecs.from_tile_major` of it (the Mosaic kernel stores each tile in its place; the
-      others transpose after)."""
-    check_wire(codec, wire, n)
-    decode_mosaic.check_product(product, n)
-    triton_options = interpret or out_init is not None or config is not None
-    kernel = decode_mosaic.kernel_for("decode_sum", backend, triton_options, codec, wire, n, dtype)
-    if kernel == "mosaic":
-        peer_steps = decode_mosaic.default_peer_steps("decode_sum", codec, wire)
-        return decode_mosaic.decode_sum(codec, wire, n, dtype, peer_steps=peer_steps,
-                                        product=product)  # fmt: skip
-    if kernel == "reference":
-        out = decode_sum_reference(codec, wire, n, dtype)
-    else:
-        out_struct = jax.ShapeDtypeStruct((1, n), dtype)
-        out = _launch(_decode_sum_kernel, codec, wire, n, out_struct, "taco_decode_sum",
-                      interpret, out_init, config, signs=True)[0]  # fmt: skip
-    return out if product is None else codecs.from_tile_major(out, *product).reshape(n)
+    config: BlockConfig | None = None,
+) -> jax.Array:
+    """wire[N, B] -> [n] of `dtype`, the fp32 sum of the N decoded rows in peer order, rounded
+    once to `dtype` (out_init, config: as `encode`)."""
+    out_shape = jax.ShapeDtypeStruct((1, n), dtype)
+    return _launch(
+        _decode_sum_kernel,
+        codec,
+        wire,
+        n,
+        out_shape,
+        "taco_decode_sum",
+        interpret=interpret,
+        out_init=out_init,
+        config=config,
+        signs=True,
+    )
 
 
 def decode_sum_reencode(
@@ -163,34 +159,22 @@ def decode_sum_reencode(
     *,
     interpret=False,
     out_init=None,
-    config=None,
-    backend: str = "auto",
-):
-    """wire[N, B] -> wire[B] holding encode(sum of the N decoded rows) (as `decode_sum`;
-    Mosaic GPU: `decode_mosaic.decode_sum_reencode`, `peer_steps` as there)."""
-    check_wire(codec, wire, n)
-    op = "decode_sum_reencode"
-    triton_options = interpret or out_init is not None or config is not None
-    kernel = decode_mosaic.kernel_for(op, backend, triton_options, codec, wire, n)
-    if kernel == "mosaic":
-        peer_steps = decode_mosaic.default_peer_steps(op, codec, wire)
-        return decode_mosaic.decode_sum_reencode(codec, wire, n, peer_steps=peer_steps)
-    if kernel == "reference":
-        return decode_sum_reencode_reference(codec, wire, n)
-    out = jax.ShapeDtypeStruct((1, codec.wire_bytes(n)), jnp.uint8)
-    name = "taco_decode_sum_reencode"
+    config: BlockConfig | None = None,
+) -> jax.Array:
+    """wire[N, B] -> wire[B] holding encode(sum of the N decoded rows) (as `decode_sum`)."""
+    out_shape = jax.ShapeDtypeStruct((1, codec.wire_bytes(n)), jnp.uint8)
     return _launch(
         _decode_sum_reencode_kernel,
         codec,
         wire,
         n,
-        out,
-        name,
-        interpret,
-        out_init,
-        config,
+        out_shape,
+        "taco_decode_sum_reencode",
+        interpret=interpret,
+        out_init=out_init,
+        config=config,
         signs=False,
-    )[0]
+    )
 
 
 # The definitions the kernels equal up to fp32 rounding (codes: up to rounding ties).

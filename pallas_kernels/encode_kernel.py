@@ -8,10 +8,13 @@ Equal to `codecs.encode_wire(codec, x)` (the packed jnp reference) up to the rou
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _pallas, _tile, encode_mosaic
+from pallas_kernels import _pallas, _tile
+from pallas_kernels._pallas import pl
 from pallas_kernels.config import BlockConfig, block_config
 from taco_jax import codecs
 from taco_jax.codecs import Codec
@@ -20,9 +23,9 @@ from taco_jax.codecs import Codec
 def _encode_kernel(
     x_ref, h_ref, wire_ref, *, codec: Codec, n: int, cfg: BlockConfig, exact_bf16: bool, interpret
 ):
-    row = _pallas.program_id(0)
+    row = pl.program_id(0)
     g, t = codec.group_size, cfg.groups_per_tile
-    hblock = _tile.signs(h_ref, cfg) if codec.hadamard else None
+    hblock = h_ref[...] if codec.hadamard else None
 
     def load(tile):
         return _tile.load_1d(x_ref, row, tile * t * g, t * g, n, masked=cfg.masked(n // g))
@@ -43,16 +46,13 @@ def _encode_kernel(
         )
         _tile.store_groups(codec, wire_ref, row, tile, n, cfg, codes, scale, prescale)
 
-    _tile.for_each_tile(cfg, _pallas.program_id(1), load, encode_tile)
+    _tile.for_each_tile(cfg, pl.program_id(1), load, encode_tile)
 
 
 def default_config(codec: Codec, rows: int, n: int) -> BlockConfig:
-    """The launch the Triton `encode` takes for rows [R, n] unless given one (sub-byte codes:
-    `config.PLANES_ENCODE_DECODE`)."""
-    groups = n // codec.group_size
-    return block_config(
-        codec.group_size, groups, rows=rows, dot=codec.hadamard, planes=codec.bits < 8
-    )
+    """The launch `encode` takes for rows [R, n] unless given one."""
+    launch = ("planes" if codec.bits < 8 else "dot") if codec.hadamard else "no_dot"
+    return block_config(launch, codec.group_size, n // codec.group_size, rows=rows)
 
 
 def encode(
@@ -62,40 +62,19 @@ def encode(
     interpret: bool = False,
     out_init=None,
     config: BlockConfig | None = None,
-    backend: str = "auto",
 ) -> jax.Array:
     """x[R, n] -> wire[R, codec.wire_bytes(n)] (n a multiple of G; rows need not fill a tile).
 
-    Equals `codecs.encode_wire(codec, x)` up to rounding ties.
+    Equals `codecs.encode_wire(codec, x)` up to rounding ties (`_tile`).
     out_init: optional buffer of the output's shape, aliased to it (checks poison it).
-    config: the Triton launch (default: `default_config`).
-    backend: "triton" (Pallas, Triton lowering: every codec and shape, interpret mode), "mosaic"
-      (`encode_mosaic`: Hopper, 8-bit or sub-byte codes with fp32 scales, bf16, G = 128, whole
-      tiles), or
-      "auto": Mosaic where `encode_mosaic.preferred` (it applies, at a size where it measured
-      faster: BENCHMARKS.md, "Kernels") and no Triton option (interpret, out_init, config) is
-      asked for, else Triton. With Triton off (`TACO_JAX_TRITON=0`, or a JAX without the
-      Triton lowering: `_pallas.kernel_for`), "auto" takes Mosaic wherever it applies and
-      `encode_reference` elsewhere.
+    config: the launch (default: `default_config`).
     """
     codecs.check_encodable(codec, x)
     if x.ndim != 2:
         raise ValueError(f"encode takes rows [R, n], got shape={x.shape}")
-    kernel = _pallas.kernel_for(
-        "encode",
-        backend,
-        triton_options=interpret or out_init is not None or config is not None,
-        preferred=lambda: encode_mosaic.preferred(codec, x),
-        unsupported=lambda: encode_mosaic.unsupported(codec, x),
-    )
-    if kernel == "mosaic":
-        return encode_mosaic.encode(codec, x)
-    if kernel == "reference":
-        return encode_reference(codec, x)
     rows, n = x.shape
-    groups = n // codec.group_size
     cfg = config or default_config(codec, rows, n)
-    kernel = _pallas.partial(
+    kernel = functools.partial(
         _encode_kernel,
         codec=codec,
         n=n,
@@ -110,7 +89,7 @@ def encode(
         h,
         out_init=out_init,
         out_shape=jax.ShapeDtypeStruct((rows, codec.wire_bytes(n)), jnp.uint8),
-        grid=(rows, cfg.grid_size(groups)),
+        grid=(rows, cfg.grid_size(n // codec.group_size)),
         name=f"taco_encode_{codec.name}_g{codec.group_size}",
         interpret=interpret,
         num_warps=cfg.num_warps,

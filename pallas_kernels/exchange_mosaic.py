@@ -26,18 +26,19 @@ their tests compare them on two GPUs with the encode + NCCL collective they repl
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import _pallas, encode_mosaic
-from pallas_kernels.config import MOSAIC_GROUPS_PER_TILE, MOSAIC_STEPS_IN_FLIGHT, MosaicLaunch
+from pallas_kernels._pallas import pl, plgpu
+from pallas_kernels.encode_mosaic import GROUP_SIZE, ROW_BYTES, TILE_GROUPS, MosaicConfig
 from taco_jax import codecs
 from taco_jax.codecs import Codec
 
-GROUP_SIZE = encode_mosaic.GROUP_SIZE
-ROW_BYTES = encode_mosaic.ROW_BYTES
-_TILE = MOSAIC_GROUPS_PER_TILE
+_TILE = TILE_GROUPS
 # At most this many programs (and no more than the GPU's SMs: `max_programs`), so that all are
 # resident at once (one program per SM: its shared memory, ~100 KiB, leaves room for NCCL's
 # kernels beside it).
@@ -50,22 +51,24 @@ def max_programs() -> int:
     return min(MAX_PROGRAMS, sms) if sms else MAX_PROGRAMS
 
 
-def launch(rows: int, tiles_per_row: int) -> MosaicLaunch | None:
+def launch(rows: int, tiles_per_row: int) -> MosaicConfig | None:
     """The fewest tiles per program (most programs, at most `max_programs()`) that divide a row's
     tiles; None when even one program per row exceeds that."""
     limit = max_programs()
     for per_program in range(1, tiles_per_row + 1):
         if tiles_per_row % per_program == 0 and rows * tiles_per_row // per_program <= limit:
-            return MosaicLaunch(per_program, min(MOSAIC_STEPS_IN_FLIGHT, per_program))
+            return MosaicConfig(per_program, min(encode_mosaic.MAX_STEPS_IN_FLIGHT, per_program))
     return None
 
 
-def unsupported(codec: Codec, x: jax.Array, *, need_hopper: bool = True) -> str | None:
-    """Why this kernel cannot gather `x` encoded with `codec` (None: it can). The link and the
-    mesh are the caller's to check (`taco_jax.collectives`)."""
+def unsupported(codec: Codec, x: jax.Array) -> str | None:
+    """Why this kernel cannot gather `x` encoded with `codec` (None: it can). The GPU, the link
+    and the mesh are the caller's to check (`registry`, `taco_jax.collectives`)."""
     if codec != codecs.get_codec("taco"):
         return f"codec {codec.name!r} (the exchange is built and checked for 'taco' only)"
-    reason = encode_mosaic.unsupported(codec, x, need_hopper=need_hopper)
+    if x.ndim != 2 or x.dtype != jnp.bfloat16:
+        return f"x of shape={x.shape} dtype={x.dtype} (needs bf16 rows [R, n])"
+    reason = encode_mosaic.unsupported(codec, x.shape[1])
     if reason is None and launch(x.shape[0], x.shape[1] // (_TILE * GROUP_SIZE)) is None:
         reason = f"{x.shape[0]} rows (more than {max_programs()} programs)"
     return reason
@@ -78,7 +81,7 @@ def encode_all_gather(
     n_ranks: int,
     *,
     replicated: bool = True,
-    plan: MosaicLaunch | None = None,
+    plan: MosaicConfig | None = None,
 ) -> jax.Array:
     """x[R, n] on each of the `n_ranks` ranks of mesh axis `axis_name` -> wire[N, R, W] on every
     rank, W = codec.wire_bytes(n); raises ValueError where `unsupported`.
@@ -122,31 +125,30 @@ def _exchange(codec, x, axis_name, n_ranks, *, scatter: bool, replicated: bool, 
             f"{plan} launches {grid_rows * tiles // plan.tiles_per_program} programs, more than "
             f"the {max_programs()} that can be resident at once"
         )
-    body = _pallas.partial(
+    body = functools.partial(
         _exchange_body,
         axis_name=axis_name,
         n_ranks=n_ranks,
         scatter=scatter,
         codec=codec,
-        tiles_per_program=plan.tiles_per_program,
-        steps=plan.steps_in_flight,
+        config=plan,
         layout=encode_mosaic.WireLayout.of(codec, n),
     )
     wire_rows = codec.wire_bytes(n) // ROW_BYTES
     out_rows = () if scatter else (rows,)
     kind = "all_to_all" if scatter else "all_gather"
-    kernel = _pallas.partial(
+    kernel = functools.partial(
         _pallas.mosaic_kernel,
         body,
         out_shape=jax.ShapeDtypeStruct((n_ranks, *out_rows, wire_rows, ROW_BYTES), jnp.uint8),
-        scratch=[*encode_mosaic.encode_scratch(plan.store_slots), _pallas.semaphore()],
+        scratch=[*encode_mosaic.encode_scratch(plan.store_slots), plgpu.SemaphoreType.REGULAR],
         grid=(grid_rows, (groups // _TILE) // plan.tiles_per_program),
         grid_names=("row", "program"),
         name=f"taco_encode_{kind}_{codec.name}_n{n_ranks}",
         replicated_along=(axis_name,) if replicated else (),
     )
     out = _one_launch_per_call(kernel)(
-        x.reshape(rows, groups, GROUP_SIZE), encode_mosaic.dot_operand(codec)
+        x.reshape(rows, groups, GROUP_SIZE), encode_mosaic.signs_operand()
     )
     return out.reshape(n_ranks, *out_rows, wire_rows * ROW_BYTES)
 
@@ -188,8 +190,8 @@ def _exchange_body(
     """One program: its tiles, into block [rank] of this rank's and the peers' outputs (a
     gather: of row `row`, to every rank; a scatter: of row j, to rank j alone); then the
     handshake with the programs of the same index on the peers."""
-    _pallas.copy_in(signs_gmem, signs_smem, signs_barrier)
-    encode = dict(encode, signs_smem=signs_smem, out=([codes_smem], sides))
+    encode_mosaic.copy_in(signs_gmem, signs_smem, signs_barrier)
+    encode = dict(encode, signs=signs_smem, out=(codes_smem, sides))
     rank = lax.axis_index(axis_name)
     peers = [lax.rem(rank + k, n_ranks) for k in range(1, n_ranks)]
     if scatter:  # row j to rank j, this rank's own row first
@@ -202,12 +204,12 @@ def _exchange_body(
             gathered.at[rank, row] for gathered in _everywhere(out_gmem, axis_name, peers)
         ]
         encode_mosaic.encode_tiles(x_gmem.at[row], destinations, **encode)
-    _pallas.wait_writes()  # this program's bytes are in every peer's output
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # our bytes are in every peer's output
     for peer in peers:
-        _pallas.signal_peer(done, axis_name, peer)
-    _pallas.wait_signals(done, n_ranks - 1)  # and every peer's program's bytes are in ours
+        pl.semaphore_signal(done, 1, device_id={axis_name: peer})
+    pl.semaphore_wait(done, n_ranks - 1)  # and every peer's program's bytes are in ours
 
 
 def _everywhere(ref, axis_name, peers):
     """`ref` here and on every peer."""
-    return [ref] + [_pallas.peer_ref(ref, axis_name, peer) for peer in peers]
+    return [ref] + [plgpu.remote_ref(ref, {axis_name: peer}) for peer in peers]

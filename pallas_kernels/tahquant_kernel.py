@@ -15,21 +15,16 @@ where the reference's pre-rounding value lies within a few ulp of a rounding bou
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from pallas_kernels import _pallas, _tile
-from pallas_kernels.config import (
-    MIN_GROUPS_PER_TILE,
-    STAGE_DECODE,
-    STAGE_DECODE_G32,
-    STAGE_ENCODE,
-    BlockConfig,
-    Launch,
-    block_config,
-)
+from pallas_kernels._pallas import pl
+from pallas_kernels.config import MIN_GROUPS_PER_TILE, BlockConfig, block_config
 from taco_jax import codecs, tahquant
 from taco_jax.tahquant import TahQuant
 
@@ -37,8 +32,9 @@ from taco_jax.tahquant import TahQuant
 def _tile_pairs(row, tile, t: int, g: int, n: int) -> jax.Array:
     """The uint32 pair numbers of a [T, G] tile, [T, G / 2] (`tahquant.pair_counters`)."""
     start = row.astype(jnp.uint32) * np.uint32(n // 2) + (tile * (t * g // 2)).astype(jnp.uint32)
-    within = (lax.broadcasted_iota(jnp.int32, (t, g // 2), 0) * (g // 2)
-              + lax.broadcasted_iota(jnp.int32, (t, g // 2), 1))  # fmt: skip
+    within = lax.broadcasted_iota(jnp.int32, (t, g // 2), 0) * (g // 2) + lax.broadcasted_iota(
+        jnp.int32, (t, g // 2), 1
+    )
     return start + within.astype(jnp.uint32)
 
 
@@ -68,9 +64,10 @@ def _encode_pivot(codec: TahQuant):
     return tile_pivot
 
 
-def _encode_kernel(x_ref, seeds_ref, wire_ref, *, codec: TahQuant, n: int, cfg: BlockConfig,
-                   interpret: bool):  # fmt: skip
-    row = _pallas.program_id(0)
+def _encode_kernel(
+    x_ref, seeds_ref, wire_ref, *, codec: TahQuant, n: int, cfg: BlockConfig, interpret: bool
+):
+    row = pl.program_id(0)
     g, t = codec.group_size, cfg.groups_per_tile
     groups, masked = n // g, cfg.masked(n // g)
     seeds = (seeds_ref[0], seeds_ref[1]) if codec.stochastic else None
@@ -92,29 +89,27 @@ def _encode_kernel(x_ref, seeds_ref, wire_ref, *, codec: TahQuant, n: int, cfg: 
             pivot=_encode_pivot(codec),
         )
         packed = tahquant.pack_codes(codec, codes.reshape(t * g))
-        _tile.store_1d(wire_ref, row, tile * code_bytes, packed, codec.code_bytes(n),
-                       masked=masked)  # fmt: skip
+        _tile.store_1d(wire_ref, row, tile * code_bytes, packed, codec.code_bytes(n), masked=masked)
         for field, (offset, width) in tahquant.sections(codec, n).items():
             data = codecs.side_to_bytes(sides[field], width)
             _tile.store_side(wire_ref, row, offset, width, tile, data, groups, masked=masked)
 
-    _tile.for_each_tile(cfg, _pallas.program_id(1), load, encode_tile)
+    _tile.for_each_tile(cfg, pl.program_id(1), load, encode_tile)
 
 
 def _decode_kernel(wire_ref, out_ref, *, codec: TahQuant, n: int, cfg: BlockConfig):
-    row = _pallas.program_id(0)
+    row = pl.program_id(0)
     g, t = codec.group_size, cfg.groups_per_tile
     groups, masked = n // g, cfg.masked(n // g)
     code_bytes = t * g * codec.bits // 8
     sections = tahquant.sections(codec, n)
 
     def load(tile):
-        codes = _tile.load_1d(wire_ref, row, tile * code_bytes, code_bytes, codec.code_bytes(n),
-                              masked=masked)  # fmt: skip
+        codes = _tile.load_1d(
+            wire_ref, row, tile * code_bytes, code_bytes, codec.code_bytes(n), masked=masked
+        )
         sides = {
-            field: _tile.load_side(
-                wire_ref, row, offset, width, tile, t, groups, masked=masked
-            )  # fmt: skip
+            field: _tile.load_side(wire_ref, row, offset, width, tile, t, groups, masked=masked)
             for field, (offset, width) in sections.items()
         }
         return codes, sides
@@ -128,7 +123,7 @@ def _decode_kernel(wire_ref, out_ref, *, codec: TahQuant, n: int, cfg: BlockConf
         x = x.reshape(t * g).astype(out_ref.dtype)
         _tile.store_1d(out_ref, row, tile * t * g, x, n, masked=masked)
 
-    _tile.for_each_tile(cfg, _pallas.program_id(1), load, decode_tile)
+    _tile.for_each_tile(cfg, pl.program_id(1), load, decode_tile)
 
 
 # Up to G = MAX_GROUP_OF_WIDE_TILES a tile holds at least 16 groups (`block_config`, as the
@@ -139,22 +134,30 @@ MAX_KERNEL_GROUP = 2048
 MAX_GROUP_OF_WIDE_TILES = 128
 
 
-def _launch(codec: TahQuant, rows: int, n: int, launch: Launch) -> BlockConfig:
+def _launch(codec: TahQuant, rows: int, n: int, launch: str) -> BlockConfig:
     g, groups = codec.group_size, n // codec.group_size
     if g > MAX_KERNEL_GROUP:
-        raise ValueError(f"group_size={g} of codec {codec.name!r}: the kernels take groups of "
-                         f"at most {MAX_KERNEL_GROUP}")  # fmt: skip
+        raise ValueError(
+            f"group_size={g} of codec {codec.name!r}: the kernels take groups of "
+            f"at most {MAX_KERNEL_GROUP}"
+        )
     min_groups = MIN_GROUPS_PER_TILE if g <= MAX_GROUP_OF_WIDE_TILES else 1
-    return block_config(g, groups, rows=rows, launch=launch, min_groups=min_groups)
+    return block_config(launch, g, groups, rows=rows, min_groups=min_groups)
 
 
 def encode_config(codec: TahQuant, rows: int, n: int) -> BlockConfig:
     """The encode's default launch for rows [rows, n]."""
-    return _launch(codec, rows, n, STAGE_ENCODE)
+    return _launch(codec, rows, n, "stage_encode")
 
 
-def encode(codec: TahQuant, x: jax.Array, key: jax.Array | None = None, *,
-           interpret: bool = False, config: BlockConfig | None = None) -> jax.Array:  # fmt: skip
+def encode(
+    codec: TahQuant,
+    x: jax.Array,
+    key: jax.Array | None = None,
+    *,
+    interpret: bool = False,
+    config: BlockConfig | None = None,
+) -> jax.Array:
     """x[R, n] -> wire[R, codec.wire_bytes(n)] (n a multiple of G).
 
     Equals `tahquant.encode_wire(codec, x, key)` up to rounding at code boundaries.
@@ -167,7 +170,7 @@ def encode(codec: TahQuant, x: jax.Array, key: jax.Array | None = None, *,
     rows, n = x.shape
     cfg = config or encode_config(codec, rows, n)
     seeds = tahquant.noise_seeds(key) if codec.stochastic else jnp.zeros((2,), jnp.uint32)
-    kernel = _pallas.partial(_encode_kernel, codec=codec, n=n, cfg=cfg, interpret=interpret)
+    kernel = functools.partial(_encode_kernel, codec=codec, n=n, cfg=cfg, interpret=interpret)
     return _pallas.call(
         kernel,
         x,
@@ -181,8 +184,15 @@ def encode(codec: TahQuant, x: jax.Array, key: jax.Array | None = None, *,
     )
 
 
-def decode(codec: TahQuant, wire: jax.Array, n: int, dtype=jnp.float32, *,
-           interpret: bool = False, config: BlockConfig | None = None) -> jax.Array:  # fmt: skip
+def decode(
+    codec: TahQuant,
+    wire: jax.Array,
+    n: int,
+    dtype=jnp.float32,
+    *,
+    interpret: bool = False,
+    config: BlockConfig | None = None,
+) -> jax.Array:
     """wire[R, codec.wire_bytes(n)] -> x[R, n] of `dtype`; equals `tahquant.decode_wire` up to
     fp32 rounding."""
     if n % codec.group_size:
@@ -193,10 +203,10 @@ def decode(codec: TahQuant, wire: jax.Array, n: int, dtype=jnp.float32, *,
             f"uint8[R, {codec.wire_bytes(n)}] for {n=} and codec {codec.name!r}"
         )
     rows = wire.shape[0]
-    launch = STAGE_DECODE_G32 if codec.group_size == 32 else STAGE_DECODE
+    launch = "stage_decode_g32" if codec.group_size == 32 else "stage_decode"
     cfg = config or _launch(codec, rows, n, launch)
     return _pallas.call(
-        _pallas.partial(_decode_kernel, codec=codec, n=n, cfg=cfg),
+        functools.partial(_decode_kernel, codec=codec, n=n, cfg=cfg),
         wire,
         out_shape=jax.ShapeDtypeStruct((rows, n), dtype),
         grid=(rows, cfg.grid_size(n // codec.group_size)),

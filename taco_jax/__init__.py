@@ -5,7 +5,6 @@ Public API:
   compressed_ppermute: pipeline stage-to-stage sends                 (ppermute.py)
   CommConfig, comm_config: the collective options and their defaults
   TPComm, copy_to_tp, reduce_from_tp, gather_from_sp, scatter_to_sp (tp.py: Megatron f / g)
-  reduce_matmul_from_tp, copy_matmul_to_tp: g and f around products encoded in their matmuls
   gspmd: column_parallel_dense, row_parallel_dense for GSPMD (pjit-style) models
   Codec, Payload, get_codec, CODEC_NAMES, roundtrip                 (codecs.py)
   tahquant: TAH-Quant, the stage codecs (get_stage_codec, STAGE_CODEC_NAMES)
@@ -30,11 +29,9 @@ from taco_jax.collectives import (
 from taco_jax.ppermute import compressed_ppermute
 from taco_jax.tp import (
     TPComm,
-    copy_matmul_to_tp,
     copy_to_tp,
     gather_from_sp,
     reduce_from_tp,
-    reduce_matmul_from_tp,
     scatter_to_sp,
 )
 
@@ -49,14 +46,12 @@ __all__ = [
     "compressed_ppermute",
     "compressed_psum",
     "compressed_psum_scatter",
-    "copy_matmul_to_tp",
     "copy_to_tp",
     "gather_from_sp",
     "get_codec",
     "gspmd",
     "policy",
     "reduce_from_tp",
-    "reduce_matmul_from_tp",
     "roundtrip",
     "scatter_to_sp",
     "sdp4bit",

@@ -90,46 +90,6 @@ def _warn_fallback(error: str) -> None:
     )
 
 
-def _compiled(impl: str) -> bool:
-    """Whether `impl` runs the compiled GPU kernels (not the jnp reference or the interpreter)."""
-    return get_ops(impl) is not XLA_OPS and impl != "pallas_interpret"
-
-
-def matmul_encode_runs(impl: str, codec: Codec, x: jax.Array, w: jax.Array) -> bool:
-    """Whether `matmul_encode` encodes x @ w in `codecs.tile_major` order here: the product is
-    whole 128 x 128 tiles, and with the compiled kernels, the fused kernel takes the call
-    (`pallas_kernels.matmul_encode_mosaic.preferred`: elsewhere the product's own encode is
-    cheaper, with no transposes into that order and back). The jnp reference and the
-    interpreter take that order at any such size (the path of CPU tests)."""
-    tile = codecs.PRODUCT_TILE
-    if x.shape[0] % tile or w.shape[1] % tile:
-        return False
-    return not _compiled(impl) or _kernels().matmul_encode_mosaic.preferred(codec, x, w)
-
-
-def matmul_encode(impl: str, codec: Codec, x: jax.Array, w: jax.Array) -> jax.Array:
-    """wire[1, B] of x[M, K] @ w[K, H] in `codecs.tile_major` order: `pallas_kernels.
-    matmul_encode` (the encode in the matmul's epilogue where its kernel takes the call) under
-    the compiled kernels, else the product, rounded to its dtype, then that impl's encode (the
-    jnp reference, or the kernels in the CPU interpreter)."""
-    if _compiled(impl):
-        return _kernels().matmul_encode(codec, x, w)
-    return get_ops(impl).encode(codec, codecs.tile_major_product(x, w)[None])
-
-
-def decode_sum_product(impl: str, codec: Codec, wire: jax.Array, m: int, h: int, dtype):
-    """The decode-sum of wire[N, B] holding an [M, H] product's groups in `codecs.tile_major`
-    order (`matmul_encode`) -> the sum [M, H]: `pallas_kernels.decode_sum(product=(M, H))`
-    where `get_ops(impl)` runs the kernels (the Mosaic kernel stores each tile in its place),
-    else the reference's sum put back in place (`codecs.from_tile_major`)."""
-    ops = get_ops(impl)
-    if ops is XLA_OPS:
-        return codecs.from_tile_major(ops.decode_sum(codec, wire, m * h, dtype), m, h)
-    interpret = impl == "pallas_interpret"
-    total = _kernels().decode_sum(codec, wire, m * h, dtype, interpret=interpret, product=(m, h))
-    return total.reshape(m, h)
-
-
 @dataclasses.dataclass(frozen=True)
 class StageOps:
     """Packed-wire operations of the TAH-Quant codecs (`taco_jax.tahquant`)."""
@@ -184,27 +144,14 @@ def _stage_collective_ops(stage: StageOps) -> CodecOps:
 
 
 def _stage_op(kernel, reference, interpret: bool, codec, *args):
-    """The kernel where it takes the codec's groups (G <= MAX_KERNEL_GROUP) and may lower, else
-    the reference. The TAH-Quant kernels are Triton-lowered only: with Triton off
-    (`pallas_kernels.triton_unavailable`) the compiled ones give way to the reference."""
+    """The kernel where it takes the codec's groups (G <= MAX_KERNEL_GROUP) and the registry
+    gives it the call (`pallas_kernels.registry.stage_kernel`), else the reference."""
     kernels = _kernels()
     if codec.group_size > kernels.tahquant_kernel.MAX_KERNEL_GROUP:
         return reference(codec, *args)
-    no_triton = None if interpret else kernels.triton_unavailable()
-    if no_triton is not None:
-        _warn_stage_reference(codec.name, no_triton)
+    if not interpret and kernels.registry.stage_kernel(codec.name) == "reference":
         return reference(codec, *args)
     return kernel(codec, *args, interpret=interpret)
-
-
-@functools.cache
-def _warn_stage_reference(codec_name: str, no_triton: str) -> None:
-    warnings.warn(
-        f"taco_jax: the TAH-Quant codec {codec_name!r} runs its jnp reference: its fused "
-        f"kernels are Triton-lowered only, and the Triton lowering is off ({no_triton})",
-        RuntimeWarning,
-        stacklevel=3,
-    )
 
 
 # The fused all-gather takes rows of a multiple of this many elements: 16 tiles of 64 groups of
@@ -218,15 +165,17 @@ FUSED_KINDS = ("all_gather", "all_to_all")
 def fused_exchange(kind: str, impl: str, codec: Codec, x: jax.Array, axis_name: str):
     """The fused encode + exchange kernel of `pallas_kernels.exchange_mosaic` for `kind`
     ("all_gather": x[R, n] -> wire[N, R, B]; "all_to_all": x[N, n] -> wire[N, B]) bound to
-    (codec, axis_name, its size), where `impl` runs compiled kernels and the kernel takes `x`
-    (a Hopper GPU; see `exchange_mosaic.unsupported`); else None. The caller vouches for the
-    link (peer stores need NVLink) and for the axis (one `shard_map` mesh axis)."""
+    (codec, axis_name, its size), where `impl` runs compiled kernels, the registry runs Mosaic
+    GPU kernels for `codec`, and the kernel takes `x` (`exchange_mosaic.unsupported`); else
+    None. The caller vouches for the link (peer stores need NVLink) and for the axis (one
+    `shard_map` mesh axis)."""
     if kind not in FUSED_KINDS:
         raise ValueError(f"unknown fused exchange {kind=}; choose one of {FUSED_KINDS}")
     if not isinstance(codec, Codec) or impl not in ("auto", "pallas") or get_ops(impl) is XLA_OPS:
         return None
-    exchange = _kernels().exchange_mosaic
-    if exchange.unsupported(codec, x) is not None:
+    kernels = _kernels()
+    exchange = kernels.exchange_mosaic
+    if not kernels.registry.mosaic_runs(codec) or exchange.unsupported(codec, x) is not None:
         return None
     kernel = getattr(exchange, f"encode_{kind}")
     return functools.partial(
@@ -236,28 +185,21 @@ def fused_exchange(kind: str, impl: str, codec: Codec, x: jax.Array, axis_name: 
 
 def kernel_row_multiple(impl: str, codec: Codec | tahquant.TahQuant) -> int:
     """What the collectives pad each row (per slice) to for `impl`'s kernels: whole groups, and
-    where compiled kernels run on a Hopper GPU with the Triton lowering off
-    (`pallas_kernels.triton_unavailable`), whole rows of the Mosaic GPU kernels
-    (`encode_mosaic.row_multiple`; zero groups after the message, as any padding), so that
-    they, not the jnp reference, take every row."""
+    where compiled kernels run Mosaic GPU kernels for `codec`, whole rows of those
+    (`pallas_kernels.registry.row_multiple`; zero groups after the message, as any padding),
+    so that they take every row."""
     if not isinstance(codec, Codec) or impl not in ("auto", "pallas") or get_ops(impl) is XLA_OPS:
         return codec.group_size
-    kernels = _kernels()
-    if kernels.triton_unavailable() is None or not kernels._pallas.hopper_gpu():
-        return codec.group_size
-    multiple = kernels.encode_mosaic.row_multiple(codec)
-    if kernels.decode_mosaic.unsupported(codec, multiple) is not None:
-        return codec.group_size
-    return multiple
+    return _kernels().registry.row_multiple(codec)
 
 
 def max_buffer_bytes(impl: str) -> int | None:
     """The most bytes an operand or result of one kernel call may hold where `impl` runs the
-    kernels (their offsets are 32-bit: `pallas_kernels.config.MAX_BUFFER_BYTES`); None for the
+    kernels (their offsets are 32-bit: `pallas_kernels._pallas.MAX_BUFFER_BYTES`); None for the
     jnp reference, which has no such limit."""
     if get_ops(impl) is XLA_OPS:
         return None
-    return _kernels().config.MAX_BUFFER_BYTES
+    return _kernels()._pallas.MAX_BUFFER_BYTES
 
 
 def get_ops(impl: str) -> CodecOps:
@@ -266,9 +208,8 @@ def get_ops(impl: str) -> CodecOps:
 
     "auto" picks the fused kernels on a GPU backend, else "xla". On a GPU where the kernels
     cannot be imported it falls back to "xla" and warns once, naming the import error; "pallas"
-    raises that error instead. Which kernel runs each op (Triton- or Mosaic GPU-lowered, or,
-    with the Triton lowering off, the reference where no Mosaic kernel takes the call) is the
-    kernels' "auto" backend (`pallas_kernels`).
+    raises that error instead. Which kernel runs each op is `pallas_kernels.registry`'s
+    choice.
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown {impl=}; choose one of {IMPLS}")

@@ -685,34 +685,6 @@ def pad_to_multiple(x: jax.Array, multiple: int) -> tuple[jax.Array, int]:
     return x, n
 
 
-# A product's group order on the wire where its matmul encodes it (`pallas_kernels.matmul_encode`):
-# 128 x 128 tiles (a warpgroup's accumulator), row block after row block, each tile's 128 rows
-# (one group of 128 columns each) in order.
-PRODUCT_TILE = 128
-
-
-def tile_major(y):
-    """y[M, H] (M and H multiples of `PRODUCT_TILE`) -> [M H] in the wire's group order of a
-    product encoded by its matmul (above). Any array with reshape and transpose: jnp or numpy."""
-    m, h = y.shape
-    t = PRODUCT_TILE
-    return y.reshape(m // t, t, h // t, t).transpose(0, 2, 1, 3).reshape(m * h)
-
-
-def tile_major_product(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x[M, K] @ w[K, H] summed in fp32 and rounded to the operands' dtype, in `tile_major`
-    order: what a product's unfused encode takes, and what its matmul's encode equals."""
-    y = jnp.matmul(x, w, preferred_element_type=jnp.float32)
-    return tile_major(y.astype(jnp.result_type(x, w)))
-
-
-def from_tile_major(flat: jax.Array, m: int, h: int) -> jax.Array:
-    """The inverse of `tile_major`: [..., M H] -> [..., M, H]."""
-    lead, t = flat.shape[:-1], PRODUCT_TILE
-    tiles = flat.reshape(*lead, m // t, h // t, t, t)
-    return jnp.swapaxes(tiles, -3, -2).reshape(*lead, m, h)
-
-
 # --------------------------------------------------------------------------------------------
 # The packed-wire reference ops: what the collectives call on the XLA path, and the definitions
 # the fused kernels equal (up to rounding ties). Rows [R, n] <-> wire rows [R, wire_bytes(n)].

@@ -351,22 +351,11 @@ def _exchange_fused(x: jax.Array, axis_name: AxisName, cfg: CommConfig, n_ranks:
     return cfg.algorithm == "auto" and n_ranks == 2 and _fused_runs(x, axis_name, cfg)
 
 
-# Where the Mosaic kernels replace Triton's (`_backends.kernel_row_multiple`), a row is padded to
-# their whole rows while that adds at most this share of its elements (and of its wire bytes);
-# a shorter row keeps whole groups, and its ops run the jnp reference.
-MAX_MOSAIC_PADDING = 1 / 8
-
-
-def _row_multiple(cfg: CommConfig, fused: bool, row_elements: int) -> int:
-    """What each row of a collective (`row_elements` before padding) is padded to: whole groups
-    per slice (whole Mosaic rows per slice where those replace Triton's, up to
-    MAX_MOSAIC_PADDING), and for the fused kernels whole `_backends.FUSED_ROW_MULTIPLE`s per
-    slice."""
-    multiple = cfg.codec.group_size * cfg.slices
-    mosaic = _backends.kernel_row_multiple(cfg.impl, cfg.codec) * cfg.slices
-    padded = math.ceil(row_elements / mosaic) * mosaic
-    if mosaic != multiple and padded <= (1 + MAX_MOSAIC_PADDING) * row_elements:
-        multiple = mosaic
+def _row_multiple(cfg: CommConfig, fused: bool) -> int:
+    """What each row of a collective is padded to: per slice, whole rows of the kernels that run
+    (`_backends.kernel_row_multiple`: whole groups, or whole Mosaic GPU rows), and for the fused
+    kernels whole `_backends.FUSED_ROW_MULTIPLE`s."""
+    multiple = _backends.kernel_row_multiple(cfg.impl, cfg.codec) * cfg.slices
     return math.lcm(multiple, _backends.FUSED_ROW_MULTIPLE * cfg.slices) if fused else multiple
 
 
@@ -376,7 +365,7 @@ def _rows_for(
     """Pads flat [M] so that each of `rows` rows is a multiple of G x slices (and, `fused`, of
     the fused kernel's row multiple x slices); returns [rows, m]. Padding adds whole zero groups
     after the message, so the message's own groups and codes do not depend on it."""
-    multiple = _row_multiple(cfg, fused, math.ceil(flat.size / rows))
+    multiple = _row_multiple(cfg, fused)
     padded, size = codecs.pad_to_multiple(flat, rows * multiple)
     return padded.reshape(rows, -1), size
 
@@ -393,9 +382,7 @@ def _addressable(
     N wire rows of one row's elements (gathered, or one from each rank) and, for a TAH-Quant
     codec, one row decoded to fp32. The padding is
     taken at its largest (the fused kernels'), so this over-approximates a little. Slices do not
-    change a value (each encodes whole groups), except where a slice falls below the Mosaic
-    kernels' thresholds (24-32 MiB of bf16, `pallas_kernels.config`): the Triton encode may round
-    ties apart, and the Triton decode rounds its fp32 sums in another order.
+    change a value: each encodes whole groups.
     Raises ValueError, naming the size, where MAX_SLICES are not enough."""
     limit = _backends.max_buffer_bytes(cfg.impl)
     if limit is None:
@@ -444,7 +431,8 @@ def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str) ->
     compressed = functools.partial(_compressed_all_reduce, axis_name=axis_name, cfg=cfg,
                                    algorithm=choice.algorithm, n_ranks=n_ranks)  # fmt: skip
     exact = functools.partial(lax.psum, axis_name=axis_name)
-    return _local.on_local_blocks(_recorded(compressed, exact, cfg, tag), x)
+    recorded = _recorded(compressed, exact, cfg, tag)
+    return _local.on_local_blocks(recorded, x, axis_name=axis_name, sums=True)
 
 
 def _compressed_all_reduce(
@@ -479,46 +467,6 @@ def _compressed_all_reduce(
     return out.reshape(-1)[:size].reshape(x.shape)
 
 
-def matmul_all_reduce(
-    x: jax.Array, w: jax.Array, axis_name: AxisName, cfg: CommConfig, tag: str
-) -> jax.Array:
-    """`lax.psum(x @ w, axis_name)` of this rank's x [M, K] and w [K, H], compressed with `cfg`
-    (no vjp: `taco_jax.reduce_matmul_from_tp`). Where the policy takes the one-shot compressed
-    all-reduce of the product in one slice (a TP codec, no telemetry) and the product is encoded
-    by its matmul (`_backends.matmul_encode_runs`: whole 128 x 128 tiles; on a GPU where the
-    fused kernel takes the call), the wire leaves the matmul in `codecs.tile_major` order, is
-    gathered and decode-summed into place (`_backends.decode_sum_product`): the one-shot
-    `compressed_psum` of the product, the same groups in another order. Elsewhere
-    `compressed_psum`'s all-reduce of x @ w itself."""
-    n_ranks = axis_size(axis_name)
-    dtype = jnp.result_type(x, w)
-    product = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), dtype)
-    choice = cfg.choice("all_reduce", product, axis_name, n_ranks,
-                        fused=_exchange_fused(product, axis_name, cfg, n_ranks))  # fmt: skip
-    if not (
-        n_ranks > 1
-        and choice.compress
-        and choice.algorithm == "one_shot"
-        and isinstance(cfg.codec, Codec)
-        and not cfg.telemetry
-        and _addressable(cfg, product, n_ranks, rows=1).slices == cfg.slices == 1
-    ):
-        return _all_reduce(x @ w, axis_name, cfg, tag)
-    # The sum is replicated where the product varies (as `lax.psum`'s).
-    invariant = varies_along(x, axis_name) or varies_along(w, axis_name)
-
-    def one_shot(x, w):  # this device's block (`_local`)
-        (m, _), h = x.shape, w.shape[1]
-        if not _backends.matmul_encode_runs(cfg.impl, cfg.codec, x, w):
-            return _compressed_all_reduce(x @ w, axis_name=axis_name, cfg=cfg,
-                                          algorithm="one_shot", n_ranks=n_ranks)  # fmt: skip
-        wire = _backends.matmul_encode(cfg.impl, cfg.codec, x, w)[0]
-        gathered = _all_gather_wire(wire, axis_name, invariant=invariant)
-        return _backends.decode_sum_product(cfg.impl, cfg.codec, gathered, m, h, dtype)
-
-    return _local.on_local_blocks(one_shot, x, w)
-
-
 def _reduce_scatter(
     x: jax.Array,
     axis_name: AxisName,
@@ -544,7 +492,8 @@ def _reduce_scatter(
     compressed = functools.partial(_compressed_reduce_scatter, axis_name=axis_name, dim=dim,
                                    tiled=tiled, cfg=cfg, fused=fused, n_ranks=n_ranks)  # fmt: skip
     change = "keep" if tiled else "drop"
-    return _local.on_local_blocks(_recorded(compressed, exact, cfg, tag), x, dim=dim, change=change)
+    recorded = _recorded(compressed, exact, cfg, tag)
+    return _local.on_local_blocks(recorded, x, dim=dim, change=change, axis_name=axis_name)
 
 
 def _lax_psum_scatter(x: jax.Array, *, axis_name: AxisName, dim: int, tiled: bool) -> jax.Array:
@@ -555,7 +504,8 @@ def _lax_psum_scatter(x: jax.Array, *, axis_name: AxisName, dim: int, tiled: boo
                                 tiled=tiled)  # fmt: skip
     if not _local.typed_sharded(x):
         return scatter(x)
-    return _local.on_local_blocks(scatter, x, dim=dim, change="keep" if tiled else "drop")
+    change = "keep" if tiled else "drop"
+    return _local.on_local_blocks(scatter, x, dim=dim, change=change, axis_name=axis_name)
 
 
 def _compressed_reduce_scatter(
@@ -572,7 +522,7 @@ def _compressed_reduce_scatter(
     cfg = _addressable(cfg, x, n_ranks, rows=n_ranks)
     moved = jnp.moveaxis(x, dim, 0)
     block_shape = (moved.shape[0] // n_ranks,) + moved.shape[1:]
-    multiple = _row_multiple(cfg, fused, moved.size // n_ranks)
+    multiple = _row_multiple(cfg, fused)
     rows, size = codecs.pad_to_multiple(moved.reshape(n_ranks, -1), multiple)
 
     def reduce_scatter(piece):  # piece: [N, m / slices], row j for rank j
@@ -605,7 +555,8 @@ def _all_gather(
                                    tiled=tiled, cfg=cfg, fused=fused, n_ranks=n_ranks)  # fmt: skip
     exact = functools.partial(lax.all_gather, axis_name=axis_name, axis=axis, tiled=tiled)
     recorded = _recorded(compressed, exact, cfg, tag)
-    return _local.on_local_blocks(recorded, x, dim=axis, change="keep" if tiled else "insert")
+    change = "keep" if tiled else "insert"
+    return _local.on_local_blocks(recorded, x, dim=axis, change=change, axis_name=axis_name)
 
 
 def _compressed_all_gather(
@@ -621,7 +572,7 @@ def _compressed_all_gather(
     """The compressed all-gather of this device's x: encode, all-gather the wire, decode."""
     cfg = _addressable(cfg, x, n_ranks, rows=1, gathers=True)
     ops = _backends.codec_ops(cfg.impl, cfg.codec)
-    row, size = codecs.pad_to_multiple(x.reshape(1, -1), _row_multiple(cfg, fused, x.size))
+    row, size = codecs.pad_to_multiple(x.reshape(1, -1), _row_multiple(cfg, fused))
 
     def gather(piece):  # piece: [1, n]
         n = piece.shape[-1]
@@ -734,11 +685,17 @@ def _transposed_pair(forward, backward):
 
     def op_fwd(x, axis_name, dim, tiled, cfg, bwd_cfg, tag):
         out = _batched_under_vmap(forward(x, axis_name, dim, tiled, cfg, tag), axis_name)
-        return out, _axis_sizes(axis_name)
+        return out, (type_carrier(x), _axis_sizes(axis_name))
 
-    def op_bwd(axis_name, dim, tiled, cfg, bwd_cfg, tag, sizes, ct):
+    def op_bwd(axis_name, dim, tiled, cfg, bwd_cfg, tag, residuals, ct):
+        like, sizes = residuals
         with _axes_bound(axis_name, sizes):
-            return (backward(ct, axis_name, dim, tiled, bwd_cfg, f"{tag}_bwd"),)
+            grad = backward(ct, axis_name, dim, tiled, bwd_cfg, f"{tag}_bwd")
+        # An x typed replicated (shard_map's check_vma) entered as if pvary'd to each rank,
+        # which transposes to the sum of the ranks' cotangents (as lax's collectives do).
+        if varies_along(grad, axis_name) and not varies_along(like, axis_name):
+            grad = lax.psum(grad, axis_name)
+        return (grad,)
 
     op.defvjp(op_fwd, op_bwd)
     return op
@@ -811,9 +768,8 @@ def wire_bytes_per_rank(num_elements: int, n_ranks: int, cfg: CommConfig) -> int
     (both phases), one-shot (N-1) x (1 + 8/G); a bf16 ring all-reduce sends 2 (N-1)/N x 2.
     `algorithm="auto"` counts as two-shot, what it runs off a real link (on GPUs
     `taco_jax.policy` may choose one-shot, or no compression at all); "fused" as one-shot, what
-    it runs off NVLink (where its kernel runs, it pads to `_backends.FUSED_ROW_MULTIPLE` x
-    slices elements, not counted here; nor is the padding to whole Mosaic rows with the Triton
-    lowering off, at most `MAX_MOSAIC_PADDING`).
+    it runs off NVLink. The padding to the kernels' rows (`_row_multiple`: whole Mosaic GPU rows
+    on Hopper, the fused kernel's `_backends.FUSED_ROW_MULTIPLE` x slices) is not counted.
     """
     one_shot = cfg.algorithm in ("one_shot", "fused")
     rows = 1 if one_shot else n_ranks

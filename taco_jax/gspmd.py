@@ -5,7 +5,10 @@ inserts its own fp32/bf16 all-reduce after a row-parallel matmul (and in the bac
 column-parallel one). These layers run that matmul in a `jax.shard_map` manual over the TP axis
 only (every other mesh axis stays the compiler's), with Megatron's operators around it
 (`taco_jax.tp`), so that the TP reductions move compressed bytes and nothing else changes.
-They work on meshes of `Auto` and of `Explicit` axes, under the mesh set by `jax.set_mesh`.
+They work on meshes of `Auto` and of `Explicit` axes, under the mesh set by `jax.set_mesh`, in
+Python loops and under `lax.scan` / `nnx.scan` with `jax.checkpoint`; a weight sharded over
+other axes as well (FSDP's "fsdp", ZeRO-3) is gathered over them first, as GSPMD gathers it for
+a plain matmul.
 """
 
 from __future__ import annotations
@@ -19,6 +22,17 @@ from taco_jax.tp import TPComm, copy_to_tp, reduce_from_tp
 def _check(x: jax.Array, w: jax.Array) -> None:
     if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"x.shape={x.shape} @ w.shape={w.shape}: need x[..., K] and w[K, M]")
+
+
+def _tp_only(w: jax.Array, spec: P) -> jax.Array:
+    """w with its type sharded as `spec` alone: an `Explicit` mesh types FSDP's shards, and a
+    matmul of them inside the TP block would shard its result twice over one axis; this is the
+    all-gather over those axes that GSPMD runs for FSDP (its transpose reduce-scatters the
+    weight's gradient). On `Auto` axes the type holds no such split: the compiler's choice."""
+    typed = getattr(jax.typeof(w).sharding, "spec", None) or P()
+    if any(entry is not None for entry, want in zip(typed, spec, strict=False) if entry != want):
+        return jax.sharding.reshard(w, spec)
+    return w
 
 
 def _batch(x: jax.Array) -> tuple[None, ...]:
@@ -40,7 +54,7 @@ def column_parallel_dense(x: jax.Array, w: jax.Array, comm: TPComm) -> jax.Array
         in_specs=(P(), P(None, axis)),
         out_specs=P(*_batch(x), axis),
         axis_names={axis},
-    )(x, w)
+    )(x, _tp_only(w, P(None, axis)))
 
 
 def row_parallel_dense(x: jax.Array, w: jax.Array, comm: TPComm) -> jax.Array:
@@ -57,4 +71,4 @@ def row_parallel_dense(x: jax.Array, w: jax.Array, comm: TPComm) -> jax.Array:
         in_specs=(P(*_batch(x), axis), P(axis, None)),
         out_specs=P(),
         axis_names={axis},
-    )(x, w)
+    )(x, _tp_only(w, P(axis, None)))

@@ -136,7 +136,8 @@ def _send(x, axis_name, pairs, full, partial: bool, direction: _Direction, key, 
             telemetry.record(f"{tag}:{direction.codec.name}", out, exact, counted=receives)
         return out
 
-    return _local.on_local_blocks(compressed, x, *(() if key is None else (key,)))
+    keys = () if key is None else (key,)
+    return _local.on_local_blocks(compressed, x, *keys, axis_name=axis_name)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))

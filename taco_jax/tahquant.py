@@ -207,9 +207,8 @@ def butterflies_by_axes(x: jax.Array, bits: int) -> jax.Array:
     `bits` bits of the index as axes of size 2, one butterfly per axis, bit `bits - 1` first.
     The same additions of the same operands in the same order, so the two agree bit for bit
     (tests/taco_jax/test_tahquant.py); the recursion stages 2^bits - 1 splits and joins where
-    this stages `bits` butterflies: a TAH-Quant train step compiled in half the time on the CPU,
-    and the reference ran 1.4-1.8x faster on the H200 (docs/development_history.md, 2026-12-01
-    "the TAH-Quant reference's butterflies")."""
+    this stages `bits` butterflies: compiles faster on the CPU and runs faster on the H200
+    (docs/decisions/015-tahquant-kernels.md)."""
     m, k = x.shape
     y = x.reshape(m, k >> bits, *(2,) * bits)  # axis 2 + level holds index bit bits - 1 - level
     for axis in range(2, 2 + bits):

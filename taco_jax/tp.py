@@ -4,10 +4,6 @@ Megatron-LM (Shoeybi et al. 2019, section 3) places two operators around each pa
 column- and row-parallel layers:
   f = `copy_to_tp`:       identity forward, all-reduce backward   (before column-parallel)
   g = `reduce_from_tp`:   all-reduce forward, identity backward   (after row-parallel)
-`reduce_matmul_from_tp(x, w)` is g of the row-parallel product x @ w, the product encoded in
-its matmul's epilogue (`pallas_kernels.matmul_encode`) where the one-shot all-reduce runs;
-`copy_matmul_to_tp(x, w)` is the column-parallel product after f, whose backward all-reduces
-the input gradient ct @ w^T the same way.
 With sequence parallelism (Korthikanti et al. 2022) they become
   `gather_from_sp`:       all-gather forward, reduce-scatter backward (before column-parallel)
   `scatter_to_sp`:        reduce-scatter forward, all-gather backward (after row-parallel)
@@ -24,21 +20,25 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from taco_jax.codecs import DEFAULT_CODEC
 from taco_jax.collectives import (
     CodecLike,
     CommConfig,
+    _axes_bound,
+    _axis_names,
+    _axis_sizes,
+    _batched_under_vmap,
+    _is_bound,
     as_varying,
     cast_varying,
     compressed_all_gather,
     compressed_psum,
     compressed_psum_scatter,
     fwd_bwd_configs,
-    matmul_all_reduce,
     type_carrier,
-    varies_along,
 )
 
 
@@ -74,12 +74,39 @@ def _copy(x, comm: TPComm):
     return as_varying(x, comm.axis_name)
 
 
+@jax.custom_batching.custom_vmap
+def _batched(x):
+    """Whether x is batched along the vmap that maps it (False outside vmap)."""
+    return jnp.zeros((), bool)
+
+
+@_batched.def_vmap
+def _batched_rule(axis_size, in_batched, x):
+    return jnp.asarray(in_batched[0]), False
+
+
 def _copy_fwd(x, comm):
-    return _copy(x, comm), type_carrier(x)
+    # Under vmap (an emulated TP group), whether x is each rank's own or one value shared by
+    # all; the innermost vmap's view, which is TP's in an emulated mesh (models.spmd).
+    emulated = comm.axis_name not in jax.sharding.get_abstract_mesh().axis_names
+    batched = _batched(lax.stop_gradient(x)) if emulated else jnp.ones((), bool)
+    out = _batched_under_vmap(_copy(x, comm), comm.axis_name)  # each rank's own cotangent
+    return out, (type_carrier(x), _axis_sizes(comm.axis_name), batched)
 
 
-def _copy_bwd(comm, like, ct):
-    reduced = compressed_psum(ct, comm.axis_name, codec=comm.bwd, name="tp_copy_bwd")
+def _copy_bwd(comm, residuals, ct):
+    """The compressed all-reduce of the ranks' cotangents: every rank's own copy of x gets the
+    sum (shard_map's pvary transposes to psum). Under `jax.grad(jax.vmap(...))` (the axis
+    unbound here, `_axes_bound`), JAX sums the ranks' cotangents of an x the vmap shares
+    (`in_axes=None`), as its broadcast transposes: rank 0 alone returns the sum, the others 0,
+    so that x gets the sum once, as a replicated input of `jax.shard_map` does."""
+    like, sizes, batched = residuals
+    around_vmap = not all(map(_is_bound, _axis_names(comm.axis_name)))
+    with _axes_bound(comm.axis_name, sizes):
+        reduced = compressed_psum(ct, comm.axis_name, codec=comm.bwd, name="tp_copy_bwd")
+        if around_vmap:
+            mine = batched | (lax.axis_index(comm.axis_name) == 0)
+            reduced = jnp.where(mine, reduced, jnp.zeros_like(reduced))
     return (cast_varying(reduced, comm.axis_name, like),)
 
 
@@ -102,48 +129,6 @@ def _reduce_bwd(comm, like, ct):
 _reduce.defvjp(_reduce_fwd, _reduce_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _reduce_matmul(x, w, comm: TPComm):
-    return matmul_all_reduce(x, w, comm.axis_name, comm.fwd, "tp_reduce_fwd")
-
-
-def _reduce_matmul_fwd(x, w, comm):
-    return _reduce_matmul(x, w, comm), (x, w)
-
-
-def _reduce_matmul_bwd(comm, residuals, ct):
-    # g's identity backward (the cotangent of the replicated sum, on every rank), then the
-    # matmul's own: what autodiff of `reduce_from_tp(x @ w)` computes.
-    x, w = residuals
-    _, matmul_vjp = jax.vjp(jnp.matmul, x, w)  # its unused product: removed by XLA
-    varying = x if varies_along(x, comm.axis_name) else w  # the product varies if either does
-    return matmul_vjp(cast_varying(ct, comm.axis_name, varying))
-
-
-_reduce_matmul.defvjp(_reduce_matmul_fwd, _reduce_matmul_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _copy_matmul(x, w, comm: TPComm):
-    return jnp.matmul(as_varying(x, comm.axis_name), w)
-
-
-def _copy_matmul_fwd(x, w, comm):
-    return _copy_matmul(x, w, comm), (x, w)
-
-
-def _copy_matmul_bwd(comm, residuals, ct):
-    # f's backward of the matmul's input gradient ct @ w^T: its compressed all-reduce, the
-    # product encoded by its matmul; the weight's gradient as autodiff takes it.
-    x, w = residuals
-    dx = matmul_all_reduce(ct, w.T, comm.axis_name, comm.bwd, "tp_copy_bwd")
-    _, matmul_vjp = jax.vjp(jnp.matmul, as_varying(x, comm.axis_name), w)
-    return cast_varying(dx, comm.axis_name, x).astype(x.dtype), matmul_vjp(ct)[1]
-
-
-_copy_matmul.defvjp(_copy_matmul_fwd, _copy_matmul_bwd)
-
-
 def copy_to_tp(x: jax.Array, comm: TPComm) -> jax.Array:
     """Megatron f: identity forward; backward `compressed_psum` of the cotangent (`comm.bwd`).
 
@@ -157,45 +142,6 @@ def reduce_from_tp(x: jax.Array, comm: TPComm) -> jax.Array:
     rounding; backward identity. Sharding: `x[B, T, D]{U_tp} -> x[B, T, D]`.
     """
     return checkpoint_name(_reduce(x, comm), "tp_reduce")
-
-
-def _check_product_operands(op: str, x: jax.Array, w: jax.Array) -> None:
-    if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
-        raise ValueError(
-            f"{op} takes x[..., K] and w[K, N], got x.shape={x.shape}, w.shape={w.shape}"
-        )
-
-
-def copy_matmul_to_tp(x: jax.Array, w: jax.Array, comm: TPComm) -> jax.Array:
-    """The column-parallel product after Megatron f: `copy_to_tp(x, comm) @ w`, the same forward;
-    its backward all-reduces the input gradient ct @ w^T with `comm.bwd` as
-    `reduce_matmul_from_tp` does (the product encoded in its matmul where the one-shot
-    compressed all-reduce runs; where the matmul and encode run unfused, `copy_to_tp`'s
-    all-reduce of that product, its groups in another order).
-
-    Sharding: `x[..., D]` replicated and `w[D, N]` (this rank's columns) -> `[..., N]{V_tp}`.
-    """
-    _check_product_operands("copy_matmul_to_tp", x, w)
-    lead, d = x.shape[:-1], x.shape[-1]
-    out = _copy_matmul(checkpoint_name(x.reshape(-1, d), "tp_copy"), w, comm)
-    return out.reshape(*lead, w.shape[1])
-
-
-def reduce_matmul_from_tp(x: jax.Array, w: jax.Array, comm: TPComm) -> jax.Array:
-    """Megatron g of the row-parallel product: `reduce_from_tp(x @ w, comm)`, equal to it up to
-    the product's rounding, with the product encoded in its matmul's epilogue
-    (`pallas_kernels.matmul_encode`, on a Hopper GPU where its kernel takes the call: bf16,
-    whole 128 x 128 tiles) where `comm.fwd` takes the one-shot compressed all-reduce
-    (`collectives.matmul_all_reduce`); where its matmul and encode run unfused the two are the
-    same bits. Backward: the matmul's, of the cotangent on every rank (g's identity).
-
-    Sharding: `x[..., K]{U_tp}` (this rank's slice of the contraction) and `w[K, H]` ->
-    `[..., H]` replicated.
-    """
-    _check_product_operands("reduce_matmul_from_tp", x, w)
-    lead, k = x.shape[:-1], x.shape[-1]
-    out = _reduce_matmul(x.reshape(-1, k), w, comm)
-    return checkpoint_name(out.reshape(*lead, w.shape[1]), "tp_reduce")
 
 
 def gather_from_sp(x: jax.Array, comm: TPComm, *, axis: int = 1) -> jax.Array:

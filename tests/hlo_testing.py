@@ -1,5 +1,6 @@
-"""Which collectives a compiled program runs, over which axis of a (dp, tp) mesh, on what types."""
+"""Which collectives a compiled program runs, over which axes of a mesh, on what types."""
 
+import itertools
 import re
 
 import numpy as np
@@ -17,7 +18,8 @@ def _iota_groups(match) -> set[frozenset[int]]:
 
 
 def group_axis(line: str, mesh) -> str:
-    """The axis ("dp" or "tp") a collective's replica groups span, else the groups as text."""
+    """The mesh axis a collective's replica groups span ("tp"; "data,fsdp" for several, the
+    fewest that span them), else the groups as text."""
     named = re.search(r"replica_groups=mesh\[[^\]]*\] \{'(\w+)'\}", line)
     if named:
         return named.group(1)
@@ -29,10 +31,16 @@ def group_axis(line: str, mesh) -> str:
         groups = {frozenset(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", listed[1])}
     else:
         return line
-    ids = np.vectorize(lambda d: d.id)(mesh.devices)  # [dp, tp]
-    for axis, rows in (("tp", ids), ("dp", ids.T)):
-        if groups == {frozenset(row) for row in rows.tolist()}:
-            return axis
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    names = mesh.axis_names
+    for count in range(1, len(names) + 1):
+        for axes in itertools.combinations(range(len(names)), count):
+            rest = [a for a in range(len(names)) if a not in axes]
+            rows = np.transpose(ids, rest + list(axes)).reshape(
+                int(np.prod([ids.shape[a] for a in rest])), -1
+            )
+            if groups == {frozenset(row) for row in rows.tolist()}:
+                return ",".join(names[a] for a in axes)
     return str(sorted(map(sorted, groups)))
 
 

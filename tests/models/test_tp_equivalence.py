@@ -25,7 +25,6 @@ from models import (
     reference_logits,
     reference_loss_and_grads,
 )
-from taco_jax import _backends
 
 # Taco tolerance. One E4M3 rounding (3 mantissa bits, round to nearest) has relative error
 # uniform in +-2^-4 / m for mantissa m in [1, 2); with m log-uniform, E[1/m^2] = 3 / (8 ln 2),
@@ -225,31 +224,3 @@ def test_overlap_chunks_must_divide_the_batch():
         make_loss_and_grads(GPT, parallel, comm)(params, _tokens(GPT)[:4])
     with pytest.raises(ValueError, match="overlap_chunks=0"):
         ParallelConfig(overlap_chunks=0)
-
-
-def test_matmul_encode_tp_close_to_unsharded(reference_cache, monkeypatch):
-    """`ParallelConfig.matmul_encode`: the row-parallel all-reduces take the product's encode
-    from `_backends.matmul_encode` (on the CPU XLA's matmul then the encode: the same groups in
-    another order; counted, so that the path is known to run: d_model 128 and 4 x 32 tokens
-    are whole 128 x 128 tiles), within the compressed TP model's tolerances of the unsharded
-    one."""
-    calls = []
-    encode = _backends.matmul_encode
-    monkeypatch.setattr(_backends, "matmul_encode", lambda *a: calls.append(a) or encode(*a))
-    cfg = ModelConfig.preset("gpt_tiny", d_model=128)
-    params, tokens, (ref_logits, ref_loss, ref_grads) = _reference(reference_cache, cfg)
-    parallel = ParallelConfig(tp=2, mode="vmap", compute_dtype="float32", matmul_encode=True)
-    comm = taco_jax.TPComm.create("tp", fwd="taco", impl="xla", algorithm="one_shot")
-    logits, loss, grads = _run_tp(cfg, parallel, comm, params, tokens)
-    assert calls, "no row-parallel product was encoded by its matmul's path"
-    tol_logits, tol_grads = _taco_tolerances(cfg)
-    logits_error = _relative_l2(logits, ref_logits)
-    assert EPS_ALLREDUCE / 4 <= logits_error <= tol_logits  # compressed, and within bound
-    errors = jax.tree.map(_relative_l2, grads, ref_grads)
-    worst = max(jax.tree_util.tree_leaves_with_path(errors), key=lambda kv: kv[1])
-    assert worst[1] <= tol_grads, f"{jax.tree_util.keystr(worst[0])}: {worst[1]:.3g}"
-
-
-def test_matmul_encode_needs_all_reduces():
-    with pytest.raises(ValueError, match="matmul_encode=True .* sequence_parallel=True"):
-        ParallelConfig(tp=2, sequence_parallel=True, matmul_encode=True)

@@ -7,7 +7,7 @@ magnitude, NOISE = 4 G 2^-24 max|out|. A tie flip moves the outputs of one group
 at most one step of its largest code, <= 2^-3 of the group's l2 norm through the orthonormal
 inverse Hadamard, in each of the two quantizations: ATOL = 2 x 2^-3 x max group l2 norm.
 How many groups may flip: a flip needs a pre-rounding value within G^1.5 2^-24 x 448 of a
-midpoint; the GPU check (docs/development_history.md) saw 0-3 such codes per 16k, these
+midpoint; the GPU checks of benchmarks/kernels.py saw 0-3 such codes per 16k, these
 tests 0 per 3k. We allow MAX_TIE_GROUPS = 4 groups beyond NOISE: a bug touching a tile, a
 scale or a chunk moves far more.
 """

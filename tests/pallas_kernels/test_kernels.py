@@ -1,4 +1,6 @@
-"""Fused codec kernels vs the jnp references (interpret mode on the CPU; the GPU class on a GPU).
+"""The Triton codec kernels vs the jnp references (interpret mode on the CPU; the GPU class on a
+GPU). Their launches (`BlockConfig`) only change which program computes what: every variant
+must compute the references' function.
 
 Tolerances (derivations):
 - FP8/INT8 codes: identical, except where the kernel's code is the rounding of another value
@@ -26,6 +28,7 @@ from tiers import tiered
 
 import pallas_kernels as pk
 from pallas_kernels import _tile, decode_kernel, decode_sum_kernel, encode_kernel
+from pallas_kernels.config import LAUNCHES, block_config
 from taco_jax import codecs
 
 FP32_EPS = 2.0**-24
@@ -129,20 +132,18 @@ FAST_OTHERS = [("taco", 128), ("fp8", 128), ("int6_hadamard", 128)]
 MULTI_PLANE_CODECS = ["int6_hadamard", "int5_hadamard"]
 
 
-# Launch variants (tile size, tile loop, in-kernel signs, factored Hadamard): each must compute
-# the same function as the reference; None is the default `block_config`.
+# Launch variants (tile size, tile loop, factored Hadamard): each must compute the same function
+# as the reference; None is the default.
 LAUNCH_CONFIGS = [
     None,
     pk.BlockConfig(groups_per_tile=16, tiles_per_program=2),  # the last program overruns the row
-    pk.BlockConfig(groups_per_tile=16, tiles_per_program=2, prefetch=True),
-    pk.BlockConfig(groups_per_tile=32, tiles_per_program=4, prefetch=True, num_stages=1),
-    pk.BlockConfig(groups_per_tile=16, signs_in_kernel=True),
+    pk.BlockConfig(groups_per_tile=32, tiles_per_program=4, num_stages=2),
     pk.BlockConfig(groups_per_tile=64, tiles_per_program=4),
     pk.BlockConfig(groups_per_tile=32, hadamard_dot=32, num_warps=8),
-    pk.BlockConfig(groups_per_tile=16, hadamard_dot=16, tiles_per_program=4, signs_in_kernel=True),
+    pk.BlockConfig(groups_per_tile=16, hadamard_dot=16, tiles_per_program=4),
     # decode-sum with a Hadamard per peer (the other ops ignore it), one tile and a tile loop
     pk.BlockConfig(groups_per_tile=64, hadamard_dot=16, hadamard_per_peer=True),
-    pk.BlockConfig(groups_per_tile=16, tiles_per_program=2, prefetch=True, hadamard_per_peer=True),
+    pk.BlockConfig(groups_per_tile=16, tiles_per_program=2, hadamard_per_peer=True),
 ]
 
 
@@ -151,7 +152,6 @@ def _config_id(config):
         return "default"
     c = config
     name = f"t{c.groups_per_tile}x{c.tiles_per_program}-dot{c.hadamard_dot}"
-    name += "-iota" * c.signs_in_kernel + "-prefetch" * c.prefetch
     return name + "-per-peer" * c.hadamard_per_peer
 
 
@@ -173,7 +173,7 @@ class KernelTest:
         codec = codecs.get_codec(name, g)
         n = g * self.GROUPS
         x = _x(jax.random.key(hash((name, g)) % 2**31), (3, n), dtype)
-        wire = pk.encode(codec, x, interpret=self.INTERPRET)
+        wire = encode_kernel.encode(codec, x, interpret=self.INTERPRET)
         ref = pk.encode_reference(codec, x)
         assert wire.shape == ref.shape and wire.dtype == jnp.uint8
         got, want = codecs.unpack(codec, wire, n), codecs.unpack(codec, ref, n)
@@ -194,7 +194,7 @@ class KernelTest:
         wire = pk.encode_reference(codec, _x(jax.random.key(7), (4, n), jnp.float32))
         rtol = g * FP32_EPS * 4  # one Hadamard per row, 4 rows summed
         for dtype in (jnp.float32, jnp.bfloat16):
-            got = pk.decode(codec, wire, n, dtype, interpret=self.INTERPRET)
+            got = decode_kernel.decode(codec, wire, n, dtype, interpret=self.INTERPRET)
             want = pk.decode_reference(codec, wire, n, dtype)
             assert got.dtype == dtype
             scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
@@ -203,7 +203,7 @@ class KernelTest:
             np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32),
                                        rtol=0, atol=atol)  # fmt: skip
         for rows in (4, 2):  # two rows: the default launch applies the Hadamard per peer
-            total = pk.decode_sum(codec, wire[:rows], n, interpret=self.INTERPRET)
+            total = decode_sum_kernel.decode_sum(codec, wire[:rows], n, interpret=self.INTERPRET)
             want = pk.decode_sum_reference(codec, wire[:rows], n)
             atol = g * FP32_EPS * rows * float(jnp.max(jnp.abs(want)))  # one Hadamard per row
             np.testing.assert_allclose(total, want, rtol=0, atol=atol)
@@ -213,7 +213,7 @@ class KernelTest:
         codec = codecs.get_codec(name, g)
         n = g * self.GROUPS
         wire = pk.encode_reference(codec, _x(jax.random.key(self.SEED), (4, n), jnp.float32))
-        fused = pk.decode_sum_reencode(codec, wire, n, interpret=self.INTERPRET)
+        fused = decode_sum_kernel.decode_sum_reencode(codec, wire, n, interpret=self.INTERPRET)
         got = codecs.unpack(codec, fused[None], n)
         want = codecs.unpack(codec, pk.decode_sum_reencode_reference(codec, wire, n)[None], n)
         total = np.asarray(pk.decode_sum_reference(codec, wire, n), np.float64)[None]
@@ -245,7 +245,7 @@ class KernelTest:
         n = 128 * len(DECADES)  # one group per decade in each row, aligned across rows
         x = mixed_magnitudes(jax.random.key(17), (2, n), 128)
         run = dict(interpret=self.INTERPRET)
-        wire = pk.encode(codec, x, **run)
+        wire = encode_kernel.encode(codec, x, **run)
         got, want = (codecs.unpack(codec, w, n) for w in (wire, pk.encode_reference(codec, x)))
         assert_codes_match(codec, got.codes, want.codes,
                            _ideal_scaled(codec, np.asarray(x, np.float64), want))  # fmt: skip
@@ -254,8 +254,12 @@ class KernelTest:
         else:
             np.testing.assert_allclose(got.scales, want.scales, rtol=_tie_rtol(128), atol=0)
         checks = [  # (fused, reference, rows summed)
-            (pk.decode(codec, wire, n, **run), pk.decode_reference(codec, wire, n), 1),
-            (pk.decode_sum(codec, wire, n, **run), pk.decode_sum_reference(codec, wire, n), 2),
+            (decode_kernel.decode(codec, wire, n, **run), pk.decode_reference(codec, wire, n), 1),
+            (
+                decode_sum_kernel.decode_sum(codec, wire, n, **run),
+                pk.decode_sum_reference(codec, wire, n),
+                2,
+            ),
         ]
         for fused, reference, rows in checks:
             a, b = groups64(fused, 128), groups64(reference, 128)
@@ -279,14 +283,14 @@ class KernelTest:
         """Tiles after the first, a partial last tile, and each launch variant of BlockConfig
         (for the bit planes of sub-byte codes: a tile loop that overruns the row)."""
         codec = codecs.get_codec(name, 128)
-        tile = (config or pk.block_config(128, 1 << 20)).groups_per_tile
+        tile = (config or block_config("dot", 128, 1 << 20)).groups_per_tile
         groups = 2 * tile + 5  # two whole tiles and a partial one
         n = 128 * groups
         if config is None:
-            assert pk.block_config(128, groups).groups_per_tile == tile
+            assert block_config("dot", 128, groups).groups_per_tile == tile
         x = _x(jax.random.key(13), (2, n), jnp.float32)
         run = dict(interpret=self.INTERPRET, config=config)
-        wire = pk.encode(codec, x, **run)
+        wire = encode_kernel.encode(codec, x, **run)
         want = codecs.unpack(codec, pk.encode_reference(codec, x), n)
         got = codecs.unpack(codec, wire, n)
         assert_codes_match(codec, got.codes, want.codes,
@@ -295,15 +299,17 @@ class KernelTest:
         if codec.prescale:
             # alpha = 448 / rms: the energy is a G-term fp32 sum (of x, or of H x), same bound.
             np.testing.assert_allclose(got.prescales, want.prescales, rtol=_tie_rtol(128), atol=0)
-        decoded = pk.decode(codec, wire, n, jnp.float32, **run)
+        decoded = decode_kernel.decode(codec, wire, n, jnp.float32, **run)
         reference = pk.decode_reference(codec, wire, n, jnp.float32)
         scale = float(jnp.max(jnp.abs(reference)))
         np.testing.assert_allclose(decoded, reference, rtol=0, atol=scale * 128 * FP32_EPS)
-        total = pk.decode_sum(codec, wire, n, **run)
+        total = decode_sum_kernel.decode_sum(codec, wire, n, **run)
         want_total = pk.decode_sum_reference(codec, wire, n)
         atol = 2 * 128 * FP32_EPS * float(jnp.max(jnp.abs(want_total)))  # 2 rows summed
         np.testing.assert_allclose(total, want_total, rtol=0, atol=atol)
-        again = codecs.unpack(codec, pk.decode_sum_reencode(codec, wire, n, **run)[None], n)
+        again = codecs.unpack(
+            codec, decode_sum_kernel.decode_sum_reencode(codec, wire, n, **run)[None], n
+        )
         want_again = codecs.unpack(codec, pk.decode_sum_reencode_reference(codec, wire, n)[None], n)
         ideal = _ideal_scaled(codec, np.asarray(want_total, np.float64)[None], want_again)
         assert_codes_match(codec, again.codes, want_again.codes, ideal)
@@ -316,23 +322,23 @@ class KernelTest:
         b = codec.wire_bytes(n)
         outs = []
         for fill in (0x00, 0xFF):  # a byte the kernel skips keeps its fill, so the two differ
-            wire = pk.encode(codec, x, interpret=self.INTERPRET,
+            wire = encode_kernel.encode(codec, x, interpret=self.INTERPRET,
                              out_init=jnp.full((2, b), fill, jnp.uint8))  # fmt: skip
             outs.append(wire)
-            r = pk.decode_sum_reencode(codec, wire, n, interpret=self.INTERPRET,
+            r = decode_sum_kernel.decode_sum_reencode(codec, wire, n, interpret=self.INTERPRET,
                                        out_init=jnp.full((b,), fill, jnp.uint8))  # fmt: skip
             outs.append(r)
         np.testing.assert_array_equal(outs[0], outs[2])
         np.testing.assert_array_equal(outs[1], outs[3])
-        dec = pk.decode(codec, outs[0], n, interpret=self.INTERPRET,
+        dec = decode_kernel.decode(codec, outs[0], n, interpret=self.INTERPRET,
                         out_init=jnp.full((2, n), jnp.nan))  # fmt: skip
         assert bool(jnp.all(jnp.isfinite(dec)))
 
     def test_nonfinite_groups_stay_visible(self):
         codec = codecs.get_codec("taco", 32)
         x = _x(jax.random.key(5), (1, 64), jnp.float32).at[0, 3].set(jnp.inf)
-        out = pk.decode(codec, pk.encode(codec, x, interpret=self.INTERPRET), 64,
-                        interpret=self.INTERPRET)  # fmt: skip
+        wire = encode_kernel.encode(codec, x, interpret=self.INTERPRET)
+        out = decode_kernel.decode(codec, wire, 64, interpret=self.INTERPRET)
         assert bool(jnp.all(jnp.isnan(out[0, :32]))) and bool(jnp.all(jnp.isfinite(out[0, 32:])))
 
     @pytest.mark.parametrize(
@@ -347,19 +353,21 @@ class KernelTest:
         n = 32 * 40
         x = _x(jax.random.key(6), (2, n), jnp.float32).at[0, 100].set(jnp.nan)
         x = x.at[1, n - 1].set(-jnp.inf)
-        wire = pk.encode(codec, x, interpret=self.INTERPRET)
-        out = pk.decode(codec, wire, n, interpret=self.INTERPRET).reshape(2, 40, 32)
+        wire = encode_kernel.encode(codec, x, interpret=self.INTERPRET)
+        out = decode_kernel.decode(codec, wire, n, interpret=self.INTERPRET).reshape(2, 40, 32)
         expected = np.zeros((2, 40), bool)
         expected[0, 100 // 32] = expected[1, 39] = True
         np.testing.assert_array_equal(np.isnan(out).all(-1), expected)
         assert bool(np.isfinite(out)[~expected].all())
-        total = pk.decode_sum(codec, wire, n, interpret=self.INTERPRET).reshape(40, 32)
+        total = decode_sum_kernel.decode_sum(codec, wire, n, interpret=self.INTERPRET).reshape(
+            40, 32
+        )
         np.testing.assert_array_equal(np.isnan(total).all(-1), expected.any(0))
 
     def test_bad_wire_shape_names_the_values(self):
         codec = codecs.get_codec("taco", 32)
         with pytest.raises(ValueError, match="wire shape"):
-            pk.decode(codec, jnp.zeros((1, 10), jnp.uint8), 32, interpret=self.INTERPRET)
+            decode_kernel.decode(codec, jnp.zeros((1, 10), jnp.uint8), 32, interpret=self.INTERPRET)
 
 
 @pytest.mark.gpu
@@ -376,38 +384,14 @@ class TestKernelInterpret(KernelTest):
 
 @pytest.mark.parametrize("groups", [1, 5, 16, 37, 64, 1000, 4096, 8191])
 @pytest.mark.parametrize("rows", [1, 8])
-@pytest.mark.parametrize("dot", [True, False])
-def test_block_config_covers_every_group(groups, rows, dot):
-    """The launch reaches every group of a row, and masks exactly when it overruns the row."""
-    cfg = pk.block_config(128, groups, rows=rows, peers=rows, dot=dot)
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
+def test_block_config_covers_every_group(groups, rows, launch):
+    """Every default launch reaches every group of a row, and masks exactly when it overruns
+    the row."""
+    cfg = block_config(launch, 128, groups, rows=rows)
     covered = cfg.grid_size(groups) * cfg.tiles_per_program * cfg.groups_per_tile
     assert groups <= covered < groups + cfg.tiles_per_program * cfg.groups_per_tile
     assert cfg.masked(groups) == (covered != groups)
-
-
-@pytest.mark.parametrize(
-    "name,encode_loop,decode_loop",
-    [("taco", 2, 2), ("int6_hadamard", 1, 1), ("int5_hadamard", 1, 1), ("int4_hadamard", 1, 2)],
-)
-def test_default_launches_follow_the_measured_table(name, encode_loop, decode_loop):
-    """Large launches loop over two tiles per program, except where a sweep measured one faster
-    (config.PLANES_ENCODE_DECODE): the sub-byte encodes, and the decodes of codes split over
-    several bit planes."""
-    codec = codecs.get_codec(name)
-    n = 1 << 26  # 2^19 groups of 128: enough tiles for the loop
-    assert encode_kernel.default_config(codec, 2, n).tiles_per_program == encode_loop
-    assert decode_kernel.default_config(codec, 2, n).tiles_per_program == decode_loop
-
-
-@pytest.mark.parametrize("peers,per_peer", [(2, True), (4, False), (8, False)])
-def test_decode_sum_takes_the_hadamard_per_peer_where_measured_faster(peers, per_peer):
-    """Two peers decode each peer's codes (config.TWO_PEERS_DOT); at 4 and 8 peers the kernel
-    sums in the Hadamard domain (1.7-2.9x faster there, BENCHMARKS.md "Kernel launches");
-    decode-sum-reencode never applies the Hadamard."""
-    codec = codecs.get_codec("taco")
-    n = 1 << 20
-    assert decode_sum_kernel.default_config(codec, peers, n).hadamard_per_peer == per_peer
-    assert not decode_sum_kernel.default_config(codec, peers, n, reencode=True).hadamard_per_peer
 
 
 @pytest.mark.parametrize(
@@ -429,7 +413,7 @@ def test_signed_hadamard_factorization(group_size, dot_columns):
 
 
 def test_kernels_refuse_buffers_past_32_bit_offsets():
-    """A kernel whose operand or result passes `config.MAX_BUFFER_BYTES` is refused with the
+    """A kernel whose operand or result passes `_pallas.MAX_BUFFER_BYTES` is refused with the
     array named (measured on the GPU: past it the kernels return wrong values). Traced only:
     nothing of that size is allocated."""
     rows = jax.ShapeDtypeStruct((2, 1 << 30), jnp.bfloat16)  # 4 GiB
@@ -437,4 +421,4 @@ def test_kernels_refuse_buffers_past_32_bit_offsets():
     with pytest.raises(
         ValueError, match=r"shape=\(2, 1073741824\) dtype=bfloat16 holds 4294967296"
     ):
-        jax.eval_shape(lambda x: pk.encode(codec, x, interpret=True), rows)
+        jax.eval_shape(lambda x: encode_kernel.encode(codec, x, interpret=True), rows)

@@ -778,7 +778,7 @@ def test_messages_past_the_kernel_buffer_limit_are_sliced_not_changed(monkeypatc
     x = _ranks(tp, (3 * tj._backends.FUSED_ROW_MULTIPLE + 50,), seed=51).astype(jnp.bfloat16)
     fn = KERNEL_OPS[op]
     want = run_tp(lambda v: fn(v, impl="pallas_interpret"), x, tp=tp, mode="shard_map")
-    monkeypatch.setattr(pallas_kernels.config, "MAX_BUFFER_BYTES", 700_000)
+    monkeypatch.setattr(pallas_kernels._pallas, "MAX_BUFFER_BYTES", 700_000)
     sliced, counts = tj.collectives._sliced, []
 
     def counting(fn, rows, slices):
@@ -792,7 +792,7 @@ def test_messages_past_the_kernel_buffer_limit_are_sliced_not_changed(monkeypatc
 
 
 def test_a_message_too_large_for_every_slice_count_is_refused(monkeypatch):
-    monkeypatch.setattr(pallas_kernels.config, "MAX_BUFFER_BYTES", 1024)
+    monkeypatch.setattr(pallas_kernels._pallas, "MAX_BUFFER_BYTES", 1024)
     cfg = tj.comm_config("taco", impl="pallas_interpret")
     x = jnp.zeros((1 << 20,), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"1048576 elements per rank over 2 ranks .* 16 slices"):
@@ -802,7 +802,7 @@ def test_a_message_too_large_for_every_slice_count_is_refused(monkeypatch):
 def test_tahquant_slices_count_its_fp32_decode(monkeypatch):
     """TAH-Quant's decode-sum writes each row in fp32 (no fused kernel): 4 bytes per element,
     more than the bf16 values (2) or the two wire rows (2 x ~1.07) that bound `taco` here."""
-    monkeypatch.setattr(pallas_kernels.config, "MAX_BUFFER_BYTES", 600_000)
+    monkeypatch.setattr(pallas_kernels._pallas, "MAX_BUFFER_BYTES", 600_000)
     x = jnp.zeros((2 * tj._backends.FUSED_ROW_MULTIPLE,), jnp.bfloat16)  # rows pad to these
     # One slice: values 524 kB, two `taco` wire rows 557 kB (TAH-Quant's 561 kB), fp32 row 1 MB.
     taco = tj.comm_config("taco", impl="pallas_interpret")

@@ -1,0 +1,98 @@
+"""Which kernel runs each codec op: one per (op, codec family, platform), chosen here alone.
+
+| platform                  | codecs                               | kernel                        |
+|---------------------------|--------------------------------------|-------------------------------|
+| Hopper GPU                | FP8 with a Hadamard, fp32 scales,    | Mosaic GPU (`encode_mosaic`,  |
+|                           | G = 128: taco, taco_e5m2, taco_no_ds | `decode_mosaic`); the fused   |
+|                           |                                      | exchange for `taco`           |
+| Hopper GPU                | every other codec                    | Triton                        |
+| other GPUs, interpreter   | every codec                          | Triton                        |
+| any                       | TAH-Quant, SDP4Bit (`tahquant`)      | Triton (`tahquant_kernel`)    |
+
+The decode-sum and re-encode of more than two peers take one peer's tile a pipeline step
+(`decode_mosaic`, peer steps), of two peers both peers' tiles a step. The Mosaic kernels read
+bf16 into the encode's wgmma and write fp32 or bf16: other dtypes take Triton. Mosaic GPU is
+Pallas' supported GPU lowering; no record shows its kernels more than 10% slower than
+Triton's at the messages of a TP = 2, 4 or 8 step of GPT-125M to GPT-1.3B, while the codecs
+without a Hadamard, the INT8, sub-byte and E8M0 ones measured faster on Triton
+(docs/decisions/004-one-kernel-per-op.md).
+
+Where the chosen kernel cannot take a call (a row that is not whole Mosaic tiles, a JAX without
+the Triton lowering) the jnp reference runs, with one warning; the collectives pad their rows
+to `row_multiple` so that the kernels take every call they make.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax.numpy as jnp
+
+from pallas_kernels import _pallas, encode_mosaic
+from taco_jax.codecs import Codec
+
+OPS = ("encode", "decode", "decode_sum", "decode_sum_reencode")
+SUMS = ("decode_sum", "decode_sum_reencode")
+KERNELS = ("mosaic", "mosaic_peer_steps", "triton", "reference")
+# The Mosaic encode reads bf16 tiles into its wgmma; the decodes write fp32 or bf16.
+MOSAIC_ENCODE_DTYPES = (jnp.bfloat16,)
+MOSAIC_DECODE_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def kernel_for(
+    op: str, codec: Codec, *, n: int, dtype, peers: int = 1, interpret: bool = False
+) -> str:
+    """The kernel of `op` on rows of `n` elements (`dtype`: the encode's input, the decodes'
+    output, None for the re-encode; `peers`: the rows a sum adds), one of `KERNELS`;
+    interpret: the CPU interpreter."""
+    if op not in OPS:
+        raise ValueError(f"unknown {op=}; choose one of {OPS}")
+    if codec.is_identity:  # "none" moves raw bytes: nothing to fuse
+        return "reference"
+    if not interpret and mosaic_runs(codec):
+        dtypes = MOSAIC_ENCODE_DTYPES if op == "encode" else MOSAIC_DECODE_DTYPES
+        if dtype is not None and jnp.dtype(dtype) not in dtypes:
+            return _triton(op)
+        reason = encode_mosaic.unsupported(codec, n)
+        if reason is not None:
+            return _reference(op, f"the Mosaic GPU kernels cannot take {reason}")
+        return "mosaic_peer_steps" if op in SUMS and peers > 2 else "mosaic"
+    return _triton(op)
+
+
+def mosaic_runs(codec) -> bool:
+    """Whether `codec`'s ops run Mosaic GPU kernels here: a Hopper GPU and a codec they take."""
+    if not isinstance(codec, Codec) or encode_mosaic.unsupported_codec(codec) is not None:
+        return False
+    return _pallas.hopper_gpu()
+
+
+def row_multiple(codec) -> int:
+    """What the collectives pad each row to, so that the chosen kernels take it."""
+    return encode_mosaic.row_multiple(codec) if mosaic_runs(codec) else codec.group_size
+
+
+def stage_kernel(codec_name: str) -> str:
+    """The TAH-Quant / SDP4Bit codecs: Triton, or the reference where JAX has no Triton."""
+    return _triton(f"the {codec_name} stage codec")
+
+
+def _triton(op: str) -> str:
+    if _pallas.pltriton is None:
+        return _reference(op, _pallas.TRITON_IMPORT_ERROR)
+    return "triton"
+
+
+def _reference(op: str, why: str) -> str:
+    _warn_once(op, why)
+    return "reference"
+
+
+@functools.cache
+def _warn_once(op: str, why: str) -> None:
+    warnings.warn(
+        f"pallas_kernels: {op} runs the jnp reference, far slower than a fused kernel: {why}",
+        RuntimeWarning,
+        stacklevel=4,
+    )
