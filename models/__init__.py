@@ -9,6 +9,8 @@ make_pipeline_loss_and_grads        (pipeline.py: GPipe / circular stages over "
 hf.load, hf.save                    (hf.py: Hugging Face GPT-2 / Qwen2 / Llama / Mistral
                                      checkpoints, safetensors;
                                      `from models import hf`, needs the train extra)
+generate.generate                   (generate.py: decoding with a key / value cache, greedy or
+                                     sampled; `from models.generate import generate`)
 
 The optimizer side (train state, jitted steps) lives in the training application, `taco_train`.
 """

@@ -171,15 +171,21 @@ def rotary_frequencies(
     return jnp.where(wavelength < context / high, inv_freq, scaled)
 
 
-def rotary(x: jax.Array, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
+def rotary(
+    x: jax.Array,
+    theta: float,
+    scaling: RopeScaling | None = None,
+    offset: jax.Array | int = 0,
+) -> jax.Array:
     """Rotary position embedding (Su et al. 2021), half-split layout as in Qwen2 / Llama.
 
-    x: [B, T, N, H] at positions 0..T-1 -> same shape; pairs (i, i + H/2) rotate by
+    x: [B, T, N, H] at positions offset..offset+T-1 -> same shape; pairs (i, i + H/2) rotate by
     position * `rotary_frequencies(H, theta, scaling)`[i].
     """
     t, h = x.shape[1], x.shape[-1]
     inv_freq = rotary_frequencies(h, theta, scaling)  # [H/2]
-    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq  # [T, H/2]
+    positions = offset + jnp.arange(t, dtype=jnp.float32)
+    angles = positions[:, None] * inv_freq  # [T, H/2]
     cos = jnp.cos(angles)[None, :, None, :]
     sin = jnp.sin(angles)[None, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)

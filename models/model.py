@@ -71,17 +71,28 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, ctx: TPContext, layer=None) -> jax.Array:
         # x: [B, T(_sp), D] -> same; layer: this block's index, naming its call sites
+        q, key, value = self.qkv(x, ctx, layer=layer)
+        o = layers.attention(q, key, value, ctx.attention, ctx.ranks_vmapped)  # [B, T, N, H]
+        return self.out(o, ctx, layer)
+
+    def qkv(self, x: jax.Array, ctx: TPContext, offset: jax.Array | int = 0, layer=None):
+        """Queries [B, T, N, H] (n = k (R-2) + j), keys and values [B, T, K, H] of this rank's
+        KV heads, rotated (qwen2, llama) for positions offset .. offset + T - 1."""
         w = self.wqkv[...].astype(ctx.dtype)  # [D, K, R, H] local K
         qkv = ctx.enter_product("BTD,DKRH->BTKRH", x, w, "attn_in", layer)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv[...].astype(ctx.dtype)
         b, t, k, r, h = qkv.shape
-        q = qkv[:, :, :, : r - 2].reshape(b, t, k * (r - 2), h)  # [B, T, N, H], n = k (R-2) + j
-        key, value = qkv[:, :, :, r - 2], qkv[:, :, :, r - 1]  # [B, T, K, H]
+        q = qkv[:, :, :, : r - 2].reshape(b, t, k * (r - 2), h)
+        key, value = qkv[:, :, :, r - 2], qkv[:, :, :, r - 1]
         if self.rope_theta is not None:
-            q = layers.rotary(q, self.rope_theta, self.rope_scaling)
-            key = layers.rotary(key, self.rope_theta, self.rope_scaling)
-        o = layers.attention(q, key, value, ctx.attention, ctx.ranks_vmapped)  # [B, T, N, H]
+            q = layers.rotary(q, self.rope_theta, self.rope_scaling, offset)
+            key = layers.rotary(key, self.rope_theta, self.rope_scaling, offset)
+        return q, key, value
+
+    def out(self, o: jax.Array, ctx: TPContext, layer=None) -> jax.Array:
+        """The row-parallel output projection of the heads' outputs: [B, T, N, H] ->
+        [B, T(_sp), D]."""
         out = ctx.exit_product(
             "BTNH,NHD->BTD", o, self.wo[...].astype(ctx.dtype), "attn_out", layer
         )
@@ -168,11 +179,14 @@ class Transformer(nnx.Module):
         x = self.embed(tokens, ctx)
         return self.head(self.run_blocks(x, ctx, remat=remat, scan_layers=scan_layers), ctx)
 
-    def embed(self, tokens: jax.Array, ctx: TPContext) -> jax.Array:  # [B, T] -> [B, T(_sp), D]
-        """Token (and, for gpt, position) embeddings: the first pipeline stage's part."""
+    def embed(
+        self, tokens: jax.Array, ctx: TPContext, offset: jax.Array | int = 0
+    ) -> jax.Array:  # [B, T] -> [B, T(_sp), D]
+        """Token (and, for gpt, position) embeddings: the first pipeline stage's part. offset:
+        the first token's position (decoding with a cache; not with sequence parallelism)."""
         x = layers.vocab_parallel_embed(self.wte[...], tokens, ctx)
         if self.cfg.arch == "gpt":
-            x = x + self._positions(tokens.shape[1], ctx).astype(ctx.dtype)
+            x = x + self._positions(tokens.shape[1], ctx, offset).astype(ctx.dtype)
         return x
 
     def head(self, x: jax.Array, ctx: TPContext) -> jax.Array:  # [B, T(_sp), D] -> [B, T, V_local]
@@ -182,11 +196,12 @@ class Transformer(nnx.Module):
             return jnp.einsum("BTD,VD->BTV", x, self.wte[...].astype(ctx.dtype))
         return jnp.einsum("BTD,DV->BTV", x, self.lm_head[...].astype(ctx.dtype))
 
-    def _positions(self, t: int, ctx: TPContext) -> jax.Array:  # -> [T(_sp), D]
+    def _positions(self, t: int, ctx: TPContext, offset: jax.Array | int = 0) -> jax.Array:
+        """The learned positions offset .. offset + t - 1 (this rank's share with SP)."""
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence length {t} exceeds the model's seq_len={self.cfg.seq_len}")
         if not (ctx.sharded and ctx.sequence_parallel):
-            return self.wpe[...][:t]
+            return lax.dynamic_slice_in_dim(self.wpe[...], offset, t, axis=0)  # [T, D]
         t_sp = t // ctx.size()
         return lax.dynamic_slice_in_dim(self.wpe[...], ctx.rank() * t_sp, t_sp, axis=0)
 

@@ -23,18 +23,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import taco_jax
 from models import layers, spmd
-from models.config import ModelConfig
+from models.config import VOCAB_MULTIPLE, ModelConfig
 from models.layers import TPContext
 from models.model import Transformer
 
@@ -173,13 +175,22 @@ def check_config(model: ModelConfig, parallel: ParallelConfig) -> None:
         ("n_kv_heads", model.n_kv_heads),
         ("n_heads", model.n_heads),
         ("d_ff", model.d_ff),
-        ("padded_vocab", model.padded_vocab),
     ):
         if size % tp:
             raise ValueError(f"model.{name}={size} is not a multiple of parallel.tp={tp}")
+    if model.padded_vocab % tp:
+        fits = math.lcm(VOCAB_MULTIPLE, tp)  # a vocabulary of a multiple of it pads to a split
+        raise ValueError(
+            f"model.vocab_size={model.vocab_size} is padded to {model.padded_vocab} rows (a "
+            f"multiple of {VOCAB_MULTIPLE}), which parallel.tp={tp} does not split: set "
+            f"model.vocab_size to a multiple of {fits} (e.g. "
+            f"{math.ceil(model.vocab_size / fits) * fits}) or parallel.tp to a divisor of "
+            f"{model.padded_vocab}"
+        )
     if parallel.sequence_parallel and model.seq_len % tp:
         raise ValueError(
-            f"sequence parallelism splits seq_len={model.seq_len}, not a multiple of tp={tp}"
+            f"parallel.sequence_parallel splits model.seq_len={model.seq_len}, which is not a "
+            f"multiple of parallel.tp={tp}"
         )
 
 
@@ -380,14 +391,19 @@ def mesh_axes(parallel: ParallelConfig, tp_axis: str = "tp") -> dict[str, int]:
 
 def make_mesh(parallel: ParallelConfig, tp_axis: str = "tp") -> jax.sharding.Mesh:
     """The mesh of `mesh_axes` over its devices; under mode "emulate" over one device, every
-    axis of size 1 (`spmd_map` emulates the sizes)."""
+    axis of size 1 (`spmd_map` emulates the sizes).
+
+    The devices in id order, row-major: the order `jax.make_mesh` gives GPUs and CPUs, in which
+    JAX numbers the devices host by host, so that the last axes (TP, then the stages) stay
+    inside a host. Built directly, because `jax.make_mesh` refuses devices of several hosts
+    (JAX numbers each host's GPUs as a "slice" and refuses multi-slice meshes)."""
     check_devices(parallel)
-    devices = jax.devices()[: parallel.num_devices]
+    devices = sorted(jax.devices(), key=lambda d: d.id)[: parallel.num_devices]
     axes = mesh_axes(parallel, tp_axis)
     names = tuple(axes)
     shape = (1,) * len(axes) if parallel.mode == "emulate" else tuple(axes.values())
     auto = (jax.sharding.AxisType.Auto,) * len(shape)
-    return jax.make_mesh(shape, names, auto, devices=devices)
+    return jax.sharding.Mesh(np.asarray(devices).reshape(shape), names, axis_types=auto)
 
 
 def spmd_map(parallel: ParallelConfig, f, *, mesh: jax.sharding.Mesh, in_specs, out_specs):

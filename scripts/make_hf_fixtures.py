@@ -1,8 +1,10 @@
 """Makes the tiny Hugging Face checkpoints of tests/models/fixtures/hf/ with transformers.
 
 Each fixture directory holds a randomly initialized model saved with `save_pretrained`
-(safetensors), `tokens.npy` (a fixed [2, 16] batch) and `logits.npy` (transformers' fp32
-logits of that batch), against which tests/models/test_hf.py checks `models.hf.load`.
+(safetensors), `tokens.npy` (a fixed [2, 16] batch), `logits.npy` (transformers' fp32 logits
+of that batch), against which tests/models/test_hf.py checks `models.hf.load`, and `greedy.npy`
+(transformers' greedy continuation of each row, `GREEDY_TOKENS` tokens), against which
+tests/models/test_generate.py checks `models.generate`.
 Needs torch and transformers, which the project does not depend on. Run it under transformers
 4.x (the committed fixtures: 4.57.6, torch 2.11) for gpt2, qwen2_untied and qwen2_tied, whose
 config.json holds `rope_theta`, and under 5.x for qwen2_untied_v5 (5.24.0), the same model as
@@ -11,6 +13,9 @@ llama31_rope_frequencies.npy (5.25.0, torch 2.13):
 
     python -m venv /tmp/hf && /tmp/hf/bin/pip install torch "transformers<5" safetensors numpy
     /tmp/hf/bin/python scripts/make_hf_fixtures.py [OUT_DIR]
+
+`--greedy` writes only greedy.npy, beside the fixtures already there (the committed ones:
+transformers 4.57.6, torch 2.13, for gpt2, qwen2_untied and qwen2_tied).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "models" / "fixtures" / "hf"
 BATCH, LENGTH = 2, 16
+GREEDY_TOKENS = 16  # the GPT-2 fixture's 32 positions hold the prompt and this many more
 
 
 def _gpt2() -> transformers.PreTrainedModel:
@@ -134,13 +140,34 @@ def make(name: str, model: transformers.PreTrainedModel, seed: int, out: Path, *
         logits = model(torch.from_numpy(tokens).long()).logits.float().numpy()
     np.save(directory / "tokens.npy", tokens)
     np.save(directory / "logits.npy", logits)
+    write_greedy(directory)
     print(f"{directory}: {sorted(p.name for p in directory.iterdir())}")
 
 
+def write_greedy(directory: Path) -> None:
+    """greedy.npy: transformers' greedy `generate` after each row of tokens.npy, [2, 16] int32
+    (no fixture's end-of-text id is in its vocabulary, so every row runs the whole budget)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    tokens = torch.from_numpy(np.load(directory / "tokens.npy")).long()
+    with torch.no_grad():
+        out = model.generate(tokens, attention_mask=torch.ones_like(tokens), do_sample=False,
+                             max_new_tokens=GREEDY_TOKENS, pad_token_id=0)  # fmt: skip
+    greedy = out[:, tokens.shape[1] :].numpy().astype(np.int32)
+    assert greedy.shape == (BATCH, GREEDY_TOKENS), greedy.shape
+    np.save(directory / "greedy.npy", greedy)
+
+
 def main() -> None:
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else OUT
+    args = [a for a in sys.argv[1:] if a != "--greedy"]
+    out = Path(args[0]) if args else OUT
     torch.manual_seed(0)
-    if int(transformers.__version__.split(".")[0]) >= 5:
+    v5 = int(transformers.__version__.split(".")[0]) >= 5
+    if "--greedy" in sys.argv:
+        names = ["qwen2_untied_v5"] if v5 else ["gpt2", "qwen2_untied", "qwen2_tied"]
+        for name in names:
+            write_greedy(out / name)
+        return
+    if v5:
         make("qwen2_untied_v5", _qwen2(tied=False), 2, out)
         make("llama3_untied", _llama3(), 4, out)
         make("llama_tied", _llama_tied(), 5, out)

@@ -66,8 +66,8 @@ class CommConfig:
     min_compress_bytes: messages smaller than this use the plain lax collective (0: compress
       every message); None: `taco_jax.policy` decides from measurements on GPU links (and
       compresses every message where no bytes move: the CPU, `vmap` emulation).
-    link: "auto" | "nvlink" | "shm" | "socket"; the link the policy assumes ("auto": from
-      NCCL's switches, `taco_jax.policy.detect_link`).
+    link: "auto" | "nvlink" | "shm" | "socket"; the link the policy assumes ("auto": from the
+      machine, the TP group's hosts and NVML, `taco_jax.policy.explain_link`).
     telemetry: measure: also run the exact collective in fp32 and report each call site's error
       to `taco_jax.telemetry` (a program built without it is unchanged).
     site_codecs: codecs of named call sites that differ from `codec` (`taco_jax.telemetry`'s

@@ -18,16 +18,26 @@ when their options are left at "auto" (`CommConfig.algorithm="auto"`,
 - Anywhere else (the CPU, or a TP group emulated with `jax.vmap(axis_name=...)`, where no bytes
   move) every message is compressed with two-shot, TACO's algorithm: what a numerics study wants.
 
-The link is `CommConfig.link`, or with "auto" read from NCCL's own switches: `NCCL_P2P_DISABLE=1`
-means host shared memory, with `NCCL_SHM_DISABLE=1` too sockets (a network-class link), and
-otherwise NVLink. A machine whose GPUs talk over PCIe or a network without those switches should
-say so with `link=`.
+The link is `CommConfig.link`, or with "auto" read from the machine (`explain_link`, docs/api.md
+"Which link"): NCCL's switches when set (`NCCL_P2P_DISABLE=1`: host shared memory; with
+`NCCL_SHM_DISABLE=1` too: sockets); a TP group whose devices sit on different hosts (CPU devices:
+in different processes): the network table ("socket"); GPUs of one host that NVML finds joined
+by NVLink: "nvlink", else the PCIe-class table ("shm"). Without NVML (`nvidia-ml-py`, optional)
+the device kind decides ("PCIe" in it: "shm", else NVLink is assumed) and the log line says so.
+The TP group's devices come from the mesh: `mesh_link(mesh, axis_name)`, or while tracing the
+concrete mesh where JAX exposes it (under `jax.set_mesh`); otherwise the group is taken to be
+this process's devices (with several processes a guess, which the log line says).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
+import logging
+import math
 import os
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -67,15 +77,158 @@ class Choice:
     reason: str
 
 
-def detect_link() -> str:
-    """The link NCCL uses between the GPUs of this process, from NCCL's switches."""
-    if os.environ.get("NCCL_P2P_DISABLE") == "1":
-        return "socket" if os.environ.get("NCCL_SHM_DISABLE") == "1" else "shm"
-    return "nvlink"
+LOG = logging.getLogger(__name__)
 
 
-def resolve_link(link: str) -> str:
-    return detect_link() if link == "auto" else link
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """The link of a TP group as "auto" resolves it: name (one of `LINKS` but "auto"), why (a
+    phrase naming what decided), assumed (a fallback decided it: no NVML, or no mesh)."""
+
+    name: str
+    why: str
+    assumed: bool = False
+
+
+# Slowest first: a mesh whose groups differ resolves to its slowest group's link.
+SLOWEST_FIRST = ("socket", "shm", "nvlink")
+
+
+def detect_link(devices: Sequence[jax.Device] | None = None) -> str:
+    """The link between the devices of one TP group (None: this process's devices)."""
+    return explain_link(devices).name
+
+
+def explain_link(devices: Sequence[jax.Device] | None = None) -> Link:
+    """The `Link` between `devices`, the members of one TP group (None: this process's).
+
+    In order: NCCL's switches when set; devices on different hosts (GPUs: `slice_index`, which
+    JAX gives the devices of one host, or one NVLink domain; CPU devices: their process) ->
+    "socket"; GPUs of one host that NVML finds pairwise joined by NVLink -> "nvlink", else
+    "shm"; without NVML, "shm" for a device kind naming PCIe, else "nvlink" (assumed)."""
+    switches = _nccl_switches()
+    if switches is not None:
+        return switches
+    return _device_link(tuple(jax.local_devices() if devices is None else devices))
+
+
+@functools.cache  # NVML is asked once per group
+def _device_link(devices: tuple[jax.Device, ...]) -> Link:
+    hosts = {_host(d) for d in devices}
+    if len(hosts) > 1:
+        unit = "processes" if devices[0].platform == "cpu" else "hosts"
+        return Link("socket", f"the group's {len(devices)} devices are on {len(hosts)} {unit}")
+    if devices[0].platform != "gpu":
+        return Link("shm", f"the group's {len(devices)} {devices[0].platform} devices share "
+                           "one process's memory")  # fmt: skip
+    joined, why = _nvlink_joined(devices)
+    if joined is not None:
+        return Link("nvlink" if joined else "shm", why)
+    kind = devices[0].device_kind
+    if "pcie" in kind.lower():
+        return Link("shm", f"{why}; device kind {kind!r} is a PCIe card", assumed=True)
+    return Link("nvlink", f"{why}; NVLink assumed for device kind {kind!r}", assumed=True)
+
+
+def _nccl_switches() -> Link | None:
+    if os.environ.get("NCCL_P2P_DISABLE") != "1":
+        return None
+    if os.environ.get("NCCL_SHM_DISABLE") == "1":
+        return Link("socket", "NCCL_P2P_DISABLE=1 and NCCL_SHM_DISABLE=1 are set")
+    return Link("shm", "NCCL_P2P_DISABLE=1 is set")
+
+
+def _host(device: jax.Device):
+    """Which host (or NVLink domain) `device` is on, as far as its link goes: JAX numbers the
+    GPUs of one host, or of one partition the launcher declares, with one `slice_index`. CPU
+    devices count by process: their collectives between processes go through sockets (gloo),
+    on one host too."""
+    index = getattr(device, "slice_index", None)
+    if device.platform == "cpu" or index is None:
+        return ("process", device.process_index)
+    return ("slice", index)
+
+
+def _nvlink_joined(devices: Sequence[jax.Device]) -> tuple[bool | None, str]:
+    """(whether NVML reports NVLink between every pair of the group's GPUs on this host, why);
+    None where NVML cannot tell. The GPUs are this process's devices of the group as NVML
+    numbers them (`CUDA_VISIBLE_DEVICES` maps CUDA's numbers), or, where the group has GPUs of
+    other processes or that map is not a list of numbers, every GPU of the host."""
+    try:
+        import pynvml  # nvidia-ml-py: optional, the library needs only JAX and NumPy
+    except ImportError:
+        return None, "NVML is not installed (pip install nvidia-ml-py)"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as error:
+        return None, f"NVML did not start ({error})"
+    try:
+        indices = _nvml_indices(devices) or tuple(range(pynvml.nvmlDeviceGetCount()))
+        handles = {i: pynvml.nvmlDeviceGetHandleByIndex(i) for i in indices}
+        for a, b in itertools.combinations(indices, 2):
+            status = pynvml.nvmlDeviceGetP2PStatus(
+                handles[a], handles[b], pynvml.NVML_P2P_CAPS_INDEX_NVLINK
+            )
+            if status != pynvml.NVML_P2P_STATUS_OK:
+                return False, f"NVML: no NVLink between GPUs {a} and {b} of this host"
+        return True, f"NVML: NVLink joins GPUs {list(indices)} of this host"
+    except pynvml.NVMLError as error:
+        return None, f"NVML failed ({error})"
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _nvml_indices(devices: Sequence[jax.Device]) -> tuple[int, ...] | None:
+    """NVML's numbers of `devices` when all are this process's and at least two (else None)."""
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    if len(local) < 2 or len(local) != len(devices):
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return tuple(d.local_hardware_id for d in local)
+    order = visible.split(",")
+    if not all(x.strip().isdigit() for x in order):  # UUIDs or MIG names
+        return None
+    return tuple(int(order[d.local_hardware_id]) for d in local)
+
+
+def mesh_link(mesh: jax.sharding.Mesh, axis_name) -> Link:
+    """`explain_link` of the groups along `axis_name` (a mesh axis or a tuple of them) of
+    `mesh`: the slowest group's link (the groups of one mesh are usually alike)."""
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    axes = [mesh.axis_names.index(name) for name in names]
+    grid = np.moveaxis(mesh.devices, axes, list(range(-len(axes), 0)))
+    size = math.prod(mesh.devices.shape[a] for a in axes)
+    groups = {tuple(group) for group in grid.reshape(-1, size)}
+    links = [explain_link(group) for group in groups]
+    return min(links, key=lambda link: SLOWEST_FIRST.index(link.name))
+
+
+def resolve_link(link: str, axis_name=None) -> str:
+    """`link`, or for "auto" the link of the TP group along `axis_name` (`mesh_link` of the
+    concrete mesh where JAX exposes it while tracing, else `explain_link` of this process's
+    devices), said once in the log."""
+    if link != "auto":
+        return link
+    mesh = _concrete_mesh()
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if mesh is not None and axis_name is not None and set(names) <= set(mesh.axis_names):
+        found = mesh_link(mesh, axis_name)
+    else:
+        found = explain_link()
+        if jax.process_count() > 1:
+            found = Link(found.name, f"{found.why}; the mesh is not known here (jax.set_mesh "
+                                     "makes it known), so the group is taken to be this "
+                                     "process's devices", assumed=True)  # fmt: skip
+    _say_once(found)
+    return found.name
+
+
+@functools.cache
+def _say_once(found: Link) -> None:
+    say = LOG.warning if found.assumed else LOG.info
+    say("TP link %s: %s%s", found.name, found.why,
+        "; set link= (compression.link) to choose it" if found.assumed else "")  # fmt: skip
 
 
 def _table(op: str, link: str, n_ranks: int, fused: bool = True) -> dict[str, dict[int, float]]:
@@ -142,7 +295,7 @@ def peer_writes(cfg, axis_name) -> bool:
     return (
         isinstance(axis_name, str)
         and on_real_link(axis_name)
-        and resolve_link(cfg.link) == "nvlink"
+        and resolve_link(cfg.link, axis_name) == "nvlink"
         and jax.process_count() == 1
         and "pcie" not in jax.devices()[0].device_kind.lower()
         and _mesh_in_device_order()
@@ -154,16 +307,22 @@ def _mesh_in_device_order() -> bool:
     row-major order. Under `shard_map(mesh=...)` jax 0.11.2 does not expose the concrete mesh
     while tracing (only under `jax.set_mesh`); such a mesh must follow the rule itself, or
     Mosaic GPU refuses it when the program is compiled."""
+    mesh = _concrete_mesh()
+    if mesh is None:
+        return True
+    ids = mesh.device_ids.ravel()
+    return bool((ids == np.arange(ids.size)).all())
+
+
+def _concrete_mesh() -> jax.sharding.Mesh | None:
+    """The concrete mesh being traced, where JAX exposes it (None: unknown)."""
     try:  # a private function of jax 0.11 (no public one works inside jit); without it: unknown
         from jax._src.mesh import get_concrete_mesh
 
         mesh = get_concrete_mesh()
     except (ImportError, AttributeError):
-        return True
-    if mesh is None or mesh.empty:
-        return True
-    ids = mesh.device_ids.ravel()
-    return bool((ids == np.arange(ids.size)).all())
+        return None
+    return None if mesh is None or mesh.empty else mesh
 
 
 def choose(
@@ -180,7 +339,8 @@ def choose(
     asks_policy = cfg.min_compress_bytes is None or cfg.algorithm == "auto"
     measured = None
     if asks_policy and on_real_link(axis_name):
-        measured = measured_choice(op, cfg.link, n_ranks, nbytes, fused_available)
+        link = resolve_link(cfg.link, axis_name)
+        measured = measured_choice(op, link, n_ranks, nbytes, fused_available)
     if cfg.min_compress_bytes is not None:
         compress = nbytes >= cfg.min_compress_bytes
         reason = f"min_compress_bytes={cfg.min_compress_bytes}"

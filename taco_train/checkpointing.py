@@ -22,16 +22,21 @@ shards and the restored arrays are placed exactly where `train_step` expects the
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
+import logging
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
@@ -72,6 +77,39 @@ def damage(step_dir: Path) -> str | None:
             what = "missing" if name not in actual else "changed"
             return f"its file {name} is {what}"
     return None
+
+
+def read_arrays(step_dir: Path, keys: tuple[str, ...]) -> Any:
+    """The subtree at `keys` (e.g. ("params",), ("opt_state", "master")) of the state saved in
+    `step_dir`, as NumPy arrays in host memory: no device, mesh or layout is needed, so any
+    machine reads any run's checkpoint."""
+    path = (Path(step_dir) / "default").absolute()  # the CheckpointManager's one item
+    checkpointer = ocp.PyTreeCheckpointer()
+    with _quiet("absl"):  # orbax warns that this item has no metadata file of its own
+        tree = checkpointer.metadata(path).item_metadata.tree
+    for key in keys:
+        tree = tree[key]
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    nest = lambda leaf: functools.reduce(lambda inner, key: {key: inner}, reversed(keys), leaf)
+    restored = checkpointer.restore(
+        path, args=ocp.args.PyTreeRestore(item=nest(tree), restore_args=nest(as_numpy),
+                                          partial_restore=True),
+    )  # fmt: skip
+    for key in keys:
+        restored = restored[key]
+    return restored
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """Only errors from the logger `logger_name` while inside."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _say(message: str) -> None:

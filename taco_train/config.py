@@ -17,6 +17,8 @@ config naming one that is not there yet still parses (`TrainConfig.model` is the
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import re
 import tomllib
 import types
 import typing
@@ -269,6 +271,8 @@ class RunConfig:
     async_checkpoint: write checkpoints in the background (orbax's async save; a checkpoint
       still counts only once complete with its manifest, `taco_train.checkpointing`); false
       blocks the loop until each is written and verified.
+    sample_tokens: at the end, print a sample of this many tokens from the final checkpoint
+      (`taco_train.sample`); 0 prints none.
     """
 
     steps: int = 1000
@@ -289,6 +293,7 @@ class RunConfig:
     profile_start: int = 5
     async_checkpoint: bool = True
     comm_error_every: int = 0
+    sample_tokens: int = 0
 
     def __post_init__(self):
         for name in ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every"):
@@ -312,6 +317,7 @@ class RunConfig:
         _check(self.comm_error_every >= 0,
                f"run.comm_error_every={self.comm_error_every} must be >= 0 (0: never)")  # fmt: skip
         _check(self.profile_start >= 1, f"run.profile_start={self.profile_start} must be >= 1")
+        _check(self.sample_tokens >= 0, f"run.sample_tokens={self.sample_tokens} must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,9 +425,48 @@ def apply_override(tree: dict[str, dict[str, Any]], override: str) -> None:
     section, dot, name = key.strip().partition(".")
     if not sep or not dot or not name:
         raise ConfigError(f"override {override!r} is not of the form section.key=value")
-    if section not in SECTIONS:
-        raise ConfigError(f"override {override!r}: unknown section {section!r}; one of {SECTIONS}")
+    try:
+        _check_name(section, name)
+    except ConfigError as error:
+        raise ConfigError(f"override {override!r}: {error}") from None
     tree.setdefault(section, {})[name] = parse_value(value.strip())
+
+
+def _valid_keys(section: str) -> list[str]:
+    """The keys of a section: its dataclass's fields, and the model's preset and init_from."""
+    names = [f.name for f in dataclasses.fields(_SECTION_CLASSES[section])]
+    return names + (["preset", "init_from"] if section == "model" else [])
+
+
+def _did_you_mean(name: str, valid: Sequence[str], shown=str) -> str:
+    """The hint ' (did you mean X?)', X the valid name closest to `name` as `shown` writes it;
+    '' where none is close."""
+    close = difflib.get_close_matches(name, valid, n=1)
+    return f" (did you mean {shown(close[0])}?)" if close else ""
+
+
+def _check_name(section: str, name: str | None = None) -> None:
+    """Raises ConfigError for an unknown section, or key of it, naming the closest valid one."""
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown section {section!r}{_did_you_mean(section, SECTIONS, repr)}; "
+                          f"valid sections: {SECTIONS}")  # fmt: skip
+    valid = _valid_keys(section)
+    if name is not None and name not in valid:
+        hint = _did_you_mean(name, valid, lambda key: f"{section}.{key}")
+        raise ConfigError(f"unknown key {section}.{name}{hint}; valid keys: {sorted(valid)}")
+
+
+def _check_tree(tree: dict[str, Any]) -> None:
+    """The sections, keys and value types of a config file's tree (before any value check)."""
+    for section, values in tree.items():
+        _check_name(section)
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section {section!r} must be a table, got {values!r}")
+        hints = typing.get_type_hints(_SECTION_CLASSES[section])
+        for name, value in values.items():
+            _check_name(section, name)
+            if name in hints:
+                _coerce(section, name, value, hints[name])
 
 
 def _coerce(section: str, name: str, value: Any, hint: Any) -> Any:
@@ -462,8 +507,7 @@ def _build_section(section: str, values: dict[str, Any]) -> Any:
     preset = values.pop("preset", None) if section == "model" else None
     for name in values:
         if name not in fields:
-            valid = sorted(fields) + (["preset"] if section == "model" else [])
-            raise ConfigError(f"unknown key {section}.{name}; valid keys: {valid}")
+            _check_name(section, name)
     hints = typing.get_type_hints(cls)
     typed = {k: _coerce(section, k, v, hints.get(k, Any)) for k, v in values.items()}
     try:
@@ -477,8 +521,7 @@ def _build_section(section: str, values: dict[str, Any]) -> Any:
 def build_config(tree: dict[str, dict[str, Any]]) -> TrainConfig:
     """Builds a `TrainConfig` from a nested {section: {key: value}} dict of overrides."""
     for section, values in tree.items():
-        if section not in SECTIONS:
-            raise ConfigError(f"unknown config section {section!r}; valid sections: {SECTIONS}")
+        _check_name(section)
         if not isinstance(values, dict):
             raise ConfigError(f"config section {section!r} must be a table, got {values!r}")
     model = tree.get("model", {})
@@ -523,7 +566,8 @@ def resolve_model(cfg: TrainConfig, *, required: bool = False) -> TrainConfig:
         if cfg.seq_len is not None and cfg.seq_len != model.seq_len:
             _check(model.arch != "gpt", f"model.seq_len={cfg.seq_len} differs from the "
                    f"n_positions={model.seq_len} of model.init_from={cfg.init_from!r} "
-                   "(GPT-2's learned positions fix it)")  # fmt: skip
+                   f"(GPT-2's learned positions fix it): set model.seq_len={model.seq_len} or "
+                   "leave it unset")  # fmt: skip
             model = dataclasses.replace(model, seq_len=cfg.seq_len)
     except hf.CheckpointError as error:
         raise ConfigError(f"model.init_from={cfg.init_from!r}: {error}") from None
@@ -546,16 +590,28 @@ def from_saved(tree: dict[str, dict[str, Any]]) -> TrainConfig:
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """Reads a TOML file of overrides (or none), applies `section.key=value` overrides, builds."""
+    """Reads a TOML file of overrides (or none), applies `section.key=value` overrides, builds.
+    An error about a name, type or value the file holds (and no override replaces) names the
+    file."""
     tree: dict[str, dict[str, Any]] = {}
+    where = f"config file {str(path)!r}"
     if path is not None:
         try:
             with open(path, "rb") as f:
                 tree = tomllib.load(f)
+            _check_tree(tree)
         except FileNotFoundError:
-            raise ConfigError(f"config file {str(path)!r} does not exist") from None
-        except tomllib.TOMLDecodeError as error:
-            raise ConfigError(f"config file {str(path)!r}: {error}") from None
+            raise ConfigError(f"{where} does not exist") from None
+        except (tomllib.TOMLDecodeError, ConfigError) as error:
+            raise ConfigError(f"{where}: {error}") from None
+    from_file = {f"{s}.{k}" for s, values in tree.items() for k in values}
     for override in overrides:
         apply_override(tree, override)
-    return build_config(tree)
+        from_file.discard(override.partition("=")[0].strip())
+    try:
+        return build_config(tree)
+    except ConfigError as error:
+        key = re.match(r"(\w+\.\w+)=", str(error))
+        if key is None or key.group(1) not in from_file:
+            raise
+        raise ConfigError(f"{where}: {error}") from None

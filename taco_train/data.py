@@ -329,6 +329,11 @@ class Tokenizer:
             return bytes(i for i in ids if 0 < i < 256).decode("utf-8", errors="replace")
         return self._bpe.decode(ids)
 
+    def save(self, path: str | Path) -> None:
+        """Writes it as a Hugging Face tokenizer.json (`tokenizers` and transformers load it):
+        the BPE's own, or for "byte" `byte_level_bpe()`."""
+        (byte_level_bpe() if self.kind == "byte" else self._bpe).save(str(path))
+
     @classmethod
     def train_bpe(cls, texts: list[str], vocab_size: int) -> Tokenizer:
         """GPT-2-style byte-level BPE with `vocab_size` entries, `EOT` included."""
@@ -357,6 +362,28 @@ class Tokenizer:
         if tok.eot_id is None:
             raise ValueError(f"{path}: the tokenizer has no {EOT!r} token to end documents with")
         return tok
+
+
+def byte_level_bpe():
+    """The "byte" tokenizer as a `tokenizers.Tokenizer`: byte-level BPE without merges whose id
+    of each byte is its value (so NUL, id 0, is the end-of-text), GPT-2's symbols for them."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {symbol: byte for byte, symbol in enumerate(_byte_symbols())}
+    bpe = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    bpe.decoder = decoders.ByteLevel()
+    return bpe
+
+
+def _byte_symbols() -> list[str]:
+    """The character byte-level BPE writes for each byte 0..255 (GPT-2's `bytes_to_unicode`):
+    printable Latin-1 bytes stand for themselves, the others for 256, 257, ... in order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)}  # fmt: skip
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,7 +443,9 @@ def prepare_dataset(
 def _given_tokenizer(path: str | Path | None, vocab_size: int) -> Tokenizer:
     """The Hugging Face tokenizer.json at `path`, checked against the model's vocabulary."""
     if path is None or not Path(path).is_file():
-        raise DataError(f"data.tokenizer='hf' reads a tokenizer.json: {path} is not a file")
+        raise DataError(f"data.tokenizer='hf' reads model.init_from's tokenizer.json, and {path} "
+                        "is not a file: set data.tokenizer=bpe (trained on data.corpus) or "
+                        "data.tokenizer=byte")  # fmt: skip
     tok = Tokenizer.load(Path(path))
     if tok.vocab_size > vocab_size:
         raise ValueError(f"{path}: the tokenizer's {tok.vocab_size} ids do not fit the model's "

@@ -231,10 +231,17 @@ def full_params(
     replica)."""  # fmt: skip
     if not sharded:
         return state.params
+    return unshard_master(state.opt_state.master, model, parallel, tp_axis)
+
+
+def unshard_master(
+    master: Any, model: ModelConfig, parallel: ParallelConfig, tp_axis: str = "tp"
+) -> Any:
+    """The sharded optimizer's fp32 master shards (`opt_state.master`, every leaf [dp, ...,
+    S]) as the full-layout parameters."""
     shards = _ShardLayout.of(model, parallel, tp_axis)
-    master = jax.device_get(state.opt_state.master)
     like = layout.abstract_params(model)
-    return zero.unshard_leaves(master, like, shards.dims)
+    return zero.unshard_leaves(jax.device_get(master), like, shards.dims)
 
 
 def state_split(parallel: ParallelConfig) -> tuple[int, int, int]:

@@ -9,6 +9,7 @@ run exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -24,7 +25,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import taco_jax
-from models.parallel import ParallelConfig, check_devices, weight_decay_mask
+from models.parallel import PP_AXIS, ParallelConfig, check_devices, make_mesh, weight_decay_mask
 from taco_jax import telemetry
 from taco_train import comm_error, data, metrics, optim
 from taco_train.checkpointing import Checkpointer, abstract_state
@@ -82,6 +83,7 @@ class _Run:
         self.train_batches = data.Batches(self.dataset.train, b, t, seed, "training split")
         self.val_batches = data.Batches(self.dataset.val, b, t, seed, "validation split")
         self.schedule = optim.lr_schedule(cfg.optimizer, cfg.run.steps)
+        self.links = resolve_links(cfg)
         self.build({})
         self.n_devices = self.steps.mesh.devices.size
         device_kind = self.steps.mesh.devices.flat[0].device_kind
@@ -92,10 +94,11 @@ class _Run:
         """The run's jitted steps with the error budget's `fallbacks` ({call site: codec}), and
         the measuring step beside the train step where `run.comm_error_every` asks for one."""
         self.fallbacks = dict(fallbacks)
-        self.steps = build_steps(self.cfg, self.fallbacks)
+        self.steps = build_steps(self.cfg, self.fallbacks, links=self.links)
         self.measure_step = None
         if self.cfg.run.comm_error_every:
-            self.measure_step = build_steps(self.cfg, self.fallbacks, measure=True).train_step
+            measuring = build_steps(self.cfg, self.fallbacks, measure=True, links=self.links)
+            self.measure_step = measuring.train_step
 
     def measures(self, step: int) -> bool:
         """Whether (1-based) `step` is a measuring step."""
@@ -136,10 +139,44 @@ def _fresh_state(run: _Run, key: jax.Array):
     return run.steps.start(params)
 
 
-def build_steps(cfg: TrainConfig, fallbacks: dict[str, str] | None = None, measure: bool = False):
+def resolve_links(cfg: TrainConfig) -> dict[str, taco_jax.policy.Link]:
+    """{"link" / "pp_link": the link of the TP groups / pipeline stages} where the config leaves
+    it at "auto" and that axis spans real devices: from the devices of the run's mesh
+    (`taco_jax.policy.mesh_link`: their hosts, NVML). config.json keeps "auto"."""
+    p, comp = cfg.parallel, cfg.compression
+    if p.mode != "shard_map":
+        return {}
+    axes = {"link": ("tp", p.tp)}
+    if comp.pp_grads != "none":  # the one collective that reads pp_link
+        axes["pp_link"] = (PP_AXIS, p.pp)
+    wanted = {key: axis for key, (axis, size) in axes.items()
+              if getattr(comp, key) == "auto" and size > 1}  # fmt: skip
+    if not wanted:
+        return {}
+    mesh = make_mesh(p)
+    return {key: taco_jax.policy.mesh_link(mesh, axis) for key, axis in wanted.items()}
+
+
+def _say_links(links: dict[str, taco_jax.policy.Link]) -> None:
+    """One line per link "auto" resolved: which, and why."""
+    for key, link in links.items():
+        advice = f" (set compression.{key} to choose it)" if link.assumed else ""
+        _say(f"compression.{key}=auto -> {link.name}: {link.why}{advice}")
+
+
+def build_steps(
+    cfg: TrainConfig,
+    fallbacks: dict[str, str] | None = None,
+    measure: bool = False,
+    links: dict[str, taco_jax.policy.Link] | None = None,
+):
     """The jitted steps of the run `cfg` (`taco_train.steps.make_steps`), the call sites of
     `fallbacks` on their fallback codecs; `measure`: with the collectives' measurement on
-    (`taco_jax.telemetry`), for the measuring steps (`taco_train.comm_error`)."""
+    (`taco_jax.telemetry`), for the measuring steps (`taco_train.comm_error`); the `links` of
+    `resolve_links` in place of "auto"."""
+    if links:
+        resolved = {key: link.name for key, link in links.items()}
+        cfg = dataclasses.replace(cfg, compression=dataclasses.replace(cfg.compression, **resolved))
     mask = weight_decay_mask(cfg.model)
     comp, sites = cfg.compression, {"measure": measure, "fallbacks": fallbacks}
     sharded = None
@@ -250,6 +287,8 @@ def _shard_layout(flat_config: dict[str, Any]) -> tuple[int, int, int]:
     return state_split(ParallelConfig(**fields))
 
 
+# The run's tokenizer (`data.Tokenizer.save`), beside its config: what export and sample read.
+TOKENIZER_FILE = "tokenizer.json"
 # What a run writes into run.out_dir (docs/training.md, "Outputs"): what `run.resume=false`
 # moves into the archive, so that the new run neither resumes nor mixes with the old one.
 RUN_OUTPUTS = (
@@ -262,6 +301,7 @@ RUN_OUTPUTS = (
     "comm_error.png",
     "profile",
     "collectives_policy.txt",
+    TOKENIZER_FILE,
 )
 
 
@@ -298,15 +338,16 @@ def _write_config(cfg: TrainConfig, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(_config_json(cfg), indent=1))
 
 
-def _say_policy(cfg: TrainConfig, out: Path) -> None:
+def _say_policy(cfg: TrainConfig, out: Path, link: str = "auto") -> None:
     """Where the collectives' "auto" policy compresses on this machine's link, when it decides
     (TP over real GPUs with min_compress_bytes unset, docs/method.md "The auto policy"):
     printed, and kept in `collectives_policy.txt` beside the run's config, so a run recorded as
-    `taco` says where it really compressed."""
+    `taco` says where it really compressed. link: the TP link (`resolve_links`'s, or the
+    config's)."""
     comp = cfg.compression
     real_tp = cfg.parallel.tp > 1 and cfg.parallel.mode == "shard_map"
     if real_tp and comp.min_compress_bytes is None and jax.default_backend() == "gpu":
-        text = taco_jax.policy.summary(comp.link, cfg.parallel.tp)
+        text = taco_jax.policy.summary(link, cfg.parallel.tp)
         _say("collectives (auto policy, by message bytes per rank; set "
              "compression.min_compress_bytes=0 to compress every one):\n" + text)  # fmt: skip
         if jax.process_index() == 0:
@@ -328,6 +369,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
     lead = jax.process_index() == 0
     if lead:
         _write_config(cfg, run.out)
+        run.dataset.tokenizer.save(run.out / TOKENIZER_FILE)  # the export's and sample's
     ckpt = Checkpointer(run.out / "checkpoints", cfg.run.keep_checkpoints, cfg.run.async_checkpoint)
     state, start = _init_or_restore(run, ckpt)
     record_changes(changes, start, run.out)
@@ -348,7 +390,8 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
         f"model {params / 1e6:.2f}M params | {layout} | {codecs} | train tokens "
         f"{run.dataset.train.size:,} | steps {start} -> {cfg.run.steps} | out {run.out}"
     )
-    _say_policy(cfg, run.out)
+    _say_links(run.links)
+    _say_policy(cfg, run.out, run.links["link"].name if "link" in run.links else comp.link)
     end = cfg.run.steps if cfg.run.stop_at is None else cfg.run.stop_at
     if start >= end:
         _say(f"the run in {run.out} is at step {start}, the end of this one ({end}): nothing to "
@@ -371,7 +414,32 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
         if lead and (table := comm_error.table(records, comp.error_budget)):
             _say(table)
         _say(_summary(run, start, end, last, time.perf_counter() - started))
+        if cfg.run.sample_tokens and lead:
+            _print_sample(cfg, run.out)
     return last
+
+
+# The end-of-run sample: tempered, from the likeliest tokens (greedy text from a small model
+# tends to repeat itself), the same for the same run (seeded by run.seed).
+SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 40
+
+
+def _print_sample(cfg: TrainConfig, out: Path) -> None:
+    """A sample of `run.sample_tokens` tokens from the final checkpoint, after an end-of-text
+    token (a new document), on stdout: the text `python -m taco_train.sample RUN_DIR
+    --temperature 0.8 --top-k 40 --seed SEED` prints."""
+    from taco_train import sample
+
+    model, params, tokenizer, eot = sample.load(out)
+    budget = cfg.run.sample_tokens
+    if model.arch == "gpt":  # the learned positions hold the start token and seq_len - 1 more
+        budget = min(budget, model.seq_len - 1)
+    top_k = min(SAMPLE_TOP_K, model.vocab_size)
+    text = sample.complete(model, params, tokenizer, eot, "", budget, seed=cfg.run.seed,
+                           temperature=SAMPLE_TEMPERATURE, top_k=top_k)  # fmt: skip
+    how = f"{budget} tokens at most, temperature {SAMPLE_TEMPERATURE}, top-k {top_k}"
+    more = f"python -m taco_train.sample {out} --prompt ... for more"
+    print(f"sample ({how}; {more}):\n{text}", flush=True)
 
 
 def _summary(run: _Run, start: int, end: int, last: dict[str, Any], seconds: float) -> str:

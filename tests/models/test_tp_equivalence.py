@@ -205,6 +205,19 @@ def test_vmap_rank_view_matches_named_sharding_shards():
             np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(expected))
 
 
+def test_the_mesh_is_the_devices_in_order_whatever_hosts_they_are_on(monkeypatch):
+    """(dp, tp) row-major over the devices in id order (JAX numbers them host by host, so TP
+    stays inside a host), without `jax.make_mesh`, which refuses GPUs of several hosts."""
+    from models.parallel import make_mesh
+
+    _needs_devices(8)
+    refuse = lambda *args, **kwargs: pytest.fail("jax.make_mesh refuses several hosts")  # noqa: E731
+    monkeypatch.setattr(jax, "make_mesh", refuse)
+    mesh = make_mesh(ParallelConfig(dp=2, tp=4))
+    assert mesh.axis_names == ("dp", "tp") and mesh.devices.shape == (2, 4)
+    assert [d.id for d in mesh.devices.flat] == sorted(d.id for d in jax.devices())[:8]
+
+
 def test_overlap_chunks_must_divide_the_batch():
     params = init_params(GPT, jax.random.key(0))
     parallel = ParallelConfig(tp=2, mode="vmap", overlap_chunks=3)

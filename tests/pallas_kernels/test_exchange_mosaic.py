@@ -91,8 +91,10 @@ def test_a_plan_must_keep_every_program_resident(monkeypatch):
 
 
 def _pretend_nvlink(monkeypatch):
-    """Make the fused path's conditions hold on the CPU: a real link, a Hopper GPU."""
+    """Make the fused path's conditions hold on the CPU: a real link, found to be NVLink, a
+    Hopper GPU."""
     monkeypatch.setattr(policy, "on_real_link", lambda axis_name: True)
+    monkeypatch.setattr(policy, "_device_link", lambda devices: policy.Link("nvlink", "pretended"))
     monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
 
 

@@ -120,24 +120,6 @@ def test_measured_table_sizes_follow_the_rule():
                 assert policy.QUANTIZATIONS[chosen] <= policy.QUANTIZATIONS[best]
 
 
-@pytest.mark.parametrize(
-    "env,link",
-    [
-        ({}, "nvlink"),
-        ({"NCCL_P2P_DISABLE": "1"}, "shm"),
-        ({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}, "socket"),
-    ],
-)
-def test_link_from_nccl_switches(monkeypatch, env, link):
-    for name in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    assert policy.detect_link() == link
-    assert policy.resolve_link("auto") == link
-    assert policy.resolve_link("shm") == "shm"
-
-
 def test_bad_link_names_the_value():
     with pytest.raises(ValueError, match="link='pcie'"):
         tj.comm_config(link="pcie")

@@ -1,6 +1,7 @@
 """Config files, command-line overrides and validation errors."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,62 @@ def test_an_error_budget_needs_measuring_steps():
         load_config(None, ["run.comm_error_every=-1"])
     with pytest.raises(ValueError, match="compression.fallback_codec='int9' is not one of"):
         load_config(None, ["compression.fallback_codec=int9"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.vocab_sise=3", "unknown key model.vocab_sise (did you mean model.vocab_size?); "
+         "valid keys: ['arch', "),
+        ("optimiser.lr=3", "unknown section 'optimiser' (did you mean 'optimizer'?); valid "
+         "sections: ('model', "),
+        ("model.zzz=3", "unknown key model.zzz; valid keys: "),  # nothing close
+        ("run.out_dri=x", "(did you mean run.out_dir?)"),
+    ],
+)  # fmt: skip
+def test_unknown_names_say_the_closest_valid_one(override, message):
+    with pytest.raises(ValueError) as info:
+        load_config(None, [override])
+    assert str(info.value).startswith(f"override {override!r}: ") and message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "toml, message",
+    [
+        ("[optimizer]\nlrr = 1e-3\n", "unknown key optimizer.lrr (did you mean optimizer.lr?)"),
+        ("[optimiser]\nlr = 1e-3\n", "unknown section 'optimiser' (did you mean 'optimizer'?)"),
+        ("[run]\nsteps = 'ten'\n", "run.steps='ten' does not match the field type"),
+        ("[optimizer]\nlr = -1.0\n", "optimizer.lr=-1.0 must be > 0"),
+        ("[optimizer]\nlr = 1e-3\n[run]\nsteps = [\n", "Invalid value"),  # not TOML
+    ],
+)
+def test_errors_in_a_config_file_name_the_file(toml, message, tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text(toml)
+    with pytest.raises(ValueError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"config file {str(path)!r}: ") and message in str(info.value)
+
+
+def test_a_bad_value_given_by_an_override_does_not_blame_the_file(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text("[optimizer]\nlr = 1e-3\n")
+    with pytest.raises(ValueError) as info:
+        load_config(path, ["optimizer.lr=-2"])
+    assert str(info.value) == "optimizer.lr=-2.0 must be > 0"
+
+
+def test_a_vocabulary_tp_cannot_split_says_the_vocab_size_to_set():
+    """4000 pads to 4096 rows, which tp = 3 does not split; 4224 (a multiple of lcm(128, 3))
+    pads to itself, which it does."""
+    layout = ["parallel.tp=3", "model.n_heads=6", "model.n_kv_heads=6", "model.d_model=192",
+              "model.d_ff=768"]  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape(
+        "model.vocab_size=4000 is padded to 4096 rows (a multiple of 128), which parallel.tp=3 "
+        "does not split: set model.vocab_size to a multiple of 384 (e.g. 4224) or parallel.tp "
+        "to a divisor of 4096")):  # fmt: skip
+        load_config(None, [*layout, "model.vocab_size=4000"])
+    assert load_config(None, [*layout, "model.vocab_size=4224"]).model.padded_vocab == 4224
 
 
 def test_one_f_one_b_schedule_is_accepted_and_takes_no_repeats():

@@ -113,6 +113,20 @@ def test_byte_tokenizer_roundtrip():
     assert tok.vocab_size == 256 and data.BYTE_EOT_ID not in ids
 
 
+def test_byte_tokenizer_saves_as_a_tokenizer_json_with_the_same_ids(tmp_path):
+    """What an export carries: `tokenizers` (and so transformers) encode and decode as we do,
+    every byte its own id, NUL (the end-of-text, id 0) included."""
+    from tokenizers import Tokenizer
+
+    data.Tokenizer("byte").save(tmp_path / "tokenizer.json")
+    loaded = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    text = "Whether 'tis nobler in the mind\n\tto suffer: ü, ✓, 漢"
+    ids = loaded.encode(text).ids
+    assert ids == data.Tokenizer("byte").encode([text])[0].tolist() == list(text.encode())
+    assert loaded.decode(ids) == data.Tokenizer("byte").decode(ids) == text
+    assert loaded.get_vocab_size() == 256 and loaded.encode("\0").ids == [data.BYTE_EOT_ID]
+
+
 def test_bpe_tokenizer_trains_and_roundtrips(corpus_dir):
     texts = [d.text for d in data.load_documents(corpus_dir)]
     tok = data.Tokenizer.train_bpe(texts, 400)

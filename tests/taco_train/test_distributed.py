@@ -1,7 +1,13 @@
-"""Two local CPU processes train together through `jax.distributed`: dp = 2 across processes,
-and a pipeline with one stage per process that checkpoints and resumes."""
+"""Two local CPU processes train together through `jax.distributed`: docs/training.md's
+two-host recipe as written (TP inside each process, dp = 2 across; its SLURM script too), a TP
+group across the processes (the network link), and a pipeline with one stage per process that
+checkpoints and resumes."""
 
+import os
+import re
+import shlex
 import socket
+import stat
 import subprocess
 import sys
 
@@ -9,6 +15,7 @@ import numpy as np
 import pytest
 from train_testing import (
     REPO,
+    TINY,
     assert_same_state,
     checkpoint_steps,
     subprocess_env,
@@ -18,8 +25,11 @@ from train_testing import (
 
 from taco_train import metrics
 from taco_train.checkpointing import damage
+from taco_train.config import load_config
+from taco_train.main import parse_args
 
 TIMEOUT_S = 240
+DOC = REPO / "docs" / "training.md"
 
 
 def _free_port() -> int:
@@ -28,25 +38,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_two_processes(out_dir, cache_dir, *extra: str) -> None:
-    """configs/tiny.toml with `extra`, as two CPU processes of one device each."""
-    port = _free_port()
-    overrides = tiny_overrides(out_dir, cache_dir, *extra)
-    cmd = [sys.executable, "-m", "taco_train", "--config", str(REPO / "configs" / "tiny.toml")]
-    for o in overrides:
-        cmd += ["--set", o]
+def _launch(commands: list[tuple[dict[str, str], list[str]]], devices: int = 1) -> list[str]:
+    """Runs each (environment, argv) as a CPU process of `devices` devices in the repository,
+    together; their outputs, once all exited 0."""
     procs = []
-    for rank in range(2):
+    for env, argv in commands:
         env = subprocess_env(
-            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-            JAX_NUM_PROCESSES="2",
-            JAX_PROCESS_ID=str(rank),
-            XLA_FLAGS="--xla_force_host_platform_device_count=1",
+            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
             JAX_PLATFORMS="cpu",
+            **env,
         )
         procs.append(
             subprocess.Popen(
-                cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
         )
     outputs = []
@@ -61,14 +65,101 @@ def _run_two_processes(out_dir, cache_dir, *extra: str) -> None:
     return outputs
 
 
+def _run_two_processes(out_dir, cache_dir, *extra: str) -> list[str]:
+    """configs/tiny.toml with `extra`, as two CPU processes of one device each."""
+    port = _free_port()
+    argv = [sys.executable, "-m", "taco_train", "--config", TINY]
+    for o in tiny_overrides(out_dir, cache_dir, *extra):
+        argv += ["--set", o]
+    env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2"}
+    return _launch([({**env, "JAX_PROCESS_ID": str(rank)}, argv) for rank in range(2)])
+
+
+def _doc_block(after: str) -> str:
+    """The first ```bash block after `after` in docs/training.md's "Several hosts"."""
+    section = DOC.read_text().split("## Several hosts", 1)[1].split("\n## ", 1)[0]
+    return section.split(after, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+
+
+def _per_host_commands() -> list[tuple[dict[str, str], list[str]]]:
+    """The docs' command for each host: (its environment, argv)."""
+    commands = []
+    for line in _doc_block("**Two hosts of 8 GPUs**").replace("\\\n", " ").splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            words = shlex.split(line)
+            env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=\S*", w))
+            commands.append((env, words[len(env) :]))
+    return commands
+
+
 @pytest.mark.slow
-def test_two_processes_train(tmp_path):
+def test_the_two_host_recipe_of_the_docs(tmp_path, cache):
+    """docs/training.md's commands per host, as written, with 127.0.0.1 for node0, 8 CPU
+    devices per process for its 8 GPUs, and the model, data and length of configs/tiny.toml
+    after them (a later --config replaces the docs' file; their --set layout keys stay)."""
+    commands = _per_host_commands()
+    assert [env["JAX_PROCESS_ID"] for env, _ in commands] == ["0", "1"]
+    port, run = _free_port(), tmp_path / "run"
+    launched = []
+    for env, argv in commands:
+        assert argv[:3] == ["python", "-m", "taco_train"]
+        args = parse_args(argv[3:])
+        assert load_config(REPO / args.config, args.overrides).parallel.num_devices == 16
+        address = env["JAX_COORDINATOR_ADDRESS"].replace("node0", "127.0.0.1")
+        tiny = ["--config", TINY]
+        for o in tiny_overrides(run, cache, "run.steps=2", "run.eval_every=2"):
+            tiny += ["--set", o]
+        environment = {**env, "JAX_COORDINATOR_ADDRESS": address.replace("8476", str(port))}
+        launched.append((environment, [sys.executable, *argv[1:], *tiny]))
+    outputs = _launch(launched, devices=8)
+    assert "| tp=8 (shard_map) dp=2 |" in outputs[0]
+    assert (
+        "compression.link=auto -> shm: the group's 8 cpu devices share one process's memory"
+        in (outputs[0])
+    )
+    train = [r for r in metrics.read_jsonl(run / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [2] and np.isfinite(train[0]["loss"])
+
+
+def test_the_slurm_script_starts_the_per_host_commands(tmp_path):
+    """docs/training.md's batch script under stand-ins for `scontrol` and `srun` (which starts
+    its command once per host, as SLURM does with one task per node) and for `python` (which
+    records what it was started with): each host's environment and arguments are the docs'
+    command for that host."""
+    bin_dir, launched = tmp_path / "bin", tmp_path / "launched"
+    bin_dir.mkdir()
+    launched.mkdir()
+    stand_ins = {
+        "scontrol": "printf 'node0\\nnode1\\n'",
+        "srun": 'for i in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_PROCID=$i "$@"; done',
+        "python": 'printf "%s\\n" "$JAX_COORDINATOR_ADDRESS" "$JAX_NUM_PROCESSES" '
+        '"$JAX_PROCESS_ID" "$@" > "$LAUNCHED/$JAX_PROCESS_ID"',
+    }
+    for name, body in stand_ins.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    (tmp_path / "two_hosts.sh").write_text(_doc_block("The same under SLURM"))
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node[0-1]",
+           "SLURM_NNODES": "2", "LAUNCHED": str(launched)}  # fmt: skip
+    subprocess.run(["bash", str(tmp_path / "two_hosts.sh")], env=env, check=True, timeout=60)
+    for env, argv in _per_host_commands():
+        recorded = (launched / env["JAX_PROCESS_ID"]).read_text().splitlines()
+        keys = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+        assert recorded == [env[k] for k in keys] + argv[1:]
+
+
+@pytest.mark.slow
+def test_a_tp_group_across_two_processes_reads_the_network_table(tmp_path, cache):
+    """TP = 2 with one device per process: "auto" finds the group on two processes (whose CPU
+    collectives go through sockets) and says so; the run trains."""
     run = tmp_path / "run"
-    _run_two_processes(run, tmp_path / "cache", "parallel.dp=2", "run.steps=4", "run.eval_every=4")
-    records = metrics.read_jsonl(run / "metrics.jsonl")
-    train = [r for r in records if r["kind"] == "train"]
-    assert [r["step"] for r in train] == [2, 4]
-    assert all(np.isfinite(r["loss"]) for r in train)
+    outputs = _run_two_processes(run, cache, "parallel.mode='shard_map'", "parallel.tp=2",
+                                 "run.steps=2", "run.eval_every=2")  # fmt: skip
+    assert (
+        "compression.link=auto -> socket: the group's 2 devices are on 2 processes" in (outputs[0])
+    )
+    train = [r for r in metrics.read_jsonl(run / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [2] and np.isfinite(train[0]["loss"])
 
 
 # A pipeline of two stages, one per process (each process one device): the stage sends, INT8

@@ -71,8 +71,20 @@ def test_geometry_beside_init_from_is_refused(tmp_path, cache):
 
 
 def test_gpt2_sequence_length_is_the_checkpoints(tmp_path, cache):
-    with pytest.raises(ConfigError, match=r"model\.seq_len=16 differs from the n_positions=32"):
+    with pytest.raises(ConfigError, match=r"model\.seq_len=16 differs from the n_positions=32 .*"
+                                          r"set model\.seq_len=32 or leave it unset"):  # fmt: skip
         _config(tmp_path, cache, "model.seq_len=16", init_from=str(FIXTURES / "gpt2"))
+
+
+def test_a_checkpoint_without_a_tokenizer_says_which_tokenizer_to_set(tmp_path, cache):
+    cfg = _config(tmp_path, cache, 'data.tokenizer="hf"', init_from=str(FIXTURES / "gpt2"))
+    with pytest.raises(
+        ConfigError,
+        match=r"data\.tokenizer='hf' reads model\.init_from's "
+        r"tokenizer\.json, and .*gpt2/tokenizer\.json is not a file: set "
+        r"data\.tokenizer=bpe \(trained on data\.corpus\) or data\.tokenizer=byte",
+    ):
+        trainer.train_and_evaluate(cfg)  # fmt: skip
 
 
 def test_hf_tokenizer_needs_init_from():

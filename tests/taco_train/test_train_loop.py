@@ -172,6 +172,22 @@ def test_auto_policy_is_printed_and_kept_for_real_tp_on_gpus(tmp_path, monkeypat
         assert "all_reduce on" in capsys.readouterr().err
 
 
+def test_auto_links_are_found_from_the_run_mesh_and_built_into_its_steps(monkeypatch):
+    """TP under shard_map with link "auto": the TP groups' link from the mesh's devices (two
+    CPU devices of this process: shared memory); none under vmap (no link) or when set."""
+    tp2 = ["parallel.mode='shard_map'", "parallel.tp=2"]
+    links = trainer.resolve_links(load_config(TINY, tp2))
+    assert list(links) == ["link"] and links["link"] == taco_jax.policy.Link(
+        "shm", "the group's 2 cpu devices share one process's memory")  # fmt: skip
+    assert trainer.resolve_links(load_config(TINY, ["parallel.tp=2"])) == {}
+    assert trainer.resolve_links(load_config(TINY, [*tp2, "compression.link=socket"])) == {}
+    built = {}
+    monkeypatch.setattr(trainer, "make_steps", lambda model, parallel, comm, *_: built.update(
+        comm=comm))  # fmt: skip
+    trainer.build_steps(load_config(TINY, tp2), links={"link": taco_jax.policy.Link("socket", "-")})
+    assert built["comm"].fwd.link == built["comm"].bwd.link == "socket"
+
+
 PIPELINED = (
     "parallel.mode='shard_map'",
     "parallel.pp=2",

@@ -4,6 +4,9 @@ import os
 from pathlib import Path
 
 FIXTURE_CORPUS = Path(__file__).parent / "fixtures" / "tiny_corpus"
+# A Python with torch and transformers (not project dependencies), for the tests that
+# transformers loads an export; unset, those tests skip that check.
+HF_PYTHON = os.environ.get("TACO_HF_PYTHON")
 REPO = Path(__file__).parents[2]
 TINY = str(REPO / "configs" / "tiny.toml")
 
@@ -85,3 +88,38 @@ def subprocess_env(**updates: str) -> dict[str, str]:
     if "TACO_TEST_USER_XLA_FLAGS" in os.environ:
         env["XLA_FLAGS"] = os.environ["TACO_TEST_USER_XLA_FLAGS"]
     return env | updates
+
+
+# A text with words, punctuation and a newline, for tokenizers to agree on.
+TEXT = "To be, or not to be: that is the question.\nWhether 'tis nobler"
+
+
+def transformers_loads(directory, cfg, params, tokenizer, tmp_path) -> None:
+    """AutoTokenizer encodes as the run's tokenizer did; AutoModelForCausalLM's logits of
+    those ids (the first seq_len) equal ours within tests/models/test_hf.py's LOGITS_RTOL
+    (its derivation there: the same fp32 arithmetic in another order)."""
+    import subprocess
+
+    import numpy as np
+
+    from models.parallel import reference_logits
+
+    script = (
+        "import sys, numpy as np, torch, transformers\n"
+        "tok = transformers.AutoTokenizer.from_pretrained(sys.argv[1])\n"
+        "m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
+        "ids = tok(open(sys.argv[2]).read())['input_ids'][: int(sys.argv[5])]\n"
+        "with torch.no_grad(): logits = m(torch.tensor([ids])).logits.float().numpy()\n"
+        "np.save(sys.argv[3], np.asarray(ids)); np.save(sys.argv[4], logits)\n"
+    )
+    (tmp_path / "text.txt").write_text(TEXT)
+    ids_file, logits_file = tmp_path / "ids.npy", tmp_path / "logits.npy"
+    subprocess.run([HF_PYTHON, "-c", script, str(directory), str(tmp_path / "text.txt"),
+                    str(ids_file), str(logits_file), str(cfg.seq_len)], check=True,
+                   timeout=300)  # fmt: skip
+    ids = np.load(ids_file)
+    np.testing.assert_array_equal(ids, tokenizer.encode([TEXT])[0][: cfg.seq_len])
+    ours = np.asarray(reference_logits(cfg, params, ids[None], dtype="float32"))
+    theirs = np.load(logits_file)
+    relative = np.max(np.abs(ours[..., : cfg.vocab_size] - theirs)) / np.max(np.abs(theirs))
+    assert relative <= 1e-4
