@@ -203,6 +203,19 @@ def _gpt(d_model: int, n_layers: int, n_heads: int, **kw) -> ModelConfig:
     )
 
 
+_QWEN2_TINY = ModelConfig(
+    vocab_size=256,
+    seq_len=32,
+    d_model=64,
+    n_layers=2,
+    n_heads=8,
+    n_kv_heads=4,
+    d_ff=160,
+    arch="qwen2",
+    norm_eps=1e-6,
+    rope_theta=1e6,
+)
+
 PRESETS: dict[str, ModelConfig] = {
     # Tiny shapes for CPU tests: compile in seconds, still exercise every code path.
     "gpt_tiny": _gpt(64, 2, 8, vocab_size=256, seq_len=32),
@@ -216,28 +229,12 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt_2p7b": _gpt(2560, 32, 32),
     "gpt_6p7b": _gpt(4096, 32, 32),
     "gpt_13b": _gpt(5120, 40, 40),
-    "qwen2_tiny": ModelConfig(
-        vocab_size=256,
-        seq_len=32,
-        d_model=64,
-        n_layers=2,
-        n_heads=8,
-        n_kv_heads=4,
-        d_ff=160,
-        arch="qwen2",
-        norm_eps=1e-6,
-        rope_theta=1e6,
-    ),
+    "qwen2_tiny": _QWEN2_TINY,
     # Llama 3.1's layout (no QKV bias, untied head, "llama3" rotary scaling) at qwen2_tiny's size.
-    "llama_tiny": ModelConfig(
-        vocab_size=256,
-        seq_len=32,
-        d_model=64,
-        n_layers=2,
-        n_heads=8,
-        n_kv_heads=4,
-        d_ff=160,
+    "llama_tiny": dataclasses.replace(
+        _QWEN2_TINY,
         arch="llama",
+        norm_eps=1e-5,
         rope_theta=10_000.0,
         rope_scaling=RopeScaling(8.0, 1.0, 4.0, 16),
     ),
