@@ -23,7 +23,7 @@ name their commit.
 `--dry` runs both sets of parts on the CPU (8 fake devices, the kernels in Pallas'
 interpreter) with tiny sizes and two rounds, records into `--out` (a temporary directory by
 default) and regenerates the tables from the committed records and these into copies of the
-documents there: the command is known to work before a GPU machine is lent.
+documents there: the command is known to work before it runs on GPUs.
 """
 
 from __future__ import annotations

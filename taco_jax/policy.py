@@ -54,8 +54,8 @@ MIN_SPEEDUP = 1.05
 # spread between runs of one size is a few percent, BENCHMARKS.md); among them the one that
 # quantizes fewer times wins (less error, and one collective instead of two), the fastest of
 # those. Over shared memory the 16 MiB row had two-shot 0.5% ahead of one-shot, yet in the
-# GPT-1.3B TP = 2 step with 32 MiB all-reduces one-shot measured faster (BENCHMARKS.md,
-# "Overlapping the TP collectives with compute").
+# GPT-1.3B TP = 2 step with 32 MiB all-reduces one-shot measured faster (docs/decisions/
+# 009-auto-policy.md).
 TIE = 0.03
 QUANTIZATIONS = {"fused": 1, "one_shot": 1, "two_shot": 2, "-": 1}
 # Which measured row a collective reads: an all-reduce its own, reduce-scatter and all-gather

@@ -2,12 +2,11 @@
 
 RUN_DIR is a run's out_dir: the parameters of its newest good checkpoint (read as the export
 reads them, whatever layout trained it) and the run's tokenizer.json. HF_DIR is a Hugging Face
-directory (`models.hf`: GPT-2, Qwen2; an export) with its tokenizer.json. Decoding is
-`models.generate` (a key / value cache) on JAX's default device, CPU or GPU: greedy by default,
-or drawn with `--temperature` and `--top-k` from `--seed`; at most `--max-new-tokens` tokens,
-fewer where the end-of-text token comes first. Prints the prompt and its continuation; an
-empty prompt starts after an end-of-text token (a new document).
-"""
+directory (`models.hf`: GPT-2, Qwen2, Llama, Mistral; an export) with its tokenizer.json.
+Decoding is `models.generate` (a key / value cache) on JAX's default device, CPU or GPU: greedy
+by default, or drawn with `--temperature` and `--top-k` from `--seed`; at most
+`--max-new-tokens` tokens, fewer where the end-of-text token comes first. Prints the prompt and
+its continuation; an empty prompt starts after an end-of-text token (a new document). """
 
 from __future__ import annotations
 
