@@ -6,7 +6,7 @@ directory (`models.hf`: GPT-2, Qwen2, Llama, Mistral; an export) with its tokeni
 Decoding is `models.generate` (a key / value cache) on JAX's default device, CPU or GPU: greedy
 by default, or drawn with `--temperature` and `--top-k` from `--seed`; at most
 `--max-new-tokens` tokens, fewer where the end-of-text token comes first. Prints the prompt and
-its continuation; an empty prompt starts after an end-of-text token (a new document). """
+its continuation; an empty prompt starts after an end-of-text token (a new document)."""
 
 from __future__ import annotations
 
