@@ -69,9 +69,9 @@ import optax
 import taco_jax
 from benchmarks import _timing
 from benchmarks._common import collective_windows, device_time_by_kernel, write_record
-from models import ModelConfig, ParallelConfig, layers
-from models.parallel import SCHEDULES
-from models.pipeline import StageCodecs
+from taco_models import ModelConfig, ParallelConfig, layers
+from taco_models.parallel import SCHEDULES
+from taco_models.pipeline import StageCodecs
 from taco_train import metrics as run_metrics
 from taco_train.steps import make_steps
 from taco_train.zero import BUCKET_ELEMENTS, ZeroConfig

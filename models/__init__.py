@@ -8,16 +8,16 @@ StageCodecs,
 make_pipeline_loss_and_grads        (pipeline.py: GPipe / circular stages over "pp", with TP, DP)
 hf.load, hf.save                    (hf.py: Hugging Face GPT-2 / Qwen2 / Llama / Mistral
                                      checkpoints, safetensors;
-                                     `from models import hf`, needs the train extra)
+                                     `from taco_models import hf`, needs the train extra)
 generate.generate                   (generate.py: decoding with a key / value cache, greedy or
-                                     sampled; `from models.generate import generate`)
+                                     sampled; `from taco_models.generate import generate`)
 
 The optimizer side (train state, jitted steps) lives in the training application, `taco_train`.
 """
 
-from models.config import ModelConfig
-from models.model import Transformer
-from models.parallel import (
+from taco_models.config import ModelConfig
+from taco_models.model import Transformer
+from taco_models.parallel import (
     ParallelConfig,
     init_params,
     make_logits,
@@ -30,7 +30,7 @@ from models.parallel import (
     unshard_params,
     weight_decay_mask,
 )
-from models.pipeline import (
+from taco_models.pipeline import (
     StageCodecs,
     make_pipeline_loss,
     make_pipeline_loss_and_grads,

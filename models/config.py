@@ -23,7 +23,7 @@ class RopeScaling:
 
     Frequencies whose wavelength exceeds original_max_position_embeddings / low_freq_factor are
     divided by `factor`, those below original_max_position_embeddings / high_freq_factor kept,
-    those between interpolated smoothly (`models.layers.rotary_frequencies`).
+    those between interpolated smoothly (`taco_models.layers.rotary_frequencies`).
     """
 
     factor: float
@@ -147,7 +147,7 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameters the model holds (padded vocabulary included). Equals the leaf sizes of
-        `models.parallel.init_params` (tested)."""
+        `taco_models.parallel.init_params` (tested)."""
         d, f, v, hd = self.d_model, self.d_ff, self.padded_vocab, self.head_dim
         qkv_heads = self.n_heads + 2 * self.n_kv_heads
         if self.arch == "gpt":

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from models.config import ModelConfig
-from models.layers import TPContext
-from models.model import Block, Transformer
+from taco_models.config import ModelConfig
+from taco_models.layers import TPContext
+from taco_models.model import Block, Transformer
 
 
 def generate(
@@ -68,7 +68,7 @@ def generate(
 @functools.cache
 def _decoder(cfg: ModelConfig, max_new_tokens: int, temperature: float, top_k, dtype):
     """The jitted decoding loop of `generate` for these static settings."""
-    from models.parallel import graphdef
+    from taco_models.parallel import graphdef
 
     ctx = TPContext(dtype=dtype)
 

@@ -3,19 +3,19 @@
 and Mistral without a sliding window (`MistralForCausalLM`): directories of `config.json` and
 safetensors files.
 
-    cfg, params = models.hf.load("Qwen2.5-0.5B")        # full fp32 parameters, host memory
-    models.hf.save(cfg, params, "out")                   # a directory transformers loads
+    cfg, params = taco_models.hf.load("Qwen2.5-0.5B")        # full fp32 parameters, host memory
+    taco_models.hf.save(cfg, params, "out")                   # a directory transformers loads
 
 One table per layout (`_rules`: GPT-2's; Qwen2's, Llama's and Mistral's, alike) maps each of
 our parameters to the Hugging Face tensors it is made of, with the reshape and transpose between
 the layouts (as jax-ml/bonsai's `models/qwen3/params.py` does); loading and saving both read it.
 Our layouts: QKV [D, K, R, H] with KV head k's q_per_kv queries, key and value in slots 0..R-1
-(`models.model`), blocks stacked on a leading layers axis, the vocabulary padded to
+(`taco_models.model`), blocks stacked on a leading layers axis, the vocabulary padded to
 `ModelConfig.padded_vocab` (zero rows on load, dropped on save). GPT-2's Conv1D weights are
 stored [in, out], torch.nn.Linear's [out, in].
 
 With `shardings` (a tree of `jax.sharding.Sharding`s like the parameters', e.g.
-`NamedSharding(mesh, models.param_specs(cfg))`) every device reads only the slices of the
+`NamedSharding(mesh, taco_models.param_specs(cfg))`) every device reads only the slices of the
 safetensors files its shard is made of (`safe_open(...).get_slice`), so a checkpoint larger than
 one device's memory loads under TP and PP.
 
@@ -36,7 +36,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from models.config import ModelConfig, RopeScaling
+from taco_models.config import ModelConfig, RopeScaling
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -494,7 +494,7 @@ def load(
     seq_len: the training sequence length of a rotary model (all but GPT-2), instead of
     config.json's max_position_embeddings (GPT-2's learned positions fix it).
     """
-    from models.parallel import abstract_params
+    from taco_models.parallel import abstract_params
 
     path = Path(path)
     cfg = load_config(path)

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from models.config import RopeScaling
 from taco_jax import (
     TPComm,
     comm_config,
@@ -30,6 +29,7 @@ from taco_jax import (
     reduce_from_tp,
     scatter_to_sp,
 )
+from taco_models.config import RopeScaling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,7 @@ class TPContext:
     sequence_parallel: activations outside the column/row-parallel pairs are split along T.
     dtype: compute dtype of matmuls and activations (parameters stay fp32).
     overlap_chunks: independent batch chunks through the blocks (`ParallelConfig.overlap_chunks`).
-    ranks_vmapped: the ranks run under `jax.vmap` (emulated TP, `models.spmd`).
+    ranks_vmapped: the ranks run under `jax.vmap` (emulated TP, `taco_models.spmd`).
     """
 
     comm: TPComm | None = None

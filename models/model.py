@@ -22,10 +22,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from models import layers
-from models.config import ModelConfig
-from models.layers import TPContext
 from taco_jax import telemetry
+from taco_models import layers
+from taco_models.config import ModelConfig
+from taco_models.layers import TPContext
 
 # Saved under remat: the outputs of the TP collectives, so that recomputing a block's forward in
 # the backward pass never repeats communication (Korthikanti et al. 2022 recompute the rest).

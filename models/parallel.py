@@ -35,10 +35,10 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import taco_jax
-from models import layers, spmd
-from models.config import VOCAB_MULTIPLE, ModelConfig
-from models.layers import TPContext
-from models.model import Transformer
+from taco_models import layers, spmd
+from taco_models.config import VOCAB_MULTIPLE, ModelConfig
+from taco_models.layers import TPContext
+from taco_models.model import Transformer
 
 TP_LOGICAL_AXES = ("vocab", "kv_heads", "heads", "mlp")  # split across the TP axis
 DP_AXIS = "dp"
@@ -57,14 +57,14 @@ class ParallelConfig:
 
     dp / tp: sizes of the mesh axes "dp" and "tp". mode "shard_map": dp x pp x tp devices; mode
     "vmap": TP emulated on each device with `jax.vmap(axis_name="tp")`, dp devices; mode
-    "emulate": the whole (dp, pp, tp) mesh emulated on one device (`models.spmd`: one vmap per
+    "emulate": the whole (dp, pp, tp) mesh emulated on one device (`taco_models.spmd`: one vmap per
     mesh axis), for studying layouts with more ranks than devices. remat:
     recompute each block in the backward pass, keeping the TP collective outputs. scan_layers:
     one compiled block under `lax.scan` (fast compiles) or an unrolled loop. attention: "auto"
     (cuDNN flash attention for bf16 on GPU, XLA elsewhere; under vmap emulation cuDNN runs over
     the emulated ranks' batches merged, `layers.attention_over_vmapped_axes`), "xla" or "cudnn".
     pp, microbatches, schedule, repeats: pipeline stages along a "pp" mesh axis
-    (`models.pipeline`; shard_map or emulate), microbatches per dp rank and step, "gpipe",
+    (`taco_models.pipeline`; shard_map or emulate), microbatches per dp rank and step, "gpipe",
     "circular" with `repeats` chunks per stage, or "1f1b" (activations of at most 2 pp - 1
     microbatches held per stage, whatever `microbatches`).
     dp_intra: dp ranks of one inner data-parallel group; with pp and tp under shard_map the
@@ -408,7 +408,7 @@ def make_mesh(parallel: ParallelConfig, tp_axis: str = "tp") -> jax.sharding.Mes
 
 def spmd_map(parallel: ParallelConfig, f, *, mesh: jax.sharding.Mesh, in_specs, out_specs):
     """`jax.shard_map(f, mesh=mesh, ..., check_vma=False)`, or under mode "emulate" its
-    emulation on one device with the sizes the layout gives `mesh`'s axes (`models.spmd`)."""
+    emulation on one device with the sizes the layout gives `mesh`'s axes (`taco_models.spmd`)."""
     if parallel.mode != "emulate":
         return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                              check_vma=False)  # fmt: skip
@@ -487,7 +487,7 @@ def _runner(model, parallel, comm, mesh, per_device, out_kind: str):
     `make_mesh`), after checking that the model splits `parallel.tp` ways."""
     check_config(model, parallel)
     if parallel.pp > 1:
-        raise ValueError(f"pp={parallel.pp}: pipelined runs are models.pipeline's")
+        raise ValueError(f"pp={parallel.pp}: pipelined runs are taco_models.pipeline's")
     mesh = make_mesh(parallel, comm.axis_name) if mesh is None else mesh
     fn = lambda ctx, p, t: per_device(model, parallel, ctx, p, t)
     return _mapped(model, parallel, comm, fn, out_kind, mesh)

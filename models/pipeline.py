@@ -8,7 +8,7 @@ the full [L, ...] arrays to [V, P, L / (P V), ...] with the P axis split over "p
 parameter is replicated over "pp": the first stage embeds, the last applies the head, and tied
 embeddings need nothing special (the embedding's gradient is the psum over stages of what each
 stage's use contributed: the first stage's lookup, the last stage's projection; compressed with
-`StageCodecs.shared_grads`). Checkpoints keep the full layout, as for TP (`models.parallel`).
+`StageCodecs.shared_grads`). Checkpoints keep the full layout, as for TP (`taco_models.parallel`).
 
 Schedules, over the M microbatches of each dp rank's batch, in steps in which every stage
 runs one chunk on one microbatch and sends the result on with `taco_jax.compressed_ppermute`
@@ -28,7 +28,7 @@ backwards in reverse), the activation gradients sent back by the ppermute's tran
 each over a run of steps with a fixed chunk (`_segments`). Every schedule embeds all
 microbatches once before its steps; GPipe and circular apply the head once after them.
 
-Gradient convention as `models.parallel`: `value_and_grad` runs inside the per-device function
+Gradient convention as `taco_models.parallel`: `value_and_grad` runs inside the per-device function
 on this stage's part of the loss (the last stage's microbatch losses, zero elsewhere; the chain
 rule crosses stages through the sends), then gradients of pp-replicated parameters are summed
 over "pp" and everything is averaged over "dp" (or, for a sharded optimizer, each dp rank's own
@@ -48,9 +48,10 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import taco_jax
-from models import layers
-from models.config import ModelConfig
-from models.parallel import (
+from taco_jax import ppermute
+from taco_models import layers
+from taco_models.config import ModelConfig
+from taco_models.parallel import (
     PP_AXIS,
     ParallelConfig,
     _context,
@@ -62,7 +63,6 @@ from models.parallel import (
     replicated_mask,
     spmd_map,
 )
-from taco_jax import ppermute
 
 
 def check_pipeline(model: ModelConfig, parallel: ParallelConfig) -> None:
@@ -595,7 +595,7 @@ def make_pipeline_loss_and_local_grads(
     mesh=None,
 ) -> Callable[[dict, jax.Array, jax.Array | None], tuple[jax.Array, dict]]:
     """As `make_pipeline_loss_and_grads`, but each dp rank's own full-layout gradients of its
-    share of the batch, stacked on a leading dp axis (`models.parallel`'s
+    share of the batch, stacked on a leading dp axis (`taco_models.parallel`'s
     `make_loss_and_local_grads` for pipelines). Not jitted."""
     return _loss_and_grads_runner(model, parallel, comm, codecs, mesh, local=True)
 

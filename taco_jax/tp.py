@@ -97,7 +97,7 @@ def _batched_rule(axis_size, in_batched, x):
 
 def _copy_fwd(x, layer, comm, name):
     # Under vmap (an emulated TP group), whether x is each rank's own or one value shared by
-    # all; the innermost vmap's view, which is TP's in an emulated mesh (models.spmd).
+    # all; the innermost vmap's view, which is TP's in an emulated mesh (taco_models.spmd).
     emulated = comm.axis_name not in jax.sharding.get_abstract_mesh().axis_names
     batched = _batched(lax.stop_gradient(x)) if emulated else jnp.ones((), bool)
     out = _batched_under_vmap(_copy(x, layer, comm, name), comm.axis_name)  # ranks' own cotangents

@@ -8,7 +8,7 @@ keys by name and builds the dataclasses, whose `__post_init__` validates the val
 The model section names a preset (default `DEFAULT_PRESET`) plus overrides:
 `[model] preset = "gpt_small_cpu"` then any `ModelConfig` field (`d_model = 192`), built with
 `ModelConfig.preset(preset, **overrides)`; or `init_from = DIR`, a Hugging Face checkpoint
-(`models.hf`) whose config.json gives the geometry (and whose weights the run starts from),
+(`taco_models.hf`) whose config.json gives the geometry (and whose weights the run starts from),
 with `seq_len` the only field set beside it. The checkpoint is read when the run starts; a
 config naming one that is not there yet still parses (`TrainConfig.model` is then None until
 `resolve_model`).
@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import taco_jax
-from models import hf
-from models.config import ModelConfig
-from models.parallel import ParallelConfig, check_config
-from models.pipeline import StageCodecs
 from taco_jax import codecs
+from taco_models import hf
+from taco_models.config import ModelConfig
+from taco_models.parallel import ParallelConfig, check_config
+from taco_models.pipeline import StageCodecs
 from taco_train import zero
 
 
@@ -323,7 +323,7 @@ class RunConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """A run. model: None while `init_from`'s checkpoint has not been read (`resolve_model`).
-    init_from: a Hugging Face directory (`models.hf`) the run starts from (`model.init_from`);
+    init_from: a Hugging Face directory (`taco_models.hf`) the run starts from (`model.init_from`);
     seq_len: the training sequence length set beside it (None: the checkpoint's)."""
 
     model: ModelConfig | None

@@ -4,7 +4,7 @@
 Reads RUN_DIR/config.json and the parameters of the newest good checkpoint of
 RUN_DIR/checkpoints as NumPy arrays, on no device (`checkpointing.read_arrays`): any machine
 exports any run, whatever layout and number of devices trained it. Saves the fp32 parameters
-with `models.hf.save` (with the sharded optimizer, its fp32 master weights, not the
+with `taco_models.hf.save` (with the sharded optimizer, its fp32 master weights, not the
 compute-dtype replica), and the tokenizer the run trained with: RUN_DIR/tokenizer.json with a
 tokenizer_config.json and a generation_config.json naming its end-of-text token, so that
 transformers' `AutoTokenizer` and `AutoModelForCausalLM` load the directory; a run started
@@ -67,7 +67,7 @@ def restore_params(run_dir: str | Path):
 def export(run_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> int:
     """Saves the newest good checkpoint of `run_dir` to `out_dir` with the run's tokenizer;
     returns its step. Refuses a non-empty `out_dir` unless `overwrite`."""
-    from models import hf
+    from taco_models import hf
     from taco_train.config import ConfigError
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)

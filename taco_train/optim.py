@@ -24,8 +24,8 @@ def make_adamw(
     cfg: OptimizerConfig, total_steps: int, decay_mask: Any
 ) -> optax.GradientTransformation:
     """AdamW with the schedule; `decay_mask` (a pytree of bools like the params, e.g.
-    `models.parallel.weight_decay_mask`) says which leaves are decayed: matrices and embeddings,
-    not norms and biases (GPT-3 / Megatron). No clipping: a sharded optimizer
+    `taco_models.parallel.weight_decay_mask`) says which leaves are decayed: matrices and
+    embeddings, not norms and biases (GPT-3 / Megatron). No clipping: a sharded optimizer
     (`taco_train.zero`) clips by the global norm across its shards itself."""
     return optax.adamw(
         lr_schedule(cfg, total_steps),

@@ -2,8 +2,8 @@
 
 RUN_DIR is a run's out_dir: the parameters of its newest good checkpoint (read as the export
 reads them, whatever layout trained it) and the run's tokenizer.json. HF_DIR is a Hugging Face
-directory (`models.hf`: GPT-2, Qwen2, Llama, Mistral; an export) with its tokenizer.json.
-Decoding is `models.generate` (a key / value cache) on JAX's default device, CPU or GPU: greedy
+directory (`taco_models.hf`: GPT-2, Qwen2, Llama, Mistral; an export) with its tokenizer.json.
+Decoding is `taco_models.generate` (a key / value cache) on JAX's default device, CPU or GPU: greedy
 by default, or drawn with `--temperature` and `--top-k` from `--seed`; at most
 `--max-new-tokens` tokens, fewer where the end-of-text token comes first. Prints the prompt and
 its continuation; an empty prompt starts after an end-of-text token (a new document)."""
@@ -22,7 +22,7 @@ def load(source: str | Path):
     run directory or a Hugging Face directory."""
     from tokenizers import Tokenizer
 
-    from models import hf
+    from taco_models import hf
     from taco_train.config import ConfigError
     from taco_train.export import end_of_text_id, restore_params
 
@@ -57,10 +57,10 @@ def complete(
     model, params, tokenizer, eot: int | None, prompt: str, max_new_tokens: int, **sampling
 ) -> str:
     """The continuation of `prompt` (text, up to the end-of-text token), decoded by
-    `models.generate.generate` with `sampling` (temperature, top_k, seed, dtype)."""
+    `taco_models.generate.generate` with `sampling` (temperature, top_k, seed, dtype)."""
     import numpy as np
 
-    from models.generate import generate
+    from taco_models.generate import generate
 
     ids = tokenizer.encode(prompt).ids
     if not ids:

@@ -1,6 +1,6 @@
 """Jitted init / train / eval steps of a `models` transformer: the optimizer side of a run.
 
-`models.parallel` runs the per-device model (loss and gradients in the full parameter layout);
+`taco_models.parallel` runs the per-device model (loss and gradients in the full parameter layout);
 this module adds the optimizer state, its shardings, and the three jitted functions the trainer
 calls. Parameters and optimizer state live in their full shapes, placed by `NamedSharding`, so
 the optimizer (and global-norm clipping) sees whole gradients and checkpoints are portable
@@ -23,10 +23,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_jax
-from models import parallel as layout
-from models import pipeline
-from models.config import ModelConfig
-from models.parallel import ParallelConfig
+from taco_models import parallel as layout
+from taco_models import pipeline
+from taco_models.config import ModelConfig
+from taco_models.parallel import ParallelConfig
 from taco_train import zero
 
 

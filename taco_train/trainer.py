@@ -1,7 +1,7 @@
 """The training loop: data, optimizer, `taco_train.steps.make_steps`, eval, checkpoints, metrics.
 
 `train_and_evaluate(cfg)` is the whole run. It starts from `cfg.init_from`'s Hugging Face
-checkpoint (`models.hf`) or from a random initialization, and resumes from the newest good
+checkpoint (`taco_models.hf`) or from a random initialization, and resumes from the newest good
 checkpoint in `cfg.run.out_dir` when there is one; because the batch of step k is a pure function of
 (data seed, k) and the state is restored bit for bit, a resumed run reproduces the uninterrupted
 run exactly.
@@ -25,8 +25,14 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import taco_jax
-from models.parallel import PP_AXIS, ParallelConfig, check_devices, make_mesh, weight_decay_mask
 from taco_jax import telemetry
+from taco_models.parallel import (
+    PP_AXIS,
+    ParallelConfig,
+    check_devices,
+    make_mesh,
+    weight_decay_mask,
+)
 from taco_train import comm_error, data, metrics, optim
 from taco_train.checkpointing import Checkpointer, abstract_state
 from taco_train.config import ConfigError, TrainConfig, resolve_model
@@ -128,7 +134,7 @@ def _fresh_state(run: _Run, key: jax.Array):
     cfg = run.cfg
     if cfg.init_from is None:
         return run.steps.init(key)
-    from models import hf
+    from taco_models import hf
 
     _say(f"starting from the Hugging Face checkpoint {cfg.init_from}")
     try:

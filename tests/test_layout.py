@@ -1,9 +1,10 @@
 """The house rules of the package layout, checked on the source.
 
 - `taco_jax` (with `pallas_kernels`) is a library: importing it loads no Flax, Optax, Orbax,
-  models or training application, and its declared dependencies are JAX and NumPy only.
+  models (taco_models) or training application, and its declared dependencies are JAX and
+  NumPy only.
 - The import graph of the first-party modules has no cycle, counting imports inside functions
-  too, and runs one way: taco_train -> models -> taco_jax -> pallas_kernels -> the codec
+  too, and runs one way: taco_train -> taco_models -> taco_jax -> pallas_kernels -> the codec
   definitions (taco_jax.codecs, taco_jax.tahquant).
 
 An edge is an import written in a file. Importing `taco_jax.codecs` also runs
@@ -23,12 +24,19 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).parents[1]
-PACKAGES = ("taco_jax", "pallas_kernels", "models", "taco_train")
+PACKAGES = ("taco_jax", "pallas_kernels", "taco_models", "taco_train")
+# The directory of each package (pyproject.toml's package-dir: models/ installs as taco_models).
+DIRECTORIES = {
+    "taco_jax": "taco_jax",
+    "pallas_kernels": "pallas_kernels",
+    "taco_models": "models",
+    "taco_train": "taco_train",
+}
 APP_MODULES = (
     "flax",
     "optax",
     "orbax",
-    "models",
+    "taco_models",
     "taco_train",
     "tokenizers",
     "matplotlib",
@@ -41,19 +49,21 @@ CODEC_DEFINITIONS = {"taco_jax.codecs", "taco_jax.tahquant"}
 ALLOWED = {
     "taco_jax": {"taco_jax", "pallas_kernels"},
     "pallas_kernels": {"pallas_kernels", "taco_jax"},
-    "models": {"models", "taco_jax"},
-    "taco_train": {"taco_train", "models", "taco_jax"},
+    "taco_models": {"taco_models", "taco_jax"},
+    "taco_train": {"taco_train", "taco_models", "taco_jax"},
 }
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
+def _module_name(package: str, path: Path) -> str:
+    parts = (package, *path.relative_to(REPO / DIRECTORIES[package]).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _modules() -> dict[str, Path]:
     return {
-        _module_name(path): path for package in PACKAGES for path in (REPO / package).rglob("*.py")
+        _module_name(package, path): path
+        for package in PACKAGES
+        for path in (REPO / DIRECTORIES[package]).rglob("*.py")
     }
 
 

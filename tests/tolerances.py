@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from models import ModelConfig
+from taco_models import ModelConfig
 
 BATCH = 4  # rows of the test batches
 U_FP32 = 2.0**-24  # fp32 unit roundoff

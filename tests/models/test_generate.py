@@ -1,4 +1,4 @@
-"""models.generate: decoding with a key / value cache against the full forward and transformers.
+"""taco_models.generate: KV-cache decoding against the full forward and transformers.
 
 The fixtures (tests/models/fixtures/hf/, scripts/make_hf_fixtures.py) are tiny random GPT-2 and
 Qwen2 models (tied and untied heads, GQA) with a [2, 16] prompt (tokens.npy) and transformers'
@@ -15,9 +15,9 @@ import pytest
 
 pytest.importorskip("safetensors")
 
-from models import hf  # noqa: E402
-from models.generate import generate  # noqa: E402
-from models.parallel import reference_logits  # noqa: E402
+from taco_models import hf  # noqa: E402
+from taco_models.generate import generate  # noqa: E402
+from taco_models.parallel import reference_logits  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 NAMES = ("gpt2", "qwen2_untied", "qwen2_tied")  # the transformers 4.x fixtures (greedy.npy)

@@ -1,4 +1,4 @@
-"""models.hf: Hugging Face checkpoints in and out, against transformers' own logits.
+"""taco_models.hf: Hugging Face checkpoints in and out, against transformers' own logits.
 
 The fixtures (tests/models/fixtures/hf/, made by scripts/make_hf_fixtures.py with transformers)
 are tiny random GPT-2, Qwen2, Llama and Mistral models (tied and untied heads, GQA, Llama 3.1's
@@ -24,10 +24,10 @@ from jax.sharding import PartitionSpec as P
 
 pytest.importorskip("safetensors")
 
-from models import hf  # noqa: E402
-from models.config import RopeScaling  # noqa: E402
-from models.layers import rotary_frequencies  # noqa: E402
-from models.parallel import (  # noqa: E402
+from taco_models import hf  # noqa: E402
+from taco_models.config import RopeScaling  # noqa: E402
+from taco_models.layers import rotary_frequencies  # noqa: E402
+from taco_models.parallel import (  # noqa: E402
     ParallelConfig,
     make_logits,
     make_mesh,
@@ -431,7 +431,7 @@ def test_pipeline_stages_read_only_their_layers(name, monkeypatch):
     """pp = 2 x tp = 2 (`full_layout_specs`): stage s reads layer s's tensors only."""
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices")
-    from models.pipeline import full_layout_specs
+    from taco_models.pipeline import full_layout_specs
 
     parallel = ParallelConfig(dp=2, pp=2, tp=2)
     mesh = make_mesh(parallel)

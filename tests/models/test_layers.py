@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from tiers import tiered
 
-from models import layers
+from taco_models import layers
 
 B, T, N, K, H = 2, 16, 4, 2, 8  # grouped-query: two query heads per KV head
 

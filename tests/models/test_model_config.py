@@ -8,9 +8,9 @@ import math
 import jax
 import pytest
 
-from models import ModelConfig, init_params
-from models.config import PRESETS, RopeScaling
-from models.parallel import abstract_params, logical_axes, weight_decay_mask
+from taco_models import ModelConfig, init_params
+from taco_models.config import PRESETS, RopeScaling
+from taco_models.parallel import abstract_params, logical_axes, weight_decay_mask
 
 
 def _count(tree) -> int:

@@ -16,8 +16,8 @@ import pytest
 from tolerances import BATCH, exact_tolerance
 
 import taco_jax
-from models import ModelConfig, ParallelConfig, init_params, reference_loss_and_grads, spmd
-from models.pipeline import (
+from taco_models import ModelConfig, ParallelConfig, init_params, reference_loss_and_grads, spmd
+from taco_models.pipeline import (
     StageCodecs,
     _SavedForward,
     from_stages,

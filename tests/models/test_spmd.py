@@ -1,4 +1,4 @@
-"""`models.spmd.emulated_shard_map` runs a shard_map program on one device: the same outputs as
+"""`taco_models.spmd.emulated_shard_map` runs a shard_map program on one device: the same outputs as
 `jax.shard_map` over 8 fake CPU devices, for every collective the models use."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from models import spmd
+from taco_models import spmd
 
 SIZES = {"dp": 2, "pp": 2, "tp": 2}
 

@@ -16,7 +16,7 @@ import pytest
 from tolerances import BATCH, exact_tolerance
 
 import taco_jax
-from models import (
+from taco_models import (
     ModelConfig,
     ParallelConfig,
     init_params,
@@ -184,7 +184,7 @@ def test_taco_tp_close_to_unsharded(reference_cache, mode, sp, cfg, chunks):
 
 
 def test_vmap_rank_view_matches_named_sharding_shards():
-    from models.parallel import make_mesh, param_specs, shard_params
+    from taco_models.parallel import make_mesh, param_specs, shard_params
 
     _needs_devices(4)
     cfg, tp = QWEN, 4
@@ -208,7 +208,7 @@ def test_vmap_rank_view_matches_named_sharding_shards():
 def test_the_mesh_is_the_devices_in_order_whatever_hosts_they_are_on(monkeypatch):
     """(dp, tp) row-major over the devices in id order (JAX numbers them host by host, so TP
     stays inside a host), without `jax.make_mesh`, which refuses GPUs of several hosts."""
-    from models.parallel import make_mesh
+    from taco_models.parallel import make_mesh
 
     _needs_devices(8)
     refuse = lambda *args, **kwargs: pytest.fail("jax.make_mesh refuses several hosts")  # noqa: E731

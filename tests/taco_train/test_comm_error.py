@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from train_testing import TINY, assert_same_state, tiny_overrides, untimed
 
-from models import hf
-from models.config import ModelConfig
-from models.parallel import init_params
 from taco_jax import telemetry
+from taco_models import hf
+from taco_models.config import ModelConfig
+from taco_models.parallel import init_params
 from taco_train import comm_error, metrics, trainer
 from taco_train.config import load_config
 from taco_train.main import main

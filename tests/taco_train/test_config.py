@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from models.config import RopeScaling
+from taco_models.config import RopeScaling
 from taco_train.config import (
     ConfigError,
     TrainConfig,

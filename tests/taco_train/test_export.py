@@ -1,7 +1,7 @@
 """`python -m taco_train.export`: any run, on any number of devices, with its tokenizer.
 
 A TP = 2 run under shard_map (two of the session's devices) is exported by a process with one
-CPU device; the export loads back with `models.hf` and its tokenizer with `tokenizers`, and,
+CPU device; the export loads back with `taco_models.hf` and its tokenizer with `tokenizers`, and,
 where a Python with torch and transformers is at hand (`TACO_HF_PYTHON`), with transformers.
 """
 
@@ -25,7 +25,7 @@ from train_testing import (
 
 pytest.importorskip("safetensors")
 
-from models import hf  # noqa: E402
+from taco_models import hf  # noqa: E402
 from taco_train import data  # noqa: E402
 from taco_train.checkpointing import read_arrays  # noqa: E402
 from taco_train.config import ConfigError  # noqa: E402

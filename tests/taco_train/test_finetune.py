@@ -19,9 +19,9 @@ from train_testing import REPO, TINY, tiny_overrides
 
 pytest.importorskip("safetensors")
 
-from models import hf  # noqa: E402
-from models.config import RopeScaling  # noqa: E402
-from models.parallel import reference_loss_and_grads  # noqa: E402
+from taco_models import hf  # noqa: E402
+from taco_models.config import RopeScaling  # noqa: E402
+from taco_models.parallel import reference_loss_and_grads  # noqa: E402
 from taco_train import data, trainer  # noqa: E402
 from taco_train.config import ConfigError, load_config, resolve_model  # noqa: E402
 from taco_train.export import export  # noqa: E402

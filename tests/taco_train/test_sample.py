@@ -17,8 +17,8 @@ from train_testing import HF_PYTHON, REPO, tiny_overrides, transformers_loads
 
 pytest.importorskip("safetensors")
 
-from models import hf  # noqa: E402
-from models.generate import generate  # noqa: E402
+from taco_models import hf  # noqa: E402
+from taco_models.generate import generate  # noqa: E402
 from taco_train import data, sample, trainer  # noqa: E402
 from taco_train.export import export  # noqa: E402
 from taco_train.main import main  # noqa: E402
@@ -86,7 +86,7 @@ def test_the_default_runs_export_loads_in_transformers(default_run, tmp_path):
 
 
 def test_sample_reads_a_hugging_face_directory(capsys):
-    """Greedy by default: the prompt, then `models.generate`'s tokens decoded."""
+    """Greedy by default: the prompt, then `taco_models.generate`'s tokens decoded."""
     directory = FIXTURES / "qwen2_tied"  # with a tokenizer.json (bytes, "<|endoftext|>" 255)
     from tokenizers import Tokenizer
 

@@ -10,10 +10,10 @@ from jax.sharding import PartitionSpec as P
 from tolerances import exact_tolerance
 
 import taco_jax
-from models import ModelConfig, ParallelConfig, pipeline, spmd
-from models import parallel as layout
-from models.parallel import check_config
 from taco_jax import sdp4bit
+from taco_models import ModelConfig, ParallelConfig, pipeline, spmd
+from taco_models import parallel as layout
+from taco_models.parallel import check_config
 from taco_train import zero
 from taco_train.steps import make_steps
 

@@ -10,7 +10,7 @@ import pytest
 from train_testing import TINY, assert_same_state, checkpoint_steps, tiny_args, untimed
 
 import taco_jax
-from models import spmd
+from taco_models import spmd
 from taco_train import comm_error, metrics, trainer
 from taco_train.checkpointing import damage
 from taco_train.config import load_config
@@ -267,7 +267,7 @@ ERROR_BOUNDS = {
 
 
 # One op of each dimension (under emulation the embedding and the head report nothing:
-# `models.pipeline._branch_ctx`).
+# `taco_models.pipeline._branch_ctx`).
 LOGGED_OPS = {"attn_in/bwd", "mlp_out/fwd", "pp_send/fwd", "pp_grads/fwd", "dp_grads", "dp_params"}
 
 

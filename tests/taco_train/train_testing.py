@@ -102,7 +102,7 @@ def transformers_loads(directory, cfg, params, tokenizer, tmp_path) -> None:
 
     import numpy as np
 
-    from models.parallel import reference_logits
+    from taco_models.parallel import reference_logits
 
     script = (
         "import sys, numpy as np, torch, transformers\n"
