@@ -42,8 +42,9 @@ def commit() -> str | None:
     files differ from it), else None (a copied tree without git)."""
     if os.environ.get(COMMIT_ENV):
         return os.environ[COMMIT_ENV]
-    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, text=True, capture_output=True,
-                                    check=True).stdout.strip()  # noqa: E731  # fmt: skip
+    git = lambda *a: subprocess.run(
+        ["git", *a], cwd=REPO, text=True, capture_output=True, check=True
+    ).stdout.strip()  # noqa: E731
     try:
         head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "-uno")
     except (OSError, subprocess.CalledProcessError):
@@ -98,10 +99,16 @@ def device_time_by_kernel(call: Callable[[], object], steps: int, top: int = 100
         jax.profiler.stop_trace()
         (path,) = pathlib.Path(log_dir).glob("plugins/profile/*/perfetto_trace.json.gz")
         events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
-    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}  # fmt: skip
-    processes = {e["pid"]: e["args"]["name"] for e in events
-                 if e.get("ph") == "M" and e.get("name") == "process_name"}  # fmt: skip
+    names = {
+        (e["pid"], e.get("tid")): e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
+    processes = {
+        e["pid"]: e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
     threads: dict[str, float] = {}
     kinds: dict[str, float] = {}
     for e in events:

@@ -82,20 +82,24 @@ def measure(codec: str, x: jax.Array, mesh) -> dict[str, float]:
 
 def stage_candidates() -> dict[str, tuple[object, object]]:
     """label -> (stage codec, its module): fixed 8 and 4 bits, and the 3/4-bit allocations."""
-    out = {name: (tahquant.get_stage_codec(name), tahquant)
-           for name in ("tahquant_sym", "tahquant4")}  # fmt: skip
+    out = {
+        name: (tahquant.get_stage_codec(name), tahquant) for name in ("tahquant_sym", "tahquant4")
+    }
     for allocation in tahquant_adaptive.ALLOCATIONS:
         codec = tahquant_adaptive.AdaptiveTahQuant(allocation=allocation)
         out[f"adaptive 3.5 ({allocation})"] = (codec, tahquant_adaptive)
-    out["fixed 3-bit (budget 3)"] = (tahquant_adaptive.AdaptiveTahQuant(budget=3.0),
-                                     tahquant_adaptive)  # fmt: skip
+    out["fixed 3-bit (budget 3)"] = (
+        tahquant_adaptive.AdaptiveTahQuant(budget=3.0),
+        tahquant_adaptive,
+    )
     return out
 
 
 def stage_error(codec, module, x: jax.Array, keys) -> float:
     """Mean over `keys` of the relative L2 error of decode(encode(x))."""
-    roundtrip = jax.jit(lambda v, k: module.decode_wire(codec, module.encode_wire(codec, v, k),
-                                                        v.shape[-1]))  # fmt: skip
+    roundtrip = jax.jit(
+        lambda v, k: module.decode_wire(codec, module.encode_wire(codec, v, k), v.shape[-1])
+    )
     return sum(float(relative_error(roundtrip(x, k), x)) for k in keys) / len(keys)
 
 
@@ -107,8 +111,15 @@ def stage_main(args) -> None:
         row = {"codec": label, "bits_per_element": codec.bits_per_element}
         row.update({name: stage_error(codec, module, x, keys) for name, x in data.items()})
         results.append(row)
-    write_record("stage_codec_error", args.out, rows=args.rows, size=args.stage_size,
-                 keys=args.keys, seed=args.seed, results=results)  # fmt: skip
+    write_record(
+        "stage_codec_error",
+        args.out,
+        rows=args.rows,
+        size=args.stage_size,
+        keys=args.keys,
+        seed=args.seed,
+        results=results,
+    )
     print("| codec | bits/elem | " + " | ".join(data) + " |")
     print("|---" * (2 + len(data)) + "|")
     for r in results:
@@ -152,8 +163,11 @@ def main() -> None:
         six_bit_grids_after_hadamard=grids,
     )
     names = list(data)
-    print("| codec | bits/elem | TP | " + " | ".join(f"{n} rel. L2 (zero collapse)" for n in names)
-          + " |")  # fmt: skip
+    print(
+        "| codec | bits/elem | TP | "
+        + " | ".join(f"{n} rel. L2 (zero collapse)" for n in names)
+        + " |"
+    )
     print("|---|---|---|" + "---|" * len(names))
     for c in codecs:
         for tp, r in results.items():

@@ -126,9 +126,18 @@ def run(args) -> dict:
         groups = [(args.emulate, None)]
     else:
         sizes_tp = args.tp or [tp for tp in (2, 4, 8) if tp <= jax.device_count()]
-        groups = [(tp, jax.make_mesh((tp,), ("tp",), devices=jax.devices()[:tp],
-                                     axis_types=(jax.sharding.AxisType.Auto,)))
-                  for tp in sizes_tp]  # fmt: skip
+        groups = [
+            (
+                tp,
+                jax.make_mesh(
+                    (tp,),
+                    ("tp",),
+                    devices=jax.devices()[:tp],
+                    axis_types=(jax.sharding.AxisType.Auto,),
+                ),
+            )
+            for tp in sizes_tp
+        ]
     rows, comparisons = [], []
     variants = [(c, s, a) for c in args.codecs for s in args.slices for a in args.algorithms]
     for tp, mesh in groups:
@@ -145,15 +154,23 @@ def run(args) -> dict:
                         _op(op, codec, slices, algorithm), x, args.inner, mesh
                     )
                 result = _timing.compare(
-                    samplers, "lax", budget_s=args.budget_s, max_repeats=args.max_repeats,
-                    min_repeats=args.min_repeats, deadline=args.deadline,
-                )  # fmt: skip
+                    samplers,
+                    "lax",
+                    budget_s=args.budget_s,
+                    max_repeats=args.max_repeats,
+                    min_repeats=args.min_repeats,
+                    deadline=args.deadline,
+                )
                 comparisons.append(dict(tp=tp, bytes=size, op=OPS[op], **result))
                 rows += _rows(tp, size, OPS[op], timed, checks, result, mesh is None)
                 for row in rows[-len(samplers) :]:
                     print(_format(row), flush=True)
-    return {"emulated": bool(args.emulate), "inner": args.inner, "rows": rows,
-            "comparisons": comparisons}  # fmt: skip
+    return {
+        "emulated": bool(args.emulate),
+        "inner": args.inner,
+        "rows": rows,
+        "comparisons": comparisons,
+    }
 
 
 def _pair_variants(variants: list[tuple]) -> list[tuple]:
@@ -176,9 +193,16 @@ def _rows(tp, size, op, variants, checks, result, emulated) -> list[dict]:
     for codec, slices, algorithm in [("lax", 1, "-"), *variants]:
         name = "lax" if codec == "lax" else variant_name(codec, algorithm, slices)
         seconds = sorted(times[name])[len(times[name]) // 2]
-        row = dict(tp=tp, bytes=size, op=op, codec=codec, slices=slices, seconds=seconds,
-                   algbw_gbs=size / seconds / 1e9,
-                   busbw_gbs=size * bus_factor / seconds / 1e9)  # fmt: skip
+        row = dict(
+            tp=tp,
+            bytes=size,
+            op=op,
+            codec=codec,
+            slices=slices,
+            seconds=seconds,
+            algbw_gbs=size / seconds / 1e9,
+            busbw_gbs=size * bus_factor / seconds / 1e9,
+        )
         if codec == "lax":
             row.update(algorithm="-", speedup=1.0, aa=summary[_timing.AA_RATIO])
         else:
@@ -211,8 +235,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64, 256, 1024])
     p.add_argument("--codecs", nargs="+", default=["taco"])
     p.add_argument("--slices", type=int, nargs="+", default=[1])
-    p.add_argument("--algorithms", nargs="+", default=["auto"],
-                   choices=tj.collectives.ALGORITHMS)  # fmt: skip
+    p.add_argument("--algorithms", nargs="+", default=["auto"], choices=tj.collectives.ALGORITHMS)
     p.add_argument("--ops", nargs="+", default=["all_reduce", "pair"], choices=tuple(OPS))
     p.add_argument(
         "--tp",

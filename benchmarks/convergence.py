@@ -105,12 +105,20 @@ def three_d_overrides(size: str, codec: str) -> list[str]:
         raise SystemExit(f"--emulate-3d dp codecs are {sorted(DP_CODECS)}, not {parts['dp']!r}")
     grad, param = DP_CODECS[parts.get("dp", "none")]
     tp_codec = parts.get("tp", "none")
-    return ["parallel.mode='emulate'", f"parallel.dp={dp}", f"parallel.pp={pp}",
-            f"parallel.tp={tp}", f"parallel.microbatches={PP_MICROBATCHES}",
-            "parallel.scan_layers=false", "optimizer.sharded=true",
-            f"compression.fwd={tp_codec}", f"compression.bwd={tp_codec}",
-            f"compression.pp={parts.get('pp', 'none')}", f"compression.dp_grad={grad}",
-            f"compression.dp_param={param}"]  # fmt: skip
+    return [
+        "parallel.mode='emulate'",
+        f"parallel.dp={dp}",
+        f"parallel.pp={pp}",
+        f"parallel.tp={tp}",
+        f"parallel.microbatches={PP_MICROBATCHES}",
+        "parallel.scan_layers=false",
+        "optimizer.sharded=true",
+        f"compression.fwd={tp_codec}",
+        f"compression.bwd={tp_codec}",
+        f"compression.pp={parts.get('pp', 'none')}",
+        f"compression.dp_grad={grad}",
+        f"compression.dp_param={param}",
+    ]
 
 
 def layout_overrides(dim: str, size: int | str, codec: str) -> list[str]:
@@ -125,12 +133,22 @@ def layout_overrides(dim: str, size: int | str, codec: str) -> list[str]:
         if codec not in DP_CODECS:
             raise SystemExit(f"--dp runs codecs {sorted(DP_CODECS)}, not {codec!r}")
         grad, param = DP_CODECS[codec]
-        return [*real, f"parallel.dp={size}", "optimizer.sharded=true",
-                f"compression.dp_grad={grad}", f"compression.dp_param={param}"]  # fmt: skip
+        return [
+            *real,
+            f"parallel.dp={size}",
+            "optimizer.sharded=true",
+            f"compression.dp_grad={grad}",
+            f"compression.dp_param={param}",
+        ]
     sends, _, grads = codec.partition(PP_GRADS)
-    return [*real, f"parallel.pp={size}", f"parallel.microbatches={PP_MICROBATCHES}",
-            "parallel.scan_layers=false", f"compression.pp={sends}",
-            f"compression.pp_grads={grads or 'none'}"]  # fmt: skip
+    return [
+        *real,
+        f"parallel.pp={size}",
+        f"parallel.microbatches={PP_MICROBATCHES}",
+        "parallel.scan_layers=false",
+        f"compression.pp={sends}",
+        f"compression.pp_grads={grads or 'none'}",
+    ]
 
 
 def run_config(args, codec: str, dim: str, size: int, seed: int, out_root: pathlib.Path):
@@ -296,8 +314,13 @@ def main() -> None:
     parser.add_argument("--tp", type=int, nargs="+", default=[], help="TP sizes (default 4)")
     parser.add_argument("--dp", type=int, nargs="+", default=[], help="dp sizes (GPUs)")
     parser.add_argument("--pp", type=int, nargs="+", default=[], help="pipeline sizes (GPUs)")
-    parser.add_argument("--emulate-3d", type=int, nargs=3, metavar=("DP", "PP", "TP"),
-                        help="a (dp, pp, tp) layout emulated on one device")  # fmt: skip
+    parser.add_argument(
+        "--emulate-3d",
+        type=int,
+        nargs=3,
+        metavar=("DP", "PP", "TP"),
+        help="a (dp, pp, tp) layout emulated on one device",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of every compressed run")
     parser.add_argument("--baseline-seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -321,8 +344,12 @@ def main() -> None:
         for path, record in merged.items()
     ]
     done = {run_key(r["codec"], layout_of(r), r["seed"]) for r in runs}
-    sizes = {"tp": args.tp, "dp": args.dp, "pp": args.pp,
-             "3d": [three_d_layout(*args.emulate_3d)] if args.emulate_3d else []}  # fmt: skip
+    sizes = {
+        "tp": args.tp,
+        "dp": args.dp,
+        "pp": args.pp,
+        "3d": [three_d_layout(*args.emulate_3d)] if args.emulate_3d else [],
+    }
     if not any(sizes.values()):
         sizes["tp"] = [4]
     plan = [

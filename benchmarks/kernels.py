@@ -156,8 +156,9 @@ def _inputs(codec, elements, key, kind, rotate=True):
 def _ulp_mismatch(codec, wire, ref, n: int):
     """(# differing codes, max distance in code steps) of two wire buffers of rows of `n`:
     integer grids by value, FP8 by their sign-magnitude order."""
-    a, b = (np.asarray(codecs.unpack(codec, w.reshape(-1, w.shape[-1]), n).codes)
-            for w in (wire, ref))  # fmt: skip
+    a, b = (
+        np.asarray(codecs.unpack(codec, w.reshape(-1, w.shape[-1]), n).codes) for w in (wire, ref)
+    )
     if codec.is_integer:
         ordered = lambda c: np.asarray(codecs.dequantize(codec, c)).astype(np.int32)  # noqa: E731
     else:
@@ -333,9 +334,12 @@ def _row(size: int, ops, result) -> dict:
     (median of the paired ratios, with its interval)."""
     times, summary = result["times_s"], result["summary"]
     median = lambda name: statistics.median(times[name])  # noqa: E731
-    row = dict(bytes=size, copy_in_program_s=median("copy"),
-               copy_in_program_tbps=2 * size / median("copy") / 1e12,
-               aa=summary[_timing.AA_RATIO])  # fmt: skip
+    row = dict(
+        bytes=size,
+        copy_in_program_s=median("copy"),
+        copy_in_program_tbps=2 * size / median("copy") / 1e12,
+        aa=summary[_timing.AA_RATIO],
+    )
     for name, (_, _, io) in ops.items():
         if name not in times:
             continue
@@ -383,15 +387,26 @@ def main(argv=None):
     )
     p.add_argument("--peers", type=int, default=PEERS, help="rows of each message (TP group)")
     p.add_argument("--reference", action="store_true", help="also time the jnp references")
-    p.add_argument("--interpret", action="store_true",
-                   help="the registry's kernels in Pallas' CPU interpreter (a check)")  # fmt: skip
-    p.add_argument("--calls", type=int, default=None, help="calls a program (default "
-                   f"{IN_PROGRAM_CALLS}; {LATENCY_CALLS} below 1 MiB)")  # fmt: skip
+    p.add_argument(
+        "--interpret",
+        action="store_true",
+        help="the registry's kernels in Pallas' CPU interpreter (a check)",
+    )
+    p.add_argument(
+        "--calls",
+        type=int,
+        default=None,
+        help=f"calls a program (default {IN_PROGRAM_CALLS}; {LATENCY_CALLS} below 1 MiB)",
+    )
     p.add_argument("--budget-s", type=float, default=20.0, help="per size")
     p.add_argument("--min-repeats", type=int, default=_timing.MIN_REPEATS)
     p.add_argument("--max-repeats", type=int, default=30)
-    p.add_argument("--deadline", type=float, default=None,
-                   help="time.time() after which sizes stop at their minimum rounds")  # fmt: skip
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="time.time() after which sizes stop at their minimum rounds",
+    )
     p.add_argument("--suffix", default="", help="appended to the record's file name")
     args = p.parse_args(argv)
     PEERS = args.peers
@@ -405,10 +420,18 @@ def main(argv=None):
     t_check = time.time() - t0
     sizes = _sizes(args.sizes_kib, 1024) + _sizes(args.sizes_mib, MiB)
     rows, comparisons = bench(
-        key, sizes, args.codec, args.backends, args.reference, args.interpret, args.calls,
-        budget_s=args.budget_s, min_repeats=args.min_repeats, max_repeats=args.max_repeats,
+        key,
+        sizes,
+        args.codec,
+        args.backends,
+        args.reference,
+        args.interpret,
+        args.calls,
+        budget_s=args.budget_s,
+        min_repeats=args.min_repeats,
+        max_repeats=args.max_repeats,
         deadline=args.deadline,
-    )  # fmt: skip
+    )
     codec = codecs.get_codec(args.codec, 128)
     write_record(
         "kernels" if args.codec == "taco" else f"kernels-{args.codec}",
@@ -430,7 +453,7 @@ def main(argv=None):
                 interpret=args.interpret,
             )
             for op in registry.OPS
-        },  # fmt: skip
+        },
         block_configs=_default_configs(codec, max(sizes) // 2 // PEERS),
         check_seconds=t_check,
         checks=checks,
@@ -443,11 +466,15 @@ def main(argv=None):
     for r in rows:
         cells = [
             f"{o['in_program_of_copy']:5.0%} [{o['of_copy_interval'][0]:4.0%}, "
-            f"{o['of_copy_interval'][1]:4.0%}]" if (o := r.get(k)) else "-"
+            f"{o['of_copy_interval'][1]:4.0%}]"
+            if (o := r.get(k))
+            else "-"
             for k in names
-        ]  # fmt: skip
-        print(f"{r['bytes']:>12} {r['copy_in_program_tbps']:10.2f} "
-              + " ".join(f"{c:>24}" for c in cells))  # fmt: skip
+        ]
+        print(
+            f"{r['bytes']:>12} {r['copy_in_program_tbps']:10.2f} "
+            + " ".join(f"{c:>24}" for c in cells)
+        )
 
 
 if __name__ == "__main__":

@@ -73,8 +73,9 @@ def interpolated(points: dict[int, float], nbytes: float) -> float:
 def all_reduce_seconds(link: str, nbytes: float, codec: str = "lax", algorithm: str = "-"):
     rows = _load(COLLECTIVES[link])["rows"]
     wanted = ("all_reduce", codec, algorithm)
-    points = {r["bytes"]: r["seconds"] for r in rows
-              if (r["op"], r["codec"], r["algorithm"]) == wanted}  # fmt: skip
+    points = {
+        r["bytes"]: r["seconds"] for r in rows if (r["op"], r["codec"], r["algorithm"]) == wanted
+    }
     return interpolated(points, nbytes)
 
 
@@ -107,8 +108,9 @@ def pp_seconds(link: str, compressed: bool) -> float:
         return 2 * MICROBATCHES * all_reduce_seconds(link, MESSAGE)
     kernels = _load(STAGE_KERNELS)["results"][0]  # 64 MiB of bf16
     scale = MESSAGE / kernels["bytes"]
-    codec = scale * (kernels["tahquant"]["encode"]["kernel_s"]
-                     + kernels["tahquant"]["decode"]["kernel_s"])  # fmt: skip
+    codec = scale * (
+        kernels["tahquant"]["encode"]["kernel_s"] + kernels["tahquant"]["decode"]["kernel_s"]
+    )
     wire = all_reduce_seconds(link, MESSAGE * TAHQUANT_BITS / 16)
     return 2 * MICROBATCHES * (wire + codec)
 
@@ -138,8 +140,12 @@ def scenario(inside: str, between: str) -> dict:
     compute = compute_seconds()
     rows = {}
     for name, (tp_c, pp_c, dp_c) in VARIANTS.items():
-        parts = {"compute": compute, "tp": tp_seconds(inside, tp_c),
-                 "pp": pp_seconds(inside, pp_c), "dp": dp_seconds(between, dp_c)}  # fmt: skip
+        parts = {
+            "compute": compute,
+            "tp": tp_seconds(inside, tp_c),
+            "pp": pp_seconds(inside, pp_c),
+            "dp": dp_seconds(between, dp_c),
+        }
         rows[name] = {k: v * 1e3 for k, v in parts.items()} | {"step_ms": sum(parts.values()) * 1e3}
     for row in rows.values():
         row["speedup"] = rows["bf16"]["step_ms"] / row["step_ms"]
@@ -156,11 +162,22 @@ def main() -> None:
         for name, row in s["variants"].items():
             parts = ", ".join(f"{k} {row[k]:.1f}" for k in ("compute", "tp", "pp", "dp"))
             print(f"  {name:10s} {row['step_ms']:7.1f} ms ({parts}) {row['speedup']:.2f}x")
-    write_record("model_3d", args.out, device="none: a model from the records it names",
-                 records=[*COLLECTIVES.values(), ONE_GPU_STEP, DP_STEPS, STAGE_KERNELS],
-                 layout={"tp": TP, "pp": PP, "dp": DP, "sequences": SEQUENCES, "seq": SEQ,
-                         "microbatches": MICROBATCHES, "message_bytes": MESSAGE},
-                 scenarios=results)  # fmt: skip
+    write_record(
+        "model_3d",
+        args.out,
+        device="none: a model from the records it names",
+        records=[*COLLECTIVES.values(), ONE_GPU_STEP, DP_STEPS, STAGE_KERNELS],
+        layout={
+            "tp": TP,
+            "pp": PP,
+            "dp": DP,
+            "sequences": SEQUENCES,
+            "seq": SEQ,
+            "microbatches": MICROBATCHES,
+            "message_bytes": MESSAGE,
+        },
+        scenarios=results,
+    )
 
 
 if __name__ == "__main__":

@@ -49,8 +49,10 @@ def _messages(size: int, data: str = "gaussian") -> tuple[jax.Array, list[tuple]
     """(key, bf16 rows [1, size / 2] of `data` as 1-tuples): enough distinct messages to
     cover ROTATE_BYTES (at least 2)."""
     count = max(2, ROTATE_BYTES // size)
-    xs = [(activation_like(1, size // 2, seed=size + i, dof=3)[data].astype(jnp.bfloat16),)
-          for i in range(count)]  # fmt: skip
+    xs = [
+        (activation_like(1, size // 2, seed=size + i, dof=3)[data].astype(jnp.bfloat16),)
+        for i in range(count)
+    ]
     return jax.random.key(size), xs
 
 
@@ -104,18 +106,25 @@ def bench(size: int, names, data: str = "gaussian", **compare) -> tuple[dict, di
         enc_in = [(x, k) for (x,), k in zip(xs, keys, strict=True)]
         wires = [(tahquant.encode_wire(codec, x, k),) for x, k in enc_in]
         ops = {
-            "encode": (lambda x, k, c=codec: tk.encode(c, x, k),
-                       lambda x, k, c=codec: tahquant.encode_wire(c, x, k), enc_in),
-            "decode": (lambda w, c=codec: tk.decode(c, w, elements, jnp.bfloat16),
-                       lambda w, c=codec: tahquant.decode_wire(c, w, elements, jnp.bfloat16),
-                       wires),
-        }  # fmt: skip
+            "encode": (
+                lambda x, k, c=codec: tk.encode(c, x, k),
+                lambda x, k, c=codec: tahquant.encode_wire(c, x, k),
+                enc_in,
+            ),
+            "decode": (
+                lambda w, c=codec: tk.decode(c, w, elements, jnp.bfloat16),
+                lambda w, c=codec: tahquant.decode_wire(c, w, elements, jnp.bfloat16),
+                wires,
+            ),
+        }
         for op, (fused, reference, inputs) in ops.items():
             samplers[f"{name} {op}"] = _timing.batched(jax.jit(fused), inputs)
             samplers[f"{name} {op} reference"] = _timing.batched(jax.jit(reference), inputs)
         io[name] = size + codec.wire_bytes(elements)  # bf16 in, wire out (and the reverse)
-        row[name] = {"bits_per_element": codec.bits_per_element,
-                     "check": _check(codec, xs[0][0], keys[0])}  # fmt: skip
+        row[name] = {
+            "bits_per_element": codec.bits_per_element,
+            "check": _check(codec, xs[0][0], keys[0]),
+        }
     result = _timing.compare(samplers, "copy", **compare)
     times, summary = result["times_s"], result["summary"]
     median = lambda label: sorted(times[label])[len(times[label]) // 2]  # noqa: E731
@@ -140,8 +149,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[4, 16, 64, 256])
     parser.add_argument("--codecs", nargs="+", default=list(tahquant.STAGE_CODEC_NAMES))
-    parser.add_argument("--data", nargs="+", choices=DATA, default=["gaussian"],
-                        help="message data (`_common.activation_like`)")  # fmt: skip
+    parser.add_argument(
+        "--data",
+        nargs="+",
+        choices=DATA,
+        default=["gaussian"],
+        help="message data (`_common.activation_like`)",
+    )
     parser.add_argument("--budget-s", type=float, default=30.0, help="per size and data set")
     parser.add_argument("--max-repeats", type=int, default=20)
     parser.add_argument("--suffix", default="", help="appended to the record's file name")
@@ -149,25 +163,36 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         raise SystemExit("stage_kernels times compiled GPU kernels: run it on a GPU")
-    runs = [bench(int(s * MiB), args.codecs, data, budget_s=args.budget_s,
-                  max_repeats=args.max_repeats)
-            for s in args.sizes_mib for data in args.data]  # fmt: skip
+    runs = [
+        bench(int(s * MiB), args.codecs, data, budget_s=args.budget_s, max_repeats=args.max_repeats)
+        for s in args.sizes_mib
+        for data in args.data
+    ]
     rows = [row for row, _ in runs]
     np.testing.assert_array_less(  # checked before anything is recorded: a code moves by <= 1
         [row[n]["check"]["max_code_step"] for row in rows for n in args.codecs], 2
     )
-    write_record("stage_kernels", args.out, suffix=args.suffix, results=rows,
-                 comparisons=[c for _, c in runs])  # fmt: skip
-    print("\n| size | data | codec | tiles pivoted | encode % of copy | decode % of copy | "
-          "vs reference (enc/dec) |")  # fmt: skip
+    write_record(
+        "stage_kernels",
+        args.out,
+        suffix=args.suffix,
+        results=rows,
+        comparisons=[c for _, c in runs],
+    )
+    print(
+        "\n| size | data | codec | tiles pivoted | encode % of copy | decode % of copy | "
+        "vs reference (enc/dec) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         for name in args.codecs:
             e, d = row[name]["encode"], row[name]["decode"]
-            print(f"| {row['bytes'] / MiB:g} MiB | {row['data']} | {name} | "
-                  f"{100 * row[name]['check']['pivoted_tiles']:.0f}% | {100 * e['of_copy']:.0f}% | "
-                  f"{100 * d['of_copy']:.0f}% | {e['speedup_over_ref']:.1f}x / "
-                  f"{d['speedup_over_ref']:.1f}x |")  # fmt: skip
+            print(
+                f"| {row['bytes'] / MiB:g} MiB | {row['data']} | {name} | "
+                f"{100 * row[name]['check']['pivoted_tiles']:.0f}% | {100 * e['of_copy']:.0f}% | "
+                f"{100 * d['of_copy']:.0f}% | {e['speedup_over_ref']:.1f}x / "
+                f"{d['speedup_over_ref']:.1f}x |"
+            )
 
 
 if __name__ == "__main__":

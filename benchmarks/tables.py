@@ -196,28 +196,57 @@ def median_time(comparison: dict, name: str) -> float:
 
 # The headline ------------------------------------------------------------------------------
 
-# fmt: off
 HEADLINE_COLLECTIVES = [  # (codec, tp, {link: the record before the harness}, its algorithm)
-    ("taco", 2, {"nvlink": "collectives-2026-11-30-x2-nvlink-auto-fused.json",
-                 "shm": "collectives-2026-11-30-x2-shm-auto.json",
-                 "socket": "collectives-2026-11-30-x2-socket-auto.json"}, "auto"),
-    ("int6_hadamard", 2, {"shm": "collectives-2026-11-30-x2-shm-subbyte.json",
-                          "socket": "collectives-2026-11-30-x2-socket-subbyte.json"}, "one_shot"),
+    (
+        "taco",
+        2,
+        {
+            "nvlink": "collectives-2026-11-30-x2-nvlink-auto-fused.json",
+            "shm": "collectives-2026-11-30-x2-shm-auto.json",
+            "socket": "collectives-2026-11-30-x2-socket-auto.json",
+        },
+        "auto",
+    ),
+    (
+        "int6_hadamard",
+        2,
+        {
+            "shm": "collectives-2026-11-30-x2-shm-subbyte.json",
+            "socket": "collectives-2026-11-30-x2-socket-subbyte.json",
+        },
+        "one_shot",
+    ),
     ("taco", 4, {"shm": "collectives-2026-11-30-x4-shm.json"}, "auto"),
 ]
-# fmt: on
-# fmt: off
 B1 = "gpt_1p3b tp=2 (shard_map)"  # the labels of train_step.py's GPT-1.3B TP = 2 steps
 HEADLINE_STEPS = [  # (preset, codec, tp, {link: (record, baseline label, label)}) before it
-    ("gpt_1p3b", "taco", 2, {
-        "nvlink": ("train_step-2026-11-30-tp2-nvlink-fused.json", f"{B1} none", f"{B1} taco auto"),
-        "shm": ("train_step-2026-11-30-tp2-shm.json", f"{B1} none", f"{B1} taco auto"),
-        "socket": ("train_step-2026-11-30-tp2-socket.json", f"{B1} none", f"{B1} taco")}),
-    ("gpt_1p3b", "int6_hadamard", 2, {
-        "shm": ("train_step-2026-11-30-tp2-shm-int6.json", f"{B1} none",
-                f"{B1} int6_hadamard auto")}),
+    (
+        "gpt_1p3b",
+        "taco",
+        2,
+        {
+            "nvlink": (
+                "train_step-2026-11-30-tp2-nvlink-fused.json",
+                f"{B1} none",
+                f"{B1} taco auto",
+            ),
+            "shm": ("train_step-2026-11-30-tp2-shm.json", f"{B1} none", f"{B1} taco auto"),
+            "socket": ("train_step-2026-11-30-tp2-socket.json", f"{B1} none", f"{B1} taco"),
+        },
+    ),
+    (
+        "gpt_1p3b",
+        "int6_hadamard",
+        2,
+        {
+            "shm": (
+                "train_step-2026-11-30-tp2-shm-int6.json",
+                f"{B1} none",
+                f"{B1} int6_hadamard auto",
+            )
+        },
+    ),
 ]
-# fmt: on
 HEADLINE_FROM = 16 * MiB  # the all-reduce's headline sizes: from 16 MiB (all, where none is)
 PRESETS = {"gpt_125m": "GPT-125M", "gpt_350m": "GPT-350M", "gpt_1p3b": "GPT-1.3B"}
 STEP_LABEL = re.compile(r"(\S+) tp=(\d+) \(shard_map\) (\S+) auto$")  # a real-TP step's label
@@ -394,10 +423,11 @@ def fill(text: str) -> str:
 
 # Convergence --------------------------------------------------------------------------------
 
-# fmt: off
-SEEDS_TP4 = ("convergence-2026-11-29.json", "convergence-2026-11-30-subbyte.json",
-             "convergence-2026-12-01-seeds.json")
-# fmt: on
+SEEDS_TP4 = (
+    "convergence-2026-11-29.json",
+    "convergence-2026-11-30-subbyte.json",
+    "convergence-2026-12-01-seeds.json",
+)
 SEEDS_TP8 = ("convergence-2026-12-01-tp8-seeds.json",)
 
 
@@ -463,7 +493,6 @@ def accuracy(records: Records, doc: str = "BENCHMARKS.md") -> str:
     )
 
 
-# fmt: off
 C = "convergence-2026-"  # the records' names, less their date
 CONVERGENCE = [  # (layout, codec label, records, codec in the runs, layout in the runs)
     ("TP = 4", "`taco`", SEEDS_TP4, "taco", "tp4"),
@@ -477,27 +506,55 @@ CONVERGENCE = [  # (layout, codec label, records, codec in the runs, layout in t
     ("TP = 4", "`taco_no_ds` (no DS)", (f"{C}11-29.json",), "taco_no_ds", "tp4"),
     ("TP = 8", "`taco_no_ds` (no DS)", (f"{C}11-29.json",), "taco_no_ds", "tp8"),
     ("pp = 2", "`tahquant` sends", (f"{C}11-30-dp-pp.json",), "tahquant", "pp2"),
-    ("pp = 2", "`tahquant` + `taco` shared-gradient sum", (f"{C}11-30-pp-grads.json",),
-     "tahquant+grads=taco", "pp2"),
-    ("pp = 2", "`tahquant` + `int6_hadamard` sum", (f"{C}11-30-pp-grads.json",),
-     "tahquant+grads=int6_hadamard", "pp2"),
+    (
+        "pp = 2",
+        "`tahquant` + `taco` shared-gradient sum",
+        (f"{C}11-30-pp-grads.json",),
+        "tahquant+grads=taco",
+        "pp2",
+    ),
+    (
+        "pp = 2",
+        "`tahquant` + `int6_hadamard` sum",
+        (f"{C}11-30-pp-grads.json",),
+        "tahquant+grads=int6_hadamard",
+        "pp2",
+    ),
     ("dp = 2", "`sdp4bit`", (f"{C}11-30-dp-pp.json",), "sdp4bit", "dp2"),
-    ("TP 4 x PP 2 x DP 2", "all three", (f"{C}12-01-3d.json",),
-     "tp=taco+pp=tahquant+dp=sdp4bit", "3ddp2pp2tp4"),
-    ("same, 91.5M GPT", "all three", (f"{C}12-01-3d-91m.json",),
-     "tp=taco+pp=tahquant+dp=sdp4bit", "3ddp2pp2tp4"),
-    ("same, 91.5M GPT", "`taco` on TP alone", (f"{C}12-01-3d-91m.json",), "tp=taco",
-     "3ddp2pp2tp4"),
-    ("same, 91.5M GPT", "`tahquant4` on TP (TAH-Quant's 4 bits)", (f"{C}12-01-3d-91m.json",),
-     "tp=tahquant4", "3ddp2pp2tp4"),
+    (
+        "TP 4 x PP 2 x DP 2",
+        "all three",
+        (f"{C}12-01-3d.json",),
+        "tp=taco+pp=tahquant+dp=sdp4bit",
+        "3ddp2pp2tp4",
+    ),
+    (
+        "same, 91.5M GPT",
+        "all three",
+        (f"{C}12-01-3d-91m.json",),
+        "tp=taco+pp=tahquant+dp=sdp4bit",
+        "3ddp2pp2tp4",
+    ),
+    ("same, 91.5M GPT", "`taco` on TP alone", (f"{C}12-01-3d-91m.json",), "tp=taco", "3ddp2pp2tp4"),
+    (
+        "same, 91.5M GPT",
+        "`tahquant4` on TP (TAH-Quant's 4 bits)",
+        (f"{C}12-01-3d-91m.json",),
+        "tp=tahquant4",
+        "3ddp2pp2tp4",
+    ),
 ]
-# fmt: on
 
 
-# fmt: off
-TRAFFIC = {"tp_reduce_fwd": "TP fwd", "tp_copy_bwd": "TP bwd", "pp": "PP fwd", "pp_bwd": "PP bwd",
-           "pp_grads": "PP sum", "dp_grad": "DP grad", "dp_param": "DP param"}
-# fmt: on
+TRAFFIC = {
+    "tp_reduce_fwd": "TP fwd",
+    "tp_copy_bwd": "TP bwd",
+    "pp": "PP fwd",
+    "pp_bwd": "PP bwd",
+    "pp_grads": "PP sum",
+    "dp_grad": "DP grad",
+    "dp_param": "DP param",
+}
 
 
 def _errors(runs: list[dict], layout: str, codec: str) -> str:
@@ -515,10 +572,17 @@ def convergence(records: Records) -> str:
     for layout, label, names_, codec, run_layout in CONVERGENCE:
         runs = _runs(records, names_)
         p = paired(runs, run_layout, codec)
-        rows.append([layout, label, str(len(p["seeds"])), _pm(p),
-                     "-" if len(p["seeds"]) < 2 else f"{p['spread']:.2f}%",
-                     _errors(runs, run_layout, codec),
-                     ", ".join(f"`{n.removeprefix('convergence-')}`" for n in names_)])  # fmt: skip
+        rows.append(
+            [
+                layout,
+                label,
+                str(len(p["seeds"])),
+                _pm(p),
+                "-" if len(p["seeds"]) < 2 else f"{p['spread']:.2f}%",
+                _errors(runs, run_layout, codec),
+                ", ".join(f"`{n.removeprefix('convergence-')}`" for n in names_),
+            ]
+        )
     header = (
         "layout | codec | seeds | validation loss vs bf16, paired (mean +- s.e.) | "
         "bf16 spread between seeds | error per collective | records (`convergence-…`)"
@@ -541,7 +605,6 @@ def default_run(records: Records) -> str:
 # Kernels ------------------------------------------------------------------------------------
 
 KERNEL_SIZES = tuple(s * MiB for s in (16, 64, 256, 1024))  # a TP step's messages
-# fmt: off
 K = "kernels-2026-12-"  # the records' names, less their date
 LOWERINGS = [  # (codec label, peers, record, ops, an earlier run's record) before the harness
     ("`taco`", 8, f"{K}04-widened.json", None, f"{K}02-register-operands.json"),
@@ -553,12 +616,13 @@ LOWERINGS = [  # (codec label, peers, record, ops, an earlier run's record) befo
     ("`int6_hadamard`", 8, "kernels-int6_hadamard-2026-12-03.json", None, None),
     ("`int4_hadamard`", 8, "kernels-int4_hadamard-2026-12-03.json", None, None),
 ]
-# fmt: on
 OPS = ("encode", "decode", "decode_sum", "decode_sum_reencode")
-# fmt: off
-OP_NAMES = {"encode": "encode", "decode": "decode", "decode_sum": "decode-sum",
-            "decode_sum_reencode": "re-encode"}
-# fmt: on
+OP_NAMES = {
+    "encode": "encode",
+    "decode": "decode",
+    "decode_sum": "decode-sum",
+    "decode_sum_reencode": "re-encode",
+}
 MOSAIC_CODECS = ("`taco`", "`taco_e5m2`")  # the registry's Mosaic codecs among the rows
 
 
@@ -668,11 +732,11 @@ def judged_aa(aa: dict) -> str:
     return f"[{lo:.3f}, {hi:.3f}]"
 
 
-# fmt: off
-LAUNCH_SWEEPS = ("launch_sweep-2026-12-03-wave-r1.json",
-                 "launch_sweep-2026-12-04-decode_sum-p8-widened.json",
-                 "launch_sweep-2026-12-04-decode_sum-p2-sizes.json")
-# fmt: on
+LAUNCH_SWEEPS = (
+    "launch_sweep-2026-12-03-wave-r1.json",
+    "launch_sweep-2026-12-04-decode_sum-p8-widened.json",
+    "launch_sweep-2026-12-04-decode_sum-p2-sizes.json",
+)
 
 
 def launches(records: Records) -> str:
@@ -694,8 +758,16 @@ def launches(records: Records) -> str:
             )
         peers = record["rows"][0]["peers"]
         sizes = f"{size(min(by_size))}-{size(max(by_size))}, {len(by_size)} sizes"
-        rows.append([f"{record['op']}, {peers}", sizes, span(triton, pct), span(mosaic, pct),
-                     span(best, pct), source(record, "launch_sweep-")])  # fmt: skip
+        rows.append(
+            [
+                f"{record['op']}, {peers}",
+                sizes,
+                span(triton, pct),
+                span(mosaic, pct),
+                span(best, pct),
+                source(record, "launch_sweep-"),
+            ]
+        )
     header = (
         "op, peers | messages | Triton default | Mosaic default then | fastest swept | "
         "record (`launch_sweep-…`)"
@@ -746,14 +818,12 @@ def stage_kernels(records: Records) -> str:
 
 # Collectives --------------------------------------------------------------------------------
 
-# fmt: off
 X2 = "collectives-2026-11-30-x2"  # the records' names, less their link
 COLLECTIVES = {  # link: (the named algorithms' record, the defaults' record) before the harness
     "nvlink": (f"{X2}-nvlink-fused.json", f"{X2}-nvlink-auto-fused.json"),
     "shm": (f"{X2}-shm.json", f"{X2}-shm-auto.json"),
     "socket": (f"{X2}-socket.json", f"{X2}-socket-auto.json"),
 }
-# fmt: on
 ALGORITHMS = ("one_shot", "two_shot", "fused")
 
 
@@ -804,8 +874,16 @@ def collectives(records: Records) -> str:
             pair_cell = " / ".join(
                 x(pair[a]["speedup"]) if a in pair else "-" for a in ("-", "fused")
             )
-            rows.append([LINK_NAMES[link], size(nbytes), seconds(ar["-"]["seconds"]), *cells,
-                         _defaults_cell(defaults[0]) if defaults else "-", pair_cell])  # fmt: skip
+            rows.append(
+                [
+                    LINK_NAMES[link],
+                    size(nbytes),
+                    seconds(ar["-"]["seconds"]),
+                    *cells,
+                    _defaults_cell(defaults[0]) if defaults else "-",
+                    pair_cell,
+                ]
+            )
     header = (
         "link | message | `lax.psum` | one-shot | two-shot | fused | defaults (chose) | "
         "RS + AG pair: NCCL / fused"
@@ -813,9 +891,7 @@ def collectives(records: Records) -> str:
     return table(header, rows)
 
 
-# fmt: off
 SUBBYTE = [("shm", 2, f"{X2}-shm-subbyte.json"), ("socket", 2, f"{X2}-socket-subbyte.json")]
-# fmt: on
 
 
 def collectives_subbyte(records: Records) -> str:
@@ -830,8 +906,15 @@ def collectives_subbyte(records: Records) -> str:
                 f"{x(ar[c]['speedup'])} / {x(pair[c]['speedup'])}"
                 for c in ("taco", "int6_hadamard", "int4_hadamard")
             ]
-            rows.append([f"{LINK_NAMES[link]}, {tp}", size(nbytes), seconds(ar["lax"]["seconds"]),
-                         *cells, f"`{name.removeprefix('collectives-')}`"])  # fmt: skip
+            rows.append(
+                [
+                    f"{LINK_NAMES[link]}, {tp}",
+                    size(nbytes),
+                    seconds(ar["lax"]["seconds"]),
+                    *cells,
+                    f"`{name.removeprefix('collectives-')}`",
+                ]
+            )
     record = records("collectives-2026-11-30-x4-shm.json")
     for nbytes in sorted({r["bytes"] for r in record["rows"]}):
         ar = {r["algorithm"].split(":")[0]: r for r in _rows_of(record, bytes=nbytes, tp=4)}
@@ -840,8 +923,17 @@ def collectives_subbyte(records: Records) -> str:
             f"one-shot {x(ar['one_shot']['speedup'])}, two-shot {x(ar['two_shot']['speedup'])}"
             f", defaults {x(ar['auto']['speedup'])} / {x(pair[0]['speedup'])}"
         )
-        rows.append(["shared memory, 4", size(nbytes), seconds(ar["-"]["seconds"]), cell, "-",
-                     "-", "`2026-11-30-x4-shm.json`"])  # fmt: skip
+        rows.append(
+            [
+                "shared memory, 4",
+                size(nbytes),
+                seconds(ar["-"]["seconds"]),
+                cell,
+                "-",
+                "-",
+                "`2026-11-30-x4-shm.json`",
+            ]
+        )
     header = (
         "link, N | message | `lax.psum` | `taco`: all-reduce / pair | `int6_hadamard` | "
         "`int4_hadamard` | record (`collectives-…`)"
@@ -859,9 +951,18 @@ def collectives_harness(records: Records) -> str:
             aa = _timing.summarize(c["times_s"])[_timing.AA_RATIO]
             variants = [n for n in c["times_s"] if n not in ("lax", _timing.AA)]
             cells = "; ".join(f"`{n}` {judged(harness_ratio(c, 'lax', n))}" for n in variants)
-            rows.append([f"{where}, N = {c['tp']}", size(c["bytes"]), c["op"],
-                         seconds(median_time(c, "lax")), cells, judged_aa(aa), str(c["repeats"]),
-                         source(record)])  # fmt: skip
+            rows.append(
+                [
+                    f"{where}, N = {c['tp']}",
+                    size(c["bytes"]),
+                    c["op"],
+                    seconds(median_time(c, "lax")),
+                    cells,
+                    judged_aa(aa),
+                    str(c["repeats"]),
+                    source(record),
+                ]
+            )
     if not rows:
         return "(no record of the harness yet: `python -m benchmarks.headline`)"
     header = "where | message | op | `lax` | speedup [interval] verdict | A/A | rounds | record"
@@ -870,23 +971,41 @@ def collectives_harness(records: Records) -> str:
 
 # Training steps ----------------------------------------------------------------------------
 
-# fmt: off
 T = "train_step-2026-11-30-tp2"  # the records' names, less their suffix
 STEP_TP2 = [  # (row, record, baseline label, {column: label})
-    ("TP = 2, NVLink", f"{T}-nvlink-fused.json", f"{B1} none",
-     {"taco": f"{B1} taco auto", "fused forced": f"{B1} taco fused forced"}),
-    ("TP = 2 + sequence parallelism, NVLink", f"{T}-sp-nvlink.json",
-     "gpt_1p3b tp=2 sp (shard_map) none", {"taco": "gpt_1p3b tp=2 sp (shard_map) taco auto"}),
-    ("TP = 2, NVLink, two batch chunks (`parallel.overlap_chunks=2`)", f"{T}-nvlink-overlap.json",
-     f"{B1} none chunks=2", {"taco": f"{B1} taco auto chunks=2"}),
+    (
+        "TP = 2, NVLink",
+        f"{T}-nvlink-fused.json",
+        f"{B1} none",
+        {"taco": f"{B1} taco auto", "fused forced": f"{B1} taco fused forced"},
+    ),
+    (
+        "TP = 2 + sequence parallelism, NVLink",
+        f"{T}-sp-nvlink.json",
+        "gpt_1p3b tp=2 sp (shard_map) none",
+        {"taco": "gpt_1p3b tp=2 sp (shard_map) taco auto"},
+    ),
+    (
+        "TP = 2, NVLink, two batch chunks (`parallel.overlap_chunks=2`)",
+        f"{T}-nvlink-overlap.json",
+        f"{B1} none chunks=2",
+        {"taco": f"{B1} taco auto chunks=2"},
+    ),
     ("TP = 2, shared memory", f"{T}-shm.json", f"{B1} none", {"taco": f"{B1} taco auto"}),
-    ("TP = 2, shared memory, second run", f"{T}-shm-int6.json", f"{B1} none",
-     {"taco": f"{B1} taco auto", "int6": f"{B1} int6_hadamard auto"}),
-    ("same, two batch chunks", f"{T}-shm-chunks.json", f"{B1} none chunks=2",
-     {"taco": f"{B1} taco auto chunks=2", "int6": f"{B1} int6_hadamard auto chunks=2"}),
+    (
+        "TP = 2, shared memory, second run",
+        f"{T}-shm-int6.json",
+        f"{B1} none",
+        {"taco": f"{B1} taco auto", "int6": f"{B1} int6_hadamard auto"},
+    ),
+    (
+        "same, two batch chunks",
+        f"{T}-shm-chunks.json",
+        f"{B1} none chunks=2",
+        {"taco": f"{B1} taco auto chunks=2", "int6": f"{B1} int6_hadamard auto chunks=2"},
+    ),
     ("TP = 2, sockets", f"{T}-socket.json", f"{B1} none", {"taco": f"{B1} taco"}),
 ]
-# fmt: on
 
 
 def _steps(record: dict) -> dict[str, dict]:
@@ -931,9 +1050,14 @@ def step_tp2(records: Records) -> str:
                     _step_cell(record, base, f"{stem} {c} auto") for c in ("taco", "int6_hadamard")
                 ]
                 preset, tp = stem.split()[:2]
-                rows.append([f"{PRESETS.get(preset, preset)}, TP = {tp[3:]}, {LINK_NAMES[link]}",
-                             f"{steps[base]['median_step_s'] * 1e3:.1f} ms", *cells,
-                             source(record)])  # fmt: skip
+                rows.append(
+                    [
+                        f"{PRESETS.get(preset, preset)}, TP = {tp[3:]}, {LINK_NAMES[link]}",
+                        f"{steps[base]['median_step_s'] * 1e3:.1f} ms",
+                        *cells,
+                        source(record),
+                    ]
+                )
     for row, name, base, labels in STEP_TP2:
         record = records(name)
         base_ms = f"{_steps(record)[base]['median_step_s'] * 1e3:.1f} ms"
@@ -950,21 +1074,44 @@ def step_tp2(records: Records) -> str:
     return table(header, rows)
 
 
-# fmt: off
 V2, V4 = "gpt_1p3b tp=2 (vmap)", "gpt_125m tp=4 (vmap)"  # emulated steps' labels
 EMULATED = [  # (row, record, baseline label, label, attention)
-    ("GPT-1.3B, TP = 2, 4 x 2048", "train_step-2026-12-04-tp2-b4-sum-mosaic.json", f"{V2} none",
-     f"{V2} taco one_shot", "cuDNN"),
-    ("GPT-1.3B, TP = 2, 4 x 2048", "train_step-2026-12-02-tp2-vmap-cudnn-b4.json",
-     f"{V2} attention=xla none", f"{V2} attention=xla taco one_shot", "XLA"),
-    ("GPT-1.3B, TP = 2, 8 x 2048", "train_step-2026-12-03-tp2-vmap-b8-wave.json", f"{V2} none",
-     f"{V2} taco one_shot", "cuDNN"),
-    ("GPT-125M, TP = 4, 8 x 2048", "train_step-2026-12-03-tp4-wave.json", f"{V4} none",
-     f"{V4} taco", "cuDNN"),
-    ("GPT-125M, TP = 4, 8 x 2048", "train_step-2026-12-02-tp4-cudnn.json",
-     f"{V4} attention=xla none", f"{V4} attention=xla taco", "XLA"),
+    (
+        "GPT-1.3B, TP = 2, 4 x 2048",
+        "train_step-2026-12-04-tp2-b4-sum-mosaic.json",
+        f"{V2} none",
+        f"{V2} taco one_shot",
+        "cuDNN",
+    ),
+    (
+        "GPT-1.3B, TP = 2, 4 x 2048",
+        "train_step-2026-12-02-tp2-vmap-cudnn-b4.json",
+        f"{V2} attention=xla none",
+        f"{V2} attention=xla taco one_shot",
+        "XLA",
+    ),
+    (
+        "GPT-1.3B, TP = 2, 8 x 2048",
+        "train_step-2026-12-03-tp2-vmap-b8-wave.json",
+        f"{V2} none",
+        f"{V2} taco one_shot",
+        "cuDNN",
+    ),
+    (
+        "GPT-125M, TP = 4, 8 x 2048",
+        "train_step-2026-12-03-tp4-wave.json",
+        f"{V4} none",
+        f"{V4} taco",
+        "cuDNN",
+    ),
+    (
+        "GPT-125M, TP = 4, 8 x 2048",
+        "train_step-2026-12-02-tp4-cudnn.json",
+        f"{V4} attention=xla none",
+        f"{V4} attention=xla taco",
+        "XLA",
+    ),
 ]
-# fmt: on
 CODEC_KERNELS = ("encode", "decode", "exchange")  # kernel names of the codec (the profile's kinds)
 
 
@@ -1023,8 +1170,10 @@ def step_emulated(records: Records) -> str:
                     continue
                 seen.add(key)
                 preset, tp = stem.split()[:2]
-                what = (f"{PRESETS.get(preset, preset)}, TP = {tp[3:]}, {steps[base]['batch']} x "
-                        f"{steps[base]['model']['seq_len']}, {label.split()[-1]}")  # fmt: skip
+                what = (
+                    f"{PRESETS.get(preset, preset)}, TP = {tp[3:]}, {steps[base]['batch']} x "
+                    f"{steps[base]['model']['seq_len']}, {label.split()[-1]}"
+                )
                 rows.append(_emulated_row(what, record, base, label, "auto"))
     for row_name, name, base, label, attention in EMULATED:
         rows.append(_emulated_row(row_name, records(name), base, label, attention))
@@ -1035,13 +1184,11 @@ def step_emulated(records: Records) -> str:
     return table(header, rows)
 
 
-# fmt: off
 PP = [  # (row, record)
     ("NVLink, layers unrolled", "train_step-2026-11-30-pp2-nvlink-unroll.json"),
     ("NVLink, scanned", "train_step-2026-11-30-pp2-nvlink.json"),
     ("sockets, scanned", "train_step-2026-11-30-pp2-socket.json"),
 ]
-# fmt: on
 PP_LABEL = "gpt_1p3b pp=2 gpipe M=8"
 
 
@@ -1081,10 +1228,10 @@ def step_pp2(records: Records) -> str:
     return table(header, rows)
 
 
-# fmt: off
-PP_EMULATED = ("train_step-2026-12-02-pp2-emulate-schedules.json",
-               "train_step-2026-12-02-pp2-emulate-codecs.json")
-# fmt: on
+PP_EMULATED = (
+    "train_step-2026-12-02-pp2-emulate-schedules.json",
+    "train_step-2026-12-02-pp2-emulate-codecs.json",
+)
 
 
 def bubble(parallel: dict) -> float:
@@ -1122,10 +1269,16 @@ def step_pp2_emulated(records: Records) -> str:
             ref = next((lb for lb in steps if "pp-ref" in lb and steps[lb]["batch"] == batch), None)
             temp = memory.get(label, {}).get("temp_gib")  # the step's own (a peak is the group's)
             ref_ms = "-" if ref is None else f"{steps[ref]['median_step_s'] * 1e3:.1f} ms"
-            rows.append([label.removeprefix("gpt_1p3b ").replace(" (emulate)", ""),
-                         f"{row['median_step_s'] * 1e3:.1f} ms", ref_ms,
-                         "-" if ref is None else _over_bound(record, label, ref),
-                         "-" if temp is None else f"{temp} GiB", source(record)])  # fmt: skip
+            rows.append(
+                [
+                    label.removeprefix("gpt_1p3b ").replace(" (emulate)", ""),
+                    f"{row['median_step_s'] * 1e3:.1f} ms",
+                    ref_ms,
+                    "-" if ref is None else _over_bound(record, label, ref),
+                    "-" if temp is None else f"{temp} GiB",
+                    source(record),
+                ]
+            )
     header = (
         "emulated pp = 2 step (GPT-1.3B) | step | one device, same batch | x bound | "
         "XLA temporaries | record"
@@ -1133,11 +1286,11 @@ def step_pp2_emulated(records: Records) -> str:
     return table(header, rows)
 
 
-# fmt: off
-DP = (("NVLink", "train_step-2026-11-30-dp2-nvlink.json"),
-      ("shared memory", "train_step-2026-11-30-dp2-shm.json"),
-      ("sockets", "train_step-2026-11-30-dp2-socket.json"))
-# fmt: on
+DP = (
+    ("NVLink", "train_step-2026-11-30-dp2-nvlink.json"),
+    ("shared memory", "train_step-2026-11-30-dp2-shm.json"),
+    ("sockets", "train_step-2026-11-30-dp2-socket.json"),
+)
 
 
 def step_dp2(records: Records) -> str:
@@ -1148,8 +1301,14 @@ def step_dp2(records: Records) -> str:
             k: steps[f"gpt_350m dp=2 {k}"]["median_step_s"]
             for k in ("replicated", "zero1 none", "zero1 sdp4bit")
         }
-        rows.append([link, *(f"{v * 1e3:.1f} ms" for v in t.values()),
-                     x(t["replicated"] / t["zero1 sdp4bit"]), source(records(name))])  # fmt: skip
+        rows.append(
+            [
+                link,
+                *(f"{v * 1e3:.1f} ms" for v in t.values()),
+                x(t["replicated"] / t["zero1 sdp4bit"]),
+                source(records(name)),
+            ]
+        )
     header = "link | replicated AdamW | ZeRO-1 | ZeRO-1 + SDP4Bit | SDP4Bit vs replicated | record"
     return table(header, rows)
 
@@ -1159,9 +1318,13 @@ def checkpoint(records: Records) -> str:
     rows = []
     for mode, runs in record["runs"].items():
         pauses = [m["blocked_s"] for m in runs if m["kind"] == "checkpoint"]
-        rows.append([f"`run.async_checkpoint={'true' if mode == 'async' else 'false'}`",
-                     " and ".join(f"{p:.1f} s" for p in pauses),
-                     f"{record['wall_s_printed'][mode]:.1f} s"])  # fmt: skip
+        rows.append(
+            [
+                f"`run.async_checkpoint={'true' if mode == 'async' else 'false'}`",
+                " and ".join(f"{p:.1f} s" for p in pauses),
+                f"{record['wall_s_printed'][mode]:.1f} s",
+            ]
+        )
     note = f"`{record['name']}`; {record['printed_note']}."
     return table("saves (steps 45 and 90) | training held up | run", rows) + "\n\n" + fill(note)
 

@@ -102,8 +102,9 @@ class Case:
 def default_cases(args) -> list[Case]:
     remat = args.remat
     one = ParallelConfig(remat=remat, scan_layers=not args.unroll)
-    emulated = ParallelConfig(tp=args.emulate_tp, mode="vmap", remat=remat,
-                              scan_layers=not args.unroll)  # fmt: skip
+    emulated = ParallelConfig(
+        tp=args.emulate_tp, mode="vmap", remat=remat, scan_layers=not args.unroll
+    )
     if args.smoke:
         tiny = ParallelConfig(tp=2, mode="vmap", scan_layers=not args.unroll)
         return [
@@ -142,7 +143,7 @@ def default_cases(args) -> list[Case]:
                 algorithm="two_shot",
                 min_compress_bytes=0,
                 **run,
-            ),  # fmt: skip
+            ),
         ]
         # Sequence parallelism: the reduce-scatter / all-gather pair instead of all-reduces.
         sp = dataclasses.replace(real, sequence_parallel=True)
@@ -153,8 +154,10 @@ def default_cases(args) -> list[Case]:
             Case(f"{sp_label} taco auto", codec="taco", **sp_run),
         ]
         for codec in args.tp_codecs:  # other codecs through the same policy (e.g. sub-byte)
-            cases += [Case(f"{label} {codec} auto", codec=codec, **run),
-                      Case(f"{sp_label} {codec} auto", codec=codec, **sp_run)]  # fmt: skip
+            cases += [
+                Case(f"{label} {codec} auto", codec=codec, **run),
+                Case(f"{sp_label} {codec} auto", codec=codec, **sp_run),
+            ]
         if n_devices == 2:  # where one-shot sends the bytes of two-shot
             cases += [
                 Case(
@@ -163,13 +166,21 @@ def default_cases(args) -> list[Case]:
                     algorithm=algorithm,
                     min_compress_bytes=0,
                     **run,
-                )  # fmt: skip
+                )
                 for algorithm in ("one_shot", "fused")
             ]
             # The other codecs one-shot too, so that a variant cannot switch algorithms.
-            cases += [Case(f"{label} {codec} one_shot forced", codec=codec, algorithm="one_shot",
-                           min_compress_bytes=0, **run)
-                      for codec in args.tp_codecs if codec != "taco"]  # fmt: skip
+            cases += [
+                Case(
+                    f"{label} {codec} one_shot forced",
+                    codec=codec,
+                    algorithm="one_shot",
+                    min_compress_bytes=0,
+                    **run,
+                )
+                for codec in args.tp_codecs
+                if codec != "taco"
+            ]
     if n_devices >= 2:
         cases += pipeline_cases(args, n_devices, args.pp_preset)  # case 4
         cases += data_parallel_cases(args, n_devices)  # case 5
@@ -199,8 +210,15 @@ def emulated_tp_cases(args, emulated: ParallelConfig) -> list[Case]:
         for codec in ("taco", *(c for c in args.tp_codecs if c != "taco")):
             for algorithm in args.emulate_algorithms:
                 tag = "" if algorithm == "auto" else f" {algorithm}"
-                cases.append(Case(f"{label} {codec}{tag}", codec=codec, impl=args.impl,
-                                  algorithm=algorithm, **run))  # fmt: skip
+                cases.append(
+                    Case(
+                        f"{label} {codec}{tag}",
+                        codec=codec,
+                        impl=args.impl,
+                        algorithm=algorithm,
+                        **run,
+                    )
+                )
     return cases
 
 
@@ -211,8 +229,9 @@ def data_parallel_cases(args, n_devices: int, mode: str = "shard_map") -> list[C
     """Case 5: dp = n_devices (emulated on one device with mode="emulate"), replicated AdamW,
     then ZeRO-1 without and with SDP4Bit, each with its collectives in buckets of each of
     `--dp-bucket-elements` (default: 40 M, the library's default, and 1, a bucket per leaf)."""
-    parallel = ParallelConfig(dp=n_devices, remat=args.remat, scan_layers=not args.unroll,
-                              mode=mode)  # fmt: skip
+    parallel = ParallelConfig(
+        dp=n_devices, remat=args.remat, scan_layers=not args.unroll, mode=mode
+    )
     label = f"{args.dp_preset} dp={n_devices}" + (" (emulate)" if mode == "emulate" else "")
     run = dict(preset=args.dp_preset, batch=args.dp_batch, parallel=parallel)
     cases = [Case(f"{label} replicated", **run)]
@@ -224,8 +243,9 @@ def data_parallel_cases(args, n_devices: int, mode: str = "shard_map") -> list[C
     return cases
 
 
-def pipeline_cases(args, n_devices: int, preset: str = "gpt_1p3b", overrides=(),
-                   mode: str = "shard_map") -> list[Case]:  # fmt: skip
+def pipeline_cases(
+    args, n_devices: int, preset: str = "gpt_1p3b", overrides=(), mode: str = "shard_map"
+) -> list[Case]:
     """Case 4: the one-device reference, then each schedule (`--schedules`) x M
     (`--microbatches`) x stage codec at pp = n_devices (with mode="emulate", the stages
     emulated on one device). The batch is `--pp-batch`, or with `--pp-rows-per-microbatch R`
@@ -233,8 +253,11 @@ def pipeline_cases(args, n_devices: int, preset: str = "gpt_1p3b", overrides=(),
     base = ParallelConfig(remat=args.remat, scan_layers=not args.unroll)
     cases, references = [], set()
     for microbatches in args.microbatches:
-        batch = args.pp_rows_per_microbatch * microbatches if args.pp_rows_per_microbatch else (
-            args.pp_batch)  # fmt: skip
+        batch = (
+            args.pp_rows_per_microbatch * microbatches
+            if args.pp_rows_per_microbatch
+            else (args.pp_batch)
+        )
         run = dict(preset=preset, batch=batch, overrides=overrides)
         if batch not in references:
             references.add(batch)
@@ -243,20 +266,32 @@ def pipeline_cases(args, n_devices: int, preset: str = "gpt_1p3b", overrides=(),
         for schedule in args.schedules:
             repeats = 2 if schedule == "circular" else 1
             parallel = dataclasses.replace(
-                base, pp=n_devices, microbatches=microbatches, schedule=schedule,
-                repeats=repeats, mode=mode,
-            )  # fmt: skip
+                base,
+                pp=n_devices,
+                microbatches=microbatches,
+                schedule=schedule,
+                repeats=repeats,
+                mode=mode,
+            )
             label = f"{preset} pp={n_devices} {schedule} M={microbatches}"
             label += " (emulate)" if mode == "emulate" else ""
-            cases += [Case(f"{label} {codec}", parallel=parallel, stage_codec=codec, **run)
-                      for codec in args.pp_codecs]  # fmt: skip
+            cases += [
+                Case(f"{label} {codec}", parallel=parallel, stage_codec=codec, **run)
+                for codec in args.pp_codecs
+            ]
             # The stages' shared-gradient sum compressed too (0.4 GB of fp32 for GPT-1.3B's
             # tied embedding), without and with compressed sends.
             cases += [
-                Case(f"{label} {codec} grads={grads}", parallel=parallel, stage_codec=codec,
-                     shared_grads=grads, **run)
-                for grads in args.pp_grads for codec in ("none", "tahquant")
-            ]  # fmt: skip
+                Case(
+                    f"{label} {codec} grads={grads}",
+                    parallel=parallel,
+                    stage_codec=codec,
+                    shared_grads=grads,
+                    **run,
+                )
+                for grads in args.pp_grads
+                for codec in ("none", "tahquant")
+            ]
     return cases
 
 
@@ -372,9 +407,12 @@ def build(case: Case) -> Built:
     start = time.perf_counter()
     options = {"xla_gpu_enable_latency_hiding_scheduler": True} if case.latency_hiding else {}
     compiled = built.train_step.lower(state, tokens).compile(compiler_options=options)
-    info = {"compile_s": time.perf_counter() - start, "compiler_options": options,
-            **_compiled_memory(compiled),
-            "collective_windows": collective_windows(compiled.as_text())}  # fmt: skip
+    info = {
+        "compile_s": time.perf_counter() - start,
+        "compiler_options": options,
+        **_compiled_memory(compiled),
+        "collective_windows": collective_windows(compiled.as_text()),
+    }
     carry = {"state": state}
 
     def step():  # each step trains on from the state the previous one left
@@ -402,9 +440,14 @@ def run_group(group: list[Case], args) -> tuple[list[dict], dict | None]:
     baseline = built[0].case.label
     try:
         result = _timing.compare(
-            samplers, baseline, warmup=args.warmup, budget_s=args.budget_s,
-            min_repeats=args.min_repeats, max_repeats=args.max_repeats, deadline=args.deadline,
-        )  # fmt: skip
+            samplers,
+            baseline,
+            warmup=args.warmup,
+            budget_s=args.budget_s,
+            min_repeats=args.min_repeats,
+            max_repeats=args.max_repeats,
+            deadline=args.deadline,
+        )
     except Exception as err:  # noqa: BLE001 - e.g. out of memory with every case resident
         traceback.print_exc()
         error = f"{type(err).__name__}: {err}"
@@ -463,8 +506,12 @@ def _compiled_memory(compiled) -> dict:
         analysis = compiled.memory_analysis()
     except Exception:  # noqa: BLE001 - not every backend reports it
         return {}
-    fields = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
-              "alias_size_in_bytes")  # fmt: skip
+    fields = (
+        "temp_size_in_bytes",
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "alias_size_in_bytes",
+    )
     return {"memory_analysis": {f: getattr(analysis, f, None) for f in fields}}
 
 
@@ -489,8 +536,14 @@ def table(rows: list[dict]) -> str:
             continue
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         v = r.get("vs_baseline")
-        versus = "-" if not v else (f"{v['median']:.3f}x [{v['interval'][0]:.3f}, "
-                                    f"{v['interval'][1]:.3f}] {v['verdict']}")  # fmt: skip
+        versus = (
+            "-"
+            if not v
+            else (
+                f"{v['median']:.3f}x [{v['interval'][0]:.3f}, "
+                f"{v['interval'][1]:.3f}] {v['verdict']}"
+            )
+        )
         lines.append(
             f"| {r['label']} | {r['batch']} x {r['model']['seq_len']} | "
             f"{1e3 * r['median_step_s']:.1f} | {versus} | {r['tokens_per_s']:,.0f} | {mfu} | "
@@ -548,8 +601,12 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny preset, 2 rounds (CPU check)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds of steps")
     parser.add_argument("--budget-s", type=float, default=60.0, help="timing budget a group")
-    parser.add_argument("--min-repeats", type=int, default=_timing.MIN_REPEATS,
-                        help="rounds of steps a group, at least")  # fmt: skip
+    parser.add_argument(
+        "--min-repeats",
+        type=int,
+        default=_timing.MIN_REPEATS,
+        help="rounds of steps a group, at least",
+    )
     parser.add_argument("--max-repeats", type=int, default=20, help="rounds a group, at most")
     parser.add_argument(
         "--deadline",
@@ -563,20 +620,36 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-tp", type=int, default=8, help="batch of the emulated-TP runs")
     parser.add_argument("--emulate-tp", type=int, default=4, help="TP of the emulated-TP runs")
     parser.add_argument("--emulate-preset", default="gpt_125m", help="emulated-TP runs' model")
-    parser.add_argument("--emulate-attention", nargs="+", default=["auto"],
-                        choices=("auto", "xla", "cudnn"),
-                        help="emulated-TP runs' ParallelConfig.attention")  # fmt: skip
-    parser.add_argument("--emulate-algorithms", nargs="+", default=["auto"],
-                        choices=("auto", "one_shot", "two_shot"),
-                        help="all-reduce algorithms of the compressed emulated-TP runs "
-                        "(auto: two-shot under vmap)")  # fmt: skip
+    parser.add_argument(
+        "--emulate-attention",
+        nargs="+",
+        default=["auto"],
+        choices=("auto", "xla", "cudnn"),
+        help="emulated-TP runs' ParallelConfig.attention",
+    )
+    parser.add_argument(
+        "--emulate-algorithms",
+        nargs="+",
+        default=["auto"],
+        choices=("auto", "one_shot", "two_shot"),
+        help="all-reduce algorithms of the compressed emulated-TP runs (auto: two-shot under vmap)",
+    )
     parser.add_argument("--pp-batch", type=int, default=8, help="batch of the pipelined runs")
     parser.add_argument("--pp-preset", default="gpt_1p3b", help="model of the pipelined runs")
-    parser.add_argument("--microbatches", type=int, nargs="+", default=[8],
-                        help="of the pipelined runs (each value its own rows)")  # fmt: skip
-    parser.add_argument("--pp-rows-per-microbatch", type=int, default=0,
-                        help="pipelined runs of this many sequences per microbatch (batch R x M, "
-                        "a reference per batch) instead of --pp-batch")  # fmt: skip
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        nargs="+",
+        default=[8],
+        help="of the pipelined runs (each value its own rows)",
+    )
+    parser.add_argument(
+        "--pp-rows-per-microbatch",
+        type=int,
+        default=0,
+        help="pipelined runs of this many sequences per microbatch (batch R x M, "
+        "a reference per batch) instead of --pp-batch",
+    )
     parser.add_argument(
         "--schedules",
         nargs="+",
@@ -584,47 +657,85 @@ def main(argv=None) -> None:
         choices=SCHEDULES,
         help="of the pipelined runs (circular: 2 chunks)",
     )
-    parser.add_argument("--pp-codecs", nargs="+", default=list(PIPELINE_CODECS),
-                        help="stage codecs of the pipelined runs")  # fmt: skip
-    parser.add_argument("--pp-grads", nargs="*", default=[],
-                        help="pipelined cases with the shared-gradient sum compressed by these "
-                        "TP codecs (compression.pp_grads), with the collective's defaults "
-                        "(the policy, on the link NCCL's switches name)")  # fmt: skip
+    parser.add_argument(
+        "--pp-codecs",
+        nargs="+",
+        default=list(PIPELINE_CODECS),
+        help="stage codecs of the pipelined runs",
+    )
+    parser.add_argument(
+        "--pp-grads",
+        nargs="*",
+        default=[],
+        help="pipelined cases with the shared-gradient sum compressed by these "
+        "TP codecs (compression.pp_grads), with the collective's defaults "
+        "(the policy, on the link NCCL's switches name)",
+    )
     parser.add_argument("--dp-preset", default="gpt_350m", help="model of the data-parallel runs")
     parser.add_argument("--dp-batch", type=int, default=8, help="batch of the data-parallel runs")
-    parser.add_argument("--pp-emulate", type=int, default=0,
-                        help="also case 4, pp = N emulated on the first device")  # fmt: skip
-    parser.add_argument("--dp-emulate", type=int, default=0,
-                        help="also case 5, dp = N emulated on the first device")  # fmt: skip
-    parser.add_argument("--dp-bucket-elements", type=int, nargs="+", default=[BUCKET_ELEMENTS, 1],
-                        help="ZeRO-1 rows with these bucket sizes (1: per leaf)")  # fmt: skip
+    parser.add_argument(
+        "--pp-emulate", type=int, default=0, help="also case 4, pp = N emulated on the first device"
+    )
+    parser.add_argument(
+        "--dp-emulate", type=int, default=0, help="also case 5, dp = N emulated on the first device"
+    )
+    parser.add_argument(
+        "--dp-bucket-elements",
+        type=int,
+        nargs="+",
+        default=[BUCKET_ELEMENTS, 1],
+        help="ZeRO-1 rows with these bucket sizes (1: per leaf)",
+    )
     parser.add_argument("--suffix", default="", help="appended to the record's file name")
-    parser.add_argument("--tp-codecs", nargs="*", default=[],
-                        help="codecs beside taco in the real- and emulated-TP cases")  # fmt: skip
+    parser.add_argument(
+        "--tp-codecs",
+        nargs="*",
+        default=[],
+        help="codecs beside taco in the real- and emulated-TP cases",
+    )
     parser.add_argument("--impl", default="auto", help="codec kernels for taco: auto|xla|pallas")
     parser.add_argument("--remat", action="store_true")
     parser.add_argument("--unroll", action="store_true", help="unrolled layers instead of scan")
-    parser.add_argument("--latency-hiding", choices=("off", "on", "both"), default="off",
-                        help="real-TP cases compiled with the latency-hiding scheduler "
-                        "option set (off: no option passed, XLA's default)")  # fmt: skip
-    parser.add_argument("--overlap-chunks", type=int, nargs="+", default=[1],
-                        help="real-TP cases with these ParallelConfig.overlap_chunks")  # fmt: skip
-    parser.add_argument("--profile-steps", type=int, default=0,
-                        help="after timing, profile this many steps: device time per kind of "
-                        "kernel (_common.device_time_by_kernel)")  # fmt: skip
-    parser.add_argument("--only", nargs="+", default=None,
-                        help="run only configs whose label contains one of these")  # fmt: skip
+    parser.add_argument(
+        "--latency-hiding",
+        choices=("off", "on", "both"),
+        default="off",
+        help="real-TP cases compiled with the latency-hiding scheduler "
+        "option set (off: no option passed, XLA's default)",
+    )
+    parser.add_argument(
+        "--overlap-chunks",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="real-TP cases with these ParallelConfig.overlap_chunks",
+    )
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after timing, profile this many steps: device time per kind of "
+        "kernel (_common.device_time_by_kernel)",
+    )
+    parser.add_argument(
+        "--only", nargs="+", default=None, help="run only configs whose label contains one of these"
+    )
     parser.add_argument("--out", default=os.environ.get("OUT") or str(RESULTS))
     args = parser.parse_args(argv)
     if args.smoke:
         args.pp_batch, args.microbatches = 4, [2]
         args.warmup, args.min_repeats, args.max_repeats = 1, 2, 2
     attention, attention_note = attention_check()
-    cases = [c for c in overlap_variants(default_cases(args), args)
-             if not args.only or any(text in c.label for text in args.only)]  # fmt: skip
+    cases = [
+        c
+        for c in overlap_variants(default_cases(args), args)
+        if not args.only or any(text in c.label for text in args.only)
+    ]
     if attention == "xla":  # cuDNN unavailable: every case runs XLA attention
-        cases = [dataclasses.replace(c, parallel=dataclasses.replace(c.parallel, attention="xla"))
-                 for c in cases]  # fmt: skip
+        cases = [
+            dataclasses.replace(c, parallel=dataclasses.replace(c.parallel, attention="xla"))
+            for c in cases
+        ]
     rows, comparisons = [], []
     for group in groups(cases):
         group_rows, result = run_group(group, args)
@@ -641,8 +752,10 @@ def main(argv=None) -> None:
     for label, ratio in emulated_over_bubble(rows).items():
         print(f"{label}: {ratio['median']:.3f} x the reference step / (1 - bubble)")
     for label, bubble in split_overheads(rows).items():
-        print(f"{label}: {bubble['over_even_split']:.3f} over an even split "
-              f"(schedule bubble {bubble['schedule_bubble']:.3f})")  # fmt: skip
+        print(
+            f"{label}: {bubble['over_even_split']:.3f} over an even split "
+            f"(schedule bubble {bubble['schedule_bubble']:.3f})"
+        )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,10 @@ from taco_jax.gspmd import column_parallel_dense, row_parallel_dense
 
 AXES = ("data", "fsdp", "tensor")
 BATCH = P(("data", "fsdp"))  # the batch over every data-parallel axis
-REMAT = {"nothing": jax.checkpoint_policies.nothing_saveable,
-         "dots": jax.checkpoint_policies.checkpoint_dots}  # fmt: skip
+REMAT = {
+    "nothing": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,12 +86,13 @@ class GPT(nnx.Module):
         self.embed = _param(rngs, (cfg.vocab, d), (None, None), d)  # replicated: a tied head
         self.pos = _param(rngs, (cfg.seq_len, d), (None, None), d)
         self.layers = nnx.Dict(  # stacked over the layers, axis 0 unsharded
-            ln1=nnx.Param(jnp.ones((n, d))), ln2=nnx.Param(jnp.ones((n, d))),
+            ln1=nnx.Param(jnp.ones((n, d))),
+            ln2=nnx.Param(jnp.ones((n, d))),
             w_qkv=_param(rngs, (n, d, 3, h, d // h), (None, "fsdp", None, "tensor", None), d),
             w_out=_param(rngs, (n, h, d // h, d), (None, "tensor", None, "fsdp"), d),
             w_up=_param(rngs, (n, d, f), (None, "fsdp", "tensor"), d),  # column-parallel
             w_down=_param(rngs, (n, f, d), (None, "tensor", "fsdp"), f),  # row-parallel
-        )  # fmt: skip
+        )
         self.ln_f = nnx.Param(jnp.ones((d,)))
 
     def __call__(self, tokens):  # tokens [B, T] -> logits [B, T, V]
@@ -113,8 +116,10 @@ def setup(shape: tuple[int, int, int], codec: str, axis_type: AxisType, n_layers
     """The mesh, the jitted train step, and the sharded parameters and optimizer state."""
     count = shape[0] * shape[1] * shape[2]
     if jax.device_count() < count:
-        raise SystemExit(f"needs {count} devices, found {jax.device_count()}; on a CPU set "
-                         "XLA_FLAGS=--xla_force_host_platform_device_count=8")  # fmt: skip
+        raise SystemExit(
+            f"needs {count} devices, found {jax.device_count()}; on a CPU set "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=8"
+        )
     mesh = jax.make_mesh(shape, AXES, axis_types=(axis_type,) * 3, devices=jax.devices()[:count])
     cfg, comm = Config(n_layers=n_layers), taco_jax.TPComm.create("tensor", fwd=codec)
     optimizer = optax.adamw(3e-3)
@@ -135,8 +140,14 @@ def setup(shape: tuple[int, int, int], codec: str, axis_type: AxisType, n_layers
     return cfg, mesh, step, params, opt_state
 
 
-def train(steps: int, shape: tuple[int, int, int], codec: str, axis_type: AxisType,
-          n_layers: int = 2, batch: int = 16) -> list[float]:  # fmt: skip
+def train(
+    steps: int,
+    shape: tuple[int, int, int],
+    codec: str,
+    axis_type: AxisType,
+    n_layers: int = 2,
+    batch: int = 16,
+) -> list[float]:
     """Trains for `steps` steps on batches sharded over (data, fsdp); returns the losses."""
     cfg, mesh, step, params, opt_state = setup(shape, codec, axis_type, n_layers)
     losses = []

@@ -47,13 +47,15 @@ def generate(
     learned positions bound T + max_new_tokens by `cfg.seq_len`; rotary positions do not."""
     prompt = jnp.asarray(prompt, jnp.int32)
     if prompt.ndim != 2 or prompt.shape[1] < 1:
-        raise ValueError(f"prompt must be [batch, tokens] with at least one token, got shape="
-                         f"{prompt.shape}")  # fmt: skip
+        raise ValueError(
+            f"prompt must be [batch, tokens] with at least one token, got shape={prompt.shape}"
+        )
     if max_new_tokens < 1:
         raise ValueError(f"{max_new_tokens=} must be >= 1")
     if temperature < 0 or (top_k is not None and not 1 <= top_k <= cfg.vocab_size):
-        raise ValueError(f"{temperature=} must be >= 0 and {top_k=} in [1, "
-                         f"vocab_size={cfg.vocab_size}]")  # fmt: skip
+        raise ValueError(
+            f"{temperature=} must be >= 0 and {top_k=} in [1, vocab_size={cfg.vocab_size}]"
+        )
     total = prompt.shape[1] + max_new_tokens
     if cfg.arch == "gpt" and total > cfg.seq_len:
         raise ValueError(

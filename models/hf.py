@@ -88,8 +88,11 @@ def _require(ok: bool, file: Path, message: str) -> None:
 def _gpt2_config(hf: dict, file: Path) -> ModelConfig:
     act = hf.get("activation_function", "gelu_new")
     # Ours is jax.nn.gelu's tanh approximation, which is GPT-2's "gelu_new".
-    _require(act in ("gelu_new", "gelu_pytorch_tanh"), file,
-             f"activation_function={act!r} is not GPT-2's tanh GELU (gelu_new)")  # fmt: skip
+    _require(
+        act in ("gelu_new", "gelu_pytorch_tanh"),
+        file,
+        f"activation_function={act!r} is not GPT-2's tanh GELU (gelu_new)",
+    )
     for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
         _require(not hf.get(key, False), file, f"{key}=true is not supported")
     _require(hf.get("scale_attn_weights", True), file, "scale_attn_weights=false is not supported")
@@ -116,8 +119,11 @@ def _rope(hf: dict, file: Path) -> tuple[float, RopeScaling | None]:
     table = hf.get(name) or {}
     kind = table.get("rope_type", table.get("type", "default"))
     supported = ", ".join(ROPE_TYPES)
-    _require(kind in ROPE_TYPES, file,
-             f"{name}.rope_type={kind!r} is not supported; supported: {supported}")  # fmt: skip
+    _require(
+        kind in ROPE_TYPES,
+        file,
+        f"{name}.rope_type={kind!r} is not supported; supported: {supported}",
+    )
     theta = table.get("rope_theta", hf.get("rope_theta"))
     _require(theta is not None, file, "neither rope_theta nor rope_parameters.rope_theta is set")
     partial = table.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
@@ -147,15 +153,22 @@ def _rotary_config(hf: dict, file: Path, arch: str) -> ModelConfig:
     act = hf.get("hidden_act", "silu")
     _require(act == "silu", file, f"hidden_act={act!r} is not supported (silu)")
     head_dim = hf.get("head_dim") or d // heads
-    _require(head_dim * heads == d, file,
-             f"head_dim={head_dim} x num_attention_heads={heads} != hidden_size={d}")  # fmt: skip
+    _require(
+        head_dim * heads == d,
+        file,
+        f"head_dim={head_dim} x num_attention_heads={heads} != hidden_size={d}",
+    )
     if arch == "qwen2":
-        _require(not hf.get("use_sliding_window", False), file,
-                 "use_sliding_window=true is not supported")  # fmt: skip
+        _require(
+            not hf.get("use_sliding_window", False),
+            file,
+            "use_sliding_window=true is not supported",
+        )
     if arch == "mistral":  # transformers' MistralConfig defaults to a window of 4096
         window = hf.get("sliding_window", 4096)
-        _require(window is None, file,
-                 f"sliding_window={window} is not supported (null: full attention)")  # fmt: skip
+        _require(
+            window is None, file, f"sliding_window={window} is not supported (null: full attention)"
+        )
     if arch in ("llama", "mistral"):
         for key in ("attention_bias", "mlp_bias"):
             _require(not hf.get(key, False), file, f"{key}=true is not supported")
@@ -181,17 +194,27 @@ def hf_config(cfg: ModelConfig) -> dict:
     architecture, model_type = next(
         (name, kind) for name, (arch, kind) in ARCHITECTURES.items() if arch == cfg.arch
     )
-    common = {"architectures": [architecture], "model_type": model_type,
-              "vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tied_embeddings,
-              "torch_dtype": "float32"}  # fmt: skip
+    common = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": cfg.tied_embeddings,
+        "torch_dtype": "float32",
+    }
     if cfg.arch == "gpt":
         return {
             **common,
-            "n_positions": cfg.seq_len, "n_embd": cfg.d_model, "n_layer": cfg.n_layers,
-            "n_head": cfg.n_heads, "n_inner": cfg.d_ff, "activation_function": "gelu_new",
-            "layer_norm_epsilon": cfg.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+            "n_positions": cfg.seq_len,
+            "n_embd": cfg.d_model,
+            "n_layer": cfg.n_layers,
+            "n_head": cfg.n_heads,
+            "n_inner": cfg.d_ff,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": cfg.norm_eps,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
             "attn_pdrop": 0.0,
-        }  # fmt: skip
+        }
     arch_keys = {
         "qwen2": {"use_sliding_window": False},
         "llama": {"attention_bias": False, "mlp_bias": False},
@@ -200,14 +223,21 @@ def hf_config(cfg: ModelConfig) -> dict:
     scaling = cfg.rope_scaling
     return {
         **common,
-        "max_position_embeddings": cfg.seq_len, "hidden_size": cfg.d_model,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "intermediate_size": cfg.d_ff,
-        "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-        "rope_scaling": None if scaling is None else
-                        {"rope_type": "llama3", **dataclasses.asdict(scaling)},
-        "attention_dropout": 0.0, **arch_keys,
-    }  # fmt: skip
+        "max_position_embeddings": cfg.seq_len,
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "intermediate_size": cfg.d_ff,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None
+        if scaling is None
+        else {"rope_type": "llama3", **dataclasses.asdict(scaling)},
+        "attention_dropout": 0.0,
+        **arch_keys,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,8 +307,10 @@ def _gpt2_rules(cfg: ModelConfig) -> list[Rule]:
         layer(("blocks", "norm_attn", "scale"), vec(p + "ln_1.weight", d)),
         layer(("blocks", "norm_attn", "bias"), vec(p + "ln_1.bias", d)),
         # Conv1D [D, 3 N H] (q, k, v) -> [D, N, 3, H]: MHA's slots are query, key, value.
-        layer(("blocks", "attn", "wqkv"),
-              _piece(p + "attn.c_attn.weight", [[d], [3, n, h]], (0, 2, 1, 3))),
+        layer(
+            ("blocks", "attn", "wqkv"),
+            _piece(p + "attn.c_attn.weight", [[d], [3, n, h]], (0, 2, 1, 3)),
+        ),
         layer(("blocks", "attn", "bqkv"), _piece(p + "attn.c_attn.bias", [[3, n, h]], (1, 0, 2))),
         layer(("blocks", "attn", "wo"), _piece(p + "attn.c_proj.weight", [[n, h], [d]], (0, 1, 2))),
         layer(("blocks", "attn", "bo"), vec(p + "attn.c_proj.bias", d)),
@@ -290,7 +322,7 @@ def _gpt2_rules(cfg: ModelConfig) -> list[Rule]:
         layer(("blocks", "mlp", "b_down"), vec(p + "mlp.c_proj.bias", d)),
         Rule(("norm_out", "scale"), (vec("transformer.ln_f.weight", d),)),
         Rule(("norm_out", "bias"), (vec("transformer.ln_f.bias", d),)),
-    ]  # fmt: skip
+    ]
 
 
 def _rotary_rules(cfg: ModelConfig) -> list[Rule]:
@@ -314,15 +346,24 @@ def _rotary_rules(cfg: ModelConfig) -> list[Rule]:
         Rule(("blocks", "norm_attn", "scale"), (vec(p + "input_layernorm.weight"),), layered=True),
         Rule(("blocks", "attn", "wqkv"), tuple(qkv_w), axis=2, layered=True),
         *(bias if cfg.qkv_bias else []),
-        Rule(("blocks", "attn", "wo"),
-             (_piece(a + "o_proj.weight", [[d], [cfg.n_heads, h]], (1, 2, 0)),), layered=True),
-        Rule(("blocks", "norm_mlp", "scale"), (vec(p + "post_attention_layernorm.weight"),),
-             layered=True),
+        Rule(
+            ("blocks", "attn", "wo"),
+            (_piece(a + "o_proj.weight", [[d], [cfg.n_heads, h]], (1, 2, 0)),),
+            layered=True,
+        ),
+        Rule(
+            ("blocks", "norm_mlp", "scale"),
+            (vec(p + "post_attention_layernorm.weight"),),
+            layered=True,
+        ),
         Rule(("blocks", "mlp", "w_up"), tuple(up), axis=1, layered=True),
-        Rule(("blocks", "mlp", "w_down"),
-             (_piece(p + "mlp.down_proj.weight", [[d], [f]], (1, 0)),), layered=True),
+        Rule(
+            ("blocks", "mlp", "w_down"),
+            (_piece(p + "mlp.down_proj.weight", [[d], [f]], (1, 0)),),
+            layered=True,
+        ),
         Rule(("norm_out", "scale"), (vec("model.norm.weight"),)),
-    ]  # fmt: skip
+    ]
 
 
 def _names(rule: Rule, cfg: ModelConfig) -> list[str]:
@@ -392,8 +433,10 @@ def _check_tensors(files: _Files, cfg: ModelConfig, path: Path) -> None:
             if name not in files.where:
                 problems.append(f"{path}: tensor {name!r} is missing")
             elif files.shape(name) != piece.hf_shape:
-                problems.append(f"{files.where[name]}: tensor {name!r} has shape "
-                                f"{files.shape(name)}, expected {piece.hf_shape}")  # fmt: skip
+                problems.append(
+                    f"{files.where[name]}: tensor {name!r} has shape "
+                    f"{files.shape(name)}, expected {piece.hf_shape}"
+                )
     extra = [n for n in files.where if n not in expected and not n.endswith(_IGNORED_SUFFIXES)]
     if cfg.tied_embeddings:  # a tied checkpoint may still store the head: the same matrix
         extra = [n for n in extra if n != "lm_head.weight"]
@@ -425,8 +468,10 @@ def _read_piece(files: _Files, name: str, piece: Piece, ours: list[range]) -> np
         runs.append(_runs(factors, axis_ranges, piece.hf_shape[hf_axis]))
         start += len(factors)
     block = _read_runs(files, name, runs)
-    wanted = [math.prod(len(r) for r in flat_ranges[s : s + len(f)])
-              for s, f in zip(_starts(piece.factors), piece.factors, strict=True)]  # fmt: skip
+    wanted = [
+        math.prod(len(r) for r in flat_ranges[s : s + len(f)])
+        for s, f in zip(_starts(piece.factors), piece.factors, strict=True)
+    ]
     pad = [(0, w - n) for w, n in zip(wanted, block.shape, strict=True)]  # the padded vocabulary
     block = np.pad(block, pad) if any(p for _, p in pad) else block
     return block.reshape([len(r) for r in flat_ranges]).transpose(piece.perm)

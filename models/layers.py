@@ -238,8 +238,10 @@ def _fold_vmapped_axes(fn):
 
     @folded.def_vmap
     def _merge_into_batch(axis_size, in_batched, *args):
-        args = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
-                for a, batched in zip(args, in_batched, strict=True)]  # fmt: skip
+        args = [
+            a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+            for a, batched in zip(args, in_batched, strict=True)
+        ]
         out = folded(*(a.reshape(-1, *a.shape[2:]) for a in args))  # nested vmaps fold again
         unfold = lambda o: o.reshape(axis_size, -1, *o.shape[1:])
         return jax.tree.map(unfold, out), jax.tree.map(lambda _: True, out)

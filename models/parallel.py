@@ -410,12 +410,13 @@ def spmd_map(parallel: ParallelConfig, f, *, mesh: jax.sharding.Mesh, in_specs, 
     """`jax.shard_map(f, mesh=mesh, ..., check_vma=False)`, or under mode "emulate" its
     emulation on one device with the sizes the layout gives `mesh`'s axes (`taco_models.spmd`)."""
     if parallel.mode != "emulate":
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)  # fmt: skip
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
     sizes = mesh_axes(parallel, mesh.axis_names[-1])  # `make_mesh`'s axes: the last is TP's
     if tuple(sizes) != mesh.axis_names:
-        raise ValueError(f"mesh axes {mesh.axis_names} are not the layout's "
-                         f"{tuple(sizes)} (make_mesh builds them)")  # fmt: skip
+        raise ValueError(
+            f"mesh axes {mesh.axis_names} are not the layout's "
+            f"{tuple(sizes)} (make_mesh builds them)"
+        )
     return spmd.emulated_shard_map(f, axis_sizes=sizes, in_specs=in_specs, out_specs=out_specs)
 
 
@@ -457,8 +458,9 @@ def _mapped(model, parallel, comm, fn, out_kind: str, mesh):
 
     tp = parallel.tp
     grad_axes = (0, vmap_out_axes(model))
-    out_axes = {"loss": 0, "loss_grads": grad_axes, "loss_local_grads": grad_axes,
-                "logits": 2}[out_kind]  # fmt: skip
+    out_axes = {"loss": 0, "loss_grads": grad_axes, "loss_local_grads": grad_axes, "logits": 2}[
+        out_kind
+    ]
 
     def per_dp(params, tokens):
         view, in_axes = shard_params(params, model, tp)

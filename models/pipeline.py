@@ -148,9 +148,15 @@ def _send_forward(y, parallel: ParallelConfig, codecs: StageCodecs, key, step):
         pairs.append((parallel.pp - 1, 0))
     step_key = None if key is None else jax.random.fold_in(key, step)
     return taco_jax.compressed_ppermute(
-        y, PP_AXIS, pairs, codec=codecs.forward, bwd_codec=codecs.backward, key=step_key,
-        telemetry=codecs.telemetry, name="pp_send",
-    )  # fmt: skip
+        y,
+        PP_AXIS,
+        pairs,
+        codec=codecs.forward,
+        bwd_codec=codecs.backward,
+        key=step_key,
+        telemetry=codecs.telemetry,
+        name="pp_send",
+    )
 
 
 def _segments(parallel: ParallelConfig) -> list[tuple[int, int, int, bool]]:
@@ -284,8 +290,9 @@ def _stage_loss(model, parallel, codecs, ctx, params, tokens, key):
             x = jnp.where(stage == 0, store[jnp.mod(i, m)], x)
         chunk = nnx.merge(graphdef(model), _run_chunk(params, model, run, stage, i, m))
         first = _first_layer(ctx, model, parallel, run, stage, i, m)
-        y = chunk.run_blocks(x, ctx, remat=parallel.remat, scan_layers=parallel.scan_layers,
-                             first_layer=first)  # fmt: skip
+        y = chunk.run_blocks(
+            x, ctx, remat=parallel.remat, scan_layers=parallel.scan_layers, first_layer=first
+        )
         keep_y = y if run[0] + run[1] > done_from else None
         return (_send_forward(y, parallel, codecs, key, i), store), keep_y
 
@@ -400,13 +407,15 @@ def _one_f_one_b(model, parallel, codecs, ctx, params, tokens, key):
     def forward(rest, blocks, x):
         net = merge(rest, blocks)
         first = stage * (model.n_layers // stages) if ctx.names_layers else 0  # one chunk each
-        return net.run_blocks(x, ctx, remat=parallel.remat, scan_layers=parallel.scan_layers,
-                              first_layer=first)  # fmt: skip
+        return net.run_blocks(
+            x, ctx, remat=parallel.remat, scan_layers=parallel.scan_layers, first_layer=first
+        )
 
     def pullback_of(params, x):  # params: (blocks, rest); the pullback's cotangents: blocks, x
         blocks, rest = params
-        return jax.vjp(jax.checkpoint(lambda b, x: forward(rest, b, x), policy=_keep_per_token),
-                       blocks, x)  # fmt: skip
+        return jax.vjp(
+            jax.checkpoint(lambda b, x: forward(rest, b, x), policy=_keep_per_token), blocks, x
+        )
 
     def head_loss(rest, y, u):  # the last stage's loss of microbatch u, over M
         return _head_loss(merge(rest, blocks), y[None], micro[u][None], model, branch_ctx) / m
@@ -455,8 +464,14 @@ def _one_f_one_b(model, parallel, codecs, ctx, params, tokens, key):
             recv_g, grads, g_x = run_backward(t, recv_g, ring, grads, g_y)
         return (recv_x, recv_g, ring, grads, head_grads, loss), g_x
 
-    carry = (blank, blank, saved.empty_ring(slots), zeros_like(blocks), zeros_like(rest),
-             jnp.zeros((), jnp.float32))  # fmt: skip
+    carry = (
+        blank,
+        blank,
+        saved.empty_ring(slots),
+        zeros_like(blocks),
+        zeros_like(rest),
+        jnp.zeros((), jnp.float32),
+    )
     input_grads = []
     for first, count, forwards, backwards in (
         (0, stages - 1, True, False),  # no backward yet on any stage
@@ -494,9 +509,14 @@ def _send(x, parallel: ParallelConfig, codecs: StageCodecs, key, draw: int, *, b
         codec = _backward_codec(codecs)
     draw_key = None if key is None else jax.random.fold_in(key, draw)
     return taco_jax.compressed_ppermute(
-        x, PP_AXIS, pairs, codec=codec, key=draw_key, telemetry=codecs.telemetry,
+        x,
+        PP_AXIS,
+        pairs,
+        codec=codec,
+        key=draw_key,
+        telemetry=codecs.telemetry,
         name="pp_send_grads" if backward else "pp_send",
-    )  # fmt: skip
+    )
 
 
 def _stage_loss_and_grads(model, parallel, codecs, ctx, params, tokens, key, local=False):

@@ -65,8 +65,10 @@ def _split(x: jax.Array, spec: P, sizes: Mapping[str, int]) -> jax.Array:
     for d, axes in enumerate(_dim_axes(spec, x.ndim, sizes)):
         ranks = math.prod(sizes[a] for a in axes)
         if x.shape[d] % ranks:
-            raise ValueError(f"dimension {d} of an array of shape {x.shape} does not split "
-                             f"into {ranks} blocks over {axes} (spec {spec})")  # fmt: skip
+            raise ValueError(
+                f"dimension {d} of an array of shape {x.shape} does not split "
+                f"into {ranks} blocks over {axes} (spec {spec})"
+            )
         for a in axes:
             lead[a] = len(shape)
             shape.append(sizes[a])
@@ -104,16 +106,18 @@ def _check_copies(y: jax.Array, axes: list[int], spec: P) -> None:
 
     def check(same):
         if not same:
-            raise AssertionError(f"an output of spec {spec} differs between the ranks that "
-                                 "its spec leaves out")  # fmt: skip
+            raise AssertionError(
+                f"an output of spec {spec} differs between the ranks that its spec leaves out"
+            )
 
     jax.debug.callback(check, same)
 
 
 def _leaf_specs(specs, tree) -> Any:
     """`specs` (a prefix of `tree`, PartitionSpec leaves) broadcast to every leaf of `tree`."""
-    return jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), specs, tree,
-                        is_leaf=_is_spec)  # fmt: skip
+    return jax.tree.map(
+        lambda s, sub: jax.tree.map(lambda _: s, sub), specs, tree, is_leaf=_is_spec
+    )
 
 
 def emulated_shard_map(f: Callable, *, axis_sizes: Mapping[str, int], in_specs, out_specs):
@@ -129,16 +133,19 @@ def emulated_shard_map(f: Callable, *, axis_sizes: Mapping[str, int], in_specs, 
     sizes = dict(axis_sizes)
 
     def emulated(*args):
-        specs = _leaf_specs(in_specs if isinstance(in_specs, tuple) else (in_specs,) * len(args),
-                            args)  # fmt: skip
+        specs = _leaf_specs(
+            in_specs if isinstance(in_specs, tuple) else (in_specs,) * len(args), args
+        )
         blocks = jax.tree.map(lambda x, s: _split(x, s, sizes), args, specs, is_leaf=_is_spec)
         run = f
         for name in reversed(sizes):  # the innermost vmap is the last mesh axis
-            in_axes = jax.tree.map(lambda s, n=name: 0 if n in _named(s) else None, specs,
-                                   is_leaf=_is_spec)  # fmt: skip
+            in_axes = jax.tree.map(
+                lambda s, n=name: 0 if n in _named(s) else None, specs, is_leaf=_is_spec
+            )
             run = jax.vmap(run, in_axes=in_axes, axis_name=name, axis_size=sizes[name])
         out = run(*blocks)
-        return jax.tree.map(lambda y, s: _merge(y, s, sizes), out, _leaf_specs(out_specs, out),
-                            is_leaf=_is_spec)  # fmt: skip
+        return jax.tree.map(
+            lambda y, s: _merge(y, s, sizes), out, _leaf_specs(out_specs, out), is_leaf=_is_spec
+        )
 
     return emulated

@@ -36,18 +36,34 @@ GREEDY_TOKENS = 16  # the GPT-2 fixture's 32 positions hold the prompt and this 
 def _gpt2() -> transformers.PreTrainedModel:
     # vocab 250: not a multiple of 128, so our padded vocabulary is exercised.
     config = transformers.GPT2Config(
-        vocab_size=250, n_positions=32, n_embd=64, n_layer=2, n_head=4, n_inner=128,
-        activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
+        vocab_size=250,
+        n_positions=32,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_inner=128,
+        activation_function="gelu_new",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
 def _qwen2(tied: bool) -> transformers.PreTrainedModel:
     config = transformers.Qwen2Config(
-        vocab_size=256, max_position_embeddings=64, hidden_size=64, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=4, intermediate_size=96, rms_norm_eps=1e-6,
-        rope_theta=1e6, tie_word_embeddings=tied, use_sliding_window=False,
-    )  # fmt: skip
+        vocab_size=256,
+        max_position_embeddings=64,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=96,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        tie_word_embeddings=tied,
+        use_sliding_window=False,
+    )
     return transformers.Qwen2ForCausalLM(config)
 
 
@@ -57,34 +73,61 @@ def _llama3() -> transformers.PreTrainedModel:
     original_max_position_embeddings 128 and frequency factors 1 and 4 the first is kept
     (< 128 / 4), the second interpolated (between 32 and 128) and the others divided by 8
     (> 128 / 1): every case of the scaling moves the logits."""
-    rope = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 128}  # fmt: skip
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 1e4,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 128,
+    }
     config = transformers.LlamaConfig(
-        vocab_size=256, max_position_embeddings=256, hidden_size=64, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=4, intermediate_size=96, rms_norm_eps=1e-5,
-        rope_parameters=rope, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=256,
+        max_position_embeddings=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=96,
+        rms_norm_eps=1e-5,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
 def _llama_tied() -> transformers.PreTrainedModel:
     """SmolLM2's (and Llama 3.2 1B's) tied head, GQA 4:1, unscaled rotary embeddings."""
     config = transformers.LlamaConfig(
-        vocab_size=256, max_position_embeddings=64, hidden_size=64, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, intermediate_size=96, rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e5}, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=256,
+        max_position_embeddings=64,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e5},
+        tie_word_embeddings=True,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
 def _mistral() -> transformers.PreTrainedModel:
     """Mistral 7B v0.2+'s layout: no sliding window, GQA 4:1, untied head."""
     config = transformers.MistralConfig(
-        vocab_size=256, max_position_embeddings=64, hidden_size=64, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, intermediate_size=96, rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, sliding_window=None,
+        vocab_size=256,
+        max_position_embeddings=64,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        sliding_window=None,
         tie_word_embeddings=False,
-    )  # fmt: skip
+    )
     return transformers.MistralForCausalLM(config)
 
 
@@ -93,12 +136,20 @@ def _llama31_frequencies(out: Path) -> None:
     5e5, rope_scaling "llama3": factor 8, frequency factors 1 and 4, original length 8192)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 5e5,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     config = transformers.LlamaConfig(
-        hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072,
+        hidden_size=4096,
+        num_attention_heads=32,
+        max_position_embeddings=131072,
         rope_parameters=rope,
-    )  # fmt: skip
+    )
     frequencies, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](config)
     assert attention_factor == 1.0  # "llama3" scales the frequencies only
     np.save(out / "llama31_rope_frequencies.npy", frequencies.numpy())
@@ -150,8 +201,13 @@ def write_greedy(directory: Path) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
     tokens = torch.from_numpy(np.load(directory / "tokens.npy")).long()
     with torch.no_grad():
-        out = model.generate(tokens, attention_mask=torch.ones_like(tokens), do_sample=False,
-                             max_new_tokens=GREEDY_TOKENS, pad_token_id=0)  # fmt: skip
+        out = model.generate(
+            tokens,
+            attention_mask=torch.ones_like(tokens),
+            do_sample=False,
+            max_new_tokens=GREEDY_TOKENS,
+            pad_token_id=0,
+        )
     greedy = out[:, tokens.shape[1] :].numpy().astype(np.int32)
     assert greedy.shape == (BATCH, GREEDY_TOKENS), greedy.shape
     np.save(directory / "greedy.npy", greedy)

@@ -100,8 +100,9 @@ def _varying(x: jax.Array) -> frozenset[str]:
 
 def _typed(out: jax.Array, varying: frozenset[str]) -> jax.Array:
     """out typed as varying along `varying` (the nested map's output is typed replicated)."""
-    missing = tuple(a for a in jax.sharding.get_abstract_mesh().axis_names
-                    if a in varying - _varying(out))  # fmt: skip
+    missing = tuple(
+        a for a in jax.sharding.get_abstract_mesh().axis_names if a in varying - _varying(out)
+    )
     return jax.lax.pcast(out, missing, to="varying") if missing else out
 
 

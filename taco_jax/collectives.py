@@ -87,8 +87,9 @@ class CommConfig:
 
     def __post_init__(self):
         if isinstance(self.site_codecs, Mapping):  # frozen: set once, here
-            pairs = tuple(sorted((site, collective_codec(codec))
-                                 for site, codec in self.site_codecs.items()))  # fmt: skip
+            pairs = tuple(
+                sorted((site, collective_codec(codec)) for site, codec in self.site_codecs.items())
+            )
             object.__setattr__(self, "site_codecs", pairs)
         if self.impl not in _backends.IMPLS:
             raise ValueError(f"unknown impl={self.impl!r}; choose one of {_backends.IMPLS}")
@@ -149,14 +150,16 @@ def collective_codec(
     it). A stochastic TAH-Quant codec draws its noise from each encoded message's own bits
     (`tahquant.message_key`)."""
     if isinstance(codec, str) and codec not in codecs.CODEC_NAMES + TAHQUANT_CODEC_NAMES:
-        raise ValueError(f"unknown codec {codec!r}; choose one of "
-                         f"{codecs.CODEC_NAMES + TAHQUANT_CODEC_NAMES}")  # fmt: skip
+        raise ValueError(
+            f"unknown codec {codec!r}; choose one of {codecs.CODEC_NAMES + TAHQUANT_CODEC_NAMES}"
+        )
     if not isinstance(codec, tahquant.TahQuant) and codec not in TAHQUANT_CODEC_NAMES:
         return codecs.get_codec(codec, group_size)
     stage = tahquant.get_stage_codec(codec)
     if group_size not in (None, stage.group_size):
-        raise ValueError(f"{group_size=} differs from codec {stage.name!r}'s own "
-                         f"group_size={stage.group_size}")  # fmt: skip
+        raise ValueError(
+            f"{group_size=} differs from codec {stage.name!r}'s own group_size={stage.group_size}"
+        )
     return stage
 
 
@@ -217,8 +220,11 @@ def _axes_bound(axis_name: AxisName, sizes: jax.Array) -> Iterator[None]:
     `lax.psum`, a primitive, is transposed by its own batching rule. With the names bound again,
     at the sizes the forward pass saw (`_axis_sizes`), the collectives batch as they do in the
     forward pass. Bound names (shard_map, a vmap outside the grad) are left alone."""
-    unbound = [(a, n) for a, n in zip(_axis_names(axis_name), sizes.shape, strict=False)
-               if not _is_bound(a)]  # fmt: skip
+    unbound = [
+        (a, n)
+        for a, n in zip(_axis_names(axis_name), sizes.shape, strict=False)
+        if not _is_bound(a)
+    ]
     if not unbound:
         yield
         return
@@ -448,8 +454,13 @@ def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig):
     choice = cfg.choice("all_reduce", x, axis_name, n_ranks, fused=may_fuse)
     if not choice.compress:
         return _plain(lax.psum(x, axis_name), cfg, nbytes)
-    compressed = functools.partial(_compressed_all_reduce, axis_name=axis_name, cfg=cfg,
-                                   algorithm=choice.algorithm, n_ranks=n_ranks)  # fmt: skip
+    compressed = functools.partial(
+        _compressed_all_reduce,
+        axis_name=axis_name,
+        cfg=cfg,
+        algorithm=choice.algorithm,
+        n_ranks=n_ranks,
+    )
     exact = functools.partial(lax.psum, axis_name=axis_name)
     return _measured(compressed, exact, x, cfg, nbytes, axis_name=axis_name, sums=True)
 
@@ -476,8 +487,11 @@ def _site_collective(collective, x: jax.Array, cfg: CommConfig, site: str, layer
     table = dict(cfg.site_codecs)
     if layer is None:
         return collective(x, _with_codec(cfg, table.get(site, cfg.codec)))
-    by_layer = {int(m[1]): codec for name, codec in table.items()
-                if (m := _LAYERED_SITE.fullmatch(name)) and m[2] == site}  # fmt: skip
+    by_layer = {
+        int(m[1]): codec
+        for name, codec in table.items()
+        if (m := _LAYERED_SITE.fullmatch(name)) and m[2] == site
+    }
     if not by_layer:
         return collective(x, _with_codec(cfg, cfg.codec))
     choices = [cfg.codec] + [c for c in dict.fromkeys(by_layer.values()) if c != cfg.codec]
@@ -554,8 +568,15 @@ def _reduce_scatter(x: jax.Array, axis_name: AxisName, dim: int, tiled: bool, cf
     exact = functools.partial(_lax_psum_scatter, axis_name=axis_name, dim=dim, tiled=tiled)
     if not cfg.choice("reduce_scatter", x, axis_name, n_ranks, fused=fused).compress:
         return _plain(exact(x), cfg, nbytes)
-    compressed = functools.partial(_compressed_reduce_scatter, axis_name=axis_name, dim=dim,
-                                   tiled=tiled, cfg=cfg, fused=fused, n_ranks=n_ranks)  # fmt: skip
+    compressed = functools.partial(
+        _compressed_reduce_scatter,
+        axis_name=axis_name,
+        dim=dim,
+        tiled=tiled,
+        cfg=cfg,
+        fused=fused,
+        n_ranks=n_ranks,
+    )
     change = "keep" if tiled else "drop"
     return _measured(compressed, exact, x, cfg, nbytes, dim=dim, change=change, axis_name=axis_name)
 
@@ -564,8 +585,9 @@ def _lax_psum_scatter(x: jax.Array, *, axis_name: AxisName, dim: int, tiled: boo
     """`lax.psum_scatter`; on each device's block where x's type is sharded over an axis left
     to the compiler, where jax 0.11.2 cannot lower it (`_reduce_scatter_lowering` types a
     scalar with x's sharding: "Length of sharding.spec (3) must be equal to aval's ndim (0)")."""
-    scatter = functools.partial(lax.psum_scatter, axis_name=axis_name, scatter_dimension=dim,
-                                tiled=tiled)  # fmt: skip
+    scatter = functools.partial(
+        lax.psum_scatter, axis_name=axis_name, scatter_dimension=dim, tiled=tiled
+    )
     if not _local.typed_sharded(x):
         return scatter(x)
     change = "keep" if tiled else "drop"
@@ -612,8 +634,15 @@ def _all_gather(x: jax.Array, axis_name: AxisName, axis: int, tiled: bool, cfg: 
     nbytes = (n_ranks - 1) * _nbytes(x)
     if not choice.compress:
         return _plain(exact(x), cfg, nbytes)
-    compressed = functools.partial(_compressed_all_gather, axis_name=axis_name, axis=axis,
-                                   tiled=tiled, cfg=cfg, fused=fused, n_ranks=n_ranks)  # fmt: skip
+    compressed = functools.partial(
+        _compressed_all_gather,
+        axis_name=axis_name,
+        axis=axis,
+        tiled=tiled,
+        cfg=cfg,
+        fused=fused,
+        n_ranks=n_ranks,
+    )
     change = "keep" if tiled else "insert"
     return _measured(
         compressed, exact, x, cfg, nbytes, dim=axis, change=change, axis_name=axis_name

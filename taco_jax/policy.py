@@ -119,8 +119,10 @@ def _device_link(devices: tuple[jax.Device, ...]) -> Link:
         unit = "processes" if devices[0].platform == "cpu" else "hosts"
         return Link("socket", f"the group's {len(devices)} devices are on {len(hosts)} {unit}")
     if devices[0].platform != "gpu":
-        return Link("shm", f"the group's {len(devices)} {devices[0].platform} devices share "
-                           "one process's memory")  # fmt: skip
+        return Link(
+            "shm",
+            f"the group's {len(devices)} {devices[0].platform} devices share one process's memory",
+        )
     joined, why = _nvlink_joined(devices)
     if joined is not None:
         return Link("nvlink" if joined else "shm", why)
@@ -217,9 +219,13 @@ def resolve_link(link: str, axis_name=None) -> str:
     else:
         found = explain_link()
         if jax.process_count() > 1:
-            found = Link(found.name, f"{found.why}; the mesh is not known here (jax.set_mesh "
-                                     "makes it known), so the group is taken to be this "
-                                     "process's devices", assumed=True)  # fmt: skip
+            found = Link(
+                found.name,
+                f"{found.why}; the mesh is not known here (jax.set_mesh "
+                "makes it known), so the group is taken to be this "
+                "process's devices",
+                assumed=True,
+            )
     _say_once(found)
     return found.name
 
@@ -227,8 +233,12 @@ def resolve_link(link: str, axis_name=None) -> str:
 @functools.cache
 def _say_once(found: Link) -> None:
     say = LOG.warning if found.assumed else LOG.info
-    say("TP link %s: %s%s", found.name, found.why,
-        "; set link= (compression.link) to choose it" if found.assumed else "")  # fmt: skip
+    say(
+        "TP link %s: %s%s",
+        found.name,
+        found.why,
+        "; set link= (compression.link) to choose it" if found.assumed else "",
+    )
 
 
 def _table(op: str, link: str, n_ranks: int, fused: bool = True) -> dict[str, dict[int, float]]:

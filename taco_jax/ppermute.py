@@ -79,14 +79,18 @@ def _wire_ops(direction: _Direction):
     """(encode(rows, key) -> wire, decode(wire, n, dtype) -> rows) of the direction's codec."""
     codec = direction.codec
     if isinstance(codec, AdaptiveTahQuant):  # the jnp reference (no fused kernel)
-        return (functools.partial(tahquant_adaptive.encode_wire, codec),
-                functools.partial(tahquant_adaptive.decode_wire, codec))  # fmt: skip
+        return (
+            functools.partial(tahquant_adaptive.encode_wire, codec),
+            functools.partial(tahquant_adaptive.decode_wire, codec),
+        )
     if isinstance(codec, TahQuant):
         ops = _backends.get_stage_ops(direction.impl)
         return functools.partial(ops.encode, codec), functools.partial(ops.decode, codec)
     ops = _backends.get_ops(direction.impl)
-    return (lambda rows, key: ops.encode(codec, rows),
-            lambda wire, n, dtype: ops.decode(codec, wire, n, dtype))  # fmt: skip
+    return (
+        lambda rows, key: ops.encode(codec, rows),
+        lambda wire, n, dtype: ops.decode(codec, wire, n, dtype),
+    )
 
 
 def _completed(pairs, n_ranks: int) -> tuple[tuple[int, int], ...]:

@@ -71,8 +71,9 @@ def _decode_sum(codec: TahQuant, wire: jax.Array, n: int, impl: str) -> jax.Arra
 
 def _check_gradient(x: jax.Array, ranks: int) -> None:
     if x.ndim != 1 or x.dtype != jnp.float32:
-        raise ValueError(f"tlq_hs_psum_scatter takes a flat fp32 gradient, got shape={x.shape} "
-                         f"dtype={x.dtype}")  # fmt: skip
+        raise ValueError(
+            f"tlq_hs_psum_scatter takes a flat fp32 gradient, got shape={x.shape} dtype={x.dtype}"
+        )
     quantum = ranks * TLQ_OUTER.group_size
     if x.shape[0] % quantum:
         raise ValueError(
@@ -171,8 +172,10 @@ def qwd_all_gather(
     ranks = axis_size(axes)
     m = new_shard.shape[0]
     if new_shard.ndim != 1 or m % QWD.group_size:
-        raise ValueError(f"new_shard shape={new_shard.shape} must be flat with a multiple of "
-                         f"{QWD.group_size} elements (`padded_size`)")  # fmt: skip
+        raise ValueError(
+            f"new_shard shape={new_shard.shape} must be flat with a multiple of "
+            f"{QWD.group_size} elements (`padded_size`)"
+        )
     if replica.shape != (ranks * m,):
         raise ValueError(f"replica shape={replica.shape} is not ({ranks} ranks x {m},)")
     index = rank_index(axes)

@@ -62,11 +62,14 @@ class TahQuant:
             raise ValueError(f"bits={self.bits} must be 4 or 8 (codec {self.name!r})")
         g = self.group_size
         if g < PIVOT_BLOCK or g & (g - 1):
-            raise ValueError(f"group_size={g} must be a power of two >= {PIVOT_BLOCK} "
-                             f"(codec {self.name!r})")  # fmt: skip
+            raise ValueError(
+                f"group_size={g} must be a power of two >= {PIVOT_BLOCK} (codec {self.name!r})"
+            )
         if self.pivot and g > MAX_PIVOT_GROUP:
-            raise ValueError(f"group_size={g} must be at most {MAX_PIVOT_GROUP} with the pivot "
-                             f"(its index fits 7 bits; codec {self.name!r})")  # fmt: skip
+            raise ValueError(
+                f"group_size={g} must be at most {MAX_PIVOT_GROUP} with the pivot "
+                f"(its index fits 7 bits; codec {self.name!r})"
+            )
 
     is_identity = False
 
@@ -130,8 +133,9 @@ def get_stage_codec(name: str | TahQuant) -> TahQuant:
         return name
     fields = _STAGE_CODECS.get(name, _NEAREST_CODECS.get(name))
     if fields is None:
-        raise ValueError(f"unknown stage codec {name!r}; choose one of "
-                         f"{STAGE_CODEC_NAMES + NEAREST_CODEC_NAMES}")  # fmt: skip
+        raise ValueError(
+            f"unknown stage codec {name!r}; choose one of {STAGE_CODEC_NAMES + NEAREST_CODEC_NAMES}"
+        )
     return TahQuant(name=name, **fields)
 
 
@@ -226,8 +230,9 @@ _PIVOT_BITS = PIVOT_BLOCK.bit_length() - 1
 PIVOT_UNIT = np.float32(1.0 / np.sqrt(PIVOT_BLOCK))  # H_32 = S_32 * PIVOT_UNIT
 
 
-def hadamard_front(groups: jax.Array, flag: jax.Array,
-                   butterflies: Butterflies = butterflies_by_axes) -> jax.Array:  # fmt: skip
+def hadamard_front(
+    groups: jax.Array, flag: jax.Array, butterflies: Butterflies = butterflies_by_axes
+) -> jax.Array:
     """The orthonormal H_32 = S_32 / sqrt(32) (its own inverse up to fp32 rounding) applied to
     the first 32 elements of each flagged group, its butterflies in the form `butterflies`.
 
@@ -275,8 +280,9 @@ def uniform_noise(seeds, pairs: jax.Array) -> jax.Array:
     unbiased. Pair numbers count modulo 2^32."""
     h = _mix32(_mix32(pairs ^ seeds[0]) + seeds[1])
     halves = [(h & 0xFFFF), (h >> 16)]
-    u = [(half.astype(jnp.int32).astype(jnp.float32) + 0.5) * np.float32(2.0**-16)
-         for half in halves]  # fmt: skip
+    u = [
+        (half.astype(jnp.int32).astype(jnp.float32) + 0.5) * np.float32(2.0**-16) for half in halves
+    ]
     return lax.stack(u, axis=-1).reshape(*pairs.shape[:-1], 2 * pairs.shape[-1])
 
 
@@ -314,8 +320,9 @@ def _rounded(v: jax.Array, noise: jax.Array | None, magic_round: bool) -> jax.Ar
     return codecs.round_even(v, magic_round)
 
 
-def quantize_groups(codec: TahQuant, y: jax.Array, noise: jax.Array | None, *,
-                    magic_round: bool = False):  # fmt: skip
+def quantize_groups(
+    codec: TahQuant, y: jax.Array, noise: jax.Array | None, *, magic_round: bool = False
+):
     """y [M, G] -> (codes [M, G] int32 on the codec's grid, scale [M], min [M] or None).
 
     The code arithmetic runs on y scaled into [1, 2) by a power of two (exact); only the stored
@@ -350,24 +357,37 @@ def dequantize_groups(codec: TahQuant, codes: jax.Array, scale, lo) -> jax.Array
     return y + lo[:, None] if codec.asymmetric else y
 
 
-def pivot_forward(groups: jax.Array, flag: jax.Array, index: jax.Array,
-                  butterflies: Butterflies = butterflies_by_axes) -> jax.Array:  # fmt: skip
+def pivot_forward(
+    groups: jax.Array,
+    flag: jax.Array,
+    index: jax.Array,
+    butterflies: Butterflies = butterflies_by_axes,
+) -> jax.Array:
     """The pivot's transform of groups [M, G]: swap, then H_32 of the first block where flagged
     (the identity on groups with flag False and index 0, as `pivot_rule` gives them);
     `butterflies`: as `hadamard_front`."""
     return hadamard_front(swap_to_front(groups, index), flag, butterflies)
 
 
-def pivot_inverse(groups: jax.Array, flag: jax.Array, index: jax.Array,
-                  butterflies: Butterflies = butterflies_by_axes) -> jax.Array:  # fmt: skip
+def pivot_inverse(
+    groups: jax.Array,
+    flag: jax.Array,
+    index: jax.Array,
+    butterflies: Butterflies = butterflies_by_axes,
+) -> jax.Array:
     """The decoder's inverse of `pivot_forward` (up to fp32 rounding; `butterflies`: as
     `hadamard_front`)."""
     return swap_to_front(hadamard_front(groups, flag, butterflies), index)
 
 
-def encode_groups(codec: TahQuant, groups: jax.Array, noise: jax.Array | None, *,
-                  magic_round: bool = False,
-                  pivot=pivot_forward) -> tuple[jax.Array, dict[str, jax.Array]]:  # fmt: skip
+def encode_groups(
+    codec: TahQuant,
+    groups: jax.Array,
+    noise: jax.Array | None,
+    *,
+    magic_round: bool = False,
+    pivot=pivot_forward,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """groups [M, G] fp32 -> (codes [M, G] int32, {side field: [M]}): the whole encode but the
     packing (the reference and the fused kernels both run it).
 
@@ -382,8 +402,12 @@ def encode_groups(codec: TahQuant, groups: jax.Array, noise: jax.Array | None, *
     return codes, {field: sides[field] for field, _ in codec.side_fields}
 
 
-def decode_groups(codec: TahQuant, codes: jax.Array, sides: dict[str, jax.Array],
-                  butterflies: Butterflies = butterflies_by_axes) -> jax.Array:  # fmt: skip
+def decode_groups(
+    codec: TahQuant,
+    codes: jax.Array,
+    sides: dict[str, jax.Array],
+    butterflies: Butterflies = butterflies_by_axes,
+) -> jax.Array:
     """Inverse of `encode_groups` up to the rounding: codes [M, G] int32 -> fp32 [M, G]
     (`butterflies`: as `hadamard_front`)."""
     y = dequantize_groups(codec, codes, sides["scales"], sides.get("mins"))
@@ -430,8 +454,10 @@ def check_stage_encodable(codec: TahQuant, x: jax.Array) -> None:
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"codec {codec.name!r} encodes floating arrays, got dtype={x.dtype}")
     if x.ndim != 2 or x.shape[-1] % codec.group_size:
-        raise ValueError(f"rows of shape={x.shape} must be [R, n] with n a multiple of "
-                         f"group_size={codec.group_size}")  # fmt: skip
+        raise ValueError(
+            f"rows of shape={x.shape} must be [R, n] with n a multiple of "
+            f"group_size={codec.group_size}"
+        )
 
 
 # The reference ops are jitted (codec, sizes and dtype static): called eagerly, op by op, each

@@ -184,8 +184,10 @@ def encode_wire(codec: AdaptiveTahQuant, x: jax.Array, key: jax.Array | None = N
     code_bytes = jnp.take_along_axis(chunks.reshape(rows, -1), order, axis=-1)
     scale = jnp.where(wide, broad_scale, narrow_scale)
     pivots = index | jnp.where(flag, tahquant.PIVOT_FLAG, 0) | jnp.where(wide, WIDE_FLAG, 0)
-    sides = [codecs.side_to_bytes(scale.reshape(rows, -1), 4),
-             pivots.astype(jnp.uint8).reshape(rows, -1)]  # fmt: skip
+    sides = [
+        codecs.side_to_bytes(scale.reshape(rows, -1), 4),
+        pivots.astype(jnp.uint8).reshape(rows, -1),
+    ]
     return lax.optimization_barrier(jnp.concatenate([code_bytes, *sides], axis=-1))
 
 
@@ -202,8 +204,11 @@ def decode_wire(codec: AdaptiveTahQuant, wire: jax.Array, n: int, dtype=jnp.floa
     padded = jnp.pad(wire[:, :per_row], ((0, 0), (0, GROUP_SIZE // 2)))
     take = starts[..., None] + lax.broadcasted_iota(jnp.int32, (rows, groups, 16), 2)
     chunks = jnp.take_along_axis(padded[:, None, :], take, axis=-1).reshape(-1, 16)
-    codes = jnp.where(wide[:, None], tahquant.unpack_codes(WIDE, chunks),
-                      _unpack3(chunks[:, :12]) - (NARROW.qmax + 1))  # fmt: skip
+    codes = jnp.where(
+        wide[:, None],
+        tahquant.unpack_codes(WIDE, chunks),
+        _unpack3(chunks[:, :12]) - (NARROW.qmax + 1),
+    )
     y = codecs.scale_rows(codes.astype(jnp.float32), scale)
     flag, index = tahquant.pivot_fields(pivots, WIDE_FLAG - 1)
     y = tahquant.pivot_inverse(y, flag, index)

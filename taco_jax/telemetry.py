@@ -163,13 +163,15 @@ def report(site: str, stats: jax.Array | None, *, layer=None, axis_name="") -> N
     # goes from a map manual over them, its first device only (the sums are whole-array ones).
     def once(index, stats):
         first = lax.axis_index(free) == 0
-        jax.debug.callback(lambda first, *args: bool(first) and callback(*args), first, index,
-                           stats)  # fmt: skip
+        jax.debug.callback(
+            lambda first, *args: bool(first) and callback(*args), first, index, stats
+        )
         return index
 
     mesh = jax.sharding.get_abstract_mesh()
-    jax.shard_map(once, mesh=mesh, in_specs=(P(), P()), out_specs=P(), axis_names=set(free),
-                  check_vma=False)(index, stats)  # fmt: skip
+    jax.shard_map(
+        once, mesh=mesh, in_specs=(P(), P()), out_specs=P(), axis_names=set(free), check_vma=False
+    )(index, stats)
 
 
 def _accumulate(site: str, axis: str, layer, stats) -> None:
@@ -191,8 +193,10 @@ def drain(*, all_processes: bool = False) -> dict[str, SiteError]:
         reports, axes = dict(_reports), dict(_axes)
         _reports.clear()
         _axes.clear()
-    sums = {site: [math.fsum(column) for column in zip(*rows, strict=True)]
-            for site, rows in reports.items()}  # fmt: skip
+    sums = {
+        site: [math.fsum(column) for column in zip(*rows, strict=True)]
+        for site, rows in reports.items()
+    }
     if all_processes and jax.process_count() > 1:
         sums, axes = _merged(sums, axes)
     return {site: SiteError.of(sums[site], axes[site]) for site in sorted(sums)}
@@ -220,5 +224,8 @@ def over_budget(errors: dict[str, SiteError], budget: float) -> list[str]:
     """The sites whose error exceeds `budget` (a relative error), or whose compressed output
     held non-finite values where the exact one held none; a site whose exact result was not
     finite (nor then its error) is not over it: its inputs were not finite."""
-    return [site for site, e in errors.items()
-            if e.error is not None and (e.codec_nonfinite or e.error > budget)]  # fmt: skip
+    return [
+        site
+        for site, e in errors.items()
+        if e.error is not None and (e.codec_nonfinite or e.error > budget)
+    ]

@@ -175,8 +175,16 @@ def gather_from_sp(
     Equal to `lax.all_gather(x, comm.axis_name, axis=axis, tiled=True)` up to FP8 rounding.
     Sharding: `x[B, T/N, D] -> x[B, T, D]`. name, layer: the call site (`compressed_psum`'s).
     """
-    out = compressed_all_gather(x, comm.axis_name, axis=axis, tiled=True, codec=comm.fwd,
-                                bwd_codec=comm.bwd, name=name, layer=layer)  # fmt: skip
+    out = compressed_all_gather(
+        x,
+        comm.axis_name,
+        axis=axis,
+        tiled=True,
+        codec=comm.fwd,
+        bwd_codec=comm.bwd,
+        name=name,
+        layer=layer,
+    )
     return checkpoint_name(out, "sp_gather")
 
 
@@ -188,7 +196,14 @@ def scatter_to_sp(
     Equal to `lax.psum_scatter(x, comm.axis_name, scatter_dimension=axis, tiled=True)` up to FP8
     rounding. Sharding: `x[B, T, D]{U_tp} -> x[B, T/N, D]`. name, layer: the call site.
     """
-    out = compressed_psum_scatter(x, comm.axis_name, scatter_dimension=axis, tiled=True,
-                                  codec=comm.fwd, bwd_codec=comm.bwd, name=name,
-                                  layer=layer)  # fmt: skip
+    out = compressed_psum_scatter(
+        x,
+        comm.axis_name,
+        scatter_dimension=axis,
+        tiled=True,
+        codec=comm.fwd,
+        bwd_codec=comm.bwd,
+        name=name,
+        layer=layer,
+    )
     return checkpoint_name(out, "sp_scatter")

@@ -92,9 +92,11 @@ def read_arrays(step_dir: Path, keys: tuple[str, ...]) -> Any:
     as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
     nest = lambda leaf: functools.reduce(lambda inner, key: {key: inner}, reversed(keys), leaf)
     restored = checkpointer.restore(
-        path, args=ocp.args.PyTreeRestore(item=nest(tree), restore_args=nest(as_numpy),
-                                          partial_restore=True),
-    )  # fmt: skip
+        path,
+        args=ocp.args.PyTreeRestore(
+            item=nest(tree), restore_args=nest(as_numpy), partial_restore=True
+        ),
+    )
     for key in keys:
         restored = restored[key]
     return restored
@@ -155,8 +157,9 @@ class Checkpointer:
         """
         started = time.perf_counter()
         self.wait()
-        self._manager.save(step, args=ocp.args.StandardSave(state), force=True,
-                           custom_metadata=metadata or {})  # fmt: skip
+        self._manager.save(
+            step, args=ocp.args.StandardSave(state), force=True, custom_metadata=metadata or {}
+        )
         self._pending = step
         if jax.process_index() == 0:
             if self.asynchronous:

@@ -70,8 +70,10 @@ def over_budget(
 ) -> dict[str, str]:
     """{call site: the codec it runs next} of the sites `errors` puts over `budget`
     (`taco_jax.telemetry.over_budget`)."""
-    return {site: next_codec(site, fallbacks.get(site), fallback_codec)
-            for site in telemetry.over_budget(errors, budget)}  # fmt: skip
+    return {
+        site: next_codec(site, fallbacks.get(site), fallback_codec)
+        for site in telemetry.over_budget(errors, budget)
+    }
 
 
 def tp_share(errors: dict[str, telemetry.SiteError]) -> float | None:
@@ -105,8 +107,10 @@ def line(rec: dict[str, Any]) -> str:
     parts = [f"step {rec['step']:>6d}", "comm error"]
     if errors:
         worst = max(errors, key=lambda s: _ordered(errors[s]))
-        parts[-1] += (f" max {errors[worst]:.4f} ({worst}), mean "
-                      f"{np.mean(list(errors.values())):.4f} over {len(errors)} sites")  # fmt: skip
+        parts[-1] += (
+            f" max {errors[worst]:.4f} ({worst}), mean "
+            f"{np.mean(list(errors.values())):.4f} over {len(errors)} sites"
+        )
     if "tp_bytes_compressed" in rec:
         parts.append(f"TP bytes compressed {100 * rec['tp_bytes_compressed']:.1f}%")
     bad = [site for site, n in rec.get("nonfinite", {}).items() if n]
@@ -153,8 +157,9 @@ def _history(records) -> tuple[list[int], dict[str, dict[int, float]]]:
 def _fallbacks(records) -> dict[str, tuple[str, int]]:
     """{call site: (its last codec, the step after which it switched)}."""
     out = {}
-    for rec in sorted((r for r in records if r.get("kind") == "comm_fallback"),
-                      key=lambda r: r["step"]):  # fmt: skip
+    for rec in sorted(
+        (r for r in records if r.get("kind") == "comm_fallback"), key=lambda r: r["step"]
+    ):
         for site, what in rec["sites"].items():
             out[site] = (what["codec"], rec["step"])
     return out
@@ -198,11 +203,19 @@ def figure(records: list[dict[str, Any]], budget: float | None = None):
     norm = LogNorm(vmin=low, vmax=max(high, low * 1.01))
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="0.85")
     widths = [1.0] * len(layered) + ([1.6] if others else [])
-    fig, axes = plt.subplots(1, len(panels), figsize=(1.5 + 2.4 * sum(widths), 3.8), dpi=110,
-                             gridspec_kw={"width_ratios": widths}, squeeze=False,
-                             layout="constrained")  # fmt: skip
-    fig.suptitle("relative error of each call site against the exact fp32 collective "
-                 "(gray: not compressed)", fontsize=9)  # fmt: skip
+    fig, axes = plt.subplots(
+        1,
+        len(panels),
+        figsize=(1.5 + 2.4 * sum(widths), 3.8),
+        dpi=110,
+        gridspec_kw={"width_ratios": widths},
+        squeeze=False,
+        layout="constrained",
+    )
+    fig.suptitle(
+        "relative error of each call site against the exact fp32 collective (gray: not compressed)",
+        fontsize=9,
+    )
     ticks = np.unique(np.linspace(0, len(steps) - 1, min(len(steps), 5)).round().astype(int))
     for ax, (title, grid, labels, ylabel) in zip(axes[0], panels, strict=True):
         image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)
@@ -250,14 +263,23 @@ def table(records: list[dict[str, Any]], budget: float | None = None) -> str | N
     ops = sorted({op_of(s) for s in by_site} | {op_of(s) for s in fell}, key=_op_key)
     budget_text = "" if budget is None else f"; budget {budget:g}"
     header = f"  {'op':<24} {'largest':>8}  {'at':<24} {'mean':>8} {'non-finite':>10}  fell back"
-    title = (f"compression error per op over {len(steps)} measuring steps (steps {steps[0]}-"
-             f"{steps[-1]}; relative to the exact fp32 collective{budget_text}):")  # fmt: skip
+    title = (
+        f"compression error per op over {len(steps)} measuring steps (steps {steps[0]}-"
+        f"{steps[-1]}; relative to the exact fp32 collective{budget_text}):"
+    )
     rows = [title, header]
     for op in ops:
-        values = [(e, site, step) for site, v in by_site.items() if op_of(site) == op
-                  for step, e in v.items()]  # fmt: skip
-        fallen = [f"{_layer_or_site(site)} -> {codec} after {step}"
-                  for site, (codec, step) in fell.items() if op_of(site) == op]  # fmt: skip
+        values = [
+            (e, site, step)
+            for site, v in by_site.items()
+            if op_of(site) == op
+            for step, e in v.items()
+        ]
+        fallen = [
+            f"{_layer_or_site(site)} -> {codec} after {step}"
+            for site, (codec, step) in fell.items()
+            if op_of(site) == op
+        ]
         if values:
             worst, site, step = max(values, key=lambda v: _ordered(v[0]))
             layer = layer_of(site)
@@ -266,15 +288,21 @@ def table(records: list[dict[str, Any]], budget: float | None = None) -> str | N
             largest = f"{worst:8.4f}"
         else:
             largest, where, mean = f"{'-':>8}", "-", f"{'-':>8}"
-        rows.append(f"  {op:<24} {largest}  {where:<24} {mean} {nonfinite.get(op, 0):>10d}  "
-                    f"{'; '.join(fallen) or '-'}")  # fmt: skip
-    shares = [(r["step"], r["tp_bytes_compressed"]) for r in records
-              if r.get("kind") == "comm" and "tp_bytes_compressed" in r]  # fmt: skip
+        rows.append(
+            f"  {op:<24} {largest}  {where:<24} {mean} {nonfinite.get(op, 0):>10d}  "
+            f"{'; '.join(fallen) or '-'}"
+        )
+    shares = [
+        (r["step"], r["tp_bytes_compressed"])
+        for r in records
+        if r.get("kind") == "comm" and "tp_bytes_compressed" in r
+    ]
     if shares:
         shares.sort()
         (first, a), (last, b) = shares[0], shares[-1]
-        rows.append(f"  TP bytes compressed: {100 * a:.1f}% at step {first}, {100 * b:.1f}% at "
-                    f"step {last}")  # fmt: skip
+        rows.append(
+            f"  TP bytes compressed: {100 * a:.1f}% at step {first}, {100 * b:.1f}% at step {last}"
+        )
     return "\n".join(rows)
 
 

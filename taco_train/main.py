@@ -42,9 +42,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ModuleNotFoundError as error:
         if (error.name or "").partition(".")[0] not in TRAIN_EXTRA_MODULES:
             raise
-        print(f"taco-train: error: the training application needs the `train` extra (no module "
-              f"{error.name!r}): pip install -c constraints.txt -e \".[train]\" in the "
-              "repository, or pip install \"taco-jax[train]\"", file=sys.stderr)  # fmt: skip
+        print(
+            f"taco-train: error: the training application needs the `train` extra (no module "
+            f'{error.name!r}): pip install -c constraints.txt -e ".[train]" in the '
+            'repository, or pip install "taco-jax[train]"',
+            file=sys.stderr,
+        )
         raise SystemExit(2) from None
 
 

@@ -29,8 +29,10 @@ def load(source: str | Path):
     source = Path(source)
     tokenizer_file = source / "tokenizer.json"
     if not tokenizer_file.is_file():
-        raise ConfigError(f"{tokenizer_file}: no such file (a run writes it when it starts; a "
-                          "Hugging Face directory holds its tokenizer there)")  # fmt: skip
+        raise ConfigError(
+            f"{tokenizer_file}: no such file (a run writes it when it starts; a "
+            "Hugging Face directory holds its tokenizer there)"
+        )
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     if (source / "checkpoints").is_dir():  # a run directory
         cfg, params, _ = restore_params(source)
@@ -38,8 +40,10 @@ def load(source: str | Path):
     try:
         model, params = hf.load(source)
     except hf.CheckpointError as error:
-        raise ConfigError(f"{source} is neither a run directory (no checkpoints/) nor a Hugging "
-                          f"Face directory: {error}") from None  # fmt: skip
+        raise ConfigError(
+            f"{source} is neither a run directory (no checkpoints/) nor a Hugging "
+            f"Face directory: {error}"
+        ) from None
     return model, params, tokenizer, _hf_end_of_text(source, tokenizer)
 
 
@@ -65,8 +69,10 @@ def complete(
     ids = tokenizer.encode(prompt).ids
     if not ids:
         if eot is None:
-            raise ValueError("the prompt is empty and the tokenizer has no end-of-text token to "
-                             "start from: give --prompt")  # fmt: skip
+            raise ValueError(
+                "the prompt is empty and the tokenizer has no end-of-text token to "
+                "start from: give --prompt"
+            )
         ids = [eot]
     new = np.asarray(generate(model, params, np.asarray([ids]), max_new_tokens, **sampling))[0]
     ends = np.flatnonzero(new == eot) if eot is not None else []
@@ -81,16 +87,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     parser.add_argument("--top-k", type=int, default=None, help="draw among the k likeliest")
     parser.add_argument("--seed", type=int, default=0, help="seed of the draws (0)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="compute dtype (float32)")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="compute dtype (float32)",
+    )
     args = parser.parse_args(argv)
     from taco_train.config import ConfigError
 
     try:
         model, params, tokenizer, eot = load(args.source)
-        text = complete(model, params, tokenizer, eot, args.prompt, args.max_new_tokens,
-                        temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                        dtype=args.dtype)  # fmt: skip
+        text = complete(
+            model,
+            params,
+            tokenizer,
+            eot,
+            args.prompt,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            seed=args.seed,
+            dtype=args.dtype,
+        )
     except (ConfigError, ValueError) as error:
         print(f"taco-train sample: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

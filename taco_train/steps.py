@@ -94,8 +94,11 @@ def _losses(model, parallel, comm, stage_codecs, mesh, seed, local=False):
         both = make(model, parallel, comm, mesh)
         only = layout.make_loss(model, parallel, comm, mesh)
         return (lambda p, t, step: both(p, t)), (lambda p, t, step: only(p, t))
-    make = (pipeline.make_pipeline_loss_and_local_grads if local
-            else pipeline.make_pipeline_loss_and_grads)  # fmt: skip
+    make = (
+        pipeline.make_pipeline_loss_and_local_grads
+        if local
+        else pipeline.make_pipeline_loss_and_grads
+    )
     both = make(model, parallel, comm, stage_codecs, mesh)
     only = pipeline.make_pipeline_loss(model, parallel, comm, stage_codecs, mesh)
     train_key, eval_key = jax.random.split(jax.random.key(seed))
@@ -228,7 +231,7 @@ def full_params(
 ) -> Any:
     """The fp32 full-layout parameters of `state`: its params, or with the sharded optimizer
     the fp32 master weights gathered from every rank's shards (not the compute-dtype
-    replica)."""  # fmt: skip
+    replica)."""
     if not sharded:
         return state.params
     return unshard_master(state.opt_state.master, model, parallel, tp_axis)
@@ -279,11 +282,21 @@ class _ShardLayout:
             return cls(dp_axis=dp)
         tp_dims = layout.tp_split_dims(model)
         if parallel.pp == 1:
-            return cls((tp_axis,), jax.tree.map(lambda d: (d,), tp_dims), (parallel.tp,),
-                       layout.param_specs(model, tp_axis), dp)  # fmt: skip
+            return cls(
+                (tp_axis,),
+                jax.tree.map(lambda d: (d,), tp_dims),
+                (parallel.tp,),
+                layout.param_specs(model, tp_axis),
+                dp,
+            )
         dims = jax.tree.map(lambda p, t: (p, t), pipeline.stage_split_dims(model), tp_dims)
-        return cls((layout.PP_AXIS, tp_axis), dims, (parallel.pp, parallel.tp),
-                   pipeline.full_layout_specs(model, tp_axis), dp)  # fmt: skip
+        return cls(
+            (layout.PP_AXIS, tp_axis),
+            dims,
+            (parallel.pp, parallel.tp),
+            pipeline.full_layout_specs(model, tp_axis),
+            dp,
+        )
 
     @property
     def lead(self) -> int:
@@ -308,14 +321,20 @@ class _ShardLayout:
         return jax.tree.map(
             lambda dims: tuple(
                 a for a, d in zip(self.axes, dims, strict=True) if d != zero.REPLICATED
-            ),  # fmt: skip
+            ),
             self.dims,
             is_leaf=lambda d: isinstance(d, tuple),
         )
 
 
-def _sharded_update(optimizer, sharded: zero.ZeroConfig, shards: _ShardLayout, params_abstract,
-                    parallel: ParallelConfig, mesh):  # fmt: skip
+def _sharded_update(
+    optimizer,
+    sharded: zero.ZeroConfig,
+    shards: _ShardLayout,
+    params_abstract,
+    parallel: ParallelConfig,
+    mesh,
+):
     """`zero.update` over the mesh: (local grads [dp, ...], state, replica, key) -> (state,
     replica, global gradient norm), each rank on its block of the state."""
     lead = shards.lead
@@ -325,9 +344,14 @@ def _sharded_update(optimizer, sharded: zero.ZeroConfig, shards: _ShardLayout, p
     def per_rank(grads, shard_state, replica, key):
         drop = lambda tree, k: jax.tree.map(lambda x: x.reshape(x.shape[k:]), tree)  # noqa: E731
         new, replica, norm = zero.update(
-            optimizer, sharded, drop(grads, 1), drop(shard_state, lead), replica, key,
+            optimizer,
+            sharded,
+            drop(grads, 1),
+            drop(shard_state, lead),
+            replica,
+            key,
             split=shards.split,
-        )  # fmt: skip
+        )
         return jax.tree.map(lambda x: x.reshape((1,) * lead + x.shape), new), replica, norm
 
     return layout.spmd_map(
@@ -361,8 +385,10 @@ def make_sharded_steps(
     """
     layout.check_config(model, parallel)
     if sharded.axes != parallel.dp_axes:
-        raise ValueError(f"sharded.dp_axes={sharded.dp_axes!r} must name the mesh's dp axes "
-                         f"{parallel.dp_axes} (parallel.dp_axis)")  # fmt: skip
+        raise ValueError(
+            f"sharded.dp_axes={sharded.dp_axes!r} must name the mesh's dp axes "
+            f"{parallel.dp_axes} (parallel.dp_axis)"
+        )
     mesh = layout.make_mesh(parallel, comm.axis_name)
     replicated = NamedSharding(mesh, P())
     shards = _ShardLayout.of(model, parallel, comm.axis_name)

@@ -155,8 +155,9 @@ def resolve_links(cfg: TrainConfig) -> dict[str, taco_jax.policy.Link]:
     axes = {"link": ("tp", p.tp)}
     if comp.pp_grads != "none":  # the one collective that reads pp_link
         axes["pp_link"] = (PP_AXIS, p.pp)
-    wanted = {key: axis for key, (axis, size) in axes.items()
-              if getattr(comp, key) == "auto" and size > 1}  # fmt: skip
+    wanted = {
+        key: axis for key, (axis, size) in axes.items() if getattr(comp, key) == "auto" and size > 1
+    }
     if not wanted:
         return {}
     mesh = make_mesh(p)
@@ -187,8 +188,9 @@ def build_steps(
     comp, sites = cfg.compression, {"measure": measure, "fallbacks": fallbacks}
     sharded = None
     if cfg.optimizer.sharded:  # ZeRO-1: the sharded step clips over its shards itself
-        sharded = comp.zero_config(cfg.optimizer.grad_clip, cfg.parallel.dp_axis,
-                                   cfg.optimizer.bucket_elements, **sites)  # fmt: skip
+        sharded = comp.zero_config(
+            cfg.optimizer.grad_clip, cfg.parallel.dp_axis, cfg.optimizer.bucket_elements, **sites
+        )
     make_optimizer = optim.make_adamw if sharded else optim.make_optimizer
     optimizer = make_optimizer(cfg.optimizer, cfg.run.steps, mask)
     return make_steps(
@@ -260,8 +262,10 @@ def check_resumable(cfg: TrainConfig, out: Path) -> dict[str, tuple[Any, Any]]:
         if key.startswith(RESUME_KEYS) and key not in RESUME_EXEMPT
     ]
     if cfg.optimizer.sharded and _shard_layout(old) != _shard_layout(new):
-        differing.append(f"(dp, pp, tp) slices {_shard_layout(old)} -> {_shard_layout(new)} "
-                         "(optimizer.sharded splits the state over them)")  # fmt: skip
+        differing.append(
+            f"(dp, pp, tp) slices {_shard_layout(old)} -> {_shard_layout(new)} "
+            "(optimizer.sharded splits the state over them)"
+        )
     if differing:
         raise ConfigError(
             f"{out} holds a run with another configuration ({'; '.join(differing)}); use another "
@@ -288,8 +292,9 @@ def record_changes(changes: dict[str, tuple[Any, Any]], step: int, out: Path) ->
 
 def _shard_layout(flat_config: dict[str, Any]) -> tuple[int, int, int]:
     """`steps.state_split` of a flattened config's parallel section."""
-    fields = {k.removeprefix("parallel."): v for k, v in flat_config.items()
-              if k.startswith("parallel.")}  # fmt: skip
+    fields = {
+        k.removeprefix("parallel."): v for k, v in flat_config.items() if k.startswith("parallel.")
+    }
     return state_split(ParallelConfig(**fields))
 
 
@@ -354,8 +359,10 @@ def _say_policy(cfg: TrainConfig, out: Path, link: str = "auto") -> None:
     real_tp = cfg.parallel.tp > 1 and cfg.parallel.mode == "shard_map"
     if real_tp and comp.min_compress_bytes is None and jax.default_backend() == "gpu":
         text = taco_jax.policy.summary(link, cfg.parallel.tp)
-        _say("collectives (auto policy, by message bytes per rank; set "
-             "compression.min_compress_bytes=0 to compress every one):\n" + text)  # fmt: skip
+        _say(
+            "collectives (auto policy, by message bytes per rank; set "
+            "compression.min_compress_bytes=0 to compress every one):\n" + text
+        )
         if jax.process_index() == 0:
             (out / "collectives_policy.txt").write_text(text + "\n")
 
@@ -400,12 +407,16 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
     _say_policy(cfg, run.out, run.links["link"].name if "link" in run.links else comp.link)
     end = cfg.run.steps if cfg.run.stop_at is None else cfg.run.stop_at
     if start >= end:
-        _say(f"the run in {run.out} is at step {start}, the end of this one ({end}): nothing to "
-             "train; raise run.steps to go on")  # fmt: skip
+        _say(
+            f"the run in {run.out} is at step {start}, the end of this one ({end}): nothing to "
+            "train; raise run.steps to go on"
+        )
     elif run.peak is None:
         kind = run.steps.mesh.devices.flat[0].device_kind
-        _say(f"MFU not reported: the peak FLOP/s of a {kind!r} device is unknown (set "
-             "run.peak_tflops)")  # fmt: skip
+        _say(
+            f"MFU not reported: the peak FLOP/s of a {kind!r} device is unknown (set "
+            "run.peak_tflops)"
+        )
     try:
         with StopRequests() as stops:
             last = _loop(run, state, start, ckpt, writer, stops)
@@ -441,8 +452,17 @@ def _print_sample(cfg: TrainConfig, out: Path) -> None:
     if model.arch == "gpt":  # the learned positions hold the start token and seq_len - 1 more
         budget = min(budget, model.seq_len - 1)
     top_k = min(SAMPLE_TOP_K, model.vocab_size)
-    text = sample.complete(model, params, tokenizer, eot, "", budget, seed=cfg.run.seed,
-                           temperature=SAMPLE_TEMPERATURE, top_k=top_k)  # fmt: skip
+    text = sample.complete(
+        model,
+        params,
+        tokenizer,
+        eot,
+        "",
+        budget,
+        seed=cfg.run.seed,
+        temperature=SAMPLE_TEMPERATURE,
+        top_k=top_k,
+    )
     how = f"{budget} tokens at most, temperature {SAMPLE_TEMPERATURE}, top-k {top_k}"
     more = f"python -m taco_train.sample {out} --prompt ... for more"
     print(f"sample ({how}; {more}):\n{text}", flush=True)
@@ -514,13 +534,19 @@ class StopRequests:
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
         if self.received is not None:
-            print(f"taco-train: {name} again: exiting at once, without a checkpoint",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"taco-train: {name} again: exiting at once, without a checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(128 + signum)
             return  # (only where os._exit is replaced, as in a test)
         self.received = signum
-        print(f"taco-train: {name}: stopping after this step with a checkpoint (again: exit at "
-              "once)", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"taco-train: {name}: stopping after this step with a checkpoint (again: exit at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def agreed(self, step: int, log_every: int) -> int | None:
         """The signal every process stops for after `step`, or None. A single process stops
@@ -555,8 +581,10 @@ class _SkipWatch:
                 f"{opt.lr:g}) or optimizer.grad_clip (now {opt.grad_clip:g})"
             )
         if new and jax.process_index() == 0:
-            bar.write(f"skipped {new} update(s) with a non-finite loss or gradient in steps "
-                      f"{first}-{step}")  # fmt: skip
+            bar.write(
+                f"skipped {new} update(s) with a non-finite loss or gradient in steps "
+                f"{first}-{step}"
+            )
 
 
 def _steps(run: _Run, state, start, end, ckpt, writer, bar, profiler, stops) -> dict[str, Any]:
@@ -681,8 +709,7 @@ def _after_measuring(run: _Run, step: int, writer, bar) -> bool:
     budget = run.cfg.compression.error_budget
     if budget is None:
         return False
-    new = comm_error.over_budget(errors, budget, run.fallbacks,
-                                 run.cfg.compression.fallback_codec)  # fmt: skip
+    new = comm_error.over_budget(errors, budget, run.fallbacks, run.cfg.compression.fallback_codec)
     if not new:
         return False
     _say(comm_error.switch_line(step, new, errors, budget))

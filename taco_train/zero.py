@@ -81,8 +81,10 @@ class ZeroConfig:
         if self.param_codec not in PARAM_CODECS:
             raise ValueError(f"param_codec={self.param_codec!r}: choose one of {PARAM_CODECS}")
         if self.bucket_elements is not None and self.bucket_elements < 1:
-            raise ValueError(f"bucket_elements={self.bucket_elements} must be >= 1 (or None: "
-                             "one bucket per kind of leaf)")  # fmt: skip
+            raise ValueError(
+                f"bucket_elements={self.bucket_elements} must be >= 1 (or None: "
+                "one bucket per kind of leaf)"
+            )
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -224,16 +226,19 @@ class _Buckets:
     def check(self, name: str, tree: Any) -> None:
         """Refuses a tree not shaped as the replica's (its leaves would pair up wrongly)."""
         if jax.tree.structure(tree) != self.treedef:
-            raise ValueError(f"{name} has the tree {jax.tree.structure(tree)}, the replica "
-                             f"{self.treedef}")  # fmt: skip
+            raise ValueError(
+                f"{name} has the tree {jax.tree.structure(tree)}, the replica {self.treedef}"
+            )
 
     def keys(self, key: jax.Array) -> list[jax.Array]:
         """A key per bucket, folded with this rank's index along each mesh axis its leaves'
         slices differ over: the slices of a leaf round independently, while its copies (over
         the other axes) draw alike and so stay identical."""
         keys = list(jax.random.split(key, len(self.groups)))
-        return [_fold_axis_indices(k, self.axes[group[0]]) for k, group in
-                zip(keys, self.groups, strict=True)]  # fmt: skip
+        return [
+            _fold_axis_indices(k, self.axes[group[0]])
+            for k, group in zip(keys, self.groups, strict=True)
+        ]
 
     def rows(self, leaves: list[jax.Array], group: list[int], dtype) -> jax.Array:
         """The bucket's flat rows [ranks x sum S_i] of full leaves (zero-padded, cast).
@@ -255,8 +260,10 @@ class _Buckets:
     def split_rows(self, flat: jax.Array, group: list[int]) -> list[jax.Array]:
         """The gathered rows [ranks x sum S_i] -> each full leaf."""
         rows = jnp.split(flat.reshape(self.ranks, -1), self._offsets(group), axis=1)
-        return [r.reshape(-1)[: math.prod(self.shapes[i])].reshape(self.shapes[i])
-                for r, i in zip(rows, group, strict=True)]  # fmt: skip
+        return [
+            r.reshape(-1)[: math.prod(self.shapes[i])].reshape(self.shapes[i])
+            for r, i in zip(rows, group, strict=True)
+        ]
 
     def reduce_scatter_bytes(self) -> float:
         """Bytes a rank sends in the plain fp32 reduce-scatters of every bucket (a ring's)."""
@@ -381,6 +388,7 @@ def _report(site: str, codec: str, out: Any, exact, nbytes: float, cfg: ZeroConf
     if codec == "none":
         stats = telemetry.unmeasured(nbytes)
     else:
-        stats = telemetry.measure(out, jax.tree.map(lambda x: x.astype(jnp.float32), exact()),
-                                  nbytes)  # fmt: skip
+        stats = telemetry.measure(
+            out, jax.tree.map(lambda x: x.astype(jnp.float32), exact()), nbytes
+        )
     telemetry.report(site, telemetry.per_rank(stats, cfg.axes), axis_name=cfg.dp_axes)

@@ -48,8 +48,9 @@ def test_gspmd_gpt_moves_u8_over_tensor_only():
     and reduce the gradients over the other axes; no fp32 reduction over tensor is left."""
     example = _load("gspmd_gpt")
     cfg, mesh, step, params, opt_state = example.setup((2, 2, 2), "taco", AxisType.Explicit, 1)
-    tokens = jax.device_put(example.make_batch(cfg, 16, jax.random.key(0)),
-                            jax.NamedSharding(mesh, example.BATCH))  # fmt: skip
+    tokens = jax.device_put(
+        example.make_batch(cfg, 16, jax.random.key(0)), jax.NamedSharding(mesh, example.BATCH)
+    )
     with jax.set_mesh(mesh):
         hlo = step.lower(params, opt_state, tokens).compile().as_text()
     found = collectives(hlo, mesh)
@@ -70,6 +71,7 @@ def test_gspmd_gpt_codec_none_matches_taco_start():
     effect on one forward: the first loss differs by less than 1% (measured ~1e-4); they are
     the same model."""
     example = _load("gspmd_gpt")
-    first = [example.main(["--steps", "1", "--layers", "1", "--codec", c])[0]
-             for c in ("none", "taco")]  # fmt: skip
+    first = [
+        example.main(["--steps", "1", "--layers", "1", "--codec", c])[0] for c in ("none", "taco")
+    ]
     np.testing.assert_allclose(first[0], first[1], rtol=1e-2)

@@ -38,8 +38,12 @@ def run_on_mesh(fn, stacked, shape, names, mode):
         count *= size
     if jax.device_count() < count:
         pytest.skip(f"needs {count} devices, have {jax.device_count()}")
-    mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names),
-                         devices=jax.devices()[:count])  # fmt: skip
+    mesh = jax.make_mesh(
+        shape,
+        names,
+        axis_types=(jax.sharding.AxisType.Auto,) * len(names),
+        devices=jax.devices()[:count],
+    )
     spec = P(*names)
     lead = (0,) * len(names)
 

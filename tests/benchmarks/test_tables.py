@@ -34,8 +34,9 @@ def test_a_figure_edited_by_hand_is_caught(rendered):
 
 def test_every_record_is_read_by_a_table(rendered):
     _, records = rendered
-    files = sorted(p.relative_to(tables.RESULTS).as_posix() for p in tables.RESULTS.rglob("*")
-                   if p.is_file())  # fmt: skip
+    files = sorted(
+        p.relative_to(tables.RESULTS).as_posix() for p in tables.RESULTS.rglob("*") if p.is_file()
+    )
     unread = sorted(set(files) - records.read)
     assert not unread, f"records no table reads (remove them, decision 020): {unread}"
     assert len(files) <= MAX_RECORDS
@@ -59,8 +60,11 @@ def test_identical_programs_read_level(rendered):
 
 
 def test_rows_before_the_harness_are_marked(rendered):
-    rows = [line for line in _block(rendered[0]["README.md"], "readme_measured").splitlines()
-            if line.startswith("| [")]  # fmt: skip
+    rows = [
+        line
+        for line in _block(rendered[0]["README.md"], "readme_measured").splitlines()
+        if line.startswith("| [")
+    ]
     assert rows and all(line.endswith(f"{tables.NO_AA}{tables.KERNELS_CHANGED} |") for line in rows)
 
 
@@ -99,12 +103,21 @@ def _harness_record(tmp_path, kernels: str) -> None:
             times["lax"].append(1e-3 * jitter)
             times[_timing.AA].append(1e-3 / jitter)
             times["taco auto"].append(1e-3 / 1.5 * jitter**0.5)
-        comparisons.append({"tp": 2, "bytes": nbytes, "op": "all_reduce", "repeats": 8,
-                            "times_s": times})  # fmt: skip
+        comparisons.append(
+            {"tp": 2, "bytes": nbytes, "op": "all_reduce", "repeats": 8, "times_s": times}
+        )
     rows = [{"tp": 2, "op": "all_reduce", "codec": c, "bytes": 16 << 20} for c in ("lax", "taco")]
-    record = {"date": "2099-01-01", "commit": "abc1234", "kernels": kernels, "backend": "gpu",
-              "device": "2 x GPU", "env": {"NCCL_P2P_DISABLE": "1"}, "emulated": False,
-              "rows": rows, "comparisons": comparisons}  # fmt: skip
+    record = {
+        "date": "2099-01-01",
+        "commit": "abc1234",
+        "kernels": kernels,
+        "backend": "gpu",
+        "device": "2 x GPU",
+        "env": {"NCCL_P2P_DISABLE": "1"},
+        "emulated": False,
+        "rows": rows,
+        "comparisons": comparisons,
+    }
     (tmp_path / "collectives-2099-01-01-headline-shm.json").write_text(json.dumps(record))
 
 
@@ -113,8 +126,9 @@ def test_a_harness_record_takes_its_headline_row(tmp_path, same_kernels):
     kernels = _common.kernels_fingerprint() if same_kernels else "0" * 12
     _harness_record(tmp_path, kernels)
     records = tables.Records([tables.RESULTS, tmp_path])
-    (row,) = [r for r in tables.headline_rows(records) if "`taco`, defaults" in r[0] and "TP = 2"
-              in r[0]]  # fmt: skip
+    (row,) = [
+        r for r in tables.headline_rows(records) if "`taco`, defaults" in r[0] and "TP = 2" in r[0]
+    ]
     assert row[2] == "1.50x faster"  # shared memory: the harness's verdict, every size
     assert row[1].startswith("1.15-1.28x")  # NVLink: still the older record
     assert "2099-01-01" in row[4] and "`abc1234`" in row[4]
@@ -139,10 +153,19 @@ def test_a_kernels_record_of_both_lowerings(tmp_path):
         share = {"in_program_of_copy": 0.9, "of_copy_interval": [0.88, 0.92]}
         bench.append({"bytes": nbytes, **{n: share for n in times if n not in ("copy", "A'")}})
         comparisons.append({"bytes": nbytes, "repeats": 8, "times_s": times})
-    record = {"date": "2099-01-01", "commit": "abc1234", "backend": "gpu", "device": "1 x GPU",
-              "kernels": _common.kernels_fingerprint(), "codec": "taco", "peers": 8,
-              "backends": ["auto", "triton", "mosaic"], "bench": bench, "comparisons": comparisons,
-              "registry": {op: "mosaic" for op in tables.OPS}}  # fmt: skip
+    record = {
+        "date": "2099-01-01",
+        "commit": "abc1234",
+        "backend": "gpu",
+        "device": "1 x GPU",
+        "kernels": _common.kernels_fingerprint(),
+        "codec": "taco",
+        "peers": 8,
+        "backends": ["auto", "triton", "mosaic"],
+        "bench": bench,
+        "comparisons": comparisons,
+        "registry": {op: "mosaic" for op in tables.OPS},
+    }
     (tmp_path / "kernels-2099-01-01.json").write_text(json.dumps(record))
     records = tables.Records([tables.RESULTS, tmp_path])
     lowerings = tables.kernels(records).splitlines()

@@ -69,8 +69,9 @@ def synthetic(speedup: float, noise: float, seed: int, clock: FakeClock | None =
 
 
 def verdict_of(speedup, noise, seed, rounds=20):
-    out = _timing.compare(synthetic(speedup, noise, seed), "base", min_repeats=rounds,
-                          max_repeats=rounds, warmup=0)  # fmt: skip
+    out = _timing.compare(
+        synthetic(speedup, noise, seed), "base", min_repeats=rounds, max_repeats=rounds, warmup=0
+    )
     return out["summary"]["variant"]["verdict"], out
 
 
@@ -115,8 +116,9 @@ def test_rounds_stop_when_stable_or_out_of_budget():
     stable = _timing.compare(synthetic(1.05, 0.001, 0), "base", warmup=0)
     assert (stable["stopped"], stable["repeats"]) == ("stable", _timing.MIN_REPEATS)
     clock = FakeClock()
-    spent = _timing.compare(synthetic(1.05, 0.3, 0, clock), "base", warmup=0, budget_s=20.0,
-                            clock=clock)  # fmt: skip
+    spent = _timing.compare(
+        synthetic(1.05, 0.3, 0, clock), "base", warmup=0, budget_s=20.0, clock=clock
+    )
     assert spent["stopped"] == "budget"
     assert _timing.MIN_REPEATS <= spent["repeats"] < 40
 

@@ -60,8 +60,11 @@ def test_sampling_draws_from_the_tempered_top_k_softmax():
     cfg, params = hf.load(FIXTURES / "qwen2_untied")
     prompt = np.load(FIXTURES / "qwen2_untied" / "tokens.npy")[:1]
     n, temperature, k = 4096, 1.5, 3
-    drawn = np.asarray(generate(cfg, params, np.repeat(prompt, n, axis=0), 1,
-                                temperature=temperature, top_k=k, seed=3))[:, 0]  # fmt: skip
+    drawn = np.asarray(
+        generate(
+            cfg, params, np.repeat(prompt, n, axis=0), 1, temperature=temperature, top_k=k, seed=3
+        )
+    )[:, 0]
     logits = _full_logits(cfg, params, prompt)[0, -1] / temperature
     top = np.argsort(logits)[-k:]
     p = np.exp(logits[top] - logits[top].max())

@@ -36,8 +36,15 @@ from taco_models.parallel import (  # noqa: E402
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-NAMES = ("gpt2", "qwen2_untied", "qwen2_tied", "qwen2_untied_v5", "llama3_untied", "llama_tied",
-         "mistral")  # fmt: skip
+NAMES = (
+    "gpt2",
+    "qwen2_untied",
+    "qwen2_tied",
+    "qwen2_untied_v5",
+    "llama3_untied",
+    "llama_tied",
+    "mistral",
+)
 # A Python with torch and transformers (not project dependencies), for the test that
 # transformers loads what we save; unset, that test is skipped.
 HF_PYTHON = os.environ.get("TACO_HF_PYTHON")
@@ -72,22 +79,32 @@ def test_fixture_geometry():
     """What each fixture exercises: padding, GQA, the two heads, sharding, the 4.x config."""
     gpt2 = hf.load_config(FIXTURES / "gpt2")
     assert (gpt2.arch, gpt2.vocab_size, gpt2.padded_vocab, gpt2.tied_embeddings) == (
-        "gpt", 250, 256, True)  # fmt: skip
+        "gpt",
+        250,
+        256,
+        True,
+    )
     untied, tied = (hf.load_config(FIXTURES / n) for n in ("qwen2_untied", "qwen2_tied"))
     assert (untied.n_heads, untied.n_kv_heads, untied.rope_theta) == (8, 4, 1e6)  # GQA, tp <= 4
     assert not untied.tied_embeddings and tied.tied_embeddings
     assert (FIXTURES / "qwen2_tied" / hf.INDEX_FILE).is_file()
-    v4, v5 = (json.loads((FIXTURES / n / hf.CONFIG_FILE).read_text())
-              for n in ("qwen2_untied", "qwen2_untied_v5"))  # fmt: skip
+    v4, v5 = (
+        json.loads((FIXTURES / n / hf.CONFIG_FILE).read_text())
+        for n in ("qwen2_untied", "qwen2_untied_v5")
+    )
     assert v4["rope_theta"] == 1e6 and "rope_parameters" not in v4  # transformers 4.x
     assert v5["rope_parameters"]["rope_theta"] == 1e6 and "rope_theta" not in v5  # 5.x
     assert hf.load_config(FIXTURES / "qwen2_untied_v5") == untied
-    llama3, llama_tied, mistral = (hf.load_config(FIXTURES / n)
-                                   for n in ("llama3_untied", "llama_tied", "mistral"))  # fmt: skip
+    llama3, llama_tied, mistral = (
+        hf.load_config(FIXTURES / n) for n in ("llama3_untied", "llama_tied", "mistral")
+    )
     assert (llama3.arch, llama3.n_kv_heads, llama3.tied_embeddings) == ("llama", 4, False)
     assert llama3.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 128)
     assert (llama_tied.arch, llama_tied.n_kv_heads, llama_tied.tied_embeddings) == (
-        "llama", 2, True)  # fmt: skip
+        "llama",
+        2,
+        True,
+    )
     assert llama_tied.rope_scaling is None and mistral.rope_scaling is None
     assert (mistral.arch, mistral.n_kv_heads, mistral.tied_embeddings) == ("mistral", 2, False)
     assert json.loads((FIXTURES / "mistral" / hf.CONFIG_FILE).read_text())["sliding_window"] is None
@@ -97,40 +114,99 @@ def test_fixture_geometry():
 # included), with the parameter count transformers builds from each (`numel` of every
 # parameter; the Hub's "8.03B", "7.25B", "135M").
 PUBLISHED = {
-    "Llama-3.1-8B": ({
-        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu",
-        "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
-        "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
-        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
-        "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-        "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
-    }, 8_030_261_248),
-    "Mistral-7B-v0.3": ({
-        "architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
-        "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096,
-        "initializer_range": 0.02, "intermediate_size": 14336,
-        "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 32,
-        "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
-        "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "transformers_version": "4.42.0.dev0", "use_cache": True,
-        "vocab_size": 32768,
-    }, 7_248_023_552),
-    "SmolLM2-135M": ({
-        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "silu", "hidden_size": 576,
-        "initializer_range": 0.041666666666666664, "intermediate_size": 1536,
-        "is_llama_config": True, "max_position_embeddings": 8192, "mlp_bias": False,
-        "model_type": "llama", "num_attention_heads": 9, "num_hidden_layers": 30,
-        "num_key_value_heads": 3, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-        "rope_interleaved": False, "rope_scaling": None, "rope_theta": 100000,
-        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.42.3",
-        "use_cache": True, "vocab_size": 49152,
-    }, 134_515_008),
-}  # fmt: skip
+    "Llama-3.1-8B": (
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": 128000,
+            "eos_token_id": 128001,
+            "hidden_act": "silu",
+            "hidden_size": 4096,
+            "initializer_range": 0.02,
+            "intermediate_size": 14336,
+            "max_position_embeddings": 131072,
+            "mlp_bias": False,
+            "model_type": "llama",
+            "num_attention_heads": 32,
+            "num_hidden_layers": 32,
+            "num_key_value_heads": 8,
+            "pretraining_tp": 1,
+            "rms_norm_eps": 1e-05,
+            "rope_scaling": {
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+                "rope_type": "llama3",
+            },
+            "rope_theta": 500000.0,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.43.0.dev0",
+            "use_cache": True,
+            "vocab_size": 128256,
+        },
+        8_030_261_248,
+    ),
+    "Mistral-7B-v0.3": (
+        {
+            "architectures": ["MistralForCausalLM"],
+            "attention_dropout": 0.0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "hidden_act": "silu",
+            "hidden_size": 4096,
+            "initializer_range": 0.02,
+            "intermediate_size": 14336,
+            "max_position_embeddings": 32768,
+            "model_type": "mistral",
+            "num_attention_heads": 32,
+            "num_hidden_layers": 32,
+            "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-05,
+            "rope_theta": 1000000.0,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.42.0.dev0",
+            "use_cache": True,
+            "vocab_size": 32768,
+        },
+        7_248_023_552,
+    ),
+    "SmolLM2-135M": (
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+            "hidden_act": "silu",
+            "hidden_size": 576,
+            "initializer_range": 0.041666666666666664,
+            "intermediate_size": 1536,
+            "is_llama_config": True,
+            "max_position_embeddings": 8192,
+            "mlp_bias": False,
+            "model_type": "llama",
+            "num_attention_heads": 9,
+            "num_hidden_layers": 30,
+            "num_key_value_heads": 3,
+            "pretraining_tp": 1,
+            "rms_norm_eps": 1e-05,
+            "rope_interleaved": False,
+            "rope_scaling": None,
+            "rope_theta": 100000,
+            "tie_word_embeddings": True,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.42.3",
+            "use_cache": True,
+            "vocab_size": 49152,
+        },
+        134_515_008,
+    ),
+}
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
@@ -228,9 +304,13 @@ def test_llama3_rope_from_transformers_4_config(tmp_path):
     assert hf.load_config(_edited(tmp_path, "llama3_untied", as_v4)) == cfg
     written = hf.hf_config(dataclasses.replace(cfg, seq_len=64))
     assert written["rope_theta"] == 1e4 and "rope_parameters" not in written
-    assert written["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0,
-                                       "original_max_position_embeddings": 128}  # fmt: skip
+    assert written["rope_scaling"] == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 128,
+    }
 
 
 @pytest.mark.parametrize(
@@ -319,8 +399,10 @@ def test_missing_tensor_and_wrong_shape_are_all_named(tmp_path):
         hf.load(directory)
     shape, missing = str(info.value).splitlines()  # both, in the table's order
     assert f"{directory}: tensor 'transformer.h.1.mlp.c_fc.bias' is missing" in missing
-    assert shape.endswith("model.safetensors: tensor 'transformer.h.0.attn.c_attn.weight' has "
-                          "shape (64, 190), expected (64, 192)")  # fmt: skip
+    assert shape.endswith(
+        "model.safetensors: tensor 'transformer.h.0.attn.c_attn.weight' has "
+        "shape (64, 190), expected (64, 192)"
+    )
 
 
 def test_a_tensor_the_model_has_no_place_for(tmp_path):
@@ -331,8 +413,9 @@ def test_a_tensor_the_model_has_no_place_for(tmp_path):
     _rewrite_tensors(directory, lambda t: t.update({extra: t["transformer.ln_f.weight"]}))
     with pytest.raises(hf.CheckpointError) as info:
         hf.load(directory)
-    assert str(info.value).endswith(f"model.safetensors: tensor {extra!r} has no place in the "
-                                    "model")  # fmt: skip
+    assert str(info.value).endswith(
+        f"model.safetensors: tensor {extra!r} has no place in the model"
+    )
 
 
 def test_bf16_checkpoint_loads_as_its_fp32_values(tmp_path):
@@ -341,8 +424,9 @@ def test_bf16_checkpoint_loads_as_its_fp32_values(tmp_path):
 
     directory = tmp_path / "qwen2_untied"
     shutil.copytree(FIXTURES / "qwen2_untied", directory)
-    _rewrite_tensors(directory, lambda t: t.update({k: v.astype(ml_dtypes.bfloat16)
-                                                    for k, v in t.items()}))  # fmt: skip
+    _rewrite_tensors(
+        directory, lambda t: t.update({k: v.astype(ml_dtypes.bfloat16) for k, v in t.items()})
+    )
     _, params = hf.load(directory)
     _, full = hf.load(FIXTURES / "qwen2_untied")
     rounded = jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32), full)
@@ -415,15 +499,17 @@ def test_tp4_load_reads_only_each_devices_slices(name, monkeypatch):
     # jax.make_array_from_callback calls back once for a fully replicated array, else once per
     # device; the dp = 2 devices holding the last vocabulary shard read none of its padding.
     held = sum(
-        leaf.size if leaf.sharding.is_fully_replicated
+        leaf.size
+        if leaf.sharding.is_fully_replicated
         else sum(shard.data.size for shard in leaf.addressable_shards)
         for leaf in jax.tree.leaves(sharded)
-    )  # fmt: skip
+    )
     padding = parallel.dp * (cfg.padded_vocab - cfg.vocab_size) * cfg.d_model
     assert sum(size for *_, size in reads) == held - padding
     wqkv = sharded["blocks"]["attn"]["wqkv"]
     assert {s.data.shape for s in wqkv.addressable_shards} == {
-        (*wqkv.shape[:2], wqkv.shape[2] // 4, *wqkv.shape[3:])}  # fmt: skip
+        (*wqkv.shape[:2], wqkv.shape[2] // 4, *wqkv.shape[3:])
+    }
 
 
 @pytest.mark.parametrize("name", ["qwen2_untied", "mistral"])
@@ -448,7 +534,8 @@ def test_pipeline_stages_read_only_their_layers(name, monkeypatch):
     assert layers == ["0"] * 4 + ["1"] * 4
     half = cfg.d_model // 2
     assert {(i[0].stop - i[0].start, i[1].stop - i[1].start) for _, i in o_reads} == {
-        (cfg.d_model, half)}  # fmt: skip
+        (cfg.d_model, half)
+    }
 
 
 @pytest.mark.parametrize("name", ["qwen2_untied", "llama3_untied"])
@@ -489,8 +576,17 @@ def test_transformers_loads_our_save(name, tmp_path):
         "with torch.no_grad(): np.save(sys.argv[3], m(t).logits.float().numpy())\n"
     )
     out = tmp_path / "logits.npy"
-    subprocess.run([HF_PYTHON, "-c", script, str(tmp_path / "ours"),
-                    str(FIXTURES / name / "tokens.npy"), str(out)], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            HF_PYTHON,
+            "-c",
+            script,
+            str(tmp_path / "ours"),
+            str(FIXTURES / name / "tokens.npy"),
+            str(out),
+        ],
+        check=True,
+    )
     # transformers on our save against transformers on the original: the same weights, the
     # same code, so equal up to nothing but run-to-run noise (none on CPU): bit-equal.
     np.testing.assert_array_equal(np.load(out), np.load(FIXTURES / name / "logits.npy"))

@@ -122,8 +122,9 @@ def _unbatchable_attention(q, k, v, implementation):
         return jax.vjp(attend, q, k, v)[1](g)
 
     forward = jax.custom_vjp(_refusing_vmap(attend))
-    forward.defvjp(lambda q, k, v: (forward(q, k, v), (q, k, v)),
-                   lambda res, g: _refusing_vmap(grads)(*res, g))  # fmt: skip
+    forward.defvjp(
+        lambda q, k, v: (forward(q, k, v), (q, k, v)), lambda res, g: _refusing_vmap(grads)(*res, g)
+    )
     return forward(q, k, v)
 
 
@@ -134,8 +135,9 @@ def test_the_fold_runs_an_attention_that_refuses_vmap(monkeypatch):
     q, k, v = _qkv((3, 2))
     want = _values_and_grads(_plain, q, k, v, vmaps=2)
     remat_loss = jax.checkpoint(lambda *a: jax.vmap(jax.vmap(_loss(_folded)))(*a).sum())
-    want_remat = jax.jit(jax.grad(lambda *a: jax.vmap(jax.vmap(_loss(_plain)))(*a).sum(),
-                                  (0, 1, 2)))(q, k, v)  # fmt: skip
+    want_remat = jax.jit(
+        jax.grad(lambda *a: jax.vmap(jax.vmap(_loss(_plain)))(*a).sum(), (0, 1, 2))
+    )(q, k, v)
     monkeypatch.setattr(layers, "_causal_attention", _unbatchable_attention)
     with pytest.raises(NotImplementedError, match="does not batch"):
         _values_and_grads(_plain, q, k, v, vmaps=2)

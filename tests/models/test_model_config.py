@@ -45,8 +45,17 @@ def test_tie_embeddings_overrides_the_arch_default(name, tied):
 def test_qwen25_0p5b_counts_as_published():
     """Qwen2.5-0.5B's config.json geometry (tied): 494M parameters as its model card says
     (0.49B); its vocabulary 151936 is a multiple of 128, so nothing is padded."""
-    cfg = ModelConfig(vocab_size=151936, seq_len=32768, d_model=896, n_layers=24, n_heads=14,
-                      n_kv_heads=2, d_ff=4864, arch="qwen2", tie_embeddings=True)  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=151936,
+        seq_len=32768,
+        d_model=896,
+        n_layers=24,
+        n_heads=14,
+        n_kv_heads=2,
+        d_ff=4864,
+        arch="qwen2",
+        tie_embeddings=True,
+    )
     assert cfg.padded_vocab == cfg.vocab_size
     assert round(cfg.num_params() / 1e6) == 494
 

@@ -54,13 +54,32 @@ def _needs_devices(n):
 def _parallel(dp, pp, tp, microbatches, sp=False, repeats=1, mode="shard_map", schedule=None):
     schedule = schedule or ("circular" if repeats > 1 else "gpipe")
     return ParallelConfig(
-        dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, repeats=repeats,
-        sequence_parallel=sp, compute_dtype="float32", mode=mode,
-    )  # fmt: skip
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        microbatches=microbatches,
+        schedule=schedule,
+        repeats=repeats,
+        sequence_parallel=sp,
+        compute_dtype="float32",
+        mode=mode,
+    )
 
 
-def _run(cfg, dp, pp, tp, microbatches, codec="none", sp=False, key=None, repeats=1,
-         shared_grads="none", mode="shard_map", schedule=None):  # fmt: skip
+def _run(
+    cfg,
+    dp,
+    pp,
+    tp,
+    microbatches,
+    codec="none",
+    sp=False,
+    key=None,
+    repeats=1,
+    shared_grads="none",
+    mode="shard_map",
+    schedule=None,
+):
     _needs_devices(_parallel(dp, pp, tp, microbatches, sp, repeats, mode, schedule).num_devices)
     fn = _compiled(cfg, dp, pp, tp, microbatches, codec, sp, repeats, shared_grads, mode, schedule)
     return fn(init_params(cfg, jax.random.key(0)), _tokens(cfg), key)
@@ -261,8 +280,9 @@ def test_errors_name_the_offending_value():
     with pytest.raises(ValueError, match="mode='vmap'"):
         ParallelConfig(tp=2, pp=2, mode="vmap")
     with pytest.raises(ValueError, match="needs 32 devices"):
-        make_pipeline_loss_and_grads(GPT, ParallelConfig(dp=4, tp=4, pp=2),
-                                     taco_jax.TPComm.create("tp"))  # fmt: skip
+        make_pipeline_loss_and_grads(
+            GPT, ParallelConfig(dp=4, tp=4, pp=2), taco_jax.TPComm.create("tp")
+        )
 
 
 # 1F1B: each stage's forward and backward run explicitly (`jax.vjp` per microbatch, residuals in

@@ -49,10 +49,12 @@ def test_emulation_equals_shard_map():
     x = jnp.arange(16 * 12, dtype=jnp.float32).reshape(16, 12)
     w = jnp.arange(6, dtype=jnp.float32)
     key = jax.random.key(7)
-    want = jax.jit(jax.shard_map(_program, mesh=mesh, in_specs=IN_SPECS, out_specs=OUT_SPECS,
-                                 check_vma=False))(x, w, key)  # fmt: skip
-    got = jax.jit(spmd.emulated_shard_map(_program, axis_sizes=SIZES, in_specs=IN_SPECS,
-                                          out_specs=OUT_SPECS))(x, w, key)  # fmt: skip
+    want = jax.jit(
+        jax.shard_map(_program, mesh=mesh, in_specs=IN_SPECS, out_specs=OUT_SPECS, check_vma=False)
+    )(x, w, key)
+    got = jax.jit(
+        spmd.emulated_shard_map(_program, axis_sizes=SIZES, in_specs=IN_SPECS, out_specs=OUT_SPECS)
+    )(x, w, key)
     assert jax.devices()[0] in got["sent"].devices() and len(got["sent"].devices()) == 1
     for name in want:
         assert got[name].shape == want[name].shape, name
@@ -60,16 +62,19 @@ def test_emulation_equals_shard_map():
 
 
 def test_a_spec_that_does_not_fit_names_the_array():
-    emulated = spmd.emulated_shard_map(lambda x: x, axis_sizes=SIZES, in_specs=(P("tp"),),
-                                       out_specs=P("tp"))  # fmt: skip
+    emulated = spmd.emulated_shard_map(
+        lambda x: x, axis_sizes=SIZES, in_specs=(P("tp"),), out_specs=P("tp")
+    )
     with pytest.raises(ValueError, match=r"shape \(3, 4\) does not split into 2 blocks"):
         emulated(jnp.zeros((3, 4)))
-    unknown = spmd.emulated_shard_map(lambda x: x, axis_sizes=SIZES, in_specs=(P("ep"),),
-                                      out_specs=P())  # fmt: skip
+    unknown = spmd.emulated_shard_map(
+        lambda x: x, axis_sizes=SIZES, in_specs=(P("ep"),), out_specs=P()
+    )
     with pytest.raises(ValueError, match="names axis 'ep', not one of"):
         unknown(jnp.zeros((4,)))
-    twice = spmd.emulated_shard_map(lambda x: x, axis_sizes=SIZES, in_specs=(P("tp", "tp"),),
-                                    out_specs=P())  # fmt: skip
+    twice = spmd.emulated_shard_map(
+        lambda x: x, axis_sizes=SIZES, in_specs=(P("tp", "tp"),), out_specs=P()
+    )
     with pytest.raises(ValueError, match="names a mesh axis twice"):
         twice(jnp.zeros((4, 4)))
 
@@ -83,8 +88,9 @@ def test_replica_check_catches_copies_that_differ(monkeypatch):
 
     def run(out_specs):
         program = lambda *a: {k: _program(*a)[k] for k in out_specs}  # noqa: E731
-        emulated = spmd.emulated_shard_map(program, axis_sizes=SIZES, in_specs=IN_SPECS,
-                                           out_specs=out_specs)  # fmt: skip
+        emulated = spmd.emulated_shard_map(
+            program, axis_sizes=SIZES, in_specs=IN_SPECS, out_specs=out_specs
+        )
         jax.block_until_ready(jax.jit(emulated)(x, w, jax.random.key(7)))
         jax.effects_barrier()
 
@@ -94,6 +100,7 @@ def test_replica_check_catches_copies_that_differ(monkeypatch):
 
 
 def test_in_specs_may_be_one_spec_for_every_argument():
-    emulated = spmd.emulated_shard_map(lambda a, b: a + b, axis_sizes={"tp": 2},
-                                       in_specs=P("tp"), out_specs=P("tp"))  # fmt: skip
+    emulated = spmd.emulated_shard_map(
+        lambda a, b: a + b, axis_sizes={"tp": 2}, in_specs=P("tp"), out_specs=P("tp")
+    )
     np.testing.assert_array_equal(emulated(jnp.arange(4.0), jnp.ones(4)), jnp.arange(4.0) + 1)

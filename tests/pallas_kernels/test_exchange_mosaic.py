@@ -175,9 +175,10 @@ def test_fused_collectives_are_typed_as_lax_ones(monkeypatch, check_vma):
 
     specs = (jax.P(), TP_SPEC, TP_SPEC) if check_vma else (TP_SPEC,) * 3
     fn = jax.jit(
-        jax.shard_map(out_and_grads, mesh=mesh, in_specs=TP_SPEC, out_specs=specs,
-                      check_vma=check_vma)
-    )  # fmt: skip
+        jax.shard_map(
+            out_and_grads, mesh=mesh, in_specs=TP_SPEC, out_specs=specs, check_vma=check_vma
+        )
+    )
     x = jax.ShapeDtypeStruct(
         (2 * 4 * TILE,), jnp.bfloat16, sharding=jax.NamedSharding(mesh, TP_SPEC)
     )
@@ -194,9 +195,11 @@ def test_kernels_lower_for_cuda_inside_shard_map(monkeypatch, check_vma, kind, d
     collectives are under check_vma (the gather replicated along tp: out_specs without tp)."""
     monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
     mesh = jax.make_mesh(
-        (dp, 2), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+        (dp, 2),
+        ("dp", "tp"),
+        axis_types=(jax.sharding.AxisType.Auto,) * 2,
         devices=jax.devices()[: 2 * dp],
-    )  # fmt: skip
+    )
     codec = codecs.get_codec("taco")
     exchange = getattr(exchange_mosaic, f"encode_{kind}")
     in_specs = jax.P(("dp", "tp"))
@@ -226,12 +229,17 @@ def test_kernels_lower_for_cuda_inside_shard_map(monkeypatch, check_vma, kind, d
 @two_hopper_gpus
 @pytest.mark.parametrize(
     "kind,rows,tiles,plan",
-    [("all_gather", 1, 2, None), ("all_gather", 1, 1030, None), ("all_gather", 2, 512, None),
-     # three store slots: 8 tiles per program rotate through them (slot = tile mod 3)
-     ("all_gather", 1, 1024, MosaicLaunch(8, 3, store_slots=3)),
-     ("all_to_all", None, 2, None), ("all_to_all", None, 1030, None)],
+    [
+        ("all_gather", 1, 2, None),
+        ("all_gather", 1, 1030, None),
+        ("all_gather", 2, 512, None),
+        # three store slots: 8 tiles per program rotate through them (slot = tile mod 3)
+        ("all_gather", 1, 1024, MosaicLaunch(8, 3, store_slots=3)),
+        ("all_to_all", None, 2, None),
+        ("all_to_all", None, 1030, None),
+    ],
     ids=lambda v: f"slots{v.store_slots}" if isinstance(v, MosaicLaunch) else None,
-)  # fmt: skip
+)
 def test_fused_exchange_equals_encode_then_the_lax_collective(kind, rows, tiles, plan):
     """Byte for byte: `encode_all_gather` as the Mosaic encode then `lax.all_gather` (every rank
     alike), `encode_all_to_all` (one row per rank) as the encode then `lax.all_to_all`."""

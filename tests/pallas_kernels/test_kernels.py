@@ -79,8 +79,10 @@ def assert_codes_match(codec, codes, ref_codes, ideal):
     b = _fp8_values(codec, ref_codes[diff])
     v = np.clip(ideal[diff], -codec.qmax, codec.qmax)
     tol = _tie_rtol(codec.group_size) * codec.qmax
-    lo, hi = (_fp8_values(codec, codecs.quantize(codec, jnp.asarray(v + d, jnp.float32)))
-              for d in (-tol, tol))  # fmt: skip
+    lo, hi = (
+        _fp8_values(codec, codecs.quantize(codec, jnp.asarray(v + d, jnp.float32)))
+        for d in (-tol, tol)
+    )
     bad = ~((lo <= a) & (a <= hi))
     assert not bad.any(), (
         f"{int(bad.sum())} of {a.size} differing codes are not roundings of a value within "
@@ -119,14 +121,26 @@ ENCODE_CASES = [(name, 128, jnp.bfloat16) for name in codecs.CODEC_NAMES if name
     ("taco", 512, jnp.float32),
     ("int8_hadamard", 256, jnp.float32),
 ]
-OTHER_CASES = [("taco", 128), ("taco_e8m0", 128), ("fp8", 128), ("taco_no_ds", 128),
-               ("int8_hadamard", 128), ("taco", 512), ("int6_hadamard", 128),
-               ("int5_hadamard", 128), ("int4_hadamard", 32)]  # fmt: skip
+OTHER_CASES = [
+    ("taco", 128),
+    ("taco_e8m0", 128),
+    ("fp8", 128),
+    ("taco_no_ds", 128),
+    ("int8_hadamard", 128),
+    ("taco", 512),
+    ("int6_hadamard", 128),
+    ("int5_hadamard", 128),
+    ("int4_hadamard", 32),
+]
 # The fast tier's cases (`tiers.tiered`): the encodes of the 8-bit codec with scales (G = 128
 # and 512), E8M0 scales and a 4 + 2 bit plane codec; the decodes of the 8-bit codec, one
 # without a Hadamard and the 4 + 2 bit planes. The rest: the slow tier.
-FAST_ENCODES = [("taco", 128, jnp.bfloat16), ("taco_e8m0", 128, jnp.bfloat16),
-                ("int6_hadamard", 128, jnp.bfloat16), ("taco", 512, jnp.float32)]  # fmt: skip
+FAST_ENCODES = [
+    ("taco", 128, jnp.bfloat16),
+    ("taco_e8m0", 128, jnp.bfloat16),
+    ("int6_hadamard", 128, jnp.bfloat16),
+    ("taco", 512, jnp.float32),
+]
 FAST_OTHERS = [("taco", 128), ("fp8", 128), ("int6_hadamard", 128)]
 # Sub-byte codes split into bit planes (codecs.code_planes): 6 = 4 + 2 and 5 = 4 + 1 bits.
 MULTI_PLANE_CODECS = ["int6_hadamard", "int5_hadamard"]
@@ -200,8 +214,9 @@ class KernelTest:
             scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
             # bf16 output: one bf16 rounding (2^-8 relative) may differ at its own ties.
             atol = scale * (rtol if dtype == jnp.float32 else 2.0**-8)
-            np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32),
-                                       rtol=0, atol=atol)  # fmt: skip
+            np.testing.assert_allclose(
+                got.astype(jnp.float32), want.astype(jnp.float32), rtol=0, atol=atol
+            )
         for rows in (4, 2):  # two rows: the default launch applies the Hadamard per peer
             total = decode_sum_kernel.decode_sum(codec, wire[:rows], n, interpret=self.INTERPRET)
             want = pk.decode_sum_reference(codec, wire[:rows], n)
@@ -223,8 +238,7 @@ class KernelTest:
             # Exact sums of power-of-two-scaled codes often put amax / qmax on a power of two.
             h_total = total.reshape(-1, g) @ codecs.hadamard_matrix(g).astype(np.float64)
             ideal_scale = np.abs(h_total).max(axis=-1) / codec.qmax
-            flipped = assert_e8m0_exponents_match(codec, got.scales[0], want.scales[0],
-                                                  ideal_scale)  # fmt: skip
+            flipped = assert_e8m0_exponents_match(codec, got.scales[0], want.scales[0], ideal_scale)
             # Groups with the other exponent: compare with their own ideal rounding.
             own = _ideal_scaled(codec, total, got)[0].reshape(-1, g)
             own_codes = np.asarray(codecs.quantize(codec, jnp.asarray(own, jnp.float32)))
@@ -237,7 +251,7 @@ class KernelTest:
     @pytest.mark.parametrize(
         "name",
         tiered(["taco", "taco_e8m0", "fp8", "int8_hadamard", "int6_hadamard"], ["taco"]),
-    )  # fmt: skip
+    )
     def test_every_magnitude_matches_reference(self, name):
         """Groups from 1e-30 to 1e30 side by side: each kernel agrees with the reference group by
         group, within the tolerances above taken relative to each group's own magnitude."""
@@ -247,8 +261,9 @@ class KernelTest:
         run = dict(interpret=self.INTERPRET)
         wire = encode_kernel.encode(codec, x, **run)
         got, want = (codecs.unpack(codec, w, n) for w in (wire, pk.encode_reference(codec, x)))
-        assert_codes_match(codec, got.codes, want.codes,
-                           _ideal_scaled(codec, np.asarray(x, np.float64), want))  # fmt: skip
+        assert_codes_match(
+            codec, got.codes, want.codes, _ideal_scaled(codec, np.asarray(x, np.float64), want)
+        )
         if codec.scale_format == "e8m0":
             np.testing.assert_array_equal(got.scales, want.scales)
         else:
@@ -293,8 +308,9 @@ class KernelTest:
         wire = encode_kernel.encode(codec, x, **run)
         want = codecs.unpack(codec, pk.encode_reference(codec, x), n)
         got = codecs.unpack(codec, wire, n)
-        assert_codes_match(codec, got.codes, want.codes,
-                           _ideal_scaled(codec, np.asarray(x, np.float64), want))  # fmt: skip
+        assert_codes_match(
+            codec, got.codes, want.codes, _ideal_scaled(codec, np.asarray(x, np.float64), want)
+        )
         np.testing.assert_allclose(got.scales, want.scales, rtol=_tie_rtol(128), atol=0)
         if codec.prescale:
             # alpha = 448 / rms: the energy is a G-term fp32 sum (of x, or of H x), same bound.
@@ -322,16 +338,19 @@ class KernelTest:
         b = codec.wire_bytes(n)
         outs = []
         for fill in (0x00, 0xFF):  # a byte the kernel skips keeps its fill, so the two differ
-            wire = encode_kernel.encode(codec, x, interpret=self.INTERPRET,
-                             out_init=jnp.full((2, b), fill, jnp.uint8))  # fmt: skip
+            wire = encode_kernel.encode(
+                codec, x, interpret=self.INTERPRET, out_init=jnp.full((2, b), fill, jnp.uint8)
+            )
             outs.append(wire)
-            r = decode_sum_kernel.decode_sum_reencode(codec, wire, n, interpret=self.INTERPRET,
-                                       out_init=jnp.full((b,), fill, jnp.uint8))  # fmt: skip
+            r = decode_sum_kernel.decode_sum_reencode(
+                codec, wire, n, interpret=self.INTERPRET, out_init=jnp.full((b,), fill, jnp.uint8)
+            )
             outs.append(r)
         np.testing.assert_array_equal(outs[0], outs[2])
         np.testing.assert_array_equal(outs[1], outs[3])
-        dec = decode_kernel.decode(codec, outs[0], n, interpret=self.INTERPRET,
-                        out_init=jnp.full((2, n), jnp.nan))  # fmt: skip
+        dec = decode_kernel.decode(
+            codec, outs[0], n, interpret=self.INTERPRET, out_init=jnp.full((2, n), jnp.nan)
+        )
         assert bool(jnp.all(jnp.isfinite(dec)))
 
     def test_nonfinite_groups_stay_visible(self):
@@ -343,9 +362,11 @@ class KernelTest:
 
     @pytest.mark.parametrize(
         "name",
-        tiered(["taco", "fp8", "int8_hadamard", "taco_e8m0", "int6_hadamard"],
-               ["taco", "int6_hadamard"]),
-    )  # fmt: skip
+        tiered(
+            ["taco", "fp8", "int8_hadamard", "taco_e8m0", "int6_hadamard"],
+            ["taco", "int6_hadamard"],
+        ),
+    )
     def test_lone_nonfinite_values_mark_their_groups(self, name):
         """One NaN or Inf among 2 x 40 groups: its group decodes to NaN, all others stay finite,
         through encode + decode and through decode-sum."""

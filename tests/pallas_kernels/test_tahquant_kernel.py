@@ -45,10 +45,12 @@ NAMES = tahquant.STAGE_CODEC_NAMES
 # runs only compiled) and SDP4Bit's 4-bit gradient codec (no pivot).
 ENCODE_CASES = (
     [(get_stage_codec(name), dtype) for name in NAMES for dtype in (jnp.float32, jnp.bfloat16)]
-    + [(dataclasses.replace(get_stage_codec(name), stochastic=False), jnp.float32)
-       for name in ("tahquant", "tahquant4")]
+    + [
+        (dataclasses.replace(get_stage_codec(name), stochastic=False), jnp.float32)
+        for name in ("tahquant", "tahquant4")
+    ]
     + [(sdp4bit.TLQ_OUTER, jnp.float32)]
-)  # fmt: skip
+)
 
 
 # The fast tier's encode: the 8-bit stage codec in bf16 (the 4-bit one decodes there).
@@ -86,8 +88,9 @@ def assert_wire_matches(codec, wire, ref, n):
     np.testing.assert_array_equal(np.isfinite(sides["scales"]), finite)
     for field in ("scales", "mins"):
         if field in sides:
-            np.testing.assert_allclose(sides[field][finite], ref_sides[field][finite],
-                                       rtol=8 * FP32_EPS, atol=0)  # fmt: skip
+            np.testing.assert_allclose(
+                sides[field][finite], ref_sides[field][finite], rtol=8 * FP32_EPS, atol=0
+            )
     if "pivots" in sides:
         np.testing.assert_array_equal(sides["pivots"][finite], ref_sides["pivots"][finite])
 

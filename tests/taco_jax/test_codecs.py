@@ -358,8 +358,11 @@ def test_each_bit_removed_doubles_the_error():
         for name in ["int8_hadamard", "int6_hadamard", "int5_hadamard", "int4_hadamard", "taco"]
     }
     qmax = {name: get_codec(name).qmax for name in rel if name != "taco"}
-    for fine, coarse in [("int5_hadamard", "int4_hadamard"), ("int6_hadamard", "int5_hadamard"),
-                         ("int8_hadamard", "int6_hadamard")]:  # fmt: skip
+    for fine, coarse in [
+        ("int5_hadamard", "int4_hadamard"),
+        ("int6_hadamard", "int5_hadamard"),
+        ("int8_hadamard", "int6_hadamard"),
+    ]:
         predicted = qmax[fine] / qmax[coarse]
         assert abs(rel[coarse] / rel[fine] / predicted - 1) <= 0.1, (fine, coarse, rel)
     assert abs(rel["int6_hadamard"] / rel["taco"] - 1) <= 0.1, rel

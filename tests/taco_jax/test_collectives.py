@@ -123,11 +123,13 @@ def test_auto_is_two_shot_where_no_bytes_move():
     (`taco_jax.policy`; its measured choices on GPUs are tested in test_policy.py)."""
     x = _ranks(2, (2048,), seed=16)
     auto = run_tp(lambda v: tj.compressed_psum(v, "tp"), x, tp=2, mode="shard_map")
-    two = run_tp(lambda v: tj.compressed_psum(v, "tp", algorithm="two_shot"), x, tp=2,
-                 mode="shard_map")  # fmt: skip
+    two = run_tp(
+        lambda v: tj.compressed_psum(v, "tp", algorithm="two_shot"), x, tp=2, mode="shard_map"
+    )
     np.testing.assert_array_equal(auto, two)
-    assert not np.array_equal(auto, run_tp(lambda v: jax.lax.psum(v, "tp"), x, tp=2,
-                                           mode="shard_map"))  # fmt: skip
+    assert not np.array_equal(
+        auto, run_tp(lambda v: jax.lax.psum(v, "tp"), x, tp=2, mode="shard_map")
+    )
 
 
 @pytest.mark.parametrize("tp", tiered(TP_SIZES, (8,)))
@@ -280,8 +282,9 @@ def test_collectives_move_uint8():
 def test_one_shot_moves_one_uint8_all_gather():
     tp = 2
     x = _ranks(tp, (4096,), seed=101)
-    mesh = jax.make_mesh((tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
-                         devices=jax.devices()[:tp])  # fmt: skip
+    mesh = jax.make_mesh(
+        (tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:tp]
+    )
     fn = jax.shard_map(
         lambda v: tj.compressed_psum(v[0], "tp", algorithm="one_shot")[None],
         mesh=mesh,
@@ -599,9 +602,12 @@ def _grad_around_shard_map(op, x, w, check_vma):
         (tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:tp]
     )
     mapped = jax.shard_map(
-        lambda v: op(v[0])[None], mesh=mesh, in_specs=jax.P("tp"), out_specs=jax.P("tp"),
+        lambda v: op(v[0])[None],
+        mesh=mesh,
+        in_specs=jax.P("tp"),
+        out_specs=jax.P("tp"),
         check_vma=check_vma,
-    )  # fmt: skip
+    )
     return jax.jit(jax.grad(lambda v: jnp.sum(mapped(v) * w)))(x)
 
 
@@ -729,9 +735,11 @@ def test_tuple_axis_names_reduce_over_the_product():
     x = _ranks(8, (1024,), seed=180)
     spec = jax.P(("dp", "tp"))
     placed = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
-    run = lambda psum: jax.jit(jax.shard_map(lambda v: psum(v[0])[None], mesh=mesh,
-                                             in_specs=spec, out_specs=spec,
-                                             check_vma=False))(placed)  # fmt: skip
+    run = lambda psum: jax.jit(
+        jax.shard_map(
+            lambda v: psum(v[0])[None], mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False
+        )
+    )(placed)
     exact = run(lambda v: lax.psum(v, ("dp", "tp")))
     np.testing.assert_array_equal(
         run(lambda v: tj.compressed_psum(v, ("dp", "tp"), codec="none")), exact
@@ -905,11 +913,14 @@ def _kernels_against_reference(name, x, **options):
     fp32 level (`_sum_level`), after checking that the kernel path's ranks agree and that at
     most MAX_TIES elements differ beyond that level (the replay test's rule)."""
     outs = {
-        impl: run_tp(lambda v, i=impl: tj.compressed_psum(v, "tp", codec=name, impl=i,
-                                                          **options), x,
-                     tp=x.shape[0], mode="vmap")
+        impl: run_tp(
+            lambda v, i=impl: tj.compressed_psum(v, "tp", codec=name, impl=i, **options),
+            x,
+            tp=x.shape[0],
+            mode="vmap",
+        )
         for impl in ("xla", "pallas_interpret")
-    }  # fmt: skip
+    }
     _assert_rank_identical(outs["pallas_interpret"])
     level = _sum_level(x)
     diff = np.abs(np.asarray(outs["pallas_interpret"])[0] - np.asarray(outs["xla"])[0])
@@ -934,7 +945,7 @@ def test_tahquant_grids_on_tp_run_the_stage_kernels():
             jax.vmap(
                 lambda v: tj.compressed_psum(v, "tp", codec=name, impl="pallas_interpret"),
                 axis_name="tp",
-            )  # fmt: skip
+            )
         )(x)
     )
     assert "pallas_call" in jaxpr, "the stage kernels did not run"

@@ -67,8 +67,13 @@ def _mlp_step(mesh, codec):
             return lax.psum(jax.nn.relu(x @ w1) @ w2, "tp")
         return tj.reduce_from_tp(jax.nn.relu(tj.copy_to_tp(x, comm) @ w1) @ w2, comm)
 
-    mlp = jax.shard_map(block, mesh=mesh, in_specs=(P(), P(None, "tp"), P("tp", None)),
-                        out_specs=P(), axis_names={"tp"})  # fmt: skip
+    mlp = jax.shard_map(
+        block,
+        mesh=mesh,
+        in_specs=(P(), P(None, "tp"), P("tp", None)),
+        out_specs=P(),
+        axis_names={"tp"},
+    )
 
     def loss(x, w1, w2, ct):
         return jnp.sum(mlp(x, w1, w2) * ct)
@@ -297,12 +302,16 @@ def test_dense_layers_equal_plain_jax(axis_type):
     args = jax.device_put(_mlp_problem(), shardings)
     results = {}
     with jax.set_mesh(mesh):
-        for name, fn in (("plain", _plain_mlp), ("none", _dense_mlp("none")),
-                         ("taco", _dense_mlp("taco"))):  # fmt: skip
+        for name, fn in (
+            ("plain", _plain_mlp),
+            ("none", _dense_mlp("none")),
+            ("taco", _dense_mlp("taco")),
+        ):
             step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2)), in_shardings=shardings)
             results[name] = jax.tree.map(np.asarray, step(*args))
-    for ours, theirs in zip(jax.tree.leaves(results["none"]), jax.tree.leaves(results["plain"]),
-                            strict=True):  # fmt: skip
+    for ours, theirs in zip(
+        jax.tree.leaves(results["none"]), jax.tree.leaves(results["plain"]), strict=True
+    ):
         np.testing.assert_array_equal(ours, theirs)
     x, w1, w2, ct = (np.asarray(a, np.float64) for a in _mlp_problem())
     w1s, w2s = np.split(w1, 4, 1), np.split(w2, 4, 0)
@@ -326,11 +335,13 @@ def test_telemetry_records_on_an_explicit_mesh():
     """telemetry=True runs the exact psum beside the compressed one and reports their relative
     error (its sums need no reshape of the dp-sharded arrays); two-shot's bound over its size."""
     mesh = _mesh(2, 4, EXPLICIT)
-    x = jax.device_put(jax.random.normal(jax.random.key(5), (4, 8, 64)),
-                       NamedSharding(mesh, P("tp", "dp")))  # fmt: skip
+    x = jax.device_put(
+        jax.random.normal(jax.random.key(5), (4, 8, 64)), NamedSharding(mesh, P("tp", "dp"))
+    )
     psum = lambda v: tj.compressed_psum(v[0], "tp", telemetry=True, name="gspmd")[None]
-    step = jax.jit(jax.shard_map(psum, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"),
-                                 axis_names={"tp"}))  # fmt: skip
+    step = jax.jit(
+        jax.shard_map(psum, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), axis_names={"tp"})
+    )
     tj.telemetry.drain()
     with jax.set_mesh(mesh):
         step(x).block_until_ready()

@@ -233,8 +233,11 @@ def test_optax_step_keeps_shardings_and_moves_uint8_over_tensor(axis_type):
     assert np.isfinite(float(loss))
     for tree in (new_params, grads, new_state[0].mu, new_state[0].nu):
         assert {k: _spec(v) for k, v in tree.items()} == SPECS
-    over_tensor = {(op, types) for op, axes, types in collectives(compiled.as_text(), mesh)
-                   if "tensor" in axes.split(",")}  # fmt: skip
+    over_tensor = {
+        (op, types)
+        for op, axes, types in collectives(compiled.as_text(), mesh)
+        if "tensor" in axes.split(",")
+    }
     assert over_tensor == {("all-to-all", frozenset({"u8"})), ("all-gather", frozenset({"u8"}))}
 
 

@@ -67,13 +67,17 @@ def test_ranks_on_different_hosts_read_the_network_table(monkeypatch):
     monkeypatch.setattr(policy, "_nvlink_joined", lambda devices: pytest.fail("asked NVML"))
     link = policy.explain_link(gpus(0, 0, 1, 1))
     assert (link.name, link.why, link.assumed) == (
-        "socket", "the group's 4 devices are on 2 hosts", False)  # fmt: skip
+        "socket",
+        "the group's 4 devices are on 2 hosts",
+        False,
+    )
 
 
 def test_cpu_devices_of_two_processes_are_a_network_link():
     """On one host too: CPU collectives between processes go through sockets."""
-    devices = [FakeDevice(i, 0, process_index=i, platform="cpu", device_kind="cpu")
-               for i in range(2)]  # fmt: skip
+    devices = [
+        FakeDevice(i, 0, process_index=i, platform="cpu", device_kind="cpu") for i in range(2)
+    ]
     assert policy.explain_link(devices).name == "socket"
     assert policy.explain_link(devices[:1]).name == "shm"
 
@@ -111,10 +115,16 @@ def fake_pynvml(pairs: set[frozenset[int]], count: int = 4, fail_init: bool = Fa
         return module.NVML_P2P_STATUS_OK if frozenset((a, b)) in pairs else 4
 
     module = types.SimpleNamespace(
-        NVMLError=NVMLError, NVML_P2P_CAPS_INDEX_NVLINK=2, NVML_P2P_STATUS_OK=0,
-        nvmlInit=init, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: count,
-        nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetP2PStatus=p2p, calls=calls,
-    )  # fmt: skip
+        NVMLError=NVMLError,
+        NVML_P2P_CAPS_INDEX_NVLINK=2,
+        NVML_P2P_STATUS_OK=0,
+        nvmlInit=init,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: count,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetP2PStatus=p2p,
+        calls=calls,
+    )
     return module
 
 
@@ -145,7 +155,9 @@ def test_nvml_checks_every_gpu_of_the_host_for_a_group_across_processes(monkeypa
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     devices = [FakeDevice(0, 0, process_index=0), FakeDevice(1, 0, process_index=1)]
     assert policy._nvlink_joined(devices) == (
-        False, "NVML: no NVLink between GPUs 0 and 2 of this host")  # fmt: skip
+        False,
+        "NVML: no NVLink between GPUs 0 and 2 of this host",
+    )
     all_pairs = {frozenset((a, b)) for a in range(4) for b in range(a + 1, 4)}
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(all_pairs))  # an NVSwitch box
     assert policy._nvlink_joined(devices)[0] is True
@@ -164,7 +176,8 @@ def test_mesh_link_reads_the_groups_along_the_axis(monkeypatch):
     mesh = types.SimpleNamespace(devices=devices.reshape(2, 4), axis_names=("dp", "tp"))
     assert policy.mesh_link(mesh, "tp") == policy.Link("nvlink", "NVML says so")
     assert policy.mesh_link(mesh, "dp") == policy.Link(
-        "socket", "the group's 2 devices are on 2 hosts")  # fmt: skip
+        "socket", "the group's 2 devices are on 2 hosts"
+    )
     assert policy.mesh_link(mesh, ("dp", "tp")).name == "socket"
 
 

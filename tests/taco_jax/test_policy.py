@@ -193,12 +193,14 @@ def test_all_gather_reads_its_output_size(monkeypatch, per_rank, compressed):
 
 def test_explicit_options_win(monkeypatch):
     monkeypatch.setattr(policy, "on_real_link", lambda axis_name: True)
-    forced = _lowered(lambda v: tj.compressed_psum(v, "tp", link="nvlink", min_compress_bytes=0),
-                      MiB)  # fmt: skip
+    forced = _lowered(
+        lambda v: tj.compressed_psum(v, "tp", link="nvlink", min_compress_bytes=0), MiB
+    )
     assert _moves_uint8(forced)
     # An explicit algorithm says how, not whether: NVLink's table still says plain.
-    how = _lowered(lambda v: tj.compressed_psum(v, "tp", link="nvlink", algorithm="one_shot"),
-                   64 * MiB)  # fmt: skip
+    how = _lowered(
+        lambda v: tj.compressed_psum(v, "tp", link="nvlink", algorithm="one_shot"), 64 * MiB
+    )
     assert not _moves_uint8(how)
     cfg = tj.comm_config(link="socket", algorithm="two_shot")
     choice = policy.choose(cfg, "all_reduce", 64 * MiB, "tp", 2)
@@ -237,8 +239,9 @@ def test_explicit_nccl_algorithms_never_read_the_fused_row(monkeypatch):
     decides (no gain measured: plain), not the fused row's 64 MiB gain."""
     monkeypatch.setattr(policy, "on_real_link", lambda axis_name: True)
     monkeypatch.setattr(collectives, "_fused_runs", lambda *args: True)
-    text = _lowered(lambda v: tj.compressed_psum(v, "tp", link="nvlink", algorithm="one_shot"),
-                    64 * MiB)  # fmt: skip
+    text = _lowered(
+        lambda v: tj.compressed_psum(v, "tp", link="nvlink", algorithm="one_shot"), 64 * MiB
+    )
     assert not _moves_uint8(text) and "all_reduce" in text
 
 

@@ -36,8 +36,11 @@ def _expected(codec_name, x, perm, key=KEY):
             codec = tj.ppermute.resolve_codec(codec_name)
             module = tahquant if codec_name in tahquant.STAGE_CODEC_NAMES else tahquant_adaptive
             row, size = codecs.pad_to_multiple(x[source].reshape(1, -1), codec.group_size)
-            roundtrip = jax.jit(lambda r, k: module.decode_wire(  # noqa: B023
-                codec, module.encode_wire(codec, r, k), r.shape[-1]))  # noqa: B023  # fmt: skip
+            roundtrip = jax.jit(
+                lambda r, k, codec=codec, module=module: module.decode_wire(
+                    codec, module.encode_wire(codec, r, k), r.shape[-1]
+                )
+            )
             decoded = roundtrip(row, jax.random.fold_in(key, source))
             out[destination] = np.asarray(decoded[0, :size]).reshape(x.shape[1:])
         else:
@@ -152,14 +155,20 @@ def test_under_jit_scan_and_remat():
 
 def test_nonfinite_values_stay_visible():
     x = _ranks(4, (256,), seed=6).at[1, 5].set(jnp.nan).at[2, 200].set(jnp.inf)
-    out = run_tp(lambda v: tj.compressed_ppermute(v, "pp", CYCLE4, key=KEY), x, tp=4,
-                 mode="vmap", axis_name="pp")  # fmt: skip
+    out = run_tp(
+        lambda v: tj.compressed_ppermute(v, "pp", CYCLE4, key=KEY),
+        x,
+        tp=4,
+        mode="vmap",
+        axis_name="pp",
+    )
     assert bool(jnp.all(jnp.isnan(out[2, :128]))) and bool(jnp.all(jnp.isnan(out[3, 128:])))
     assert bool(jnp.all(jnp.isfinite(out[2, 128:]))) and bool(jnp.all(jnp.isfinite(out[0])))
 
 
-@pytest.mark.parametrize("mode,perm", [("vmap", CHAIN4), ("vmap", CYCLE4), ("shard_map", CYCLE4),
-                                       ("shard_map", CHAIN4)])  # fmt: skip
+@pytest.mark.parametrize(
+    "mode,perm", [("vmap", CHAIN4), ("vmap", CYCLE4), ("shard_map", CYCLE4), ("shard_map", CHAIN4)]
+)
 def test_telemetry_records_the_stage_error_of_receivers(mode, perm):
     """Over the ranks that receive (the others hold exact zeros in both, adding nothing to the
     sums), also under vmap with a full permutation. Asymmetric INT8 of N(0, 1) groups of 128: step
@@ -175,8 +184,9 @@ def test_telemetry_records_the_stage_error_of_receivers(mode, perm):
 
 def test_errors_name_the_offending_value():
     x = jnp.zeros((4, 128))
-    send = lambda perm, **kw: run_tp(lambda v: tj.compressed_ppermute(v, "pp", perm, **kw), x,
-                                     tp=4, mode="vmap", axis_name="pp")  # fmt: skip
+    send = lambda perm, **kw: run_tp(
+        lambda v: tj.compressed_ppermute(v, "pp", perm, **kw), x, tp=4, mode="vmap", axis_name="pp"
+    )
     with pytest.raises(ValueError, match=r"pair \(3, 4\)"):
         send([(3, 4)], key=KEY)
     with pytest.raises(ValueError, match="a source appears twice"):
@@ -190,5 +200,10 @@ def test_errors_name_the_offending_value():
     with pytest.raises(ValueError, match="'tahquant7'"):
         send(CYCLE4, codec="tahquant7")
     with pytest.raises(TypeError, match="int32"):
-        run_tp(lambda v: tj.compressed_ppermute(v.astype(jnp.int32), "pp", CYCLE4), x, tp=4,
-               mode="vmap", axis_name="pp")  # fmt: skip
+        run_tp(
+            lambda v: tj.compressed_ppermute(v.astype(jnp.int32), "pp", CYCLE4),
+            x,
+            tp=4,
+            mode="vmap",
+            axis_name="pp",
+        )

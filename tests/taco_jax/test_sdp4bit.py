@@ -62,8 +62,13 @@ def _assert_block_bound(out, exact, per_value_bound):
 def test_one_level_is_the_reduce_scatter_within_its_bound(mode):
     ranks, n = 8, 8 * 1024
     x = _gradients(ranks, n)
-    out = run_on_mesh(lambda v: sdp4bit.tlq_hs_psum_scatter(v, "dp", key=KEY), jnp.asarray(x),
-               (ranks,), ("dp",), mode)  # fmt: skip
+    out = run_on_mesh(
+        lambda v: sdp4bit.tlq_hs_psum_scatter(v, "dp", key=KEY),
+        jnp.asarray(x),
+        (ranks,),
+        ("dp",),
+        mode,
+    )
     exact = x.astype(np.float64).sum(axis=0)
     y = _smoothed64(x.astype(np.float64))  # what each source quantizes, [ranks, n]
     bound = _steps(y, 128, sdp4bit.TLQ_OUTER.qmax).sum(axis=0)
@@ -94,8 +99,9 @@ def test_two_levels_over_one_group_take_the_8_bit_level_alone():
     inner, n = 8, 8 * 1024
     x = _gradients(inner, n, seed=2)
     fn = lambda v: sdp4bit.tlq_hs_psum_scatter(v, ("outer", "inner"), key=KEY)  # noqa: E731
-    out = run_on_mesh(fn, jnp.asarray(x.reshape(1, inner, n)), (1, inner), ("outer", "inner"),
-                      "vmap")  # fmt: skip
+    out = run_on_mesh(
+        fn, jnp.asarray(x.reshape(1, inner, n)), (1, inner), ("outer", "inner"), "vmap"
+    )
     exact = x.astype(np.float64).sum(axis=0)
     bound = _steps(_smoothed64(x.astype(np.float64)), 128, sdp4bit.TLQ_INNER.qmax).sum(axis=0)
     _assert_block_bound(np.asarray(out, np.float64).reshape(-1), exact, bound)
@@ -135,16 +141,16 @@ def test_exact_order_of_shards_matches_lax_psum_scatter():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("shape,names", [((8,), ("dp",)), ((2, 4), ("outer", "inner"))],
-                         ids=["dp8", "outer2-inner4"])  # fmt: skip
+@pytest.mark.parametrize(
+    "shape,names", [((8,), ("dp",)), ((2, 4), ("outer", "inner"))], ids=["dp8", "outer2-inner4"]
+)
 def test_qwd_replicas_stay_bit_identical_and_near_the_new_weights(mode, shape, names):
     ranks, m = 8, 2048
     replica = np.asarray(jax.random.normal(jax.random.key(5), (ranks * m,)), np.float32)
     replica = jnp.asarray(replica, jnp.bfloat16)
     step = 1e-2 * np.asarray(jax.random.normal(jax.random.key(6), (ranks, m)), np.float32)
     new = np.asarray(replica, np.float32).reshape(ranks, m) + step
-    inputs = (jnp.asarray(new.reshape(*shape, m)),
-              jnp.broadcast_to(replica, (*shape, ranks * m)))  # fmt: skip
+    inputs = (jnp.asarray(new.reshape(*shape, m)), jnp.broadcast_to(replica, (*shape, ranks * m)))
     fn = lambda a: sdp4bit.qwd_all_gather(a[0], a[1], names, key=KEY)  # noqa: E731
     out = np.asarray(run_on_mesh(fn, inputs, shape, names, mode), np.float32)
     out = out.reshape(ranks, ranks * m)
@@ -172,8 +178,9 @@ def test_qwd_runs_the_stage_kernels():
     inputs = (jnp.asarray(new), jnp.broadcast_to(replica, (ranks, ranks * m)))
 
     def run(impl):
-        fn = jax.vmap(lambda a: sdp4bit.qwd_all_gather(a[0], a[1], "dp", key=KEY, impl=impl),
-                      axis_name="dp")  # fmt: skip
+        fn = jax.vmap(
+            lambda a: sdp4bit.qwd_all_gather(a[0], a[1], "dp", key=KEY, impl=impl), axis_name="dp"
+        )
         return fn, np.asarray(fn(inputs), np.float32)
 
     fused, got = run("pallas_interpret")
@@ -191,9 +198,12 @@ def test_errors_name_the_offending_value():
     with pytest.raises(ValueError, match="multiple of 512"):
         mesh_fn(lambda v: sdp4bit.tlq_hs_psum_scatter(v, "dp", key=KEY), jnp.zeros((4, 1000)))
     with pytest.raises(ValueError, match="flat fp32"):
-        mesh_fn(lambda v: sdp4bit.tlq_hs_psum_scatter(v, "dp", key=KEY),
-                jnp.zeros((4, 512), jnp.bfloat16))  # fmt: skip
+        mesh_fn(
+            lambda v: sdp4bit.tlq_hs_psum_scatter(v, "dp", key=KEY),
+            jnp.zeros((4, 512), jnp.bfloat16),
+        )
     with pytest.raises(ValueError, match="replica shape"):
-        mesh_fn(lambda v: sdp4bit.qwd_all_gather(v, jnp.zeros(10), "dp", key=KEY),
-                jnp.zeros((4, 2048)))  # fmt: skip
+        mesh_fn(
+            lambda v: sdp4bit.qwd_all_gather(v, jnp.zeros(10), "dp", key=KEY), jnp.zeros((4, 2048))
+        )
     assert sdp4bit.padded_size(5000, 4) == 8192 and sdp4bit.padded_size(8192, 4) == 8192

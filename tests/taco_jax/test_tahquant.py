@@ -57,9 +57,10 @@ def test_round_to_nearest_group_bound(name, make):
 @pytest.mark.parametrize(
     "name,dtype",
     # The fast tier: the 8-bit codec in bf16.
-    tiered([(n, d) for n in NAMES for d in (jnp.float32, jnp.bfloat16)],
-           [("tahquant", jnp.bfloat16)]),
-)  # fmt: skip
+    tiered(
+        [(n, d) for n in NAMES for d in (jnp.float32, jnp.bfloat16)], [("tahquant", jnp.bfloat16)]
+    ),
+)
 def test_every_magnitude_keeps_the_stochastic_bound(name, dtype):
     """Groups from 1e-30 to 1e30 side by side (the same power-of-two scaling as the TP codecs)."""
     codec = get_stage_codec(name)
@@ -87,8 +88,10 @@ def test_stochastic_rounding_is_unbiased_and_reproducible():
     x = _normal((4, 1024), seed=4)
     scale = np.repeat(_scales(codec, x), codec.group_size)
     keys = jax.random.split(jax.random.key(5), 64)
-    errors = [(groups64(tahquant.roundtrip(codec, x, k), 128) - groups64(x, 128)).reshape(-1)
-              for k in keys]  # fmt: skip
+    errors = [
+        (groups64(tahquant.roundtrip(codec, x, k), 128) - groups64(x, 128)).reshape(-1)
+        for k in keys
+    ]
     units = np.stack(errors) / scale
     # Also against the sign of x, so that opposite biases of the two signs cannot cancel.
     sign = np.sign(np.asarray(x, np.float64).reshape(-1))
@@ -107,8 +110,12 @@ def test_uniform_noise_is_uniform_and_keyed():
     deviations of an independent pair's sample correlation)."""
     n = 1 << 16
     pairs = jnp.arange(n // 2, dtype=jnp.uint32)
-    u0, u1 = (np.asarray(tahquant.uniform_noise(tahquant.noise_seeds(jax.random.key(s)), pairs),
-                         np.float64) for s in (0, 1))  # fmt: skip
+    u0, u1 = (
+        np.asarray(
+            tahquant.uniform_noise(tahquant.noise_seeds(jax.random.key(s)), pairs), np.float64
+        )
+        for s in (0, 1)
+    )
     assert u0.shape == (n,) and u0.min() > 0 and u0.max() < 1
     grid = u0 * 2**16 - 0.5
     np.testing.assert_array_equal(grid, np.round(grid))
@@ -170,8 +177,9 @@ def test_both_butterfly_forms_agree_bit_for_bit(bits):
     x[0, :7], x[1, 32:64], x[2, 64] = 0.0, -0.0, np.nan
     by_axes = jax.jit(tahquant.butterflies_by_axes, static_argnums=1)(x, bits)
     by_pairs = jax.jit(tahquant.butterflies_by_pair_splits, static_argnums=1)(x, bits)
-    np.testing.assert_array_equal(np.asarray(by_axes).view(np.uint32),
-                                  np.asarray(by_pairs).view(np.uint32))  # fmt: skip
+    np.testing.assert_array_equal(
+        np.asarray(by_axes).view(np.uint32), np.asarray(by_pairs).view(np.uint32)
+    )
     b = 1 << bits
     blocks = np.asarray(x[3:], np.float64).reshape(21, 128 // b, b)
     exact = blocks @ codecs.signs_matrix(b).astype(np.float64)
@@ -190,8 +198,10 @@ def test_pivot_lowers_the_error_of_outlier_groups(name):
     codec = _nearest(name)
     plain = dataclasses.replace(codec, pivot=False)
     x = _with_outliers((16, 1024), seed=7, group=codec.group_size)
-    err = {c.pivot: float(np.linalg.norm(group_errors(c, x, tahquant.roundtrip(c, x))))
-           for c in (codec, plain)}  # fmt: skip
+    err = {
+        c.pivot: float(np.linalg.norm(group_errors(c, x, tahquant.roundtrip(c, x))))
+        for c in (codec, plain)
+    }
     assert err[True] <= 0.5 * err[False]
 
 
@@ -213,8 +223,9 @@ def test_constant_groups_are_exact_with_the_asymmetric_grid():
     np.testing.assert_array_equal(tahquant.roundtrip(get_stage_codec("tahquant"), x, KEY), x)
 
 
-@pytest.mark.parametrize("name,bits", [("tahquant", 8.5625), ("tahquant_sym", 8.3125),
-                                       ("tahquant4", 5.25)])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,bits", [("tahquant", 8.5625), ("tahquant_sym", 8.3125), ("tahquant4", 5.25)]
+)
 def test_wire_bytes_match_bits_per_element(name, bits):
     codec = get_stage_codec(name)
     n = 4 * 128

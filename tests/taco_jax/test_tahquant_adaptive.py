@@ -52,10 +52,12 @@ def test_wire_bytes_match_the_budget(budget):
 def test_a_full_budget_decodes_like_the_fixed_4bit_codec():
     """budget 4: every group 4-bit, same noise: the values of `tahquant4`, exactly."""
     x = _x(2)
-    wide = ta.decode_wire(ta.AdaptiveTahQuant(budget=4.0), ta.encode_wire(
-        ta.AdaptiveTahQuant(budget=4.0), x, KEY), N)  # fmt: skip
-    np.testing.assert_array_equal(wide, tahquant.roundtrip(tahquant.get_stage_codec("tahquant4"),
-                                                           x, KEY))  # fmt: skip
+    wide = ta.decode_wire(
+        ta.AdaptiveTahQuant(budget=4.0), ta.encode_wire(ta.AdaptiveTahQuant(budget=4.0), x, KEY), N
+    )
+    np.testing.assert_array_equal(
+        wide, tahquant.roundtrip(tahquant.get_stage_codec("tahquant4"), x, KEY)
+    )
 
 
 @pytest.mark.parametrize("allocation", ta.ALLOCATIONS)

@@ -42,8 +42,10 @@ def _two_shot_sum(codec, x: np.ndarray) -> np.ndarray:
     """What two-shot TACO computes from ranks' flat messages x [N, n]: rank j sums everyone's
     decoded chunk j in fp32, re-encodes it, and every rank decodes every chunk."""
     chunks = x.reshape(x.shape[0], x.shape[0], -1)  # [rank, chunk, n / N]
-    summed = [np.sum([_roundtrip(codec, c) for c in chunks[:, j]], axis=0, dtype=np.float32)
-              for j in range(x.shape[0])]  # fmt: skip
+    summed = [
+        np.sum([_roundtrip(codec, c) for c in chunks[:, j]], axis=0, dtype=np.float32)
+        for j in range(x.shape[0])
+    ]
     return np.concatenate([_roundtrip(codec, s) for s in summed])
 
 
@@ -71,7 +73,7 @@ CASES = {
                 np.sum([_roundtrip(codec, c) for c in chunks], 0, dtype=np.float32)
                 for chunks in x.reshape(TP, TP, -1).transpose(1, 0, 2)
             ]
-        ),  # fmt: skip
+        ),
         lambda x: x.astype(np.float64).sum(0),
     ),
     "all_gather": (
@@ -99,8 +101,12 @@ def test_reported_error_is_the_codec_error_of_the_same_tensors(case, codec):
     xs = np.asarray(x)
     np.testing.assert_allclose(site.error, _relative(reckoned(codec, xs), exact(xs)), rtol=RTOL)
     assert site.nonfinite == site.exact_nonfinite == 0
-    per_rank = xs[0].nbytes * {"all_reduce": 2 * (TP - 1) / TP, "reduce_scatter": (TP - 1) / TP,
-                               "all_gather": TP - 1}[name]  # fmt: skip
+    per_rank = (
+        xs[0].nbytes
+        * {"all_reduce": 2 * (TP - 1) / TP, "reduce_scatter": (TP - 1) / TP, "all_gather": TP - 1}[
+            name
+        ]
+    )
     assert site.nbytes == site.compressed_bytes == pytest.approx(TP * per_rank)
 
 
@@ -125,11 +131,16 @@ def test_sites_are_named_by_layer_under_jit_scan_remat_vmap_and_shard_map(mode):
     ws = 0.1 * _ranks((3, 128, 128), seed=4)
     comm = tj.TPComm.create(telemetry=True)
     telemetry.drain()
-    run_tp(lambda a: jax.grad(functools.partial(_layers_loss, comm), argnums=1)(*a), (x, ws),
-           tp=TP, mode=mode)  # fmt: skip
+    run_tp(
+        lambda a: jax.grad(functools.partial(_layers_loss, comm), argnums=1)(*a),
+        (x, ws),
+        tp=TP,
+        mode=mode,
+    )
     reported = telemetry.drain()
-    assert list(reported) == [f"layer_{i:02d}/{op}" for i in range(3)
-                              for op in ("mlp_in/bwd", "mlp_out/fwd")]  # fmt: skip
+    assert list(reported) == [
+        f"layer_{i:02d}/{op}" for i in range(3) for op in ("mlp_in/bwd", "mlp_out/fwd")
+    ]
     message = 16 * 128 * 4  # fp32 bytes of one rank's message
     for site in reported.values():
         assert site.nbytes == site.compressed_bytes == TP * 2 * (TP - 1) / TP * message
@@ -203,8 +214,12 @@ def test_codec_made_non_finite_values_exceed_any_budget_and_the_inputs_own_do_no
     infinite[0, 0] = np.inf
     comm = tj.TPComm.create(telemetry=True)
     for name, values in (("overflow", overflowing), ("inf", infinite)):
-        run_tp(lambda v, n=name: tj.reduce_from_tp(v, comm, name=n), jnp.asarray(values), tp=TP,
-               mode="vmap")  # fmt: skip
+        run_tp(
+            lambda v, n=name: tj.reduce_from_tp(v, comm, name=n),
+            jnp.asarray(values),
+            tp=TP,
+            mode="vmap",
+        )
     errors = telemetry.drain()
     assert errors["overflow/fwd"].nonfinite > 0 and errors["overflow/fwd"].exact_nonfinite == 0
     assert errors["inf/fwd"].exact_nonfinite > 0 and np.isnan(errors["inf/fwd"].error)

@@ -66,8 +66,9 @@ def _problem(op, batched):
 def _around_vmap(fn, comm, batched):
     def loss(x, ws, cts):
         per_rank = lambda x, w, ct: jnp.sum(fn(x, w, comm) * ct)
-        return jnp.sum(jax.vmap(per_rank, in_axes=(0 if batched else None, 0, 0),
-                                axis_name="tp")(x, ws, cts))  # fmt: skip
+        return jnp.sum(
+            jax.vmap(per_rank, in_axes=(0 if batched else None, 0, 0), axis_name="tp")(x, ws, cts)
+        )
 
     return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
@@ -81,16 +82,19 @@ def _around_shard_map(fn, comm, batched):
         return jnp.sum(fn(x, w[0], comm) * ct[0])[None]
 
     def loss(x, ws, cts):
-        mapped = jax.shard_map(per_rank, mesh=mesh, in_specs=(x_spec, P("tp"), P("tp")),
-                               out_specs=P("tp"))  # fmt: skip
+        mapped = jax.shard_map(
+            per_rank, mesh=mesh, in_specs=(x_spec, P("tp"), P("tp")), out_specs=P("tp")
+        )
         return jnp.sum(mapped(x, ws, cts))
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1)))
 
     def run(x, ws, cts):
         with jax.set_mesh(mesh):
-            placed = (jax.device_put(x, NamedSharding(mesh, x_spec)),
-                      *jax.device_put((ws, cts), NamedSharding(mesh, P("tp"))))  # fmt: skip
+            placed = (
+                jax.device_put(x, NamedSharding(mesh, x_spec)),
+                *jax.device_put((ws, cts), NamedSharding(mesh, P("tp"))),
+            )
             return grads(*placed)
 
     return run
@@ -109,8 +113,14 @@ def _cases():
         ("copy_to_tp", True, "none"),
         ("gather_from_sp", False, "none"),
     }
-    return [pytest.param(*c, id=f"{c[0]}-{'batched' if c[1] else 'shared'}-{c[2]}",
-                         marks=() if c in fast else pytest.mark.slow) for c in cases]  # fmt: skip
+    return [
+        pytest.param(
+            *c,
+            id=f"{c[0]}-{'batched' if c[1] else 'shared'}-{c[2]}",
+            marks=() if c in fast else pytest.mark.slow,
+        )
+        for c in cases
+    ]
 
 
 @pytest.mark.parametrize(("op", "batched", "codec"), _cases())

@@ -259,8 +259,11 @@ def test_a_signalled_process_stops_in_one_line_and_resumes_exactly(signum, cache
     err = (tmp_path / "stderr.txt").read_text()
     assert process.returncode == 128 + signum, err
     last = err.strip().splitlines()[-1]
-    stopped = re.fullmatch(r"taco-train: SIG\w+: stopped at step (\d+); run the same command "
-                           r"to resume", last)  # fmt: skip
+    stopped = re.fullmatch(
+        r"taco-train: SIG\w+: stopped at step (\d+); run the same command "
+        r"to resume",
+        last,
+    )
     assert stopped, err
     step = int(stopped[1])
     assert damage(run / "checkpoints" / str(step)) is None
@@ -294,8 +297,11 @@ def test_archiving_moves_every_output_of_the_earlier_run_and_nothing_else(tmp_pa
     assert first.parent == tmp_path / "archive"
     assert re.fullmatch(r"\d{8}T\d{6}Z", first.name), first.name
     assert sorted(p.name for p in first.iterdir()) == [
-        "checkpoints", "config.json", "loss.png", "metrics.jsonl"
-    ]  # fmt: skip
+        "checkpoints",
+        "config.json",
+        "loss.png",
+        "metrics.jsonl",
+    ]
     assert (first / "checkpoints" / "3").is_dir() and (first / "loss.png").read_text() == "loss.png"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["archive", "notes.txt"]
     assert trainer.archive_previous_run(tmp_path) is None  # nothing left to move

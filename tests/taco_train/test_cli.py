@@ -49,13 +49,20 @@ def test_config_errors_are_one_line(args, message, capsys):
     "corpus, overrides, message",
     [
         ("nowhere", [], "data.corpus='{}/nowhere' does not exist"),
-        ("short.txt", [], "the training split's n=8 tokens cannot fill one window of "
-         "model.seq_len + 1=33 tokens"),
-        ("long.txt", ["data.val_fraction=0.01"], "the validation split's n=3 tokens cannot fill "
-         "one window of model.seq_len + 1=33 tokens; give data.corpus more text, or lower "
-         "model.seq_len or raise data.val_fraction"),
+        (
+            "short.txt",
+            [],
+            "the training split's n=8 tokens cannot fill one window of model.seq_len + 1=33 tokens",
+        ),
+        (
+            "long.txt",
+            ["data.val_fraction=0.01"],
+            "the validation split's n=3 tokens cannot fill "
+            "one window of model.seq_len + 1=33 tokens; give data.corpus more text, or lower "
+            "model.seq_len or raise data.val_fraction",
+        ),
     ],
-)  # fmt: skip
+)
 def test_data_errors_are_one_line(corpus, overrides, message, capsys, tmp_path):
     (tmp_path / "short.txt").write_text("abcdefgh")  # train: 7 bytes + EOT; val: 1 + EOT
     (tmp_path / "long.txt").write_text("x" * 200)  # val: the last 2 bytes + EOT
@@ -74,8 +81,14 @@ def test_data_errors_are_one_line(corpus, overrides, message, capsys, tmp_path):
 def test_without_the_train_extra_is_one_line_naming_it():
     """flax missing (made unimportable in a fresh process): one line naming the extra, exit 2."""
     code = "import sys; sys.modules['flax'] = None; from taco_train.main import main; main([])"
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(
-        PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=subprocess_env(PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     assert done.stderr == (
         "taco-train: error: the training application needs the `train` extra (no module 'flax'): "

@@ -25,8 +25,11 @@ def _lowered(step, steps, cfg) -> str:
     (one program compiles to one executable; tests/taco_jax/test_telemetry.py compares
     compiled ones)."""
     state = jax.eval_shape(steps.init, jax.random.key(0))
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                         state, steps.state_sharding)  # fmt: skip
+    state = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        state,
+        steps.state_sharding,
+    )
     batch = (cfg.data.batch_size, cfg.model.seq_len + 1)
     tokens = jax.ShapeDtypeStruct(batch, np.int32, sharding=steps.batch_sharding)
     return step.lower(state, tokens).as_text()
@@ -56,11 +59,17 @@ def _error(value: float, nonfinite: int = 0) -> telemetry.SiteError:
 def test_a_site_over_the_budget_steps_down_its_ladder():
     """Its codec -> the fallback codec -> none; the sharded optimizer's sites have no other
     codec; non-finite values made by the codec are over any budget."""
-    errors = {"layer_00/mlp_out/fwd": _error(0.01), "layer_01/mlp_out/fwd": _error(0.05),
-              "dp_grads": _error(0.5), "embed/fwd": _error(0.01, nonfinite=3)}  # fmt: skip
+    errors = {
+        "layer_00/mlp_out/fwd": _error(0.01),
+        "layer_01/mlp_out/fwd": _error(0.05),
+        "dp_grads": _error(0.5),
+        "embed/fwd": _error(0.01, nonfinite=3),
+    }
     assert comm_error.over_budget(errors, 0.02, {}, "int8_hadamard") == {
-        "layer_01/mlp_out/fwd": "int8_hadamard", "dp_grads": "none", "embed/fwd": "int8_hadamard"
-    }  # fmt: skip
+        "layer_01/mlp_out/fwd": "int8_hadamard",
+        "dp_grads": "none",
+        "embed/fwd": "int8_hadamard",
+    }
     fallen = {"layer_01/mlp_out/fwd": "int8_hadamard"}
     assert (
         comm_error.over_budget(errors, 0.02, fallen, "int8_hadamard")["layer_01/mlp_out/fwd"]
@@ -70,9 +79,12 @@ def test_a_site_over_the_budget_steps_down_its_ladder():
 
 
 def test_the_record_line_and_table_of_measuring_steps():
-    errors = {"layer_00/mlp_out/fwd": _error(0.01), "layer_01/mlp_out/fwd": _error(0.04),
-              "pp_send/fwd": telemetry.SiteError(0.008, 0, 0, 50.0, 50.0, "pp"),
-              "layer_00/mlp_in/bwd": telemetry.SiteError(None, 0, 0, 100.0, 0.0, "tp")}  # fmt: skip
+    errors = {
+        "layer_00/mlp_out/fwd": _error(0.01),
+        "layer_01/mlp_out/fwd": _error(0.04),
+        "pp_send/fwd": telemetry.SiteError(0.008, 0, 0, 50.0, 50.0, "pp"),
+        "layer_00/mlp_in/bwd": telemetry.SiteError(None, 0, 0, 100.0, 0.0, "tp"),
+    }
     record = comm_error.record(10, errors)
     measured = {"layer_00/mlp_out/fwd": 0.01, "layer_01/mlp_out/fwd": 0.04, "pp_send/fwd": 0.008}
     assert comm_error.site_errors(record) == measured
@@ -81,8 +93,10 @@ def test_the_record_line_and_table_of_measuring_steps():
     fallback = comm_error.fallback_record(10, {"layer_01/mlp_out/fwd": "none"}, errors)
     table = comm_error.table([record, fallback], budget=0.02)
     rows = {line.split()[0]: line for line in table.splitlines()[2:]}
-    assert re.search(r"0\.0400\s+layer_01, step 10\s+0\.0250\s+0\s+layer_01 -> none after 10",
-                     rows["mlp_out/fwd"])  # fmt: skip
+    assert re.search(
+        r"0\.0400\s+layer_01, step 10\s+0\.0250\s+0\s+layer_01 -> none after 10",
+        rows["mlp_out/fwd"],
+    )
     assert comm_error.table([], budget=0.02) is None and comm_error.figure([]) is None
 
 
@@ -139,8 +153,11 @@ def test_the_outlier_layer_falls_back_alone_and_a_resumed_run_keeps_it(tmp_path,
     config = tmp_path / "outliers.toml"
     text = Path(TINY).read_text()
     config.write_text(text.replace('preset = "gpt_tiny"', f'init_from = "{tmp_path / "hf"}"'))
-    overrides = ("run.comm_error_every=2", "compression.fwd='int8'",
-                 f"compression.error_budget={BUDGET}")  # fmt: skip
+    overrides = (
+        "run.comm_error_every=2",
+        "compression.fwd='int8'",
+        f"compression.error_budget={BUDGET}",
+    )
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     capsys.readouterr()
     _run(config, full, cache, *overrides)

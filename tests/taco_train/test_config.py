@@ -81,15 +81,19 @@ def test_int_widens_to_float_and_strings_parse():
 def test_rope_scaling_is_a_toml_table_and_survives_the_saved_config():
     """`model.rope_scaling` (Llama 3.1's) from a TOML inline table; a run directory's
     config.json (`to_dict`, then `from_saved` on resume or export) restores it."""
-    table = ("{factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0, "
-             "original_max_position_embeddings = 16}")  # fmt: skip
-    cfg = load_config(None, ['model.preset="llama_tiny"', 'data.tokenizer="byte"',
-                             f"model.rope_scaling={table}"])  # fmt: skip
+    table = (
+        "{factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0, "
+        "original_max_position_embeddings = 16}"
+    )
+    cfg = load_config(
+        None, ['model.preset="llama_tiny"', 'data.tokenizer="byte"', f"model.rope_scaling={table}"]
+    )
     assert cfg.model.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 16)
     assert from_saved(json.loads(json.dumps(cfg.to_dict()))).model == cfg.model
     with pytest.raises(ConfigError, match="rope_scaling='x' must be a RopeScaling or a dict"):
-        load_config(None, ['model.preset="llama_tiny"', 'data.tokenizer="byte"',
-                           'model.rope_scaling="x"'])  # fmt: skip
+        load_config(
+            None, ['model.preset="llama_tiny"', 'data.tokenizer="byte"', 'model.rope_scaling="x"']
+        )
 
 
 def test_tp_takes_tahquant_grids_with_their_own_group_size():
@@ -148,14 +152,18 @@ def test_an_error_budget_needs_measuring_steps():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("model.vocab_sise=3", "unknown key model.vocab_sise (did you mean model.vocab_size?); "
-         "valid keys: ['arch', "),
-        ("optimiser.lr=3", "unknown section 'optimiser' (did you mean 'optimizer'?); valid "
-         "sections: ('model', "),
+        (
+            "model.vocab_sise=3",
+            "unknown key model.vocab_sise (did you mean model.vocab_size?); valid keys: ['arch', ",
+        ),
+        (
+            "optimiser.lr=3",
+            "unknown section 'optimiser' (did you mean 'optimizer'?); valid sections: ('model', ",
+        ),
         ("model.zzz=3", "unknown key model.zzz; valid keys: "),  # nothing close
         ("run.out_dri=x", "(did you mean run.out_dir?)"),
     ],
-)  # fmt: skip
+)
 def test_unknown_names_say_the_closest_valid_one(override, message):
     with pytest.raises(ValueError) as info:
         load_config(None, [override])
@@ -191,19 +199,33 @@ def test_a_bad_value_given_by_an_override_does_not_blame_the_file(tmp_path):
 def test_a_vocabulary_tp_cannot_split_says_the_vocab_size_to_set():
     """4000 pads to 4096 rows, which tp = 3 does not split; 4224 (a multiple of lcm(128, 3))
     pads to itself, which it does."""
-    layout = ["parallel.tp=3", "model.n_heads=6", "model.n_kv_heads=6", "model.d_model=192",
-              "model.d_ff=768"]  # fmt: skip
-    with pytest.raises(ValueError, match=re.escape(
-        "model.vocab_size=4000 is padded to 4096 rows (a multiple of 128), which parallel.tp=3 "
-        "does not split: set model.vocab_size to a multiple of 384 (e.g. 4224) or parallel.tp "
-        "to a divisor of 4096")):  # fmt: skip
+    layout = [
+        "parallel.tp=3",
+        "model.n_heads=6",
+        "model.n_kv_heads=6",
+        "model.d_model=192",
+        "model.d_ff=768",
+    ]
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "model.vocab_size=4000 is padded to 4096 rows (a multiple of 128), which parallel.tp=3 "
+            "does not split: set model.vocab_size to a multiple of 384 (e.g. 4224) or parallel.tp "
+            "to a divisor of 4096"
+        ),
+    ):
         load_config(None, [*layout, "model.vocab_size=4000"])
     assert load_config(None, [*layout, "model.vocab_size=4224"]).model.padded_vocab == 4224
 
 
 def test_one_f_one_b_schedule_is_accepted_and_takes_no_repeats():
-    one_f_one_b = ["parallel.mode='shard_map'", "parallel.pp=2", "parallel.microbatches=4",
-                   "parallel.schedule=1f1b", "run.comm_error_every=2"]  # fmt: skip
+    one_f_one_b = [
+        "parallel.mode='shard_map'",
+        "parallel.pp=2",
+        "parallel.microbatches=4",
+        "parallel.schedule=1f1b",
+        "run.comm_error_every=2",
+    ]
     assert load_config(None, one_f_one_b).parallel.schedule == "1f1b"
     with pytest.raises(ValueError, match="repeats=2 needs schedule='circular'"):
         load_config(None, [*one_f_one_b, "parallel.repeats=2"])
@@ -222,15 +244,29 @@ def test_apply_override_builds_sections():
 
 
 def test_sharded_optimizer_takes_every_layout():
-    cfg = load_config(None, ["optimizer.sharded=true", "parallel.dp=2", "parallel.pp=2",
-                             "parallel.tp=2", "parallel.microbatches=2"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "optimizer.sharded=true",
+            "parallel.dp=2",
+            "parallel.pp=2",
+            "parallel.tp=2",
+            "parallel.microbatches=2",
+        ],
+    )
     assert cfg.optimizer.sharded and cfg.parallel.pp == 2
 
 
 def test_pp_grads_runs_with_the_collective_options():
-    overrides = ["parallel.mode='shard_map'", "parallel.pp=2", "parallel.microbatches=2",
-                 "compression.pp_grads=taco", "compression.min_compress_bytes=0",
-                 "compression.link=nvlink", "compression.pp_link=socket"]  # fmt: skip
+    overrides = [
+        "parallel.mode='shard_map'",
+        "parallel.pp=2",
+        "parallel.microbatches=2",
+        "compression.pp_grads=taco",
+        "compression.min_compress_bytes=0",
+        "compression.link=nvlink",
+        "compression.pp_link=socket",
+    ]
     shared = load_config(None, overrides).compression.stage_codecs().shared_grads
     assert shared.codec.name == "taco" and shared.min_compress_bytes == 0
     assert shared.link == "socket"  # the stages' link, not TP's

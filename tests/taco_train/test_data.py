@@ -46,9 +46,13 @@ def test_no_work_becomes_more_than_the_overshoot_of_validation():
 
 def _prepare(corpus, cache, val_fraction=0.1):
     return data.prepare_dataset(
-        str(corpus), tokenizer="byte", vocab_size=256, val_fraction=val_fraction, seed=0,
+        str(corpus),
+        tokenizer="byte",
+        vocab_size=256,
+        val_fraction=val_fraction,
+        seed=0,
         cache_dir=str(cache),
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("form", ["file", "directory of one", "glob of one"])

@@ -139,8 +139,12 @@ def test_the_slurm_script_starts_the_per_host_commands(tmp_path):
         (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
         (bin_dir / name).chmod(stat.S_IRWXU)
     (tmp_path / "two_hosts.sh").write_text(_doc_block("The same under SLURM"))
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node[0-1]",
-           "SLURM_NNODES": "2", "LAUNCHED": str(launched)}  # fmt: skip
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "node[0-1]",
+        "SLURM_NNODES": "2",
+        "LAUNCHED": str(launched),
+    }
     subprocess.run(["bash", str(tmp_path / "two_hosts.sh")], env=env, check=True, timeout=60)
     for env, argv in _per_host_commands():
         recorded = (launched / env["JAX_PROCESS_ID"]).read_text().splitlines()
@@ -153,8 +157,9 @@ def test_a_tp_group_across_two_processes_reads_the_network_table(tmp_path, cache
     """TP = 2 with one device per process: "auto" finds the group on two processes (whose CPU
     collectives go through sockets) and says so; the run trains."""
     run = tmp_path / "run"
-    outputs = _run_two_processes(run, cache, "parallel.mode='shard_map'", "parallel.tp=2",
-                                 "run.steps=2", "run.eval_every=2")  # fmt: skip
+    outputs = _run_two_processes(
+        run, cache, "parallel.mode='shard_map'", "parallel.tp=2", "run.steps=2", "run.eval_every=2"
+    )
     assert (
         "compression.link=auto -> socket: the group's 2 devices are on 2 processes" in (outputs[0])
     )

@@ -34,8 +34,14 @@ from taco_train.export import main as export_main  # noqa: E402
 from taco_train.main import main  # noqa: E402
 
 # A BPE vocabulary (the tiny preset's 256 ids hold only the byte tokenizer), TP = 2 on devices.
-TP2_BPE = ("parallel.mode='shard_map'", "parallel.tp=2", "data.tokenizer='bpe'",
-           "model.vocab_size=320", "run.steps=2", "run.eval_every=2")  # fmt: skip
+TP2_BPE = (
+    "parallel.mode='shard_map'",
+    "parallel.tp=2",
+    "data.tokenizer='bpe'",
+    "model.vocab_size=320",
+    "run.steps=2",
+    "run.eval_every=2",
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +53,11 @@ def tp2_run(tmp_path_factory, cache):
 
 
 def _export_on_one_cpu(run, out) -> subprocess.CompletedProcess:
-    env = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=1",
-                         JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))  # fmt: skip
+    env = subprocess_env(
+        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=str(REPO),
+    )
     command = [sys.executable, "-m", "taco_train.export", str(run), str(out)]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
@@ -84,8 +93,10 @@ def test_a_non_empty_out_dir_is_refused_in_one_line(tmp_path, capsys):
         export_main([str(tmp_path / "no_run"), str(tmp_path / "out")])
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"taco-train export: error: OUT_DIR {tmp_path / 'out'} is not empty "
-                   "(notes.txt); choose another, or pass --force to write over it"]  # fmt: skip
+    assert err == [
+        f"taco-train export: error: OUT_DIR {tmp_path / 'out'} is not empty "
+        "(notes.txt); choose another, or pass --force to write over it"
+    ]
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
     with pytest.raises(ConfigError, match="no_run/config.json: no such file"):
         export(tmp_path / "no_run", tmp_path / "out", overwrite=True)  # --force goes on

@@ -60,8 +60,11 @@ def test_geometry_comes_from_the_checkpoint(tmp_path, cache):
 
 
 def test_preset_beside_init_from_names_both(tmp_path):
-    with pytest.raises(ConfigError, match=r"model\.init_from='.*qwen2_tied' and "
-                                          r"model\.preset='gpt_tiny' both name"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.init_from='.*qwen2_tied' and "
+        r"model\.preset='gpt_tiny' both name",
+    ):
         load_config(TINY, [f"model.init_from={QWEN!r}"])
 
 
@@ -71,8 +74,11 @@ def test_geometry_beside_init_from_is_refused(tmp_path, cache):
 
 
 def test_gpt2_sequence_length_is_the_checkpoints(tmp_path, cache):
-    with pytest.raises(ConfigError, match=r"model\.seq_len=16 differs from the n_positions=32 .*"
-                                          r"set model\.seq_len=32 or leave it unset"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.seq_len=16 differs from the n_positions=32 .*"
+        r"set model\.seq_len=32 or leave it unset",
+    ):
         _config(tmp_path, cache, "model.seq_len=16", init_from=str(FIXTURES / "gpt2"))
 
 
@@ -84,7 +90,7 @@ def test_a_checkpoint_without_a_tokenizer_says_which_tokenizer_to_set(tmp_path, 
         r"tokenizer\.json, and .*gpt2/tokenizer\.json is not a file: set "
         r"data\.tokenizer=bpe \(trained on data\.corpus\) or data\.tokenizer=byte",
     ):
-        trainer.train_and_evaluate(cfg)  # fmt: skip
+        trainer.train_and_evaluate(cfg)
 
 
 def test_hf_tokenizer_needs_init_from():
@@ -94,8 +100,11 @@ def test_hf_tokenizer_needs_init_from():
 
 def test_configured_tokenizer_must_fit_the_checkpoint_vocabulary(tmp_path, cache):
     # The GPT-2 fixture's vocabulary (250) cannot hold the byte tokenizer's 256 ids.
-    with pytest.raises(ConfigError, match=r"model\.vocab_size=250 \(of model\.init_from=.*gpt2'"
-                                          r"\) < 256 cannot hold the byte tokenizer"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.vocab_size=250 \(of model\.init_from=.*gpt2'"
+        r"\) < 256 cannot hold the byte tokenizer",
+    ):
         _config(tmp_path, cache, init_from=str(FIXTURES / "gpt2"))
 
 
@@ -104,8 +113,11 @@ def test_hf_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, cache, cap
     shutil.copytree(FIXTURES / "gpt2", ckpt)
     shutil.copy(FIXTURES / "qwen2_tied" / "tokenizer.json", ckpt)  # 256 ids > 250
     cfg = _config(tmp_path, cache, 'data.tokenizer="hf"', init_from=str(ckpt))
-    with pytest.raises(ConfigError, match=r"the tokenizer's 256 ids do not fit the model's "
-                                          r"vocab_size=250"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"the tokenizer's 256 ids do not fit the model's "
+        r"vocab_size=250",
+    ):
         trainer.train_and_evaluate(cfg)
 
 
@@ -120,9 +132,11 @@ def test_absent_checkpoint_parses_and_fails_when_run(tmp_path, cache):
 @pytest.mark.parametrize(
     ("name", "tp", "geometry"),
     # The checkpoints' config.json: (width, layers, arch, tied head).
-    [("finetune_qwen25_0p5b", 2, (896, 24, "qwen2", True)),
-     ("finetune_smollm2_135m", 3, (576, 30, "llama", True))],
-)  # fmt: skip
+    [
+        ("finetune_qwen25_0p5b", 2, (896, 24, "qwen2", True)),
+        ("finetune_smollm2_135m", 3, (576, 30, "llama", True)),
+    ],
+)
 def test_finetune_config_parses_without_the_checkpoint(name, tp, geometry):
     cfg = load_config(REPO / "configs" / f"{name}.toml")
     assert cfg.init_from is not None and cfg.data.tokenizer == "hf"
@@ -151,10 +165,14 @@ def test_cli_error_for_a_missing_checkpoint_is_one_line(tmp_path, cache, capsys)
 
 def _first_batch(cfg) -> np.ndarray:
     dataset = data.prepare_dataset(
-        cfg.data.corpus, tokenizer=cfg.data.tokenizer, vocab_size=cfg.model.vocab_size,
-        val_fraction=cfg.data.val_fraction, seed=cfg.data.seed, cache_dir=cfg.data.cache_dir,
+        cfg.data.corpus,
+        tokenizer=cfg.data.tokenizer,
+        vocab_size=cfg.model.vocab_size,
+        val_fraction=cfg.data.val_fraction,
+        seed=cfg.data.seed,
+        cache_dir=cfg.data.cache_dir,
         tokenizer_file=Path(cfg.init_from) / "tokenizer.json",
-    )  # fmt: skip
+    )
     batches = data.Batches(dataset.train, cfg.data.batch_size, cfg.model.seq_len, cfg.data.seed)
     return batches.train(0)
 
@@ -169,13 +187,21 @@ def _final_params(out_dir: Path, step: int) -> dict:
 LAYOUTS = {
     "vmap_tp2": ["parallel.tp=2", 'parallel.mode="vmap"'],
     "shard_map_tp2_dp2": ["parallel.tp=2", "parallel.dp=2", 'parallel.mode="shard_map"'],
-    "pipeline_pp2_tp2": ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2",
-                         'parallel.mode="shard_map"'],
+    "pipeline_pp2_tp2": [
+        "parallel.tp=2",
+        "parallel.pp=2",
+        "parallel.microbatches=2",
+        'parallel.mode="shard_map"',
+    ],
     # The sharded optimizer: the export gathers its fp32 master shards (which the fp32
     # replica in the checkpoint's params equals, dp_param being "none").
-    "zero_dp2_tp2": ["parallel.tp=2", "parallel.dp=2", 'parallel.mode="shard_map"',
-                     "optimizer.sharded=true"],
-}  # fmt: skip
+    "zero_dp2_tp2": [
+        "parallel.tp=2",
+        "parallel.dp=2",
+        'parallel.mode="shard_map"',
+        "optimizer.sharded=true",
+    ],
+}
 
 
 @pytest.mark.slow
@@ -184,9 +210,18 @@ def test_finetune_starts_from_the_checkpoint_and_exports_the_result(layout, tmp_
     """Step 1's loss is the checkpoint's loss on batch 0 (the weights were loaded, placed
     where each rank expects them), and the export holds the final checkpoint's parameters."""
     jax.clear_caches()
-    cfg = _config(tmp_path, cache, "model.seq_len=16", 'data.tokenizer="hf"',
-                  'compression.fwd="none"', "run.steps=3", "run.eval_every=3",
-                  "run.checkpoint_every=3", "run.log_every=1", *LAYOUTS[layout])  # fmt: skip
+    cfg = _config(
+        tmp_path,
+        cache,
+        "model.seq_len=16",
+        'data.tokenizer="hf"',
+        'compression.fwd="none"',
+        "run.steps=3",
+        "run.eval_every=3",
+        "run.checkpoint_every=3",
+        "run.log_every=1",
+        *LAYOUTS[layout],
+    )
     last = trainer.train_and_evaluate(cfg)
     records = [json.loads(line) for line in (cfg_out(cfg) / "metrics.jsonl").open()]
     first = next(r for r in records if r.get("kind") == "train" and r["step"] == 1)
@@ -215,10 +250,19 @@ def test_finetune_from_llama3_keeps_its_rope_scaling(tmp_path, cache):
     the checkpoint's, and the run's saved config (a dict) restores the rope scaling, so the
     export is the same model."""
     jax.clear_caches()
-    cfg = _config(tmp_path, cache, "model.seq_len=16", 'data.tokenizer="byte"',
-                  'compression.fwd="none"', "run.steps=3", "run.eval_every=3",
-                  "run.checkpoint_every=3", "run.log_every=1", *LAYOUTS["shard_map_tp2_dp2"],
-                  init_from=LLAMA3)  # fmt: skip
+    cfg = _config(
+        tmp_path,
+        cache,
+        "model.seq_len=16",
+        'data.tokenizer="byte"',
+        'compression.fwd="none"',
+        "run.steps=3",
+        "run.eval_every=3",
+        "run.checkpoint_every=3",
+        "run.log_every=1",
+        *LAYOUTS["shard_map_tp2_dp2"],
+        init_from=LLAMA3,
+    )
     trainer.train_and_evaluate(cfg)
     records = [json.loads(line) for line in (cfg_out(cfg) / "metrics.jsonl").open()]
     first = next(r for r in records if r.get("kind") == "train" and r["step"] == 1)
@@ -232,8 +276,9 @@ def test_finetune_from_llama3_keeps_its_rope_scaling(tmp_path, cache):
     cfg2, exported = hf.load(tmp_path / "export")
     assert cfg2 == cfg.model and cfg2.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 128)
     final = _final_params(cfg_out(cfg), 3)
-    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), final,
-                                     exported))  # fmt: skip
+    assert jax.tree.all(
+        jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), final, exported)
+    )
 
 
 def _equal_but_padding(final, exported, model) -> bool:

@@ -52,14 +52,25 @@ def test_the_default_run_ends_with_a_sample_of_its_final_checkpoint(default_run)
     """The closing sample is what `taco_train.sample` decodes from the run directory with the
     trainer's settings (run.sample_tokens = 64 in configs/default.toml)."""
     out, printed = default_run
-    header = (f"sample (64 tokens at most, temperature {trainer.SAMPLE_TEMPERATURE}, top-k "
-              f"{trainer.SAMPLE_TOP_K}; python -m taco_train.sample {out} --prompt ... for "
-              "more):\n")  # fmt: skip
+    header = (
+        f"sample (64 tokens at most, temperature {trainer.SAMPLE_TEMPERATURE}, top-k "
+        f"{trainer.SAMPLE_TOP_K}; python -m taco_train.sample {out} --prompt ... for "
+        "more):\n"
+    )
     assert header in printed
     text = printed.split(header, 1)[1]
     model, params, tokenizer, eot = sample.load(out)
-    expected = sample.complete(model, params, tokenizer, eot, "", 64, seed=0, top_k=40,
-                               temperature=trainer.SAMPLE_TEMPERATURE)  # fmt: skip
+    expected = sample.complete(
+        model,
+        params,
+        tokenizer,
+        eot,
+        "",
+        64,
+        seed=0,
+        top_k=40,
+        temperature=trainer.SAMPLE_TEMPERATURE,
+    )
     assert text == expected + "\n" and expected.strip()
 
 

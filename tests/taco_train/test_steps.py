@@ -20,9 +20,14 @@ from taco_train.steps import make_steps
 CFG = ModelConfig.preset("gpt_tiny")
 STEPS = 6
 EMULATED_3D = ParallelConfig(  # dp x pp x tp on one device (models/spmd.py)
-    dp=2, pp=2, tp=2, microbatches=2, sequence_parallel=True, compute_dtype="float32",
+    dp=2,
+    pp=2,
+    tp=2,
+    microbatches=2,
+    sequence_parallel=True,
+    compute_dtype="float32",
     mode="emulate",
-)  # fmt: skip
+)
 
 
 SLOW = pytest.mark.slow  # > ~10 s on the 2-core CPU: the slow tier
@@ -142,8 +147,7 @@ def test_a_nonfinite_step_is_skipped_on_the_device(parallel, sharded):
     """A NaN in the loss leaves params and optimizer state bit for bit as they were, counts the
     step as skipped, and `is_finite` reports the state (the trainer checks it before a save);
     with the sharded optimizer the params are the bf16 replica, which `is_finite` checks too."""
-    steps = make_steps(CFG, parallel, taco_jax.TPComm.create(), optax.adamw(3e-3),
-                       sharded=sharded)  # fmt: skip
+    steps = make_steps(CFG, parallel, taco_jax.TPComm.create(), optax.adamw(3e-3), sharded=sharded)
     tokens = jax.device_put(_batch(4), steps.batch_sharding)
     state, _ = steps.train_step(steps.init(jax.random.key(0)), tokens)
     assert bool(steps.is_finite(state)) and int(state.skipped) == 0
@@ -154,9 +158,11 @@ def test_a_nonfinite_step_is_skipped_on_the_device(parallel, sharded):
     after, metrics = steps.train_step(poisoned, tokens)
     assert not np.isfinite(float(metrics["loss"]))
     assert int(after.skipped) == int(metrics["skipped_steps"]) == 1 and int(after.step) == 2
-    for old, new in zip(jax.tree.leaves((before.params, before.opt_state)),
-                        jax.tree.leaves(jax.device_get((after.params, after.opt_state))),
-                        strict=True):  # fmt: skip
+    for old, new in zip(
+        jax.tree.leaves((before.params, before.opt_state)),
+        jax.tree.leaves(jax.device_get((after.params, after.opt_state))),
+        strict=True,
+    ):
         # bit for bit (bytes: numpy does not treat bf16 NaNs as equal)
         as_bytes = lambda a: np.atleast_1d(np.asarray(a)).view(np.uint8)  # noqa: E731
         np.testing.assert_array_equal(as_bytes(old), as_bytes(new))
@@ -190,7 +196,7 @@ def _slice_dims(parallel: ParallelConfig):
         # over tp) in one case.
         ParallelConfig(
             dp=2, pp=2, tp=2, microbatches=2, sequence_parallel=True, compute_dtype="float32"
-        ),  # fmt: skip
+        ),
         EMULATED_3D,  # the same layout emulated on one device
     ],
     ids=["dp2", "dp2-pp2-tp2-sp", "emulate-dp2-pp2-tp2-sp"],
@@ -226,8 +232,9 @@ def test_sharded_optimizer_is_the_replicated_one(parallel, monkeypatch):
         a, want_metrics = plain.train_step(a, jax.device_put(tokens, plain.batch_sharding))
         b, got_metrics = sharded.train_step(b, jax.device_put(tokens, sharded.batch_sharding))
         # The same squares summed in another order: relative error <= n 2^-24.
-        np.testing.assert_allclose(got_metrics["grad_norm"], want_metrics["grad_norm"],
-                                   rtol=n * 2.0**-24)  # fmt: skip
+        np.testing.assert_allclose(
+            got_metrics["grad_norm"], want_metrics["grad_norm"], rtol=n * 2.0**-24
+        )
     for want, got in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
         want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
         bound = steps_run * 2.0**-24 * (lr * (n + 4) + 17 * lr + 3 * np.abs(want))

@@ -158,8 +158,9 @@ def test_divergence_stops_in_one_line_and_saves_no_nonfinite_state(cache, tmp_pa
 
 
 @pytest.mark.parametrize("mode,written", [("shard_map", True), ("vmap", False)])
-def test_auto_policy_is_printed_and_kept_for_real_tp_on_gpus(tmp_path, monkeypatch, capsys,
-                                                             mode, written):  # fmt: skip
+def test_auto_policy_is_printed_and_kept_for_real_tp_on_gpus(
+    tmp_path, monkeypatch, capsys, mode, written
+):
     """TP over real GPUs with the defaults: the policy's choices go to stderr and to
     collectives_policy.txt (the backend is declared a GPU here; nothing runs on it)."""
     cfg = load_config(TINY, ["parallel.tp=2", f"parallel.mode={mode!r}"])
@@ -178,12 +179,14 @@ def test_auto_links_are_found_from_the_run_mesh_and_built_into_its_steps(monkeyp
     tp2 = ["parallel.mode='shard_map'", "parallel.tp=2"]
     links = trainer.resolve_links(load_config(TINY, tp2))
     assert list(links) == ["link"] and links["link"] == taco_jax.policy.Link(
-        "shm", "the group's 2 cpu devices share one process's memory")  # fmt: skip
+        "shm", "the group's 2 cpu devices share one process's memory"
+    )
     assert trainer.resolve_links(load_config(TINY, ["parallel.tp=2"])) == {}
     assert trainer.resolve_links(load_config(TINY, [*tp2, "compression.link=socket"])) == {}
     built = {}
-    monkeypatch.setattr(trainer, "make_steps", lambda model, parallel, comm, *_: built.update(
-        comm=comm))  # fmt: skip
+    monkeypatch.setattr(
+        trainer, "make_steps", lambda model, parallel, comm, *_: built.update(comm=comm)
+    )
     trainer.build_steps(load_config(TINY, tp2), links={"link": taco_jax.policy.Link("socket", "-")})
     assert built["comm"].fwd.link == built["comm"].bwd.link == "socket"
 
@@ -249,7 +252,7 @@ ERROR_BOUNDS = {
     **dict.fromkeys(
         ("embed/fwd", "attn_in/bwd", "attn_out/fwd", "mlp_in/bwd", "mlp_out/fwd", "head_in/bwd"),
         TWO_SHOT_TACO,
-    ),  # fmt: skip
+    ),
     # INT8 stage sends: ~0.01 relative (test_ppermute.py); 0.05 bounds them
     "pp_send/fwd": 0.05,
     "pp_send/bwd": 0.05,

@@ -81,10 +81,12 @@ def _sharded(params, cfg, mode, shape, replica_dtype=jnp.float32):
     ranks = int(np.prod(shape))
     stack = lambda tree: jax.tree.map(lambda x: x.reshape(*shape, *x.shape[1:]), tree)  # noqa: E731
     flat = lambda tree: jax.tree.map(lambda x: x.reshape(ranks, *x.shape[len(shape) :]), tree)  # noqa: E731
-    state = run_on_mesh(lambda m: zero.init(opt, m), stack(zero.shard_leaves(params, ranks)),
-                        shape, names, mode)  # fmt: skip
-    replica = jax.tree.map(lambda p: jnp.broadcast_to(p.astype(replica_dtype), (*shape, *p.shape)),
-                           params)  # fmt: skip
+    state = run_on_mesh(
+        lambda m: zero.init(opt, m), stack(zero.shard_leaves(params, ranks)), shape, names, mode
+    )
+    replica = jax.tree.map(
+        lambda p: jnp.broadcast_to(p.astype(replica_dtype), (*shape, *p.shape)), params
+    )
     norms = []
     for step in range(STEPS):
         before = replica
@@ -157,8 +159,7 @@ def test_sdp4bit_replicas_stay_bit_identical_near_the_master(mode):
     params = _params()
     cfg = zero.ZeroConfig(grad_codec="tlq_hs", param_codec="qwd", grad_clip=40.0)
     master, replica, before, _ = _sharded(params, cfg, mode, (ranks,), jnp.bfloat16)
-    plain, _, _, _ = _sharded(params, zero.ZeroConfig(grad_clip=40.0), mode, (ranks,),
-                              jnp.bfloat16)  # fmt: skip
+    plain, _, _, _ = _sharded(params, zero.ZeroConfig(grad_clip=40.0), mode, (ranks,), jnp.bfloat16)
     for name in SHAPES:
         for rank in range(1, ranks):
             np.testing.assert_array_equal(replica[name][rank], replica[name][0])
@@ -186,8 +187,12 @@ def test_buckets_hold_leaves_of_one_kind_in_tree_order_up_to_the_limit():
     """Shards at dp = 2: a 2048, b 2048 (bf16), c 4096, d 2048 (split over tp): a and c share
     a bucket (same axes and dtype, 2 x 6144 padded elements) unless the limit is below that;
     b and d never join them."""
-    like = {"a": jnp.zeros(3000), "b": jnp.zeros(10, jnp.bfloat16), "c": jnp.zeros(5000),
-            "d": jnp.zeros(100)}  # fmt: skip
+    like = {
+        "a": jnp.zeros(3000),
+        "b": jnp.zeros(10, jnp.bfloat16),
+        "c": jnp.zeros(5000),
+        "d": jnp.zeros(100),
+    }
     split = {"a": (), "b": (), "c": (), "d": ("tp",)}
     assert zero._Buckets(like, split, 2, None).groups == [[0, 2], [1], [3]]
     assert zero._Buckets(like, split, 2, 2 * 6144).groups == [[0, 2], [1], [3]]
@@ -201,16 +206,25 @@ BUCKET_SHAPES = SHAPES | {"odd": (9000,)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape,axes", [((4,), "dp"), ((2, 2), ("outer", "inner"))],
-                         ids=["dp4", "outer2-inner2"])  # fmt: skip
+@pytest.mark.parametrize(
+    "shape,axes", [((4,), "dp"), ((2, 2), ("outer", "inner"))], ids=["dp4", "outer2-inner2"]
+)
 def test_buckets_move_the_bits_one_collective_per_leaf_moves(shape, axes):
     """Uncompressed, three steps with clipping: one bucket for every leaf against one bucket
     per leaf give the same bits, since a reduce-scatter or all-gather moves each element alone
     and the bucket puts every element of a leaf's shard in its rank's row (over two dp axes
     too: outer-major rows)."""
     params = _params(BUCKET_SHAPES)
-    runs = [_sharded(params, zero.ZeroConfig(dp_axes=axes, grad_clip=40.0, bucket_elements=limit),
-                     "shard_map", shape, jnp.bfloat16)[:2] for limit in (None, 1)]  # fmt: skip
+    runs = [
+        _sharded(
+            params,
+            zero.ZeroConfig(dp_axes=axes, grad_clip=40.0, bucket_elements=limit),
+            "shard_map",
+            shape,
+            jnp.bfloat16,
+        )[:2]
+        for limit in (None, 1)
+    ]
     for got, want in zip(*runs, strict=True):
         for name in BUCKET_SHAPES:
             np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]))
@@ -224,13 +238,15 @@ def test_buckets_round_as_one_collective_per_leaf_rounds():
     Hadamard block straddles two leaves, so each element's rounding has the distribution it
     has alone; a misplaced leaf in the gradient or the replica rows would move it)."""
     params, clip, ranks = _params(BUCKET_SHAPES), 40.0, 4
-    plain = _sharded(params, zero.ZeroConfig(grad_clip=clip), "shard_map", (ranks,),
-                     jnp.bfloat16)[0]  # fmt: skip
+    plain = _sharded(params, zero.ZeroConfig(grad_clip=clip), "shard_map", (ranks,), jnp.bfloat16)[
+        0
+    ]
     plain = zero.unshard_leaves(plain, params)
     distances = {}
     for limit in (None, 1):
-        cfg = zero.ZeroConfig(grad_codec="tlq_hs", param_codec="qwd", grad_clip=clip,
-                              bucket_elements=limit)  # fmt: skip
+        cfg = zero.ZeroConfig(
+            grad_codec="tlq_hs", param_codec="qwd", grad_clip=clip, bucket_elements=limit
+        )
         master, replica, _, _ = _sharded(params, cfg, "shard_map", (ranks,), jnp.bfloat16)
         for name in BUCKET_SHAPES:
             for rank in range(1, ranks):
@@ -249,8 +265,9 @@ def test_buckets_round_as_one_collective_per_leaf_rounds():
 
 
 def _distance(tree, reference):
-    return np.sqrt(sum(np.sum((np.asarray(tree[n], np.float64) - np.asarray(reference[n])) ** 2)
-                       for n in tree))  # fmt: skip
+    return np.sqrt(
+        sum(np.sum((np.asarray(tree[n], np.float64) - np.asarray(reference[n])) ** 2) for n in tree)
+    )
 
 
 def test_errors_name_the_offending_value():
@@ -270,8 +287,9 @@ def test_a_gradient_tree_unlike_the_replica_is_refused():
     grads = {n: r for n, r in replica.items() if n != "b"}
 
     def step_with_split(grads, state, replica, split=None):
-        return zero.update(opt, zero.ZeroConfig(), grads, state, replica, jax.random.key(0),
-                           split=split)  # fmt: skip
+        return zero.update(
+            opt, zero.ZeroConfig(), grads, state, replica, jax.random.key(0), split=split
+        )
 
     with pytest.raises(ValueError, match="grads has the tree"):
         jax.vmap(step_with_split, axis_name="dp")(grads, state, replica)
@@ -315,8 +333,10 @@ def test_slices_of_a_leaf_round_independently_and_its_copies_alike():
     split = {"w": (), "emb": ("tp",)}
     # jitted: run op by op under vmap, each operation would compile on its own (~20 s)
     state = jax.jit(jax.vmap(lambda m: zero.init(opt, m)))(zero.shard_leaves(params, ranks))
-    grads = {n: 1e-2 * jax.random.normal(jax.random.key(i), (ranks, *p.shape))
-             for i, (n, p) in enumerate(params.items())}  # fmt: skip
+    grads = {
+        n: 1e-2 * jax.random.normal(jax.random.key(i), (ranks, *p.shape))
+        for i, (n, p) in enumerate(params.items())
+    }
     replica = jax.tree.map(lambda p: jnp.broadcast_to(p, (ranks, *p.shape)), params)
 
     def step(grads, state, replica):

@@ -114,9 +114,20 @@ def transformers_loads(directory, cfg, params, tokenizer, tmp_path) -> None:
     )
     (tmp_path / "text.txt").write_text(TEXT)
     ids_file, logits_file = tmp_path / "ids.npy", tmp_path / "logits.npy"
-    subprocess.run([HF_PYTHON, "-c", script, str(directory), str(tmp_path / "text.txt"),
-                    str(ids_file), str(logits_file), str(cfg.seq_len)], check=True,
-                   timeout=300)  # fmt: skip
+    subprocess.run(
+        [
+            HF_PYTHON,
+            "-c",
+            script,
+            str(directory),
+            str(tmp_path / "text.txt"),
+            str(ids_file),
+            str(logits_file),
+            str(cfg.seq_len),
+        ],
+        check=True,
+        timeout=300,
+    )
     ids = np.load(ids_file)
     np.testing.assert_array_equal(ids, tokenizer.encode([TEXT])[0][: cfg.seq_len])
     ours = np.asarray(reference_logits(cfg, params, ids[None], dtype="float32"))
