@@ -357,8 +357,8 @@ def _row(size: int, ops, result) -> dict:
 def _default_configs(codec, n: int) -> dict:
     """The launch each Triton kernel takes for PEERS rows of n values of `codec`."""
     launches = {
-        "encode": encode_kernel.default_config(codec, PEERS, n),
-        "decode": decode_kernel.default_config(codec, PEERS, n),
+        "encode": encode_kernel.default_config(codec, n),
+        "decode": decode_kernel.default_config(codec, n),
         "decode_sum": decode_sum_kernel.default_config(codec, PEERS, n),
         "decode_sum_reencode": decode_sum_kernel.default_config(codec, PEERS, n, reencode=True),
     }

@@ -60,7 +60,7 @@ def _pivoted_tiles(codec, wire, n: int) -> float:
     """The fraction of the encode kernel's tiles holding a flagged group (those run the swap
     and H_32; the others skip them)."""
     pivots = tahquant.unpack_sides(codec, wire, n)["pivots"] & tahquant.PIVOT_FLAG
-    per_tile = tk.encode_config(codec, 1, n).groups_per_tile
+    per_tile = tk.encode_config(codec, n).groups_per_tile
     flagged = jnp.max(pivots.reshape(-1, per_tile), axis=-1) > 0
     return float(jnp.mean(flagged))
 

@@ -1,8 +1,8 @@
 """The tuning of the Triton-lowered kernels: `BlockConfig`, and the default each kernel takes.
 
-A kernel walks its rows in tiles of T groups; `block_config` picks T, the warps and the tiles
-one program loops over from one row of `LAUNCHES`, by the kind of kernel. The values are the
-fastest of the sweeps in `docs/decisions/005-triton-launches.md`.
+A kernel walks its rows in tiles of T groups; `block_config` picks T and the warps from one row
+of `LAUNCHES`, by the kind of kernel. The values are the fastest of the sweeps in
+`docs/decisions/005-triton-launches.md`.
 """
 
 from __future__ import annotations
@@ -14,41 +14,42 @@ MIN_GROUPS_PER_TILE = 16
 # Largest Hadamard block applied as one dot; a larger G is split by butterflies first
 # (`_tile.signed_hadamard`).
 MAX_DOT_HADAMARD = 128
-# A program loops over its tiles only once the launch fills the GPU with programs anyway.
-MIN_TILES_FOR_LOOP = 1024
+# The encode and decode give each warp this many elements of a tile (`Launch.num_warps` None), so
+# that a group size forcing a larger tile (MIN_GROUPS_PER_TILE groups of G > 128) gets more warps.
+ELEMENTS_PER_WARP = 2048
+MAX_WARPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """One row of `LAUNCHES`: elements per tile (capped to the row), Triton warps, the Hadamard
-    dot's columns (None: no dot), tiles a program loops over, and for a decode-sum whether each
-    peer's codes take their own Hadamard (`BlockConfig.hadamard_per_peer`)."""
+    """One row of `LAUNCHES`: elements per tile (capped to the row), Triton warps (None: one per
+    `ELEMENTS_PER_WARP` elements of the tile), the Hadamard dot's columns (None: no dot), and for
+    a decode-sum whether each peer's codes take their own Hadamard
+    (`BlockConfig.hadamard_per_peer`)."""
 
     elements_per_tile: int
-    num_warps: int
+    num_warps: int | None
     dot_columns: int | None
-    tiles_per_program: int
     hadamard_per_peer: bool = False
 
 
 LAUNCHES = {
-    # encode and decode with the Hadamard dot; sub-byte codes over several planes: one tile.
-    "dot": Launch(8192, num_warps=4, dot_columns=16, tiles_per_program=2),
-    "planes": Launch(8192, num_warps=4, dot_columns=16, tiles_per_program=1),
+    # encode and decode with the Hadamard dot: small tiles, one a program, so that a TP step's
+    # 8-64 MiB messages fill the GPU; sub-byte codes over several planes.
+    "encode_dot": Launch(4096, num_warps=None, dot_columns=16),  # 2 warps at G <= 256
+    "decode_dot": Launch(2048, num_warps=None, dot_columns=16),  # 1 warp at G <= 128
+    "planes": Launch(8192, num_warps=4, dot_columns=16),
     # no Hadamard (fp8, int8): a plain streaming pass.
-    "no_dot": Launch(8192, num_warps=8, dot_columns=None, tiles_per_program=1),
-    # decode-sum: N peer tiles in registers at once; two peers fit decode's tile, each peer
-    # through its own Hadamard.
-    "peers_dot": Launch(2048, num_warps=4, dot_columns=64, tiles_per_program=4),
-    "two_peers_dot": Launch(
-        8192, num_warps=4, dot_columns=16, tiles_per_program=1, hadamard_per_peer=True
-    ),
+    "no_dot": Launch(8192, num_warps=8, dot_columns=None),
+    # decode-sum: N peer tiles in registers at once; two peers, each through its own Hadamard.
+    "peers_dot": Launch(2048, num_warps=4, dot_columns=64),
+    "two_peers_dot": Launch(8192, num_warps=2, dot_columns=16, hadamard_per_peer=True),
     # decode-sum-reencode (no Hadamard: H H = I) and decode-sum without one.
-    "peers_no_dot": Launch(2048, num_warps=4, dot_columns=None, tiles_per_program=1),
+    "peers_no_dot": Launch(2048, num_warps=4, dot_columns=None),
     # TAH-Quant (`tahquant_kernel`): the encode bound by its arithmetic, the decode streams.
-    "stage_encode": Launch(2048, num_warps=2, dot_columns=None, tiles_per_program=1),
-    "stage_decode": Launch(8192, num_warps=2, dot_columns=None, tiles_per_program=1),
-    "stage_decode_g32": Launch(4096, num_warps=2, dot_columns=None, tiles_per_program=1),
+    "stage_encode": Launch(2048, num_warps=2, dot_columns=None),
+    "stage_decode": Launch(8192, num_warps=2, dot_columns=None),
+    "stage_decode_g32": Launch(4096, num_warps=2, dot_columns=None),
 }
 
 
@@ -104,18 +105,16 @@ def block_config(
     group_size: int,
     num_groups: int,
     *,
-    rows: int = 1,
     min_groups: int = MIN_GROUPS_PER_TILE,
 ) -> BlockConfig:
-    """The `LAUNCHES[launch]` config for `rows` rows (or peers summed) of `num_groups` groups."""
+    """The `LAUNCHES[launch]` config for rows (or peers summed) of `num_groups` groups."""
     row = LAUNCHES[launch]
     groups = max(min_groups, row.elements_per_tile // group_size)
     groups = max(min_groups, min(groups, 1 << max(0, (num_groups - 1).bit_length())))
-    tiles = rows * cdiv(num_groups, groups)
+    warps = row.num_warps or min(MAX_WARPS, max(1, groups * group_size // ELEMENTS_PER_WARP))
     return BlockConfig(
         groups,
-        num_warps=row.num_warps,
-        tiles_per_program=row.tiles_per_program if tiles >= MIN_TILES_FOR_LOOP else 1,
+        num_warps=warps,
         hadamard_dot=row.dot_columns or MAX_DOT_HADAMARD,  # unused without a dot
         hadamard_per_peer=row.hadamard_per_peer,
         min_groups=min_groups,

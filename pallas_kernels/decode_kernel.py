@@ -46,12 +46,13 @@ def _decode_kernel(
     _tile.for_each_tile(cfg, pl.program_id(1), load, decode_tile)
 
 
-def default_config(codec: Codec, rows: int, n: int) -> BlockConfig:
-    """The launch `decode` takes for rows [R, n] unless given one: codes split over several bit
-    planes (6 and 5 bits) take one tile per program; 4-bit codes, one plane, keep the loop."""
+def default_config(codec: Codec, n: int) -> BlockConfig:
+    """The launch `decode` takes for rows of n elements unless given one: codes split over
+    several bit planes (6 and 5 bits) take the planes' launch; 4-bit codes, one plane, the
+    Hadamard decode's."""
     planes = len(codecs.PLANE_WIDTHS[codec.bits]) > 1
-    launch = ("planes" if planes else "dot") if codec.hadamard else "no_dot"
-    return block_config(launch, codec.group_size, n // codec.group_size, rows=rows)
+    launch = ("planes" if planes else "decode_dot") if codec.hadamard else "no_dot"
+    return block_config(launch, codec.group_size, n // codec.group_size)
 
 
 def decode(
@@ -67,7 +68,7 @@ def decode(
     """wire[R, codec.wire_bytes(n)] -> x[R, n] of `dtype` (out_init, config: as `encode`)."""
     check_wire(codec, wire, n)
     rows = wire.shape[0]
-    cfg = config or default_config(codec, rows, n)
+    cfg = config or default_config(codec, n)
     h = jnp.asarray(_tile.hadamard_block(codec.group_size, cfg), jnp.bfloat16)
     return _pallas.call(
         functools.partial(_decode_kernel, codec=codec, n=n, cfg=cfg, interpret=interpret),

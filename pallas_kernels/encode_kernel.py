@@ -49,10 +49,10 @@ def _encode_kernel(
     _tile.for_each_tile(cfg, pl.program_id(1), load, encode_tile)
 
 
-def default_config(codec: Codec, rows: int, n: int) -> BlockConfig:
-    """The launch `encode` takes for rows [R, n] unless given one."""
-    launch = ("planes" if codec.bits < 8 else "dot") if codec.hadamard else "no_dot"
-    return block_config(launch, codec.group_size, n // codec.group_size, rows=rows)
+def default_config(codec: Codec, n: int) -> BlockConfig:
+    """The launch `encode` takes for rows of n elements unless given one."""
+    launch = ("planes" if codec.bits < 8 else "encode_dot") if codec.hadamard else "no_dot"
+    return block_config(launch, codec.group_size, n // codec.group_size)
 
 
 def encode(
@@ -73,7 +73,7 @@ def encode(
     if x.ndim != 2:
         raise ValueError(f"encode takes rows [R, n], got shape={x.shape}")
     rows, n = x.shape
-    cfg = config or default_config(codec, rows, n)
+    cfg = config or default_config(codec, n)
     kernel = functools.partial(
         _encode_kernel,
         codec=codec,

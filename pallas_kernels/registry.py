@@ -1,25 +1,24 @@
 """Which kernel runs each codec op: one per (op, codec family, platform), chosen here alone.
 
-| platform                  | codecs                               | kernel                        |
-|---------------------------|--------------------------------------|-------------------------------|
-| Hopper GPU                | FP8 with a Hadamard, fp32 scales,    | Mosaic GPU (`encode_mosaic`,  |
-|                           | G = 128: taco, taco_e5m2, taco_no_ds | `decode_mosaic`); the fused   |
-|                           |                                      | exchange for `taco`           |
-| Hopper GPU                | every other codec                    | Triton                        |
-| other GPUs, interpreter   | every codec                          | Triton                        |
-| any                       | TAH-Quant, SDP4Bit (`tahquant`)      | Triton (`tahquant_kernel`)    |
+| platform                               | codecs                           | kernel           |
+|----------------------------------------|----------------------------------|------------------|
+| any GPU, the interpreter               | every codec                      | Triton           |
+| Hopper GPU, a JAX whose Pallas has no  | FP8 with a Hadamard, fp32 scales,| Mosaic GPU       |
+| Triton lowering                        | G = 128 (taco, taco_e5m2, ...)   | (`*_mosaic`)     |
+| any                                    | TAH-Quant, SDP4Bit (`tahquant`)  | Triton           |
 
-The decode-sum and re-encode of more than two peers take one peer's tile a pipeline step
-(`decode_mosaic`, peer steps), of two peers both peers' tiles a step. The Mosaic kernels read
-bf16 into the encode's wgmma and write fp32 or bf16: other dtypes take Triton. Mosaic GPU is
-Pallas' supported GPU lowering; no record shows its kernels more than 10% slower than
-Triton's at the messages of a TP = 2, 4 or 8 step of GPT-125M to GPT-1.3B, while the codecs
-without a Hadamard, the INT8, sub-byte and E8M0 ones measured faster on Triton
-(docs/decisions/004-one-kernel-per-op.md).
+On an H100 the Triton kernels were faster than the Mosaic GPU ones, or level with them, for
+every op at the 8 MiB - 1 GiB messages of 2, 4 and 8 peers, but the decode-sum of 8 peers at
+1 GiB (docs/decisions/004-one-kernel-per-op.md). The Mosaic kernels stay as the path for a JAX
+whose Pallas has no Triton lowering (deprecated since JAX 0.11) and for the fused exchange
+(`exchange_mosaic`, which stores codes into peers' memory: Triton cannot). Their sums of more
+than two peers take one peer's tile a pipeline step (`decode_mosaic`, peer steps), of two peers
+both peers' tiles a step; they read bf16 into the encode's wgmma and write fp32 or bf16.
 
-Where the chosen kernel cannot take a call (a row that is not whole Mosaic tiles, a JAX without
-the Triton lowering) the jnp reference runs, with one warning; the collectives pad their rows
-to `row_multiple` so that the kernels take every call they make.
+Where the chosen kernel cannot take a call (a row that is not whole Mosaic tiles, a dtype the
+Mosaic kernels do not take, a JAX without the Triton lowering) the jnp reference runs, with one
+warning; the collectives pad their rows to `row_multiple` so that the kernels take every call
+they make.
 """
 
 from __future__ import annotations
@@ -50,27 +49,34 @@ def kernel_for(
         raise ValueError(f"unknown {op=}; choose one of {OPS}")
     if codec.is_identity:  # "none" moves raw bytes: nothing to fuse
         return "reference"
-    if not interpret and mosaic_runs(codec):
-        dtypes = MOSAIC_ENCODE_DTYPES if op == "encode" else MOSAIC_DECODE_DTYPES
-        if dtype is not None and jnp.dtype(dtype) not in dtypes:
-            return _triton(op)
-        reason = encode_mosaic.unsupported(codec, n)
-        if reason is not None:
-            return _reference(op, f"the Mosaic GPU kernels cannot take {reason}")
-        return "mosaic_peer_steps" if op in SUMS and peers > 2 else "mosaic"
-    return _triton(op)
+    if not mosaic_chosen(codec, interpret):
+        return _triton(op)
+    dtypes = MOSAIC_ENCODE_DTYPES if op == "encode" else MOSAIC_DECODE_DTYPES
+    if dtype is not None and jnp.dtype(dtype) not in dtypes:
+        return _reference(op, f"the Mosaic GPU kernels take {dtypes}, not {jnp.dtype(dtype)}")
+    reason = encode_mosaic.unsupported(codec, n)
+    if reason is not None:
+        return _reference(op, f"the Mosaic GPU kernels cannot take {reason}")
+    return "mosaic_peer_steps" if op in SUMS and peers > 2 else "mosaic"
 
 
 def mosaic_runs(codec) -> bool:
-    """Whether `codec`'s ops run Mosaic GPU kernels here: a Hopper GPU and a codec they take."""
+    """Whether Mosaic GPU kernels can run `codec`'s ops here: a Hopper GPU and a codec they
+    take (the fused exchange runs wherever they can)."""
     if not isinstance(codec, Codec) or encode_mosaic.unsupported_codec(codec) is not None:
         return False
     return _pallas.hopper_gpu()
 
 
+def mosaic_chosen(codec, interpret: bool = False) -> bool:
+    """Whether the codec ops of `codec` run Mosaic GPU kernels: where they can run and JAX has
+    no Triton lowering of Pallas."""
+    return not interpret and _pallas.pltriton is None and mosaic_runs(codec)
+
+
 def row_multiple(codec) -> int:
     """What the collectives pad each row to, so that the chosen kernels take it."""
-    return encode_mosaic.row_multiple(codec) if mosaic_runs(codec) else codec.group_size
+    return encode_mosaic.row_multiple(codec) if mosaic_chosen(codec) else codec.group_size
 
 
 def stage_kernel(codec_name: str) -> str:

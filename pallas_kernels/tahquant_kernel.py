@@ -134,7 +134,7 @@ MAX_KERNEL_GROUP = 2048
 MAX_GROUP_OF_WIDE_TILES = 128
 
 
-def _launch(codec: TahQuant, rows: int, n: int, launch: str) -> BlockConfig:
+def _launch(codec: TahQuant, n: int, launch: str) -> BlockConfig:
     g, groups = codec.group_size, n // codec.group_size
     if g > MAX_KERNEL_GROUP:
         raise ValueError(
@@ -142,12 +142,12 @@ def _launch(codec: TahQuant, rows: int, n: int, launch: str) -> BlockConfig:
             f"at most {MAX_KERNEL_GROUP}"
         )
     min_groups = MIN_GROUPS_PER_TILE if g <= MAX_GROUP_OF_WIDE_TILES else 1
-    return block_config(launch, g, groups, rows=rows, min_groups=min_groups)
+    return block_config(launch, g, groups, min_groups=min_groups)
 
 
-def encode_config(codec: TahQuant, rows: int, n: int) -> BlockConfig:
-    """The encode's default launch for rows [rows, n]."""
-    return _launch(codec, rows, n, "stage_encode")
+def encode_config(codec: TahQuant, n: int) -> BlockConfig:
+    """The encode's default launch for rows of n elements."""
+    return _launch(codec, n, "stage_encode")
 
 
 def encode(
@@ -168,7 +168,7 @@ def encode(
     if codec.stochastic and key is None:
         raise ValueError(f"codec {codec.name!r} rounds stochastically: pass a PRNG key")
     rows, n = x.shape
-    cfg = config or encode_config(codec, rows, n)
+    cfg = config or encode_config(codec, n)
     seeds = tahquant.noise_seeds(key) if codec.stochastic else jnp.zeros((2,), jnp.uint32)
     kernel = functools.partial(_encode_kernel, codec=codec, n=n, cfg=cfg, interpret=interpret)
     return _pallas.call(
@@ -204,7 +204,7 @@ def decode(
         )
     rows = wire.shape[0]
     launch = "stage_decode_g32" if codec.group_size == 32 else "stage_decode"
-    cfg = config or _launch(codec, rows, n, launch)
+    cfg = config or _launch(codec, n, launch)
     return _pallas.call(
         functools.partial(_decode_kernel, codec=codec, n=n, cfg=cfg),
         wire,

@@ -168,7 +168,7 @@ class TahQuantKernelTest:
         holds at most 8192), so tiles of both kinds run, encoded and decoded."""
         codec = get_stage_codec(name)
         g, n = codec.group_size, 4 * 8192
-        tile = tk.encode_config(codec, 2, n).groups_per_tile * g
+        tile = tk.encode_config(codec, n).groups_per_tile * g
         assert 8192 % tile == 0, f"a tile of {tile} elements would mix the two kinds of tiles"
         magnitudes = jax.random.uniform(jax.random.key(5), (2, n), jnp.float32, 1.0, 1.5)
         signs = jax.random.rademacher(jax.random.key(6), (2, n), jnp.float32)
