@@ -1,4 +1,4 @@
-"""What the benchmark scripts share besides timing (`_timing`): the record, profiles, data.
+"""What the benchmark scripts share besides timing (`taco_jax.timing`): the record, profiles, data.
 
 `write_record` writes one JSON file per run, `<out>/<name>-<date><suffix>.json`: date, device,
 versions, command, environment, the commit and a fingerprint of the kernels' code first, so

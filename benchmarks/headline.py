@@ -12,9 +12,9 @@ each with those variables set: the all-reduce of `taco` and `int6_hadamard` with
 kernels the registry picks against a copy (`kernels.py`), `compressed_psum` under `vmap`
 against `lax.psum` (`collectives.py --emulate 4`), and the emulated steps of GPT-125M at TP = 4
 and GPT-1.3B at TP = 2, `taco` one-shot against uncompressed, with the device time of the
-codec's kernels in a profile of two steps (`train_step.py`). Every
-comparison is interleaved with its A/A control (`_timing`). The parts share `--budget-s`: each
-gets a deadline, after which its comparisons stop at their minimum rounds, and a part still
+codec's kernels in a profile of two steps (`train_step.py`). Every comparison is
+interleaved with its A/A control (`taco_jax.timing`). The parts share `--budget-s`: each gets a
+deadline, after which its comparisons stop at their minimum rounds, and a part still
 running at the end of the budget is stopped (what it recorded stays). Records go to `--out`
 (`<script>-<date>-headline-<part>.json`); then `tables.py` regenerates every table from
 benchmarks/results/. Set `TACO_JAX_COMMIT` where the tree has no .git, so that the records

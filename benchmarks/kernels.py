@@ -17,10 +17,10 @@ Codec `taco` (or `--codec NAME`: record `kernels-NAME-<date>.json`), G = 128, me
    `--backends`: "auto" (the kernel `pallas_kernels.registry` picks, as the collectives call
    them), "triton", "mosaic" (Hopper, the codecs the Mosaic kernels take; the sums of more
    than two peers with peer steps, as the registry runs them). Each is timed as one call in a
-   jitted program of dependent calls (`_timing.in_program`: 16 calls rotating over inputs of
+   jitted program of dependent calls (`timing.in_program`: 16 calls rotating over inputs of
    >= 256 MiB from 1 MiB, so that nothing is served from L2; below, 200 calls on one input, in
    L2 as a fresh activation would be), all interleaved with an A/A control of the copy
-   (`_timing.compare`); the record keeps the raw times.
+   (`timing.compare`); the record keeps the raw times.
 Bandwidth is logical IO: bytes read + bytes written, once each; "of copy" is an op's bandwidth
 over the copy's (median of the paired ratios, with its interval).
 """
@@ -40,7 +40,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
-from benchmarks import _timing
 from benchmarks._common import write_record
 from pallas_kernels import (
     _pallas,
@@ -51,7 +50,7 @@ from pallas_kernels import (
     encode_mosaic,
     registry,
 )
-from taco_jax import codecs
+from taco_jax import codecs, timing
 
 PEERS = 8  # rows of the benchmark: an 8-way TP group
 MiB = 1 << 20
@@ -307,7 +306,7 @@ def bench(
 ) -> tuple[list[dict], list[dict]]:
     """Per message size (bytes of bf16): an XLA copy of the same bytes (a negate, the
     baseline) and each op of `_ops`, in one program of dependent calls each, interleaved with
-    an A/A control (`_timing.compare`). Rows per size and the comparisons' raw times."""
+    an A/A control (`timing.compare`). Rows per size and the comparisons' raw times."""
     codec = codecs.get_codec(codec_name, 128)
     ops = _ops(codec, backends, reference, interpret)
     rows, comparisons = [], []
@@ -316,12 +315,12 @@ def bench(
         calls_here = calls or (IN_PROGRAM_CALLS if size >= MiB else LATENCY_CALLS)
         xs = _inputs(codec, elements, key, "x", rotate=size >= MiB)
         wires = _inputs(codec, elements, key, "wire", rotate=size >= MiB)
-        samplers = {"copy": _timing.in_program(lambda x: -x, xs, calls_here)}
+        samplers = {"copy": timing.in_program(lambda x: -x, xs, calls_here)}
         for name, (fn, kind, _) in ops.items():
             if _applies_at(name, codec, elements):
                 inputs = xs if kind == "x" else wires
-                samplers[name] = _timing.in_program(fn, inputs, calls_here)
-        result = _timing.compare(samplers, "copy", **compare)
+                samplers[name] = timing.in_program(fn, inputs, calls_here)
+        result = timing.compare(samplers, "copy", **compare)
         comparisons.append(dict(bytes=size, calls=calls_here, **result))
         rows.append(_row(size, ops, result))
         print("BENCH", json.dumps(rows[-1]), flush=True)
@@ -338,7 +337,7 @@ def _row(size: int, ops, result) -> dict:
         bytes=size,
         copy_in_program_s=median("copy"),
         copy_in_program_tbps=2 * size / median("copy") / 1e12,
-        aa=summary[_timing.AA_RATIO],
+        aa=summary[timing.AA_RATIO],
     )
     for name, (_, _, io) in ops.items():
         if name not in times:
@@ -399,7 +398,7 @@ def main(argv=None):
         help=f"calls a program (default {IN_PROGRAM_CALLS}; {LATENCY_CALLS} below 1 MiB)",
     )
     p.add_argument("--budget-s", type=float, default=20.0, help="per size")
-    p.add_argument("--min-repeats", type=int, default=_timing.MIN_REPEATS)
+    p.add_argument("--min-repeats", type=int, default=timing.MIN_REPEATS)
     p.add_argument("--max-repeats", type=int, default=30)
     p.add_argument(
         "--deadline",

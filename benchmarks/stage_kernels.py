@@ -8,8 +8,8 @@ data set (`--data`: Gaussian, Student-t, outlier channels; the encode of the G =
 skips the pivot's swap and H_32 on tiles without a flagged group, so the data moves its time)
 and each stage codec (or SDP4Bit code: `--codecs tlq_hs4 qwd`): encode (bf16 -> wire) and
 decode (wire -> bf16), fused and reference, interleaved with an XLA negate of the bf16 message
-(the copy, the baseline) and its A/A control (`_timing.compare`). Samples are host-dispatched
-batches (`_timing.batched`), inputs rotating over >= 256 MiB so that nothing is served from L2.
+(the copy, the baseline) and its A/A control (`timing.compare`). Samples are host-dispatched
+batches (`timing.batched`), inputs rotating over >= 256 MiB so that nothing is served from L2.
 Bandwidth is logical IO (bytes read + bytes written, once each); "of copy" divides it by the
 copy's (read + write). Each size first compares the kernels' outputs with the reference on one
 message (moved codes, largest decode difference, in the record); a code moved by more than one
@@ -26,10 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import _timing
 from benchmarks._common import activation_like, write_record
 from pallas_kernels import tahquant_kernel as tk
-from taco_jax import sdp4bit, tahquant
+from taco_jax import sdp4bit, tahquant, timing
 
 MiB = 1 << 20
 ROTATE_BYTES = 256 * MiB
@@ -97,7 +96,7 @@ def bench(size: int, names, data: str = "gaussian", **compare) -> tuple[dict, di
     the copy; (row, comparison)."""
     elements = size // 2
     key, xs = _messages(size, data)
-    samplers = {"copy": _timing.batched(jax.jit(lambda x: -x), xs)}
+    samplers = {"copy": timing.batched(jax.jit(lambda x: -x), xs)}
     row = {"bytes": size, "data": data}
     io = {}
     for name in names:
@@ -118,14 +117,14 @@ def bench(size: int, names, data: str = "gaussian", **compare) -> tuple[dict, di
             ),
         }
         for op, (fused, reference, inputs) in ops.items():
-            samplers[f"{name} {op}"] = _timing.batched(jax.jit(fused), inputs)
-            samplers[f"{name} {op} reference"] = _timing.batched(jax.jit(reference), inputs)
+            samplers[f"{name} {op}"] = timing.batched(jax.jit(fused), inputs)
+            samplers[f"{name} {op} reference"] = timing.batched(jax.jit(reference), inputs)
         io[name] = size + codec.wire_bytes(elements)  # bf16 in, wire out (and the reverse)
         row[name] = {
             "bits_per_element": codec.bits_per_element,
             "check": _check(codec, xs[0][0], keys[0]),
         }
-    result = _timing.compare(samplers, "copy", **compare)
+    result = timing.compare(samplers, "copy", **compare)
     times, summary = result["times_s"], result["summary"]
     median = lambda label: sorted(times[label])[len(times[label]) // 2]  # noqa: E731
     row.update(copy_s=median("copy"), copy_tbps=2 * size / median("copy") / 1e12)

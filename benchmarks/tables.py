@@ -6,7 +6,7 @@
 A generated block sits between `<!-- table: NAME -->` and `<!-- /table -->`; the prose around
 it is written by hand. Each NAME is a function of `TABLES`, which reads its records through
 `Records` (so the set of records the tables read is known: every file in results/ must be one,
-tests/benchmarks/test_tables.py). A record of the harness (`_timing`: it holds "comparisons")
+tests/benchmarks/test_tables.py). A record of the harness (`taco_jax.timing`: it holds "comparisons")
 gives each ratio its median, interval and verdict, recomputed here from its raw times; an older
 record gives one median per side and no verdict, which the tables mark. A headline cell shows
 the newest harness record that measured it, else the older record; the other tables list the
@@ -26,8 +26,8 @@ import sys
 import textwrap
 from collections.abc import Callable
 
-from benchmarks import _timing
 from benchmarks._common import kernels_fingerprint
+from taco_jax import timing
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -186,8 +186,8 @@ def comparison_of(record: dict, *labels: str, **fields) -> dict | None:
 def harness_ratio(comparison: dict, reference: str, name: str) -> dict:
     """`reference` time / `name` time of a comparison, recomputed from its raw times."""
     times = comparison["times_s"]
-    aa = _timing.summarize(times)[_timing.AA_RATIO]
-    return _timing.ratio(times, reference, name, aa)
+    aa = timing.summarize(times)[timing.AA_RATIO]
+    return timing.ratio(times, reference, name, aa)
 
 
 def median_time(comparison: dict, name: str) -> float:
@@ -712,7 +712,7 @@ def registry_kernels(records: Records) -> str:
     for record in newest.values():
         for b in record["bench"]:
             c = next(c for c in record["comparisons"] if c["bytes"] == b["bytes"])
-            aa = _timing.summarize(c["times_s"])[_timing.AA_RATIO]
+            aa = timing.summarize(c["times_s"])[timing.AA_RATIO]
             cells = [_of_copy(b[op]) if op in b else "-" for op in OPS]
             kernels_ = "/".join(dict.fromkeys(record["registry"].values()))
             what = f"`{record['codec']}`, {record['peers']}, {size(b['bytes'])} ({kernels_})"
@@ -948,8 +948,8 @@ def collectives_harness(records: Records) -> str:
     for record in records.harness("collectives-"):
         where = "vmap, one GPU" if record.get("emulated") else LINK_NAMES[record_link(record)]
         for c in record["comparisons"]:
-            aa = _timing.summarize(c["times_s"])[_timing.AA_RATIO]
-            variants = [n for n in c["times_s"] if n not in ("lax", _timing.AA)]
+            aa = timing.summarize(c["times_s"])[timing.AA_RATIO]
+            variants = [n for n in c["times_s"] if n not in ("lax", timing.AA)]
             cells = "; ".join(f"`{n}` {judged(harness_ratio(c, 'lax', n))}" for n in variants)
             rows.append(
                 [
@@ -1393,7 +1393,7 @@ def noise_floor(records: Records) -> str:
     for prefix in ("kernels", "collectives-", "stage_kernels", "train_step-"):
         for record in records.harness(prefix):
             intervals = [
-                _timing.summarize(c["times_s"])[_timing.AA_RATIO]["interval"]
+                timing.summarize(c["times_s"])[timing.AA_RATIO]["interval"]
                 for c in record["comparisons"]
             ]
             widest = max(intervals, key=lambda iv: iv[1] - iv[0])

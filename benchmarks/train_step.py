@@ -36,7 +36,7 @@ Cases (`--only TEXT [TEXT ...]` keeps those whose label contains one of them):
 Timing: the cases are timed in groups, each against its baseline (`group_key`: a TP layout's
 compressed steps against its uncompressed one, the pipelined ones against the same batch on
 one device, ZeRO-1 against replicated AdamW), every case of a group compiled and resident at
-once, one step of each per round, interleaved with an A/A control (`_timing.compare`: at
+once, one step of each per round, interleaved with an A/A control (`timing.compare`: at
 least `--min-repeats` rounds, more until the ratios are stable or `--budget-s` is spent). A row
 keeps its step times (one per round), their median and `vs_baseline`: baseline step / its
 step, paired by round, with its interval and verdict. With `--profile-steps N`, N more steps of
@@ -67,8 +67,8 @@ import numpy as np
 import optax
 
 import taco_jax
-from benchmarks import _timing
 from benchmarks._common import collective_windows, device_time_by_kernel, write_record
+from taco_jax import timing
 from taco_models import ModelConfig, ParallelConfig, layers
 from taco_models.parallel import SCHEDULES
 from taco_models.pipeline import StageCodecs
@@ -325,7 +325,7 @@ def groups(cases: list[Case]) -> list[list[Case]]:
 
 def vs_baseline(rows: list[dict]) -> dict[str, dict]:
     """Per row with a baseline: baseline step / its step (median of the paired rounds, the
-    interval and verdict, `_timing`)."""
+    interval and verdict, `taco_jax.timing`)."""
     return {r["label"]: r["vs_baseline"] for r in rows if r.get("vs_baseline")}
 
 
@@ -424,7 +424,7 @@ def build(case: Case) -> Built:
 
 def run_group(group: list[Case], args) -> tuple[list[dict], dict | None]:
     """Compiles the group's cases, times them interleaved against the first (the baseline)
-    with an A/A control (`_timing.compare`), then profiles each with `--profile-steps`; a case
+    with an A/A control (`timing.compare`), then profiles each with `--profile-steps`; a case
     that fails to build is recorded with its error. (rows, the comparison)."""
     built, rows = [], {}
     for case in group:
@@ -436,10 +436,10 @@ def run_group(group: list[Case], args) -> tuple[list[dict], dict | None]:
             rows[case.label] = {"label": case.label, "error": f"{type(err).__name__}: {err}"}
     if not built:
         return list(rows.values()), None
-    samplers = {b.case.label: _timing.wall(b.step) for b in built}
+    samplers = {b.case.label: timing.wall(b.step) for b in built}
     baseline = built[0].case.label
     try:
-        result = _timing.compare(
+        result = timing.compare(
             samplers,
             baseline,
             warmup=args.warmup,
@@ -487,7 +487,7 @@ def row_of(b: Built, result: dict, profile: dict | None) -> dict:
         "flops_per_token": cfg.flops_per_token(),
         "step_times_s": times,
         "median_step_s": median,
-        # baseline step / this step, paired by round: > 1 faster (`_timing`)
+        # baseline step / this step, paired by round: > 1 faster (`taco_jax.timing`)
         "vs_baseline": summary and {"baseline": result["baseline"], **summary},
         "tokens_per_s": tokens_per_step / median,
         "model_tflops_per_s": flops_per_step / median / 1e12,
@@ -586,7 +586,7 @@ def save(rows: list[dict], comparisons: list[dict], args, attention: str, note: 
         attention_note=note,
         peak_bf16_flops=peak_flops(),
         flops_formula="6 N + 12 L H Q T per token (PaLM app. B; N = matmul parameters)",
-        timing="interleaved rounds with an A/A control per group (benchmarks/_timing.py)",
+        timing="interleaved rounds with an A/A control per group (benchmarks/timing.py)",
         results=rows,
         comparisons=comparisons,
         vs_baseline=vs_baseline(rows),
@@ -604,7 +604,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--min-repeats",
         type=int,
-        default=_timing.MIN_REPEATS,
+        default=timing.MIN_REPEATS,
         help="rounds of steps a group, at least",
     )
     parser.add_argument("--max-repeats", type=int, default=20, help="rounds a group, at most")

@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from benchmarks import _common, _timing, tables
+from benchmarks import _common, tables
+from taco_jax import timing
 
 MAX_RECORDS = 80
 
@@ -97,11 +98,11 @@ def _harness_record(tmp_path, kernels: str) -> None:
     16 MiB-1 GiB, 2% noise, 8 rounds."""
     comparisons = []
     for i, nbytes in enumerate(s << 20 for s in (16, 64, 256, 1024)):
-        times = {"lax": [], _timing.AA: [], "taco auto": []}
+        times = {"lax": [], timing.AA: [], "taco auto": []}
         for r in range(8):
             jitter = 1 + 0.02 * math.sin(7 * i + 3 * r)
             times["lax"].append(1e-3 * jitter)
-            times[_timing.AA].append(1e-3 / jitter)
+            times[timing.AA].append(1e-3 / jitter)
             times["taco auto"].append(1e-3 / 1.5 * jitter**0.5)
         comparisons.append(
             {"tp": 2, "bytes": nbytes, "op": "all_reduce", "repeats": 8, "times_s": times}
@@ -141,11 +142,11 @@ def test_a_kernels_record_of_both_lowerings(tmp_path):
     Mosaic 1.2x Triton's speed, 1% noise, reads "faster" beside the two shares of the copy."""
     bench, comparisons = [], []
     for i, nbytes in enumerate(s << 20 for s in (16, 64)):
-        times = {"copy": [], _timing.AA: []}
+        times = {"copy": [], timing.AA: []}
         for r in range(8):
             jitter = 1 + 0.01 * math.sin(5 * i + 3 * r)
             times["copy"].append(1e-4 * jitter)
-            times[_timing.AA].append(1e-4 / jitter)
+            times[timing.AA].append(1e-4 / jitter)
             for op in tables.OPS:
                 times.setdefault(f"{op}_triton", []).append(1.2e-4 * jitter)
                 times.setdefault(op, []).append(1e-4 / jitter)
