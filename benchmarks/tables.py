@@ -107,11 +107,13 @@ def of_copy(op: dict) -> str:
     return f"{op['in_program_of_copy']:.0%} [{lo * 100:.0f}, {hi:.0%}]"
 
 
-def where(record: dict) -> str:
+def where(record: dict, mode: str = "shard_map") -> str:
     """One device (ranks emulated), or the link the record's NCCL variables select."""
     env = record.get("env", {})
-    if record.get("emulated") or record["device"].startswith("1 x"):
+    if record.get("emulated") or mode != "shard_map" or record["device"].startswith("1 x"):
         return "one device"
+    if record.get("backend") == "cpu":
+        return "CPU devices"
     if env.get("NCCL_SHM_DISABLE") == "1":
         return "sockets"
     return "shared memory" if env.get("NCCL_P2P_DISABLE") == "1" else "NVLink"
@@ -173,8 +175,10 @@ def ratios(records: list[dict], baseline: str | None) -> list[dict]:
                 words = [w for w, v in zip(name.split(), base.split(), strict=False) if w == v]
                 shared = " ".join(words) if name.startswith(" ".join(words)) else ""
                 pair = dict(shared=shared, ours=name[len(shared) :], theirs=base[len(shared) :])
+                mode = labelled.get(name, {}).get("parallel", {}).get("mode", "shard_map")
                 rows.append(
-                    dict(record=record, c=c, base=base, name=name, ratio=ratio, where=where(record))
+                    dict(record=record, c=c, base=base, name=name, ratio=ratio)
+                    | dict(where=where(record, mode))
                     | {k: v.strip() for k, v in pair.items()}
                     | dict(aa=interval(aa), size=size(c.get("bytes", 0)))
                     | dict(base_s=seconds(statistics.median(times[base])))

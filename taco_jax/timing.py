@@ -185,6 +185,7 @@ def wall(call: Callable[[], object], per: int = 1) -> Sampler:
     """Wall time of one `call()` (ended by `jax.block_until_ready` on what it returns) over
     `per` (e.g. the ops one call loops over). `call` takes no argument, so that a training
     step can carry its state from one call to the next."""
+
     def sample() -> float:
         begin = time.perf_counter()
         jax.block_until_ready(call())

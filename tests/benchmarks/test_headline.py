@@ -47,13 +47,13 @@ def test_dry_run_end_to_end(tmp_path):
         records[part] = json.loads(path.read_text())
         assert records[part]["comparisons"], part  # the harness's raw times
     # Each link's process ran with that link's NCCL variables.
-    assert tables.where(records["collectives-socket"]) == "sockets"
-    assert tables.where(records["step-shm"]) == "shared memory"
+    assert records["collectives-socket"]["env"]["NCCL_SHM_DISABLE"] == "1"
+    assert records["step-shm"]["env"]["NCCL_P2P_DISABLE"] == "1"
     # The tables previewed with the dry records show their rows, each record named.
     preview = (tmp_path / "tables.md").read_text()
     for pattern in PARTS.values():
         assert f"`{next(tmp_path.glob(pattern)).name}`" in preview, pattern
-    rows = [line for line in preview.splitlines() if line.startswith("| sockets, 8 |")]
+    rows = [line for line in preview.splitlines() if line.startswith("| CPU devices, 8 |")]
     assert rows and all("`taco auto`" in r or "`int6_hadamard auto`" in r for r in rows), rows
     assert any(
         "gpt_tiny tp=8 (shard_map): taco auto / none" in line for line in preview.splitlines()
