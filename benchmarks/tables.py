@@ -279,14 +279,16 @@ TRAFFIC |= {"pp_grads": "PP sum", "dp_grad": "DP grad", "dp_param": "DP param"}
 
 
 def convergence_rows(records: list[dict], baseline: str | None) -> list[dict]:
-    """Per layout (in the order the records first hold them) and codec: the paired comparison
-    with the bf16 runs, the mean error of each compressed collective, the records."""
+    """Per layout (in the order the records first hold them) and codec with a bf16 run of its
+    seed: the paired comparison, the mean error of each compressed collective, the records."""
     runs = runs_of(records)
     keys = list(dict.fromkeys((r["layout"], r["codec"]) for r in runs if r["codec"] != baseline))
     layouts = list(dict.fromkeys(layout for layout, _ in keys))
     rows = []
     for layout, codec in sorted(keys, key=lambda key: layouts.index(key[0])):
-        mine = [r for r in runs if (r["layout"], r["codec"]) == (layout, codec)]
+        mine = [run for run, _ in pairs(runs, layout, codec).values()]  # the runs paired
+        if not mine:
+            continue
         errors: dict[str, list[float]] = {}
         for k, v in ((k, v) for r in mine for k, v in r["comm_rel_err"].items()):
             errors.setdefault(TRAFFIC.get(k.split(":")[0], k), []).append(v)
@@ -294,7 +296,7 @@ def convergence_rows(records: list[dict], baseline: str | None) -> list[dict]:
         names = sorted({r["record"].removeprefix("convergence-2026-") for r in mine})
         rows.append(
             dict(record=records[0], layout=layout_name(layout), codec=codec, p=pm(p))
-            | dict(seeds=len(p["seeds"]), spread=f"{p['spread']:.2f}%" if p["se"] else "-")
+            | dict(seeds=len(p["seeds"]), spread=f"{p['spread']:.2f}%" if len(mine) > 1 else "-")
             | dict(errors=", ".join(f"{k} {statistics.mean(v):.3f}" for k, v in errors.items()))
             | dict(names=", ".join(f"`{n}`" for n in names))
         )
