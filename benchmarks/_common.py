@@ -1,4 +1,4 @@
-"""What the benchmark scripts share besides timing (`_timing`): the record, profiles, data.
+"""What the benchmark scripts share besides timing (`taco_jax.timing`): the record, profiles, data.
 
 `write_record` writes one JSON file per run, `<out>/<name>-<date><suffix>.json`: date, device,
 versions, command, environment, the commit and a fingerprint of the kernels' code first, so
@@ -24,7 +24,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 ENV_PREFIXES = ("NCCL_", "XLA_", "CUDA_VISIBLE_DEVICES", "JAX_", "TACO_JAX_")
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -74,17 +73,6 @@ def _is_docstring(node) -> bool:
         and isinstance(getattr(node, "value", None), ast.Constant)
         and isinstance(node.value.value, str)
     )
-
-
-def looped_on_tp(mesh, op, inner: int):
-    """Jitted `shard_map` over "tp" of `inner` dependent applications of `op` to each rank's
-    block (one `fori_loop`: nothing is elided, and one dispatch covers them all)."""
-    spec = jax.sharding.PartitionSpec("tp")
-
-    def body(x):
-        return lax.fori_loop(0, inner, lambda _, v: op(v), x)
-
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
 
 def device_time_by_kernel(call: Callable[[], object], steps: int, top: int = 100) -> dict:
@@ -163,35 +151,3 @@ def activation_like(leading: int, size: int, seed: int, dof: float) -> dict[str,
         f"student_t{dof:g}": student,
         "outlier_channels": gaussian * jnp.where(channels, 30.0, 1.0),
     }
-
-
-_START = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*?\b([\w-]+-start)\(")
-_DONE = re.compile(r"\b[\w-]+-done\(.*?%([\w.-]+)")
-_COMPUTE = re.compile(r"\b(fusion|custom-call|convolution|dot|while|call|conditional)\(")
-
-
-def collective_windows(compiled_text: str) -> dict:
-    """Per kind of asynchronous op (`*-start` / `*-done` pairs: collectives, and also async
-    fusions and copies), how many are synchronous, asynchronous, and asynchronous with compute
-    inside their window (a kernel, loop, call or conditional scheduled between start and done),
-    over every computation (scan bodies too): the schedule evidence of overlap. Counts are per
-    compiled instruction, not per execution. Not seen: a pair whose start and done sit in
-    different computations (e.g. across loop iterations after XLA's collective pipeliner), and
-    work inside a called computation is one op."""
-    open_windows: dict[str, list] = {}  # start name -> [its counts, kernels seen inside]
-    kinds: dict[str, dict[str, int]] = {}
-    for line in compiled_text.splitlines():
-        if line.startswith("}"):  # a computation ends: a window cannot span two
-            open_windows.clear()
-        start, done = _START.search(line), _DONE.search(line)
-        if start:
-            kind = kinds.setdefault(start.group(2), {"async": 0, "overlapped": 0, "sync": 0})
-            kind["sync" if '"is_sync":true' in line else "async"] += 1
-            open_windows[start.group(1)] = [kind, 0]
-        elif done and done.group(1) in open_windows:
-            kind, inside = open_windows.pop(done.group(1))
-            kind["overlapped"] += inside > 0
-        elif _COMPUTE.search(line):
-            for window in open_windows.values():
-                window[1] += 1
-    return kinds

@@ -15,6 +15,8 @@ Student-t with 3 degrees of freedom, Gaussian with 1% of channels 30x larger). R
 
     python -m benchmarks.codec_error            # sets 8 fake CPU devices itself
     python -m benchmarks.codec_error --stage
+
+`python -m benchmarks.tables` renders the records (BENCHMARKS.md, "Codec error").
 """
 
 import os
@@ -120,11 +122,6 @@ def stage_main(args) -> None:
         seed=args.seed,
         results=results,
     )
-    print("| codec | bits/elem | " + " | ".join(data) + " |")
-    print("|---" * (2 + len(data)) + "|")
-    for r in results:
-        cells = " | ".join(f"{r[name]:.4f}" for name in data)
-        print(f"| {r['codec']} | {r['bits_per_element']:.4g} | {cells} |")
 
 
 def main() -> None:
@@ -162,21 +159,6 @@ def main() -> None:
         results={str(tp): r for tp, r in results.items()},
         six_bit_grids_after_hadamard=grids,
     )
-    names = list(data)
-    print(
-        "| codec | bits/elem | TP | "
-        + " | ".join(f"{n} rel. L2 (zero collapse)" for n in names)
-        + " |"
-    )
-    print("|---|---|---|" + "---|" * len(names))
-    for c in codecs:
-        for tp, r in results.items():
-            cells = [f"{r[c][n]['rel_l2']:.4f} ({r[c][n]['zero_collapse']:.1%})" for n in names]
-            print(f"| `{c}` | {bits[c]:g} | {tp} | " + " | ".join(cells) + " |")
-    print("\n6-bit grids after the Hadamard, one rank's data, relative rounding error:")
-    print("| data | " + " | ".join(SIX_BIT_GRIDS) + " |")
-    for name, errors in grids.items():
-        print(f"| {name} | " + " | ".join(f"{errors[g]:.4f}" for g in SIX_BIT_GRIDS) + " |")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ For every TP size the machine has (2, 4, 8; or `--emulate N` ranks under `jax.vm
 device) and each message size, times `lax.psum` (the baseline) and `compressed_psum` with each
 codec, all-reduce algorithm (`--algorithms`: a named one compresses every message; "auto"
 leaves whether and how to `taco_jax.policy`, and the row names what it chose) and `slices`,
-interleaved with an A/A control (`_timing.compare`), and checks every output (relative error
+interleaved with an A/A control (`timing.compare`), and checks every output (relative error
 vs the exact fp32 psum, rank-identical results). With `--ops pair`, the reduce-scatter +
 all-gather pair against the lax pair the same way. One sample is one jitted loop of `--inner`
 dependent collectives, divided by `--inner`. Rows: per-op median seconds, algorithm and bus
@@ -30,8 +30,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from benchmarks import _timing
 from benchmarks._common import write_record
+from taco_jax import timing
 from taco_jax.telemetry import relative_error
 
 MiB = 1 << 20
@@ -78,10 +78,10 @@ def _looped(op, inner: int, mesh):
     return _on_ranks(lambda x: lax.fori_loop(0, inner, lambda _, v: op(v), x), mesh)
 
 
-def _sampler(op, x: jax.Array, inner: int, mesh) -> _timing.Sampler:
+def _sampler(op, x: jax.Array, inner: int, mesh) -> timing.Sampler:
     """Seconds of one `op` on `x`, from one jitted loop of `inner` of them."""
     looped = _looped(op, inner, mesh)
-    return _timing.wall(lambda: looped(x), per=inner)
+    return timing.wall(lambda: looped(x), per=inner)
 
 
 def _chosen(algorithm: str, tp: int, size: int, emulated: bool) -> str:
@@ -153,7 +153,7 @@ def run(args) -> dict:
                     samplers[variant_name(codec, algorithm, slices)] = _sampler(
                         _op(op, codec, slices, algorithm), x, args.inner, mesh
                     )
-                result = _timing.compare(
+                result = timing.compare(
                     samplers,
                     "lax",
                     budget_s=args.budget_s,
@@ -204,7 +204,7 @@ def _rows(tp, size, op, variants, checks, result, emulated) -> list[dict]:
             busbw_gbs=size * bus_factor / seconds / 1e9,
         )
         if codec == "lax":
-            row.update(algorithm="-", speedup=1.0, aa=summary[_timing.AA_RATIO])
+            row.update(algorithm="-", speedup=1.0, aa=summary[timing.AA_RATIO])
         else:
             all_reduce = op == OPS["all_reduce"]
             row["algorithm"] = _chosen(algorithm, tp, size, emulated) if all_reduce else algorithm
@@ -247,7 +247,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--emulate", type=int, default=0, help="N ranks under vmap on one device")
     p.add_argument("--inner", type=int, default=5, help="collectives per sample")
     p.add_argument("--budget-s", type=float, default=30.0, help="per comparison")
-    p.add_argument("--min-repeats", type=int, default=_timing.MIN_REPEATS)
+    p.add_argument("--min-repeats", type=int, default=timing.MIN_REPEATS)
     p.add_argument("--max-repeats", type=int, default=30)
     p.add_argument(
         "--deadline",

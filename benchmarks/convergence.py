@@ -20,9 +20,9 @@ must exceed, and each codec is compared with the baseline of its own seed and la
 
 Writes `<out>/convergence-<date>.json` (per run: final train/val loss, tokens, steps, wall
 time, mean relative error per compressed collective, the validation curve; the paired
-comparison) and `convergence-<date>.png` (validation loss curves). `--merge FILE ...` keeps the
-runs of earlier records (runs already there are not repeated), so a study can be split over
-machines and sessions; `--report-only` trains nothing and only merges, compares and plots.
+comparison; `python -m benchmarks.tables` draws the curves). `--merge FILE ...` keeps the runs
+of earlier records (runs already there are not repeated), so a study can be split over machines
+and sessions; `--report-only` trains nothing and only merges and compares.
 
     python -m benchmarks.convergence --tp 4 --codecs none taco fp8 taco_no_ds int8 \
         --baseline-seeds 0 1 --set run.steps=600
@@ -35,7 +35,6 @@ machines and sessions; `--report-only` trains nothing and only merges, compares 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import pathlib
@@ -43,7 +42,7 @@ import re
 import statistics
 import time
 
-from benchmarks._common import today, write_record
+from benchmarks._common import write_record
 from taco_train import comm_error, metrics
 from taco_train.config import ConfigError, load_config
 from taco_train.trainer import train_and_evaluate
@@ -246,50 +245,6 @@ def compare(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def _title(layout: str) -> str:
-    if layout.startswith("3d"):
-        return f"{layout[2:]}, one GPU (emulated)"
-    dim, size = layout[:2], layout[2:]
-    return f"TP = {size} (emulated)" if dim == "tp" else f"{dim.upper()} = {size}"
-
-
-def plot(runs: list[dict], png: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    layouts = sorted({layout_of(r) for r in runs})
-    fig, axes = plt.subplots(1, len(layouts), figsize=(6 * len(layouts), 4.5), squeeze=False)
-    for ax, layout in zip(axes[0], layouts, strict=True):
-        group = [r for r in runs if layout_of(r) == layout]
-        # One color per codec (bf16 black), one line style per seed.
-        codecs_here = sorted({r["codec"] for r in group} - {"none"})
-        palette = plt.get_cmap("tab10" if len(codecs_here) <= 10 else "tab20").colors
-        colors = dict(zip(codecs_here, itertools.cycle(palette)))  # repeats past 20 codecs
-        colors["none"] = "black"
-        seeds = sorted({r["seed"] for r in group})
-        styles = dict(zip(seeds, ["-", "--", ":", "-."] * len(seeds), strict=False))
-        for r in sorted(group, key=lambda r: (r["codec"], r["seed"])):
-            steps, losses = zip(*r["val_curve"], strict=True) if r["val_curve"] else ((), ())
-            ax.plot(
-                steps,
-                losses,
-                label=f"{r['codec']} (seed {r['seed']})",
-                color=colors[r["codec"]],
-                linestyle=styles[r["seed"]],
-            )
-        ax.set_title(_title(layout))
-        ax.set_xlabel("step")
-        ax.set_ylabel("validation loss")
-        ax.legend(fontsize=7)
-        finals = [r["final_val_loss"] for r in group if r["final_val_loss"]]
-        if finals:  # zoom on the end of training, where the codecs separate
-            ax.set_ylim(min(finals) - 0.1, min(finals) + 0.6)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-
-
 def write_results(args, runs: list[dict], out: pathlib.Path, sources: list[dict]) -> None:
     # A merge that trains nothing ran on no accelerator: the merged files name their devices.
     extra = {"device": "see sources"} if args.report_only else {}
@@ -327,9 +282,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     parser.add_argument("--runs-dir", default="runs/convergence")
     parser.add_argument("--merge", nargs="+", default=[], help="earlier results JSON to extend")
-    parser.add_argument(
-        "--report-only", action="store_true", help="train nothing: merge, compare, plot"
-    )
+    parser.add_argument("--report-only", action="store_true", help="train nothing: merge")
     args = parser.parse_args()
 
     out = pathlib.Path(args.out)
@@ -376,7 +329,6 @@ def main() -> None:
         )
         write_results(args, runs, out, sources)  # after every run: a killed study keeps its results
     write_results(args, runs, out, sources)
-    plot(runs, out / f"convergence-{today()}.png")
     for row in compare(runs):
         if row.get("diverged"):
             print(f"{row['layout']} {row['codec']:14s} diverged")

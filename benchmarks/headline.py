@@ -1,4 +1,4 @@
-"""Re-measures the headline of README.md and BENCHMARKS.md in one call, then regenerates the tables.
+"""Re-measures the harness tables of BENCHMARKS.md in one call, and shows them with the new records.
 
     python -m benchmarks.headline                 # every GPU of the machine, ~9 minutes
     python -m benchmarks.headline --dry           # CPU: 8 fake devices, tiny sizes, few rounds
@@ -12,18 +12,17 @@ each with those variables set: the all-reduce of `taco` and `int6_hadamard` with
 kernels the registry picks against a copy (`kernels.py`), `compressed_psum` under `vmap`
 against `lax.psum` (`collectives.py --emulate 4`), and the emulated steps of GPT-125M at TP = 4
 and GPT-1.3B at TP = 2, `taco` one-shot against uncompressed, with the device time of the
-codec's kernels in a profile of two steps (`train_step.py`). Every
-comparison is interleaved with its A/A control (`_timing`). The parts share `--budget-s`: each
-gets a deadline, after which its comparisons stop at their minimum rounds, and a part still
-running at the end of the budget is stopped (what it recorded stays). Records go to `--out`
-(`<script>-<date>-headline-<part>.json`); then `tables.py` regenerates every table from
-benchmarks/results/. Set `TACO_JAX_COMMIT` where the tree has no .git, so that the records
-name their commit.
+codec's kernels in a profile of two steps (`train_step.py`). Every comparison is interleaved
+with its A/A control (`taco_jax.timing`). The parts share `--budget-s`: each gets a deadline,
+after which its comparisons stop at their minimum rounds, and a part still running at the end
+of the budget is stopped (what it recorded stays). Records go to `--out`
+(`<script>-<date>-headline-<part>.json`), and `<out>/tables.md` shows every table of their
+kind with them added: a record joins BENCHMARKS.md by its name in `benchmarks/tables.py`. Set
+`TACO_JAX_COMMIT` where the tree has no .git, so that the records name their commit.
 
-`--dry` runs both sets of parts on the CPU (8 fake devices, the kernels in Pallas'
-interpreter) with tiny sizes and two rounds, records into `--out` (a temporary directory by
-default) and regenerates the tables from the committed records and these into copies of the
-documents there: the command is known to work before it runs on GPUs.
+`--dry` runs both sets of parts on the CPU (8 fake devices, the kernels in Pallas' interpreter)
+with tiny sizes and two rounds, into `--out` (a temporary directory by default): the command is
+known to work before it runs on GPUs.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ import argparse
 import dataclasses
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -45,8 +45,8 @@ LINKS = {  # BENCHMARKS.md's links of one machine: the NCCL variables that selec
     "socket": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"},
 }
 BASE_ENV = {"NCCL_NVLS_ENABLE": "0"}  # NVLink multicast off, as every record since 2026-11-30
-SIZES_MIB = ("16", "64", "256", "1024")
 DRY_DEVICES = 8
+DRY_TIMING = ("--min-repeats", "2", "--max-repeats", "2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,53 +63,27 @@ class Part:
 
 def multi_gpu_parts(n: int, links, dry: bool) -> list[Part]:
     """Per link: the all-reduce at TP = n, then the GPT-1.3B step at TP = n."""
+    sizes, inner = ("0.0625", "2") if dry else ("16 64 256 1024", "5")
+    preset = "gpt_tiny" if dry else "gpt_1p3b"
     parts = []
     for link in links:
-        env = LINKS[link]
-        sizes = ("0.0625",) if dry else SIZES_MIB
+        collectives = f"--tp {n} --sizes-mib {sizes} --codecs taco int6_hadamard --algorithms auto"
+        collectives += f" --ops all_reduce --inner {inner} --suffix=-headline-{link}"
         parts.append(
-            Part(
-                f"collectives-{link}",
-                "collectives",
-                (
-                    "--tp",
-                    str(n),
-                    "--sizes-mib",
-                    *sizes,
-                    "--codecs",
-                    "taco",
-                    "int6_hadamard",
-                    "--algorithms",
-                    "auto",
-                    "--ops",
-                    "all_reduce",
-                    "--inner",
-                    "2" if dry else "5",
-                    f"--suffix=-headline-{link}",
-                ),
-                env,
-                weight=1.0,
-            )
+            Part(f"collectives-{link}", "collectives", tuple(collectives.split()), LINKS[link])
         )
-        codecs = () if link == "nvlink" else ("int6_hadamard",)
-        preset = "gpt_tiny" if dry else "gpt_1p3b"
-        only = [f"{preset} tp={n} (shard_map) {codec} auto" for codec in ("taco", *codecs)]
+        codecs = ("taco",) if link == "nvlink" else ("taco", "int6_hadamard")
+        only = [
+            f"{preset} tp={n} (shard_map) {c}" for c in ("none", *(f"{c} auto" for c in codecs))
+        ]
+        argv = ("--tp-preset", preset, "--tp-codecs", *codecs[1:], "--only", *only)
         parts.append(
             Part(
                 f"step-{link}",
                 "train_step",
-                (
-                    "--tp-preset",
-                    preset,
-                    "--tp-codecs",
-                    *codecs,
-                    "--only",
-                    f"{preset} tp={n} (shard_map) none",
-                    *only,
-                    f"--suffix=-headline-{link}",
-                ),
-                env,
-                weight=2.0,
+                (*argv, f"--suffix=-headline-{link}"),
+                LINKS[link],
+                2.0,
             )
         )
     return parts
@@ -117,61 +91,21 @@ def multi_gpu_parts(n: int, links, dry: bool) -> list[Part]:
 
 def one_gpu_parts(dry: bool) -> list[Part]:
     """The registry's kernels, a collective under vmap, the emulated steps."""
-    kernels = (
-        ("--interpret", "--sizes-kib", "64", "--sizes-mib", "", "--calls", "2")
-        if dry
-        else ("--sizes-kib", "", "--sizes-mib", ",".join(SIZES_MIB))
-    )
-    vmap_sizes = ("0.0625",) if dry else ("16", "64")
-    steps = [("gpt_tiny", "2", "4")] if dry else [("gpt_125m", "4", "8"), ("gpt_1p3b", "2", "4")]
+    kernels = "--interpret --sizes-mib 0.0625 --calls 2" if dry else "--sizes-mib 16 64 256 1024"
+    vmap = f"--emulate 4 --sizes-mib {'0.0625' if dry else '16 64'} --codecs taco --ops all_reduce"
+    vmap += f" --inner {2 if dry else 5} --suffix=-headline-vmap"
     parts = [
-        Part("kernels", "kernels", ("--skip-check", *kernels, "--suffix=-headline")),
-        Part(
-            "vmap",
-            "collectives",
-            (
-                "--emulate",
-                "4",
-                "--sizes-mib",
-                *vmap_sizes,
-                "--codecs",
-                "taco",
-                "--ops",
-                "all_reduce",
-                "--inner",
-                "2" if dry else "5",
-                "--suffix=-headline-vmap",
-            ),
-            weight=0.5,
-        ),
+        Part("kernels", "kernels", (*kernels.split(), "--suffix=-headline")),
+        Part("vmap", "collectives", tuple(vmap.split()), weight=0.5),
     ]
+    steps = [("gpt_tiny", "2", "4")] if dry else [("gpt_125m", "4", "8"), ("gpt_1p3b", "2", "4")]
     for preset, tp, batch in steps:
-        parts.append(
-            Part(
-                f"step-{preset}",
-                "train_step",
-                (
-                    "--emulate-preset",
-                    preset,
-                    "--emulate-tp",
-                    tp,
-                    "--batch-tp",
-                    batch,
-                    "--emulate-algorithms",
-                    "one_shot",
-                    "--only",
-                    f"tp={tp} (vmap) none",
-                    f"tp={tp} (vmap) taco one_shot",
-                    f"--suffix=-headline-tp{tp}-vmap",
-                    *(() if dry else ("--profile-steps", "2")),  # the codec kernels' share
-                ),
-                weight=1.5,
-            )
-        )
+        argv = f"--emulate-preset {preset} --emulate-tp {tp} --batch-tp {batch}"
+        argv += f" --emulate-algorithms one_shot --suffix=-headline-tp{tp}-vmap"
+        argv += "" if dry else " --profile-steps 2"  # the codec kernels' share of the step
+        only = ("--only", f"tp={tp} (vmap) none", f"tp={tp} (vmap) taco one_shot")
+        parts.append(Part(f"step-{preset}", "train_step", (*argv.split(), *only), weight=1.5))
     return parts
-
-
-DRY_TIMING = ("--min-repeats", "2", "--max-repeats", "2")
 
 
 def run_parts(parts: list[Part], out: pathlib.Path, budget_s: float, dry: bool) -> dict:
@@ -180,21 +114,18 @@ def run_parts(parts: list[Part], out: pathlib.Path, budget_s: float, dry: bool) 
     end = time.time() + budget_s
     status = {}
     for i, part in enumerate(parts):
-        left = end - time.time()
-        weights = sum(p.weight for p in parts[i:])
-        deadline = time.time() + left * part.weight / weights
+        deadline = time.time() + (end - time.time()) * part.weight / sum(
+            p.weight for p in parts[i:]
+        )
         argv = [*part.argv, "--out", str(out), "--deadline", f"{deadline:.0f}"]
         argv += [*DRY_TIMING, "--warmup", "1"] if dry and part.script == "train_step" else []
         argv += DRY_TIMING if dry and part.script != "train_step" else []
         env = {**os.environ, **BASE_ENV, **part.env}
         if dry:
-            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DRY_DEVICES}"
-            env["JAX_PLATFORMS"] = "cpu"
-        print(
-            f"== {part.name}: {' '.join(f'{k}={v}' for k, v in part.env.items())} "
-            f"python -m benchmarks.{part.script} {' '.join(argv)}",
-            flush=True,
-        )
+            env |= {"XLA_FLAGS": f"--xla_force_host_platform_device_count={DRY_DEVICES}"}
+            env |= {"JAX_PLATFORMS": "cpu"}
+        variables = " ".join(f"{k}={v}" for k, v in part.env.items())
+        print(f"== {part.name}: {variables} python -m benchmarks.{part.script} {' '.join(argv)}")
         try:
             done = subprocess.run(
                 [sys.executable, "-m", f"benchmarks.{part.script}", *argv],
@@ -208,28 +139,28 @@ def run_parts(parts: list[Part], out: pathlib.Path, budget_s: float, dry: bool) 
     return status
 
 
+KIND = re.compile(r"([a-z_]+)-\d{4}-")  # a record's kind: the script that wrote it
+
+
+def preview(out: pathlib.Path) -> str:
+    """Every table with the records of `out` added to those of their kind (markdown)."""
+    new = sorted(p.name for p in out.glob("*.json"))
+    records, text = tables.Records([tables.RESULTS, out]), []
+    for name, table in tables.TABLES.items():
+        kind = KIND.match(table.records[0])[1]
+        if added := tuple(n for n in new if KIND.match(n) and KIND.match(n)[1] == kind):
+            table = dataclasses.replace(table, records=table.records + added)
+            text.append(f"## {name}\n\n{tables.render_table(table, records)}\n")
+    return "\n".join(text)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry", action="store_true", help="CPU: 8 fake devices, tiny sizes")
-    p.add_argument(
-        "--devices",
-        type=int,
-        default=None,
-        help="GPUs to plan for (default: those JAX sees; --dry: 8 and 1 both)",
-    )
+    p.add_argument("--devices", type=int, default=None, help="GPUs to plan for (default: all)")
     p.add_argument("--links", nargs="+", default=list(LINKS), choices=tuple(LINKS))
-    p.add_argument(
-        "--budget-s",
-        type=float,
-        default=540.0,
-        help="seconds for every part together (one 10-minute call less the start)",
-    )
-    p.add_argument(
-        "--out",
-        default=None,
-        help="records (default: benchmarks/results; --dry: a temporary directory)",
-    )
-    p.add_argument("--no-tables", action="store_true", help="do not regenerate the tables")
+    p.add_argument("--budget-s", type=float, default=540.0, help="for every part together")
+    p.add_argument("--out", default=None, help="default: results/; --dry: a temporary directory")
     return p
 
 
@@ -260,18 +191,10 @@ def main(argv=None) -> int:
         "== parts:",
         ", ".join(f"{k} {'stopped' if v is None else f'exit {v}'}" for k, v in status.items()),
     )
-    if args.no_tables:
-        pass
-    elif args.dry:  # the committed records and these, into copies of the documents
-        written = tables.write(results=[tables.RESULTS, out], docs_dir=out, cpu_ok=True)
-        print("== tables:", ", ".join(str(p) for p in written))
-    elif out.resolve() != tables.RESULTS.resolve():
-        print(
-            f"== tables: copy the records of {out} into {tables.RESULTS}, then run "
-            "python -m benchmarks.tables"
-        )
-    else:
-        print("== tables:", ", ".join(str(p) for p in tables.write()))
+    if out.resolve() != tables.RESULTS.resolve():
+        (out / "tables.md").write_text(preview(out))
+        print(f"== {out / 'tables.md'}: the tables with these records")
+    print("== a record joins BENCHMARKS.md by its name in benchmarks/tables.py's tuple of its kind")
     return 0 if all(v == 0 for v in status.values()) else 1
 
 

@@ -11,6 +11,7 @@ Public API:
   sdp4bit: SDP4Bit's data-parallel compressors (tlq_hs_psum_scatter, qwd_all_gather)
   policy: what the "auto" options choose (whether and how to compress), from measurements
   telemetry: each compressed collective's error by call site (layer_07/mlp_out/fwd)
+  timing: ratios of timings with intervals and an A/A control (the benchmarks' harness)
 
 The library needs JAX and NumPy only; the fused GPU kernels (`pallas_kernels`) are imported on
 first use, and nothing here imports the models or the training application.

@@ -1,15 +1,20 @@
-"""The tables of BENCHMARKS.md and README.md are what the records say (`benchmarks/tables.py`),
-results/ holds only records a table reads, and a harness record reaches the headline."""
+"""The tables of BENCHMARKS.md and README.md are what their records say, the figures are drawn
+from records that exist, a kernel change marks rows without failing a document, and a new
+record joins its tables by one line (`benchmarks/tables.py`, `benchmarks/figures.py`)."""
 
+import dataclasses
 import json
 import math
+import pathlib
 import re
 
 import pytest
 
-from benchmarks import _common, _timing, tables
+from benchmarks import _common, figures, tables
+from taco_jax import timing
 
-MAX_RECORDS = 80
+BENCHMARKS = tables.REPO / "benchmarks"
+MAX_RECORDS, MAX_SCRIPTS, MAX_LINES, MAX_TABLES_LINES = 80, 10, 2500, 500
 
 
 @pytest.fixture(scope="module")
@@ -20,26 +25,59 @@ def rendered():
 def test_documents_are_what_the_records_say(rendered):
     texts, _ = rendered
     for doc, text in texts.items():
+        committed = tables.unmarked((tables.REPO / doc).read_text())
+        assert committed == tables.unmarked(text), f"{doc}: run python -m benchmarks.tables"
+
+
+def test_a_figure_edited_by_hand_is_caught():
+    """Rendering a document whose figures were typed over restores the records' (a table's
+    cell and a sentence's)."""
+    records = tables.Records()
+    for doc, old, new in (
+        ("BENCHMARKS.md", "| 0.58x [0.56, 0.61] slower |", "| 0.85x [0.56, 0.61] slower |"),
+        ("README.md", "`taco` +0.01% +- 0.03%", "`taco` +0.00% +- 0.03%"),
+    ):
         committed = (tables.REPO / doc).read_text()
-        assert committed == text, f"{doc} differs from its records: python -m benchmarks.tables"
+        edited = committed.replace(old, new, 1)
+        assert edited != committed
+        assert tables.unmarked(tables.render(edited, records)) == tables.unmarked(committed)
 
 
-def test_a_figure_edited_by_hand_is_caught(rendered):
-    """Rendering a document whose headline figure was typed over restores the record's."""
-    committed = (tables.REPO / "README.md").read_text()
-    edited = committed.replace("| 1.25x |", "| 1.35x |", 1)
-    assert edited != committed
-    assert tables.render(edited, tables.Records()) == committed
+def test_a_kernel_change_marks_rows_but_fails_no_document():
+    """Against other kernels than a record's every harness row of it is marked, against its own
+    none, and the check ignores the mark."""
+    record = json.loads((tables.RESULTS / "kernels-2026-12-05-headline.json").read_text())
+    own, _ = tables.rendered(kernels=record["kernels"])
+    other, _ = tables.rendered(kernels="0" * 12)
+
+    def rows(texts):
+        return [line for line in texts["BENCHMARKS.md"].splitlines() if "-2026-12-05-" in line]
+
+    assert rows(other) and all(line.endswith(f"{tables.CHANGED} |") for line in rows(other))
+    assert not any(tables.CHANGED in line for line in rows(own))
+    assert tables.unmarked(other["BENCHMARKS.md"]) == tables.unmarked(own["BENCHMARKS.md"])
 
 
-def test_every_record_is_read_by_a_table(rendered):
-    _, records = rendered
-    files = sorted(
-        p.relative_to(tables.RESULTS).as_posix() for p in tables.RESULTS.rglob("*") if p.is_file()
+def frozen_records(text: str) -> set[str]:
+    """The records BENCHMARKS.md's frozen section ("Earlier measurements") names."""
+    return set(re.findall(r"`([\w.+-]+\.json)`", text[text.index(tables.FROZEN) :]))
+
+
+def test_every_record_is_cited(rendered):
+    """results/ holds the records the tables and figures read and those the frozen section
+    names, no other; each of those exists."""
+    texts, records = rendered
+    for name in figures.FIGURES:
+        for record in figures.FIGURES[name].records:
+            records(record)
+    frozen = frozen_records(texts["BENCHMARKS.md"])
+    files = {p.name for p in tables.RESULTS.iterdir()}
+    assert frozen <= files, f"named but missing: {sorted(frozen - files)}"
+    assert not files - records.read - frozen, (
+        f"cited nowhere: {sorted(files - records.read - frozen)}"
     )
-    unread = sorted(set(files) - records.read)
-    assert not unread, f"records no table reads (remove them, decision 020): {unread}"
     assert len(files) <= MAX_RECORDS
+    assert not records.read & frozen, "a record is either read or frozen"
 
 
 def test_benchmarks_md_is_reference_form(rendered):
@@ -47,25 +85,16 @@ def test_benchmarks_md_is_reference_form(rendered):
     lines = texts["BENCHMARKS.md"].splitlines()
     assert len(lines) <= 500
     assert all(len(line) <= 200 for line in lines), max(lines, key=len)
-    assert "development_history" not in texts["BENCHMARKS.md"]
     assert len(texts["README.md"].splitlines()) <= 150
 
 
-def test_identical_programs_read_level(rendered):
-    """Where the defaults chose the plain collective both sides ran `lax.psum`: "level", not a
-    speedup (the NVLink row at 4 MiB)."""
-    block = _block(rendered[0]["BENCHMARKS.md"], "collectives")
-    (row,) = [line for line in block.splitlines() if line.startswith("| NVLink | 4 MiB |")]
-    assert "level (plain" in row
-
-
-def test_rows_before_the_harness_are_marked(rendered):
-    rows = [
-        line
-        for line in _block(rendered[0]["README.md"], "readme_measured").splitlines()
-        if line.startswith("| [")
-    ]
-    assert rows and all(line.endswith(f"{tables.NO_AA}{tables.KERNELS_CHANGED} |") for line in rows)
+def test_benchmarks_fit_their_budget():
+    """benchmarks/ keeps the scripts a user reruns and the code that makes the documents."""
+    sources = sorted(BENCHMARKS.glob("*.py"))
+    scripts = [p for p in sources if 'if __name__ == "__main__":' in p.read_text()]
+    assert len(scripts) <= MAX_SCRIPTS, [p.name for p in scripts]
+    assert sum(len(p.read_text().splitlines()) for p in sources) <= MAX_LINES
+    assert len((BENCHMARKS / "tables.py").read_text().splitlines()) <= MAX_TABLES_LINES
 
 
 def test_default_run_figures_are_its_record(rendered):
@@ -77,99 +106,114 @@ def test_default_run_figures_are_its_record(rendered):
 def test_paired_losses_reproduce_the_convergence_script():
     """`tables.paired` on one record equals what benchmarks/convergence.py wrote into it (its
     paired mean and the bf16 runs' spread between seeds)."""
-    records = tables.Records()
-    name = "convergence-2026-12-01-tp8-seeds.json"
-    runs = tables._runs(records, (name,))
-    for row in records(name)["comparison"]:
-        if row["codec"] == "none":
-            continue
+    record = tables.Records()("convergence-2026-12-01-tp8-seeds.json")
+    runs = tables.runs_of([record])
+    for row in (r for r in record["comparison"] if r["codec"] != "none"):
         p = tables.paired(runs, row["layout"], row["codec"])
         assert math.isclose(p["mean"], row["paired_pct_vs_bf16"], rel_tol=1e-9)
         assert math.isclose(p["spread"], row["baseline_seed_spread_pct"], rel_tol=1e-9)
 
 
-def _block(text: str, name: str) -> str:
-    return re.search(rf"<!-- table: {name} -->(.*?)<!-- /table -->", text, re.S).group(1)
+@pytest.mark.parametrize("name", sorted(figures.FIGURES))
+def test_figures_redraw_from_their_records(tmp_path, name):
+    """Each figure's records exist, and the command draws it (not compared byte for byte: a
+    PNG differs between matplotlib versions)."""
+    records = tables.Records()
+    path = figures.draw(name, records, tmp_path)
+    assert set(figures.FIGURES[name].records) <= records.read
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
-def _harness_record(tmp_path, kernels: str) -> None:
-    """A collectives record of the harness on the shared-memory link: `taco` 1.5x faster at
-    16 MiB-1 GiB, 2% noise, 8 rounds."""
-    comparisons = []
-    for i, nbytes in enumerate(s << 20 for s in (16, 64, 256, 1024)):
-        times = {"lax": [], _timing.AA: [], "taco auto": []}
-        for r in range(8):
-            jitter = 1 + 0.02 * math.sin(7 * i + 3 * r)
-            times["lax"].append(1e-3 * jitter)
-            times[_timing.AA].append(1e-3 / jitter)
-            times["taco auto"].append(1e-3 / 1.5 * jitter**0.5)
-        comparisons.append(
-            {"tp": 2, "bytes": nbytes, "op": "all_reduce", "repeats": 8, "times_s": times}
-        )
-    rows = [{"tp": 2, "op": "all_reduce", "codec": c, "bytes": 16 << 20} for c in ("lax", "taco")]
-    record = {
-        "date": "2099-01-01",
-        "commit": "abc1234",
-        "kernels": kernels,
-        "backend": "gpu",
-        "device": "2 x GPU",
-        "env": {"NCCL_P2P_DISABLE": "1"},
-        "emulated": False,
-        "rows": rows,
-        "comparisons": comparisons,
-    }
-    (tmp_path / "collectives-2099-01-01-headline-shm.json").write_text(json.dumps(record))
+def test_every_figure_is_in_the_tree_and_linked(rendered):
+    drawn = {p.stem for p in figures.FIGURES_DIR.glob("*")}
+    assert drawn == set(figures.FIGURES)
+    for name in figures.FIGURES:
+        assert f"](docs/figures/{name}.png)" in rendered[0]["BENCHMARKS.md"]
+
+
+# A new record: one line in the tuple of its kind ---------------------------------------------
+
+
+def _rounds(names: dict[str, float], jitter_seed: int, rounds: int = 8) -> dict[str, list]:
+    """Raw times of a harness comparison: the first name the baseline (and A'), each name
+    taking its seconds, 1-2% of multiplicative noise."""
+    times = {n: [] for n in [next(iter(names)), timing.AA, *list(names)[1:]]}
+    for r in range(rounds):
+        jitter = 1 + 0.02 * math.sin(7 * jitter_seed + 3 * r)
+        for n, seconds in names.items():
+            times[n].append(seconds * jitter)
+        times[timing.AA].append(next(iter(names.values())) / jitter)
+    return times
+
+
+def _kernels_record(tmp_path: pathlib.Path) -> str:
+    """`kernels.py --backends auto triton mosaic --peers 2 4 8` at 8-64 MiB: Mosaic 1.2x
+    Triton's speed, the registry's kernel Mosaic's."""
+    bench, comparisons = [], []
+    for peers in (2, 4, 8):
+        for i, nbytes in enumerate(s << 20 for s in (8, 16, 32, 64)):
+            names = {"copy": 1e-4}
+            for op in tables.OPS:
+                names |= {op: 1e-4 / 0.9, f"{op}_triton": 1.2e-4 / 0.9, f"{op}_mosaic": 1e-4 / 0.9}
+            comparisons.append({"bytes": nbytes, "peers": peers, "times_s": _rounds(names, i)})
+            share = {"in_program_of_copy": 0.9, "of_copy_interval": [0.88, 0.92]}
+            bench.append({"bytes": nbytes, "peers": peers, "copy_in_program_tbps": 1.5})
+            bench[-1] |= {n: share for n in names if n != "copy"}
+            bench[-1]["registry"] = {op: "mosaic" for op in tables.OPS}
+    record = {"date": "2099-01-01", "commit": "abc1234", "device": "1 x GPU", "codec": "taco"}
+    record |= {"kernels": _common.kernels_fingerprint(), "bench": bench, "comparisons": comparisons}
+    (tmp_path / "kernels-2099-01-01-peers.json").write_text(json.dumps(record))
+    return "kernels-2099-01-01-peers.json"
+
+
+def test_a_kernels_record_of_both_lowerings_is_one_line(tmp_path):
+    """The record joins the kernel tables and the figure by its name in `KERNELS` alone."""
+    name = _kernels_record(tmp_path)
+    records = tables.Records([tables.RESULTS, tmp_path])
+    kernels = tables.KERNELS + (name,)  # the one line
+    lowerings = tables.render_table(
+        dataclasses.replace(tables.TABLES["lowerings"], records=kernels), records
+    )
+    for peers in (2, 4, 8):
+        row = f"| `taco`, {peers}, 64 MiB, re-encode | 90% [88, 92%] | 90% [88, 92%] | 1.20x ["
+        assert row in lowerings
+    assert lowerings.count(" faster |") == 3 * 4 * 4
+    registry = tables.render_table(
+        dataclasses.replace(tables.TABLES["kernels"], records=kernels), records
+    )
+    assert "| `taco`, 4, 8 MiB (mosaic) | 90% [88, 92%] |" in registry
+    figure = dataclasses.replace(figures.FIGURES["kernels"], records=kernels)
+    figures.FIGURES["kernels"], saved = figure, figures.FIGURES["kernels"]
+    try:
+        assert figures.draw("kernels", records, tmp_path).stat().st_size > 10_000
+    finally:
+        figures.FIGURES["kernels"] = saved
 
 
 @pytest.mark.parametrize("same_kernels", [True, False])
-def test_a_harness_record_takes_its_headline_row(tmp_path, same_kernels):
-    kernels = _common.kernels_fingerprint() if same_kernels else "0" * 12
-    _harness_record(tmp_path, kernels)
-    records = tables.Records([tables.RESULTS, tmp_path])
-    (row,) = [
-        r for r in tables.headline_rows(records) if "`taco`, defaults" in r[0] and "TP = 2" in r[0]
+def test_a_collectives_record_on_a_link_is_one_line(tmp_path, same_kernels):
+    """A harness record of `taco` on the shared-memory link, 1.5x faster: its rows say where,
+    the verdict, and the mark where its kernels differ from the tree's."""
+    comparisons = [
+        {"tp": 2, "bytes": s << 20, "op": "all_reduce", "repeats": 8}
+        | {"times_s": _rounds({"lax": 1e-3, "taco auto": 1e-3 / 1.5}, i)}
+        for i, s in enumerate((16, 64))
     ]
-    assert row[2] == "1.50x faster"  # shared memory: the harness's verdict, every size
-    assert row[1].startswith("1.15-1.28x")  # NVLink: still the older record
-    assert "2099-01-01" in row[4] and "`abc1234`" in row[4]
-    record = records("collectives-2099-01-01-headline-shm.json")
-    assert tables.marks(record) == ("" if same_kernels else tables.KERNELS_CHANGED)
-
-
-def test_a_kernels_record_of_both_lowerings(tmp_path):
-    """A harness record timing the registry's kernel (Mosaic for `taco`) and both lowerings:
-    Mosaic 1.2x Triton's speed, 1% noise, reads "faster" beside the two shares of the copy."""
-    bench, comparisons = [], []
-    for i, nbytes in enumerate(s << 20 for s in (16, 64)):
-        times = {"copy": [], _timing.AA: []}
-        for r in range(8):
-            jitter = 1 + 0.01 * math.sin(5 * i + 3 * r)
-            times["copy"].append(1e-4 * jitter)
-            times[_timing.AA].append(1e-4 / jitter)
-            for op in tables.OPS:
-                times.setdefault(f"{op}_triton", []).append(1.2e-4 * jitter)
-                times.setdefault(op, []).append(1e-4 / jitter)
-                times.setdefault(f"{op}_mosaic", []).append(1e-4 / jitter)
-        share = {"in_program_of_copy": 0.9, "of_copy_interval": [0.88, 0.92]}
-        bench.append({"bytes": nbytes, **{n: share for n in times if n not in ("copy", "A'")}})
-        comparisons.append({"bytes": nbytes, "repeats": 8, "times_s": times})
-    record = {
-        "date": "2099-01-01",
-        "commit": "abc1234",
-        "backend": "gpu",
-        "device": "1 x GPU",
-        "kernels": _common.kernels_fingerprint(),
-        "codec": "taco",
-        "peers": 8,
-        "backends": ["auto", "triton", "mosaic"],
-        "bench": bench,
-        "comparisons": comparisons,
-        "registry": {op: "mosaic" for op in tables.OPS},
-    }
-    (tmp_path / "kernels-2099-01-01.json").write_text(json.dumps(record))
-    records = tables.Records([tables.RESULTS, tmp_path])
-    lowerings = tables.kernels(records).splitlines()
-    encode = next(line for line in lowerings if line.startswith("| `taco`, 8, encode |"))
-    assert "| 90 / **90** faster | 90 / **90** faster | - | - |" in encode
-    registry = tables.registry_kernels(records)
-    assert "| `taco`, 8, 16 MiB (mosaic) | 90% [88, 92%] |" in registry
+    kernels = _common.kernels_fingerprint() if same_kernels else "0" * 12
+    record = {"date": "2099-01-01", "commit": "abc1234", "kernels": kernels, "device": "2 x GPU"}
+    record |= {"env": {"NCCL_P2P_DISABLE": "1"}, "emulated": False, "comparisons": comparisons}
+    (tmp_path / "collectives-2099-01-01-shm.json").write_text(json.dumps(record))
+    table = dataclasses.replace(
+        tables.TABLES["collectives"],
+        records=(*tables.COLLECTIVES, "collectives-2099-01-01-shm.json"),
+    )
+    text = tables.render_table(table, tables.Records([tables.RESULTS, tmp_path]))
+    rows = [line for line in text.splitlines() if "2099" in line]
+    assert [row.split(" | ")[:2] for row in rows] == [
+        ["| shared memory, 2", "16 MiB"],
+        ["| shared memory, 2", "64 MiB"],
+    ]
+    assert all("| `taco auto` | 1.50x [" in row and "] faster |" in row for row in rows)
+    assert all(
+        row.endswith(f"(`abc1234`){'' if same_kernels else ' ' + tables.CHANGED} |") for row in rows
+    )

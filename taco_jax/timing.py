@@ -1,5 +1,8 @@
 """Timing with its own noise floor: interleaved repeats, an A/A control, ratios with intervals.
 
+The harness that every benchmark of the repository times with (BENCHMARKS.md), here so that a
+step of the library can measure on the user's own machine; JAX, NumPy and the standard library.
+
 `compare(samplers, baseline)` times every sampler (a zero-argument callable returning one
 sample's seconds, e.g. `wall(step)` or `in_program(op, inputs, calls)`) in rounds. A round
 times the baseline, each variant, then the baseline again (A'), in that order on even rounds
@@ -18,6 +21,10 @@ interval lies above 1 and above the A/A interval, "slower" when below both, else
 
 The record of a comparison keeps the raw per-round seconds (`times_s`) with the summary;
 `summarize` recomputes the summary from them, which the tables of BENCHMARKS.md do.
+
+    from taco_jax import timing
+    out = timing.compare({"plain": timing.wall(plain), "taco": timing.wall(taco)}, "plain")
+    out["summary"]["taco"]  # {"median": 1.31, "interval": [1.27, 1.35], "verdict": "faster", ...}
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+
+import jax
+from jax import lax
 
 CONFIDENCE = 0.95
 MIN_REPEATS = 6  # the fewest rounds whose order-statistic interval covers >= 95%
@@ -175,7 +185,6 @@ def wall(call: Callable[[], object], per: int = 1) -> Sampler:
     """Wall time of one `call()` (ended by `jax.block_until_ready` on what it returns) over
     `per` (e.g. the ops one call loops over). `call` takes no argument, so that a training
     step can carry its state from one call to the next."""
-    import jax
 
     def sample() -> float:
         begin = time.perf_counter()
@@ -190,8 +199,6 @@ def batched(fn, inputs: Sequence[tuple], *, min_sample_s: float = 2e-3, per: int
     synchronized once a batch: one sample = one batch's seconds per call, over `per`. The batch
     holds enough calls to last ~`min_sample_s` (at least one per input set, at most 200),
     counted from one call timed when the sampler is made (after two warm calls)."""
-    import jax
-
     for args in inputs[:2]:
         jax.block_until_ready(fn(*args))
     begin = time.perf_counter()
@@ -220,9 +227,6 @@ def in_program(fn, inputs: Sequence[tuple], calls: int, **batch) -> Sampler:
     inside a training step (launch included, JAX's per-call dispatch excluded). Samples are
     `batched` calls of the program, divided by `calls`.
     """
-    import jax
-    from jax import lax
-
     args = [a for (a,) in inputs]
 
     def program(*xs):

@@ -1,4 +1,4 @@
-"""The timing harness (`benchmarks/_timing.py`) on synthetic timings with known answers: the
+"""The timing harness (`taco_jax.timing`) on synthetic timings with known answers: the
 order-statistic interval, the verdict rule, and the interleaved rounds with their A/A control."""
 
 import math
@@ -6,24 +6,24 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks import _timing
+from taco_jax import timing
 
 
 def test_interval_is_the_order_statistics_of_the_binomial():
     """20 values: P(Binomial(20, 1/2) <= 5) = 0.0207 (<= 2.5%) and P(<= 6) = 0.0577, so the 95%
     interval is the 6th smallest to the 6th largest, covering 1 - 2 x 0.0207 = 95.9%."""
-    out = _timing.median_interval([float(v) for v in range(20, 0, -1)])
+    out = timing.median_interval([float(v) for v in range(20, 0, -1)])
     assert out["interval"] == [6.0, 15.0]
     assert out["median"] == 10.5
     assert math.isclose(out["coverage"], 1 - 2 * sum(math.comb(20, i) for i in range(6)) / 2**20)
     # 6 values: [min, max] covers 1 - 2 / 64 >= 95%; 5 values cover 1 - 2 / 32 < 95% only.
-    assert _timing.median_interval([3.0, 1, 2, 6, 5, 4])["interval"] == [1.0, 6.0]
-    assert _timing.median_interval([1.0, 2, 3, 4, 5])["coverage"] == 1 - 2 / 32
+    assert timing.median_interval([3.0, 1, 2, 6, 5, 4])["interval"] == [1.0, 6.0]
+    assert timing.median_interval([1.0, 2, 3, 4, 5])["coverage"] == 1 - 2 / 32
 
 
 def test_interval_of_nothing_is_an_error():
     with pytest.raises(ValueError, match="no values"):
-        _timing.median_interval([])
+        timing.median_interval([])
 
 
 @pytest.mark.parametrize(
@@ -38,7 +38,7 @@ def test_interval_of_nothing_is_an_error():
     ],
 )
 def test_verdict_rule(interval, aa, verdict):
-    assert _timing.verdict(interval, aa) == verdict
+    assert timing.verdict(interval, aa) == verdict
 
 
 class FakeClock:
@@ -69,7 +69,7 @@ def synthetic(speedup: float, noise: float, seed: int, clock: FakeClock | None =
 
 
 def verdict_of(speedup, noise, seed, rounds=20):
-    out = _timing.compare(
+    out = timing.compare(
         synthetic(speedup, noise, seed), "base", min_repeats=rounds, max_repeats=rounds, warmup=0
     )
     return out["summary"]["variant"]["verdict"], out
@@ -104,30 +104,30 @@ def test_rounds_interleave_with_the_baseline_twice():
     """Each round times the baseline first and last (A'), reversed every other round."""
     calls = []
     samplers = {name: (lambda n=name: calls.append(n) or 1.0) for name in ("a", "b", "c")}
-    out = _timing.compare(samplers, "a", min_repeats=2, max_repeats=2, warmup=0)
+    out = timing.compare(samplers, "a", min_repeats=2, max_repeats=2, warmup=0)
     assert calls == ["a", "b", "c", "a", "a", "c", "b", "a"]
-    assert list(out["times_s"]) == ["a", _timing.AA, "b", "c"]
+    assert list(out["times_s"]) == ["a", timing.AA, "b", "c"]
     assert out["repeats"] == 2  # constant times: stable at the minimum
 
 
 def test_rounds_stop_when_stable_or_out_of_budget():
     """Noise of 0.1%: every interval is within 1% of its median at the minimum of 6 rounds.
     Noise of 30% with a budget of 20 simulated seconds (~3 s a round): the budget ends it."""
-    stable = _timing.compare(synthetic(1.05, 0.001, 0), "base", warmup=0)
-    assert (stable["stopped"], stable["repeats"]) == ("stable", _timing.MIN_REPEATS)
+    stable = timing.compare(synthetic(1.05, 0.001, 0), "base", warmup=0)
+    assert (stable["stopped"], stable["repeats"]) == ("stable", timing.MIN_REPEATS)
     clock = FakeClock()
-    spent = _timing.compare(
+    spent = timing.compare(
         synthetic(1.05, 0.3, 0, clock), "base", warmup=0, budget_s=20.0, clock=clock
     )
     assert spent["stopped"] == "budget"
-    assert _timing.MIN_REPEATS <= spent["repeats"] < 40
+    assert timing.MIN_REPEATS <= spent["repeats"] < 40
 
 
 def test_summary_recomputes_from_the_raw_times():
-    out = _timing.compare(synthetic(1.2, 0.05, 3), "base", min_repeats=8, max_repeats=8)
-    assert _timing.summarize(out["times_s"]) == out["summary"]
+    out = timing.compare(synthetic(1.2, 0.05, 3), "base", min_repeats=8, max_repeats=8)
+    assert timing.summarize(out["times_s"]) == out["summary"]
 
 
 def test_compare_names_a_wrong_baseline():
     with pytest.raises(ValueError, match="baseline='nope'"):
-        _timing.compare({"a": lambda: 1.0}, "nope")
+        timing.compare({"a": lambda: 1.0}, "nope")
