@@ -239,7 +239,8 @@ def test_a_second_signal_exits_at_once(monkeypatch, capsys):
         assert exits == [128 + signal.SIGINT]
     err = capsys.readouterr().err.splitlines()
     assert err == [
-        "taco-train: SIGINT: stopping after this step with a checkpoint (again: exit at once)",
+        "taco-train: SIGINT: stopping after the first step, with a checkpoint (again: exit at "
+        "once)",
         "taco-train: SIGINT again: exiting at once, without a checkpoint",
     ]
 
