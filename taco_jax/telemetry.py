@@ -46,6 +46,11 @@ from taco_jax import _local
 STATS = ("sq_error", "sq_exact", "nonfinite", "exact_nonfinite", "nbytes", "compressed_bytes")
 CHECKPOINT_NAME = "comm_error"
 
+# A layer index at or below DISCARDED / 2 marks the reports of work a program computes and
+# throws away (a pipeline's bubble steps): the host drops them (`discarded_unless`), so a
+# site's sums and `calls` are those of the work that counts.
+DISCARDED = -(2**30)
+
 _lock = threading.Lock()
 _reports: dict[str, list[np.ndarray]] = {}
 _axes: dict[str, str] = {}
@@ -152,10 +157,19 @@ def _axis_label(axis_name) -> str:
     return ",".join(axis_name) if isinstance(axis_name, tuple) else str(axis_name)
 
 
+def discarded_unless(keep, layer) -> jax.Array:
+    """`layer` (the first layer index of some work), or where the traced bool `keep` is False a
+    mark that drops every report of the sites named from it (their layers count up from it):
+    the work is computed and thrown away, as on a pipeline's bubble steps. It travels with the
+    layer index, also into the backward pass."""
+    return jnp.where(keep, jnp.asarray(layer, jnp.int32), DISCARDED)
+
+
 def report(site: str, stats: jax.Array | None, *, layer=None, axis_name="") -> None:
     """Hands one call's `STATS` to the host under `site_name(site, layer)` (nothing where
     `stats` is None); `layer`: None, an int or a traced int32. Works under jit, vmap, scan,
-    shard_map and in a custom_vjp's backward pass."""
+    shard_map and in a custom_vjp's backward pass. Reports of discarded work
+    (`discarded_unless`) reach the host and are dropped there."""
     if stats is None:
         return
     index = jnp.asarray(-1 if layer is None else layer, jnp.int32)
@@ -182,7 +196,10 @@ def report(site: str, stats: jax.Array | None, *, layer=None, axis_name="") -> N
 
 
 def _accumulate(site: str, axis: str, layer, stats) -> None:
-    name = site_name(site, int(np.asarray(layer)))
+    layer = int(np.asarray(layer))
+    if layer <= DISCARDED // 2:  # discarded work (a layer counted up from the mark)
+        return
+    name = site_name(site, layer)
     with _lock:
         _reports.setdefault(name, []).append(np.asarray(stats, np.float64))
         _axes[name] = axis

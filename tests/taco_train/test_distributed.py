@@ -3,6 +3,7 @@ two-host recipe as written (TP inside each process, dp = 2 across; its SLURM scr
 group across the processes (the network link), and a pipeline with one stage per process that
 checkpoints and resumes."""
 
+import json
 import os
 import re
 import shlex
@@ -221,3 +222,50 @@ def test_processes_decide_the_error_budget_together(tmp_path, cache):
     assert {"pp_send/fwd", "pp_send/bwd"} <= set(switched[0]["sites"])
     later = [r for r in records if r["kind"] == "comm" and r["step"] > 4]
     assert later and all("comm_error/pp_send/fwd" not in r for r in later)
+
+
+# Two processes of two CPU devices each: one all-reduce over all four, measured.
+_DRAIN_SCRIPT = """
+import json, os, jax, jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import taco_jax
+from taco_jax import telemetry
+address, rank = os.environ["JAX_COORDINATOR_ADDRESS"], int(os.environ["JAX_PROCESS_ID"])
+jax.distributed.initialize(address, 2, rank)
+mesh = jax.make_mesh((4,), ("tp",))
+psum = jax.jit(jax.shard_map(
+    lambda x: taco_jax.compressed_psum(x, "tp", telemetry=True, name="sum"),
+    mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
+x = jax.make_array_from_callback((4, 4096), jax.NamedSharding(mesh, P("tp")),
+    lambda index: jax.random.normal(jax.random.key(0), (4, 4096))[index])
+jax.block_until_ready(psum(x))
+try:
+    telemetry.drain()
+    refused = None
+except ValueError as error:
+    refused = str(error)
+merged = telemetry.drain(all_processes=True)["sum/fwd"]  # the refusal kept the reports
+jax.block_until_ready(psum(x))
+alone = telemetry.drain(all_processes=False)["sum/fwd"]
+print(json.dumps({"refused": refused, "merged": [merged.error, merged.calls],
+                  "alone": [alone.error, alone.calls]}))
+"""
+
+
+@pytest.mark.slow
+def test_drain_on_two_processes_merges_or_refuses_without_a_choice(tmp_path):
+    """On two processes `drain()` without `all_processes` refuses in one line (per-process
+    errors would have the processes decide apart); `all_processes=True` gives both the same
+    sums of all four devices' reports (one each: `calls`), `False` each its own two."""
+    port = _free_port()
+    env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}"}
+    argv = [sys.executable, "-c", _DRAIN_SCRIPT]
+    outputs = _launch([({**env, "JAX_PROCESS_ID": str(rank)}, argv) for rank in range(2)], 2)
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    for result in results:
+        assert result["refused"].startswith("drain() on 2 processes: pass all_processes=True")
+        assert result["merged"][1] == 4 and result["alone"][1] == 2
+    assert results[0]["merged"] == results[1]["merged"]  # one decision for both
+    # taco two-shot over 4 ranks of N(0, 1): ~0.036 (docs/api.md); each process alone sums
+    # half the ranks' values of the same all-reduce.
+    assert 0.01 < results[0]["merged"][0] < 0.06
