@@ -137,10 +137,8 @@ class StopRequests:
         if self._several:
             _client().key_value_set(self._keys + "request", str(signum), allow_overwrite=True)
             plan = "stopping once the processes agree on a step"
-        elif self._committed:
-            plan = f"stopping after step {self._committed}"
         else:
-            plan = "stopping after the first step"
+            plan = "stopping after the step in progress or the one queued behind it"
         print(
             f"taco-train: {name}{when}: {plan}, with a checkpoint (again: exit at once)",
             file=sys.stderr,

@@ -127,8 +127,8 @@ class _Run:
         if more > 0:
             _say(
                 f"the measuring step (run.comm_error_every={self.cfg.run.comm_error_every}) needs "
-                f"{more / 2**20:,.1f} MiB more memory per device than the train step "
-                f"({_device_bytes(measuring) / 2**20:,.1f} MiB): its exact fp32 collectives"
+                f"{_size(more)} more device memory than the train step "
+                f"({_size(_device_bytes(measuring))} per device): its exact fp32 collectives"
             )
 
     def measures(self, step: int) -> bool:
@@ -169,6 +169,14 @@ def _device_bytes(compiled) -> int:
     )
 
 
+def _size(nbytes: int) -> str:
+    """`nbytes` in the largest binary unit that keeps a whole part: "5.9 MiB"."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
 def _fresh_state(run: _Run, key: jax.Array):
     """Step 0: the parameters of `init_from`, each device reading its own slices, or random."""
     cfg = run.cfg
@@ -202,6 +210,15 @@ def resolve_links(cfg: TrainConfig) -> dict[str, taco_jax.policy.Link]:
         return {}
     mesh = make_mesh(p)
     return {key: taco_jax.policy.mesh_link(mesh, axis) for key, axis in wanted.items()}
+
+
+def _say_reference_ops() -> None:
+    """One line naming every codec op of the compiled steps that runs the jnp reference where
+    the fused kernels were asked for (`taco_jax.reference_ops`), and why: not only a warning."""
+    slow = taco_jax.reference_ops()
+    if slow:
+        ops = "; ".join(f"{call}: {why}" for call, why in slow.items())
+        _say(f"on the jnp reference, far slower than the fused kernels: {ops}")
 
 
 def _say_links(links: dict[str, taco_jax.policy.Link]) -> None:
@@ -487,6 +504,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
         )
     if start < end:
         run.compile_ahead(state)
+        _say_reference_ops()
     try:
         with StopRequests() as stops:
             last = _loop(run, state, start, ckpt, writer, stops)

@@ -333,3 +333,27 @@ def test_one_f_one_b_3d_run_trains_and_resumes_exactly(cache, tmp_path):
         pytest.skip("needs 8 devices")
     overrides = (*THREE_D, "parallel.tp=2", "parallel.schedule='1f1b'")
     _assert_trains_logs_and_resumes(tmp_path, cache, overrides)
+
+
+def test_the_start_up_summary_names_every_op_that_runs_the_reference(monkeypatch, capsys):
+    """Not only a warning: where a kernel cannot take a call (here a row of 3 groups on a
+    Hopper GPU, faked as tests/pallas_kernels/test_registry.py does) the run's start-up says
+    which op runs the jnp reference and why, in one line; nothing where every op has its
+    kernel."""
+    import jax.numpy as jnp
+
+    import pallas_kernels
+    from pallas_kernels import _pallas, registry
+
+    monkeypatch.setattr(registry, "_ON_REFERENCE", {})
+    trainer._say_reference_ops()
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
+    with pytest.warns(RuntimeWarning, match="runs the jnp reference"):
+        pallas_kernels.encode(taco_jax.get_codec("taco"), jnp.ones((2, 384), jnp.bfloat16))
+    trainer._say_reference_ops()
+    assert capsys.readouterr().err == (
+        "on the jnp reference, far slower than the fused kernels: encode of taco (rows [2, "
+        "n=384], bfloat16): the Mosaic GPU kernels cannot take rows of n=384 (need whole tiles "
+        "of 8192 and a wire of whole 8-row boxes of 128 bytes: n a multiple of 16384)\n"
+    )
