@@ -1,6 +1,8 @@
 """End to end on configs/tiny.toml: the CLI's outputs, and resume == uninterrupted, bit for bit."""
 
 import json
+import logging
+import re
 import signal
 
 import jax
@@ -357,3 +359,40 @@ def test_the_start_up_summary_names_every_op_that_runs_the_reference(monkeypatch
         "n=384], bfloat16): the Mosaic GPU kernels cannot take rows of n=384 (need whole tiles "
         "of 8192 and a wire of whole 8-row boxes of 128 bytes: n a multiple of 16384)\n"
     )
+
+
+@pytest.mark.slow
+def test_both_steps_compile_before_step_1(cache, tmp_path, monkeypatch, capsys):
+    """With measuring steps, the train step and the measuring step are compiled before the
+    loop starts (the measuring one's compile, or an out-of-memory from its exact fp32
+    collectives, no longer waits for step run.comm_error_every, maybe hours in), and the loop
+    compiles neither again; the start-up says how much more memory the measuring step needs."""
+    compiled = []
+
+    class Compiles(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if message.startswith("Compiling jit(train_step)"):
+                compiled.append("train_step")
+
+    steps = trainer._steps
+
+    def loop(*args, **kwargs):
+        compiled.append("loop starts")
+        return steps(*args, **kwargs)
+
+    handler = Compiles()
+    logging.getLogger("jax").addHandler(handler)
+    monkeypatch.setattr(trainer, "_steps", loop)
+    try:
+        with jax.log_compiles():
+            _cli(tmp_path / "run", cache, "run.comm_error_every=2", "run.steps=4")
+    finally:
+        logging.getLogger("jax").removeHandler(handler)
+    assert compiled == ["train_step", "train_step", "loop starts"]
+    err = capsys.readouterr().err
+    assert re.search(
+        r"the measuring step \(run.comm_error_every=2\) needs [\d.,]+ (bytes|KiB|MiB) more device "
+        r"memory than the train step \([\d.,]+ MiB per device\): its exact fp32 collectives",
+        err,
+    ), err
