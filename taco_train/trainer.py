@@ -114,12 +114,15 @@ class _Run:
 
     def compile_ahead(self, state) -> None:
         """Compiles the train step and, where there is one, the measuring step for `state`, so
-        that neither compiles (or runs out of memory compiling) hours into the run; where the
-        measuring step (its exact fp32 collectives) needs more device memory than the train
-        step, says so in one line. The steps' calls then reuse these programs."""
+        that neither compiles (or runs out of memory compiling) hours into the run, and the
+        evaluation and the finite check before each save (else compiled in the first save's
+        pause); where the measuring step (its exact fp32 collectives) needs more device memory
+        than the train step, says so in one line. The calls then reuse these programs."""
         rows = self.train_batches.train(0)
         batch = jax.ShapeDtypeStruct(rows.shape, rows.dtype, sharding=self.steps.batch_sharding)
         train = self.steps.train_step.lower(state, batch).compile()
+        self.steps.eval_step.lower(state, batch).compile()
+        self.steps.is_finite.lower(state).compile()
         if self.measure_step is None:
             return
         measuring = self.measure_step.lower(state, batch).compile()
