@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -72,6 +73,7 @@ def run(overrides: tuple[str, ...], asynchronous: str, out_dir: Path) -> dict:
     if done.returncode:
         raise SystemExit(f"the run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(out_dir)  # GPT-1.3B's checkpoints are ~16 GB each: free the disk for the next
     wall = WALL.search(done.stderr)
     waited = ORBAX_WAIT.search(done.stderr)
     return {

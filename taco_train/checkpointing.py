@@ -259,7 +259,8 @@ class Checkpointer:
         the newest whatever its number (a run started over in a directory that still held
         higher steps must not delete what it just saved). Every process calls it (orbax's
         delete waits for all of them)."""
-        others = sorted(s for s in self.completed_steps() if s != written)
+        # Process 0's list: processes that see the directory differently delete the same.
+        others = from_process_0(sorted(s for s in self.completed_steps() if s != written))
         for old in (others + [written])[: -self.keep]:
             self._manager.delete(old)
 

@@ -134,15 +134,15 @@ class StopRequests:
         self.received = signum
         done = self._last_done()
         when = f" after step {done}" if done is not None else ""
+        plan = "stopping after the step in progress or the one queued behind it, with a checkpoint"
         if self._several:
-            _client().key_value_set(self._keys + "request", str(signum), allow_overwrite=True)
-            plan = "stopping once the processes agree on a step"
-        else:
-            plan = "stopping after the step in progress or the one queued behind it"
+            plan = "stopping once the processes agree on a step, with a checkpoint"
+            try:
+                _client().key_value_set(self._keys + "request", str(signum), allow_overwrite=True)
+            except jax.errors.JaxRuntimeError as error:  # never raised into the loop's work
+                plan = f"the other processes could not be told ({error}): the run goes on"
         print(
-            f"taco-train: {name}{when}: {plan}, with a checkpoint (again: exit at once)",
-            file=sys.stderr,
-            flush=True,
+            f"taco-train: {name}{when}: {plan} (again: exit at once)", file=sys.stderr, flush=True
         )
 
     def _last_done(self) -> int | None:
