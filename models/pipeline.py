@@ -48,7 +48,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import taco_jax
-from taco_jax import ppermute
+from taco_jax import ppermute, telemetry
 from taco_models import layers
 from taco_models.config import ModelConfig
 from taco_models.parallel import (
@@ -290,6 +290,8 @@ def _stage_loss(model, parallel, codecs, ctx, params, tokens, key):
             x = jnp.where(stage == 0, store[jnp.mod(i, m)], x)
         chunk = nnx.merge(graphdef(model), _run_chunk(params, model, run, stage, i, m))
         first = _first_layer(ctx, model, parallel, run, stage, i, m)
+        if ctx.names_layers:  # a bubble step's reports are dropped (`taco_jax.telemetry`)
+            first = telemetry.discarded_unless((i >= stage) & (i - stage < m * v), first)
         y = chunk.run_blocks(
             x, ctx, remat=parallel.remat, scan_layers=parallel.scan_layers, first_layer=first
         )
@@ -396,6 +398,7 @@ def _one_f_one_b(model, parallel, codecs, ctx, params, tokens, key):
     key = _dp_key(key, parallel)
     micro = _microbatches(tokens, parallel)
     gd = graphdef(model)
+    measuring = ctx.sharded and any(c.telemetry for c in (ctx.comm.fwd, ctx.comm.bwd))
     local = _with_blocks(params, model, lambda x: x[0, 0])
     blocks = local["blocks"]
     rest = {name: value for name, value in local.items() if name != "blocks"}
@@ -449,7 +452,13 @@ def _one_f_one_b(model, parallel, codecs, ctx, params, tokens, key):
         valid = (u >= 0) & (u < m)
         cotangent = received if g_y is None else jnp.where(stage == stages - 1, g_y, received)
         forward_tick = u + stage  # the slot its forward wrote
-        g_blocks, g_x = saved.load(ring, jnp.mod(forward_tick, slots), (blocks, rest))(cotangent)
+        pullback = saved.load(ring, jnp.mod(forward_tick, slots), (blocks, rest))
+        if measuring:  # a bubble tick's pullback (of a stale or empty slot) must not report:
+            # skipped there (a branch per stage under shard_map; emulated stages run both)
+            skipped = lambda c: jax.tree.map(jnp.zeros_like, (blocks, c))  # noqa: E731
+            g_blocks, g_x = lax.cond(valid, pullback, skipped, cotangent)
+        else:
+            g_blocks, g_x = pullback(cotangent)
         # Bubble ticks run on stale slots: select (not multiply) so nothing of them survives.
         grads = jax.tree.map(lambda a, g: a + jnp.where(valid, g, 0), grads, g_blocks)
         g_x = jnp.where(valid, g_x, jnp.zeros_like(g_x))

@@ -16,8 +16,10 @@ than two peers take one peer's tile a pipeline step (`decode_mosaic`, peer steps
 both peers' tiles a step; they read bf16 into the encode's wgmma and write fp32 or bf16.
 
 Where the chosen kernel cannot take a call (a row that is not whole Mosaic tiles, a dtype the
-Mosaic kernels do not take, a JAX without the Triton lowering) the jnp reference runs, with one
-warning; the collectives pad their rows to `row_multiple` so that the kernels take every call
+Mosaic kernels do not take, a JAX without the Triton lowering, a TAH-Quant group beyond the
+kernels') the jnp reference runs, with one warning, and `on_reference` lists it; with
+`fallback=False` (the collectives' explicit `impl="pallas"`) the call raises instead, naming
+itself. The collectives pad their rows to `row_multiple` so that the kernels take every call
 they make.
 """
 
@@ -28,7 +30,7 @@ import warnings
 
 import jax.numpy as jnp
 
-from pallas_kernels import _pallas, encode_mosaic
+from pallas_kernels import _pallas, encode_mosaic, tahquant_kernel
 from taco_jax.codecs import Codec
 
 OPS = ("encode", "decode", "decode_sum", "decode_sum_reencode")
@@ -40,24 +42,40 @@ MOSAIC_DECODE_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
 def kernel_for(
-    op: str, codec: Codec, *, n: int, dtype, peers: int = 1, interpret: bool = False
+    op: str,
+    codec: Codec,
+    *,
+    n: int,
+    dtype,
+    peers: int = 1,
+    interpret: bool = False,
+    fallback: bool = True,
 ) -> str:
     """The kernel of `op` on rows of `n` elements (`dtype`: the encode's input, the decodes'
     output, None for the re-encode; `peers`: the rows a sum adds), one of `KERNELS`;
-    interpret: the CPU interpreter."""
+    interpret: the CPU interpreter; fallback: where the kernel cannot take the call, the
+    reference (with one warning) or, False, a ValueError naming the call."""
     if op not in OPS:
         raise ValueError(f"unknown {op=}; choose one of {OPS}")
     if codec.is_identity:  # "none" moves raw bytes: nothing to fuse
         return "reference"
+    call = _call(op, codec, n, dtype, peers)
     if not mosaic_chosen(codec, interpret):
-        return _triton(op)
+        return _triton(call, fallback)
     dtypes = MOSAIC_ENCODE_DTYPES if op == "encode" else MOSAIC_DECODE_DTYPES
     if dtype is not None and jnp.dtype(dtype) not in dtypes:
-        return _reference(op, f"the Mosaic GPU kernels take {dtypes}, not {jnp.dtype(dtype)}")
+        why = f"the Mosaic GPU kernels take {[jnp.dtype(d).name for d in dtypes]}"
+        return _reference(call, why, fallback)
     reason = encode_mosaic.unsupported(codec, n)
     if reason is not None:
-        return _reference(op, f"the Mosaic GPU kernels cannot take {reason}")
+        return _reference(call, f"the Mosaic GPU kernels cannot take {reason}", fallback)
     return "mosaic_peer_steps" if op in SUMS and peers > 2 else "mosaic"
+
+
+def _call(op: str, codec, n: int, dtype, peers: int) -> str:
+    """How a warning or an error names a call: "decode_sum of taco (rows [4, n=384], float32)"."""
+    of = f", {jnp.dtype(dtype).name}" if dtype is not None else ""
+    return f"{op} of {codec.name} (rows [{peers}, n={n}]{of})"
 
 
 def mosaic_runs(codec) -> bool:
@@ -79,26 +97,46 @@ def row_multiple(codec) -> int:
     return encode_mosaic.row_multiple(codec) if mosaic_chosen(codec) else codec.group_size
 
 
-def stage_kernel(codec_name: str) -> str:
-    """The TAH-Quant / SDP4Bit codecs: Triton, or the reference where JAX has no Triton."""
-    return _triton(f"the {codec_name} stage codec")
+def stage_kernel(codec, *, interpret: bool = False, fallback: bool = True) -> str:
+    """The TAH-Quant / SDP4Bit codecs' kernel: Triton, or the reference where the kernels cannot
+    take `codec`'s groups or JAX has no Triton lowering (as `kernel_for`'s fallback)."""
+    call = f"the {codec.name} stage codec (groups of {codec.group_size})"
+    if codec.group_size > tahquant_kernel.MAX_KERNEL_GROUP:
+        why = f"its kernels take groups of at most {tahquant_kernel.MAX_KERNEL_GROUP}"
+        return _reference(call, why, fallback)
+    return "triton" if interpret else _triton(call, fallback)
 
 
-def _triton(op: str) -> str:
+def on_reference() -> dict[str, str]:
+    """{call: why} of every call this process gave the jnp reference instead of a kernel (as
+    traced: once per program), for a summary of what runs slow."""
+    return dict(_ON_REFERENCE)
+
+
+_ON_REFERENCE: dict[str, str] = {}
+
+
+def _triton(call: str, fallback: bool) -> str:
     if _pallas.pltriton is None:
-        return _reference(op, _pallas.TRITON_IMPORT_ERROR)
+        return _reference(call, _pallas.TRITON_IMPORT_ERROR, fallback)
     return "triton"
 
 
-def _reference(op: str, why: str) -> str:
-    _warn_once(op, why)
+def _reference(call: str, why: str, fallback: bool) -> str:
+    if not fallback:
+        raise ValueError(
+            f"impl='pallas': {call} cannot run a fused kernel: {why}; impl='auto' runs the jnp "
+            "reference there (far slower), impl='xla' runs it everywhere"
+        )
+    _ON_REFERENCE[call] = why
+    _warn_once(call, why)
     return "reference"
 
 
 @functools.cache
-def _warn_once(op: str, why: str) -> None:
+def _warn_once(call: str, why: str) -> None:
     warnings.warn(
-        f"pallas_kernels: {op} runs the jnp reference, far slower than a fused kernel: {why}",
+        f"pallas_kernels: {call} runs the jnp reference, far slower than a fused kernel: {why}",
         RuntimeWarning,
         stacklevel=4,
     )

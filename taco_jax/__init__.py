@@ -12,12 +12,14 @@ Public API:
   policy: what the "auto" options choose (whether and how to compress), from measurements
   telemetry: each compressed collective's error by call site (layer_07/mlp_out/fwd)
   timing: ratios of timings with intervals and an A/A control (the benchmarks' harness)
+  reference_ops: the codec ops that ran the jnp reference where fused kernels were asked for
 
 The library needs JAX and NumPy only; the fused GPU kernels (`pallas_kernels`) are imported on
 first use, and nothing here imports the models or the training application.
 """
 
 from taco_jax import gspmd, policy, sdp4bit, tahquant, telemetry
+from taco_jax._backends import reference_ops
 from taco_jax.codecs import CODEC_NAMES, Codec, Payload, get_codec, roundtrip
 from taco_jax.collectives import (
     CommConfig,
@@ -53,6 +55,7 @@ __all__ = [
     "gspmd",
     "policy",
     "reduce_from_tp",
+    "reference_ops",
     "roundtrip",
     "scatter_to_sp",
     "sdp4bit",

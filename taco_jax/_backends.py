@@ -53,19 +53,19 @@ def _kernels():
     return pallas_kernels
 
 
-def _fused(kernel, reference, interpret: bool):
+def _fused(kernel, reference, interpret: bool, fallback: bool):
     """`kernel` for compressing codecs; the reference for the identity codec "none"."""
 
     def op(codec: Codec, *args):
         if codec.is_identity:
             return reference(codec, *args)
-        return kernel(codec, *args, interpret=interpret)
+        return kernel(codec, *args, interpret=interpret, fallback=fallback)
 
     return op
 
 
 @functools.cache
-def _pallas_ops(interpret: bool) -> CodecOps:
+def _pallas_ops(interpret: bool, fallback: bool) -> CodecOps:
     kernels = _kernels()
     if isinstance(kernels, ImportError):
         raise ImportError(
@@ -74,7 +74,7 @@ def _pallas_ops(interpret: bool) -> CodecOps:
         ) from kernels
     return CodecOps(
         *(
-            _fused(getattr(kernels, name), getattr(XLA_OPS, name), interpret)
+            _fused(getattr(kernels, name), getattr(XLA_OPS, name), interpret, fallback)
             for name in ("encode", "decode", "decode_sum", "decode_sum_reencode")
         )
     )
@@ -82,6 +82,7 @@ def _pallas_ops(interpret: bool) -> CodecOps:
 
 @functools.cache
 def _warn_fallback(error: str) -> None:
+    _IMPORT_FALLBACK["every codec op (impl='auto')"] = f"pallas_kernels failed to import: {error}"
     warnings.warn(
         "taco_jax: impl='auto' runs the XLA reference codec on this GPU, far slower than the "
         f"fused kernels (BENCHMARKS.md), because pallas_kernels failed to import: {error}",
@@ -102,14 +103,15 @@ class StageOps:
 
 def get_stage_ops(impl: str) -> StageOps:
     """The TAH-Quant ops for `impl`, chosen as `get_ops` chooses: the fused kernels of
-    `pallas_kernels.tahquant_kernel`, or the jnp reference."""
+    `pallas_kernels.tahquant_kernel`, or the jnp reference (as `get_ops`: with a warning under
+    "auto" where the kernels cannot take a codec, an error naming it under "pallas")."""
     if get_ops(impl) is XLA_OPS:
         return StageOps(tahquant.encode_wire, tahquant.decode_wire)
     kernels = _kernels().tahquant_kernel
-    interpret = impl == "pallas_interpret"
+    options = (impl == "pallas_interpret", impl == "auto")  # interpret, fallback
     return StageOps(
-        functools.partial(_stage_op, kernels.encode, tahquant.encode_wire, interpret),
-        functools.partial(_stage_op, kernels.decode, tahquant.decode_wire, interpret),
+        functools.partial(_stage_op, kernels.encode, tahquant.encode_wire, *options),
+        functools.partial(_stage_op, kernels.decode, tahquant.decode_wire, *options),
     )
 
 
@@ -143,13 +145,11 @@ def _stage_collective_ops(stage: StageOps) -> CodecOps:
     return CodecOps(encode, stage.decode, decode_sum, decode_sum_reencode)
 
 
-def _stage_op(kernel, reference, interpret: bool, codec, *args):
-    """The kernel where it takes the codec's groups (G <= MAX_KERNEL_GROUP) and the registry
-    gives it the call (`pallas_kernels.registry.stage_kernel`), else the reference."""
-    kernels = _kernels()
-    if codec.group_size > kernels.tahquant_kernel.MAX_KERNEL_GROUP:
-        return reference(codec, *args)
-    if not interpret and kernels.registry.stage_kernel(codec.name) == "reference":
+def _stage_op(kernel, reference, interpret: bool, fallback: bool, codec, *args):
+    """The kernel where the registry gives it the call (`pallas_kernels.registry.stage_kernel`:
+    the codec's groups, the Triton lowering), else the reference, said or refused there."""
+    registry = _kernels().registry
+    if registry.stage_kernel(codec, interpret=interpret, fallback=fallback) == "reference":
         return reference(codec, *args)
     return kernel(codec, *args, interpret=interpret)
 
@@ -209,7 +209,8 @@ def get_ops(impl: str) -> CodecOps:
     "auto" picks the fused kernels on a GPU backend, else "xla". On a GPU where the kernels
     cannot be imported it falls back to "xla" and warns once, naming the import error; "pallas"
     raises that error instead. Which kernel runs each op is `pallas_kernels.registry`'s
-    choice.
+    choice; where that kernel cannot take a call, "auto" runs the reference there (one
+    warning; `reference_ops` lists it) and "pallas" raises, naming the call.
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown {impl=}; choose one of {IMPLS}")
@@ -218,4 +219,17 @@ def get_ops(impl: str) -> CodecOps:
     if impl == "auto" and isinstance(_kernels(), ImportError):
         _warn_fallback(repr(_kernels()))
         return XLA_OPS
-    return _pallas_ops(interpret=impl == "pallas_interpret")
+    return _pallas_ops(interpret=impl == "pallas_interpret", fallback=impl == "auto")
+
+
+_IMPORT_FALLBACK: dict[str, str] = {}
+
+
+def reference_ops() -> dict[str, str]:
+    """{call: why} of the codec ops this process ran on the jnp reference although it asked
+    for the fused kernels ("auto" on a GPU): the registry's fallbacks (as traced, once per
+    program) and a failed import of the kernels. Empty where every op ran its kernel, or where
+    the reference was asked for ("xla", or "auto" off a GPU)."""
+    kernels = _kernels()
+    fallbacks = {} if isinstance(kernels, ImportError) else kernels.registry.on_reference()
+    return {**_IMPORT_FALLBACK, **fallbacks}

@@ -139,7 +139,10 @@ def _send(x, axis_name, pairs, full, partial: bool, direction: _Direction, key):
         key = key[0] if key else None
         if key is not None and blocks:  # blocks draw independent noise
             key = jax.random.fold_in(key, lax.axis_index(blocks))
-        row, size = codecs.pad_to_multiple(x.reshape(1, -1), direction.codec.group_size)
+        # Whole groups, and whole rows of the kernels that run the codec (Mosaic GPU's tiles
+        # on Hopper), so that the chosen kernel takes the message: none falls to the reference.
+        multiple = _backends.kernel_row_multiple(direction.impl, direction.codec)
+        row, size = codecs.pad_to_multiple(x.reshape(1, -1), multiple)
         wire = lax.ppermute(encode(row, key), axis_name, full)
         out = decode(wire, row.shape[-1], x.dtype)[0, :size].reshape(x.shape)
         if partial:  # a rank that receives nothing decoded a filler's message or a zero wire

@@ -18,7 +18,8 @@ Under `jax.grad` a forward site reports from the backward pass, which runs once 
 computes the forward twice. Its sums are saved as a residual named `CHECKPOINT_NAME`: a remat
 policy that saves that name also spares the exact collective's rerun in the backward.
 
-`drain()` returns what this process's devices reported since the last call, per site.
+`drain()` returns what this process's devices reported since the last call, per site (on
+several processes, `drain(all_processes=True)` what all of them reported).
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ from taco_jax import _local
 STATS = ("sq_error", "sq_exact", "nonfinite", "exact_nonfinite", "nbytes", "compressed_bytes")
 CHECKPOINT_NAME = "comm_error"
 
+# A layer index at or below DISCARDED / 2 marks the reports of work a program computes and
+# throws away (a pipeline's bubble steps): the host drops them (`discarded_unless`), so a
+# site's sums and `calls` are those of the work that counts.
+DISCARDED = -(2**30)
+
 _lock = threading.Lock()
 _reports: dict[str, list[np.ndarray]] = {}
 _axes: dict[str, str] = {}
@@ -64,6 +70,8 @@ class SiteError:
       messages for an all-gather, one for a ppermute's senders), and the share of those sent
       compressed.
     axis: the axis it communicates over ("dp_inter,dp_intra" for a tuple).
+    calls: the reports its sums add up: one per call, rank and device that ran it (a check
+      that no report was dropped or repeated: tests/taco_jax/test_telemetry.py).
     """
 
     error: float | None
@@ -72,17 +80,21 @@ class SiteError:
     nbytes: float
     compressed_bytes: float
     axis: str
+    calls: int = 1
 
     @classmethod
     def of(cls, sums, axis: str) -> SiteError:
-        sq_error, sq_exact, nonfinite, exact_nonfinite, nbytes, compressed = sums
+        """From a site's `STATS` sums and, last, its count of reports."""
+        sq_error, sq_exact, nonfinite, exact_nonfinite, nbytes, compressed, calls = sums
         if compressed == 0:
             error = None
         elif sq_exact > 0 or math.isnan(sq_exact):
             error = math.sqrt(sq_error) / math.sqrt(sq_exact)
         else:
             error = math.sqrt(sq_error)  # as `relative_error`: 0 when both are 0
-        return cls(error, int(nonfinite), int(exact_nonfinite), nbytes, compressed, axis)
+        return cls(
+            error, int(nonfinite), int(exact_nonfinite), nbytes, compressed, axis, int(calls)
+        )
 
     @property
     def codec_nonfinite(self) -> bool:
@@ -145,10 +157,19 @@ def _axis_label(axis_name) -> str:
     return ",".join(axis_name) if isinstance(axis_name, tuple) else str(axis_name)
 
 
+def discarded_unless(keep, layer) -> jax.Array:
+    """`layer` (the first layer index of some work), or where the traced bool `keep` is False a
+    mark that drops every report of the sites named from it (their layers count up from it):
+    the work is computed and thrown away, as on a pipeline's bubble steps. It travels with the
+    layer index, also into the backward pass."""
+    return jnp.where(keep, jnp.asarray(layer, jnp.int32), DISCARDED)
+
+
 def report(site: str, stats: jax.Array | None, *, layer=None, axis_name="") -> None:
     """Hands one call's `STATS` to the host under `site_name(site, layer)` (nothing where
     `stats` is None); `layer`: None, an int or a traced int32. Works under jit, vmap, scan,
-    shard_map and in a custom_vjp's backward pass."""
+    shard_map and in a custom_vjp's backward pass. Reports of discarded work
+    (`discarded_unless`) reach the host and are dropped there."""
     if stats is None:
         return
     index = jnp.asarray(-1 if layer is None else layer, jnp.int32)
@@ -175,26 +196,38 @@ def report(site: str, stats: jax.Array | None, *, layer=None, axis_name="") -> N
 
 
 def _accumulate(site: str, axis: str, layer, stats) -> None:
-    name = site_name(site, int(np.asarray(layer)))
+    layer = int(np.asarray(layer))
+    if layer <= DISCARDED // 2:  # discarded work (a layer counted up from the mark)
+        return
+    name = site_name(site, layer)
     with _lock:
         _reports.setdefault(name, []).append(np.asarray(stats, np.float64))
         _axes[name] = axis
 
 
-def drain(*, all_processes: bool = False) -> dict[str, SiteError]:
+def drain(*, all_processes: bool | None = None) -> dict[str, SiteError]:
     """Each call site's `SiteError` since the last `drain()`, in name order; resets.
 
     Blocks until the device work issued so far has reported (`jax.effects_barrier`), so call
     it after a step. The sums are exact whatever order the devices reported in (`math.fsum`).
-    all_processes: merge what every process's devices reported (every process must call it at
-    the same point; each then returns the same)."""
+    all_processes: True merges what every process's devices reported (every process must call
+    it at the same point; each then returns the same, so decisions made from it agree); False
+    returns this process's devices' reports alone. Left unset it is False on one process and
+    refused on several: there, per-process errors would lead processes to different decisions
+    (different programs, a hang), and a merge is a collective every process must join."""
+    if all_processes is None and jax.process_count() > 1:
+        raise ValueError(
+            f"drain() on {jax.process_count()} processes: pass all_processes=True (every "
+            "process calls it at the same point and gets the same merged errors, to decide "
+            "from) or all_processes=False (this process's devices' reports alone)"
+        )
     jax.effects_barrier()
     with _lock:
         reports, axes = dict(_reports), dict(_axes)
         _reports.clear()
         _axes.clear()
     sums = {
-        site: [math.fsum(column) for column in zip(*rows, strict=True)]
+        site: [math.fsum(column) for column in zip(*rows, strict=True)] + [len(rows)]
         for site, rows in reports.items()
     }
     if all_processes and jax.process_count() > 1:

@@ -3,9 +3,15 @@
 A save is complete when orbax has finalized the step directory and this module has written a
 manifest beside it (`taco_manifest.json`: the sha256 of every file of the step). Only steps whose
 files still match their manifest are "good": restoring takes the newest good step and says in
-one line why it skipped any newer one (truncated, damaged or unfinished files, or a restore that
-failed), and old checkpoints are deleted only when `keep` newer good ones exist, so the last good
-checkpoint is never deleted for a newer one that is not.
+one line why it skipped any newer one (truncated, damaged or unfinished files: those alone are
+moved aside), and old checkpoints are deleted only when `keep` newer good ones exist, so the last
+good checkpoint is never deleted for a newer one that is not. A good checkpoint that fails to
+restore (a device out of memory, a filesystem error, another orbax) is not damaged: the restore
+stops with `RestoreError` and moves nothing.
+
+Each checkpoint is read once to verify it, by process 0, which hands its verdict to the others
+(and each restore's outcome is agreed the same way): processes that see the shared filesystem
+differently still take the same branch, and N processes do not read the files N times.
 
 Saves are asynchronous by default (orbax's async checkpointing): `save` returns once the state
 is copied to host memory; orbax writes the files and a thread of process 0 then hashes them into
@@ -119,6 +125,50 @@ def _say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+class RestoreError(RuntimeError):
+    """A checkpoint that matches its manifest could not be restored or read; nothing was moved
+    (the error may pass: a device out of memory, a filesystem hiccup)."""
+
+
+def from_process_0(value: Any) -> Any:
+    """Process 0's `value` (JSON) on every process: one process reads the shared filesystem and
+    decides, so that every process takes the same branch."""
+    if jax.process_count() == 1:
+        return value
+    return json.loads(_gathered_text(json.dumps(value) if jax.process_index() == 0 else "")[0])
+
+
+def _gathered_text(text: str) -> list[str]:
+    """Every process's `text`, in process order, on every process (a collective)."""
+    payload = np.frombuffer(text.encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(payload.size))).reshape(-1)
+    padded = np.zeros(max(int(np.max(sizes)), 1), np.uint8)
+    padded[: payload.size] = payload
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [bytes(row[: int(size)]).decode() for row, size in zip(rows, sizes, strict=True)]
+
+
+def _one_line(error: BaseException) -> str:
+    """`error` as one short line: its type and the first line of its message."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    first = first if len(first) <= 200 else first[:197] + "..."
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+def saved_steps(directory: Path) -> list[int]:
+    """The steps of the checkpoint directories in `directory` (finished or not), ascending."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def set_aside(directory: Path) -> list[str]:
+    """The checkpoints of `directory` moved aside as not usable (`<step>.unusable`), by name."""
+    if not directory.is_dir():
+        return []
+    return sorted(p.name for p in directory.glob("*.unusable") if p.is_dir())
+
+
 class Checkpointer:
     """Saves `save(step, state)` and verifies it; keeps the newest `keep` good checkpoints."""
 
@@ -132,6 +182,7 @@ class Checkpointer:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._pending: int | None = None  # the step of the save in flight
+        self.previous_wait_s = 0.0  # of the last `save`: waiting for the one before it
         self._verifier: threading.Thread | None = None
         self._verify_error: BaseException | None = None
 
@@ -154,9 +205,12 @@ class Checkpointer:
         It first waits for the save before it (`wait`). Synchronous, it returns once the new
         checkpoint is complete and verified; asynchronous, once orbax holds the state in host
         memory (the state may then change: `train_step` donates it), the rest in background.
+        Of the seconds returned, `previous_wait_s` went to waiting for the save before it; the
+        rest is orbax's (asynchronous: its copy of the state to host memory).
         """
         started = time.perf_counter()
         self.wait()
+        self.previous_wait_s = time.perf_counter() - started
         self._manager.save(
             step, args=ocp.args.StandardSave(state), force=True, custom_metadata=metadata or {}
         )
@@ -205,26 +259,62 @@ class Checkpointer:
         the newest whatever its number (a run started over in a directory that still held
         higher steps must not delete what it just saved). Every process calls it (orbax's
         delete waits for all of them)."""
-        others = sorted(s for s in self.completed_steps() if s != written)
+        # Process 0's list: processes that see the directory differently delete the same.
+        others = from_process_0(sorted(s for s in self.completed_steps() if s != written))
         for old in (others + [written])[: -self.keep]:
             self._manager.delete(old)
 
     def restore_newest_good(self, target: Any) -> tuple[Any, int] | None:
-        """The newest checkpoint that is good and restores, laid out like `target` (an
-        `abstract_state`), with its step; None when there is none.
+        """The newest good checkpoint, laid out like `target` (an `abstract_state`), with its
+        step; None when there is none.
 
-        Each newer checkpoint that is skipped is reported in one line and moved aside to
-        `<step>.unusable` (kept for inspection, out of the way of the run's next saves).
+        Each newer checkpoint whose files do not match its manifest is reported in one line and
+        moved aside to `<step>.unusable` (kept for inspection, out of the way of the run's next
+        saves). Any other error, reading or restoring one, raises `RestoreError` naming it, and
+        moves nothing: a transient error must not demote good checkpoints.
         """
-        for step in sorted(self.steps(), reverse=True):
-            reason = damage(self._step_dir(step))
+        for step in from_process_0(sorted(self.steps(), reverse=True)):
+            reason = self._verdict(step)
             if reason is None:
-                try:
-                    return self._manager.restore(step, args=ocp.args.StandardRestore(target)), step
-                except Exception as error:  # noqa: BLE001 -- a damaged checkpoint, whatever broke
-                    reason = f"restoring it failed ({type(error).__name__})"
+                return self._restore(step, target), step
             self._set_aside(step, reason)
         return None
+
+    def _verdict(self, step: int) -> str | None:
+        """`damage` of `step`, found by process 0 alone (one read of the files) and agreed by
+        every process; `RestoreError` where the files could not be read (not damage)."""
+        verdict = {"damage": None}
+        if jax.process_index() == 0:
+            try:
+                verdict = {"damage": damage(self._step_dir(step))}
+            except OSError as error:
+                verdict = {"error": _one_line(error)}
+        verdict = from_process_0(verdict)
+        if "error" in verdict:
+            raise RestoreError(
+                f"checkpoint {step} in {self.directory} could not be read to verify it "
+                f"({verdict['error']}); nothing was moved: run again once the error is fixed"
+            )
+        return verdict["damage"]
+
+    def _restore(self, step: int, target: Any) -> Any:
+        """Orbax's restore of the good checkpoint `step` on every process; `RestoreError` on
+        every process where it failed on any (each would otherwise go its own way)."""
+        failure = ""
+        try:
+            state = self._manager.restore(step, args=ocp.args.StandardRestore(target))
+        except Exception as error:  # noqa: BLE001 -- named in the RestoreError below
+            state, failure = None, _one_line(error)
+        failures = [failure] if jax.process_count() == 1 else _gathered_text(failure)
+        failed = [(rank, text) for rank, text in enumerate(failures) if text]
+        if failed:
+            rank, text = failed[0]
+            where = f" on process {rank}" if jax.process_count() > 1 else ""
+            raise RestoreError(
+                f"checkpoint {step} in {self.directory} matches its manifest but did not restore"
+                f"{where} ({text}); nothing was moved: run again once the error is fixed"
+            )
+        return state
 
     def metadata(self, step: int) -> dict[str, Any]:
         """The `metadata` saved with the checkpoint of `step` ({} for one saved without)."""

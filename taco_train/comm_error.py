@@ -8,12 +8,16 @@ every other step runs the program it runs without measuring. After it, this modu
   exact fp32 collective (`comm_error/<site>`, a TensorBoard scalar each), its non-finite
   values, and the share of the TP bytes that went compressed; a console line (`line`); and a
   picture of the error by layer and op over the measuring steps (`figure`);
-- the error budget (`compression.error_budget`, `over_budget`): a call site over it moves one
-  step down its ladder, its codec -> `compression.fallback_codec` -> uncompressed
-  (`next_codec`), for the rest of the run. The trainer says so in one line (`switch_line`),
-  records it (`fallback_record`), rebuilds its steps with the sites' new codecs
+- the error budget (`compression.error_budget`): a call site over it on
+  `compression.error_budget_consecutive` measuring steps in a row (`tally`, `due`; one spiky
+  batch decides nothing) moves one step down its ladder, its codec ->
+  `compression.fallback_codec` -> uncompressed (`next_codec`), for the rest of the run. The
+  trainer says so in one line naming those steps (`switch_line`), records it
+  (`fallback_record`), rebuilds its steps with the sites' new codecs
   (`taco_jax.CommConfig.site_codecs`: every rank switches at the same step, one program) and
-  saves them in each checkpoint (`METADATA_KEY`), so a resumed run keeps them;
+  saves in each checkpoint's metadata both the fallbacks (`METADATA_KEY`: {call site: codec})
+  and the runs of measuring steps over the budget so far (`STREAKS_KEY`: {call site: [steps]}),
+  so a resumed run keeps them;
 - at the end, a table per op (`table`) and `comm_error.png`.
 """
 
@@ -28,6 +32,7 @@ import numpy as np
 from taco_jax import telemetry
 
 METADATA_KEY = "comm_fallbacks"  # in a checkpoint's metadata: {call site: codec}
+STREAKS_KEY = "comm_over_budget"  # there too: {call site: the measuring steps over, in a row}
 ERROR_PREFIX = "comm_error/"
 TP_AXIS = "tp"
 # The sharded optimizer's sites: SDP4Bit's codecs, with no other codec to fall back to.
@@ -62,17 +67,30 @@ def next_codec(site: str, current: str | None, fallback_codec: str) -> str:
     return "none"
 
 
-def over_budget(
+def tally(
+    streaks: dict[str, list[int]],
+    step: int,
     errors: dict[str, telemetry.SiteError],
     budget: float,
+) -> dict[str, list[int]]:
+    """Each call site's run of measuring steps over `budget` (`taco_jax.telemetry.over_budget`)
+    up to measuring step `step`: `streaks`, the runs up to the measuring step before, extended
+    by the sites over it at `step`; a site within it at `step` (or not compressed) has none."""
+    return {site: [*streaks.get(site, []), step] for site in telemetry.over_budget(errors, budget)}
+
+
+def due(
+    streaks: dict[str, list[int]],
+    consecutive: int,
     fallbacks: dict[str, str],
     fallback_codec: str,
 ) -> dict[str, str]:
-    """{call site: the codec it runs next} of the sites `errors` puts over `budget`
-    (`taco_jax.telemetry.over_budget`)."""
+    """{call site: the codec it runs next} of the sites over the budget on `consecutive`
+    measuring steps in a row (`tally`)."""
     return {
         site: next_codec(site, fallbacks.get(site), fallback_codec)
-        for site in telemetry.over_budget(errors, budget)
+        for site, steps in streaks.items()
+        if len(steps) >= consecutive
     }
 
 
@@ -123,10 +141,18 @@ def _ordered(error: float) -> float:
     return math.inf if math.isnan(error) else error  # NaN is the worst
 
 
-def switch_line(step: int, new: dict[str, str], errors, budget: float) -> str:
-    """The one log line of the call sites that leave their codec after measuring step `step`."""
-    moves = ", ".join(f"{site} ({_said(errors[site])}) -> {codec}" for site, codec in new.items())
+def switch_line(step: int, new: dict[str, str], errors, budget: float, streaks) -> str:
+    """The one log line of the call sites that leave their codec after measuring step `step`,
+    each with the measuring steps it was over the budget on (`streaks`)."""
+    moves = ", ".join(
+        f"{site} ({_said(errors[site])}; over at steps {_steps(streaks[site])}) -> {codec}"
+        for site, codec in new.items()
+    )
     return f"step {step}: over compression.error_budget={budget:g}: {moves}, from step {step + 1}"
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(str(s) for s in steps)
 
 
 def _said(error: telemetry.SiteError) -> str:
@@ -135,10 +161,16 @@ def _said(error: telemetry.SiteError) -> str:
     return f"error {error.error:.4f}"
 
 
-def fallback_record(step: int, new: dict[str, str], errors) -> dict[str, Any]:
-    """The "comm_fallback" metrics record of the call sites that switch after step `step`."""
+def fallback_record(step: int, new: dict[str, str], errors, streaks) -> dict[str, Any]:
+    """The "comm_fallback" metrics record of the call sites that switch after step `step`, each
+    with its error at `step` and the measuring steps it was over the budget on (`over_at`)."""
     sites = {
-        site: {"codec": codec, "error": errors[site].error, "nonfinite": errors[site].nonfinite}
+        site: {
+            "codec": codec,
+            "error": errors[site].error,
+            "nonfinite": errors[site].nonfinite,
+            "over_at": streaks[site],
+        }
         for site, codec in new.items()
     }
     return {"kind": "comm_fallback", "step": step, "sites": sites}

@@ -66,6 +66,9 @@ class CompressionConfig:
       `run.comm_error_every`, exceeds it (or whose codec made values non-finite) runs
       `fallback_codec` from the next step on, and uncompressed if that exceeds it too
       (`taco_train.comm_error`); None: no budget.
+    error_budget_consecutive: the measuring steps in a row a call site must be over the budget
+      on before it falls back (1: the first time; a spiky batch then decides for the rest of
+      the run).
     fallback_codec: the codec such a call site falls back to first (`taco_jax.CODEC_NAMES`;
       "none": uncompressed at once; the sharded optimizer's collectives always fall back to
       uncompressed).
@@ -91,6 +94,7 @@ class CompressionConfig:
     min_compress_bytes: int | None = _COMM.min_compress_bytes
     link: str = _COMM.link
     error_budget: float | None = None
+    error_budget_consecutive: int = 2
     fallback_codec: str = "none"
     pp: str = "none"
     pp_bwd: str | None = None
@@ -122,6 +126,10 @@ class CompressionConfig:
                 )
         if self.error_budget is not None and not self.error_budget > 0:
             raise ConfigError(f"compression.error_budget={self.error_budget} must be > 0")
+        if self.error_budget_consecutive < 1:
+            raise ConfigError(
+                f"compression.error_budget_consecutive={self.error_budget_consecutive} must be >= 1"
+            )
         if self.pp_link not in taco_jax.policy.LINKS:
             raise ConfigError(
                 f"compression.pp_link={self.pp_link!r} is not one of {taco_jax.policy.LINKS}"

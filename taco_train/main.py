@@ -34,8 +34,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Configuration and usage errors print one line and exit with status 2 (as argparse does),
-    a diverged run one line and status 1, a run stopped by SIGTERM or SIGINT one line and
-    128 + the signal's number; anything else keeps its traceback."""
+    a diverged run or a checkpoint that failed to restore one line and status 1, a run stopped
+    by SIGTERM or SIGINT one line and 128 + the signal's number; anything else keeps its
+    traceback."""
     args = parse_args(argv)
     try:
         _main(args)
@@ -56,15 +57,16 @@ TRAIN_EXTRA_MODULES = ("flax", "optax", "orbax", "tokenizers", "matplotlib", "tq
 
 
 def _main(args: argparse.Namespace) -> None:
+    from taco_train.checkpointing import RestoreError
     from taco_train.config import ConfigError
     from taco_train.data import DataError
     from taco_train.trainer import Diverged, Stopped
 
     try:
         _run(args)
-    except (ConfigError, DataError, Diverged) as error:
+    except (ConfigError, DataError, Diverged, RestoreError) as error:
         print(f"taco-train: error: {error}", file=sys.stderr)
-        raise SystemExit(1 if isinstance(error, Diverged) else 2) from None
+        raise SystemExit(1 if isinstance(error, Diverged | RestoreError) else 2) from None
     except Stopped as stopped:
         print(f"taco-train: {stopped}", file=sys.stderr)
         raise SystemExit(stopped.exit_status) from None

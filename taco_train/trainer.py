@@ -12,9 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import sys
-import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -34,9 +32,16 @@ from taco_models.parallel import (
     weight_decay_mask,
 )
 from taco_train import comm_error, data, metrics, optim
-from taco_train.checkpointing import Checkpointer, abstract_state
+from taco_train.checkpointing import (
+    Checkpointer,
+    abstract_state,
+    from_process_0,
+    saved_steps,
+    set_aside,
+)
 from taco_train.config import ConfigError, TrainConfig, resolve_model
 from taco_train.steps import make_steps, state_split
+from taco_train.stopping import Stopped, StopRequests
 
 
 def maybe_initialize_distributed(mode: str) -> None:
@@ -90,6 +95,7 @@ class _Run:
         self.val_batches = data.Batches(self.dataset.val, b, t, seed, "validation split")
         self.schedule = optim.lr_schedule(cfg.optimizer, cfg.run.steps)
         self.links = resolve_links(cfg)
+        self.over_budget: dict[str, list[int]] = {}  # the error budget's `comm_error.tally`
         self.build({})
         self.n_devices = self.steps.mesh.devices.size
         device_kind = self.steps.mesh.devices.flat[0].device_kind
@@ -105,6 +111,28 @@ class _Run:
         if self.cfg.run.comm_error_every:
             measuring = build_steps(self.cfg, self.fallbacks, measure=True, links=self.links)
             self.measure_step = measuring.train_step
+
+    def compile_ahead(self, state) -> None:
+        """Compiles the train step and, where there is one, the measuring step for `state`, so
+        that neither compiles (or runs out of memory compiling) hours into the run, and the
+        evaluation and the finite check before each save (else compiled in the first save's
+        pause); where the measuring step (its exact fp32 collectives) needs more device memory
+        than the train step, says so in one line. The calls then reuse these programs."""
+        rows = self.train_batches.train(0)
+        batch = jax.ShapeDtypeStruct(rows.shape, rows.dtype, sharding=self.steps.batch_sharding)
+        train = self.steps.train_step.lower(state, batch).compile()
+        self.steps.eval_step.lower(state, batch).compile()
+        self.steps.is_finite.lower(state).compile()
+        if self.measure_step is None:
+            return
+        measuring = self.measure_step.lower(state, batch).compile()
+        more = _device_bytes(measuring) - _device_bytes(train)
+        if more > 0:
+            _say(
+                f"the measuring step (run.comm_error_every={self.cfg.run.comm_error_every}) needs "
+                f"{_size(more)} more device memory than the train step "
+                f"({_size(_device_bytes(measuring))} per device): its exact fp32 collectives"
+            )
 
     def measures(self, step: int) -> bool:
         """Whether (1-based) `step` is a measuring step."""
@@ -127,6 +155,29 @@ class _Run:
             for i in range(n)
         ]
         return float(np.mean(jax.device_get(losses)))
+
+
+def _device_bytes(compiled) -> int:
+    """The device memory a compiled program holds while it runs, per device, from XLA's memory
+    analysis: its arguments, outputs not aliased to them, and temporaries (0 where the backend
+    gives no analysis)."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return 0
+    return (
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes
+        + stats.temp_size_in_bytes
+    )
+
+
+def _size(nbytes: int) -> str:
+    """`nbytes` in the largest binary unit that keeps a whole part: "5.9 MiB"."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.1f} {unit}"
+    return f"{nbytes} bytes"
 
 
 def _fresh_state(run: _Run, key: jax.Array):
@@ -162,6 +213,15 @@ def resolve_links(cfg: TrainConfig) -> dict[str, taco_jax.policy.Link]:
         return {}
     mesh = make_mesh(p)
     return {key: taco_jax.policy.mesh_link(mesh, axis) for key, axis in wanted.items()}
+
+
+def _say_reference_ops() -> None:
+    """One line naming every codec op of the compiled steps that runs the jnp reference where
+    the fused kernels were asked for (`taco_jax.reference_ops`), and why: not only a warning."""
+    slow = taco_jax.reference_ops()
+    if slow:
+        ops = "; ".join(f"{call}: {why}" for call, why in slow.items())
+        _say(f"on the jnp reference, far slower than the fused kernels: {ops}")
 
 
 def _say_links(links: dict[str, taco_jax.policy.Link]) -> None:
@@ -208,18 +268,20 @@ def _init_or_restore(run: _Run, ckpt: Checkpointer):
     """The newest good checkpoint's state and step, or a fresh state at step 0; a restored
     run takes up the error budget's fallbacks saved with its checkpoint."""
     key = jax.random.key(run.cfg.run.seed)
-    if not run.cfg.run.resume or not ckpt.steps():
+    if not run.cfg.run.resume or not from_process_0(ckpt.steps()):
         return _fresh_state(run, key), 0
     target = abstract_state(run.steps.init, run.steps.state_sharding, key)
     restored = ckpt.restore_newest_good(target)
     if restored is None:
         raise ConfigError(
-            f"no checkpoint in {ckpt.directory} is usable (see above); move them away, or use "
-            "another run.out_dir"
+            f"no checkpoint in {ckpt.directory} is usable (each was set aside, see above); set "
+            "run.resume=false to start over (the earlier run is archived first), or use another "
+            "run.out_dir"
         )
     state, step = restored
     _say(f"resuming from {ckpt.directory} at step {step}")
     fallbacks = ckpt.metadata(step).get(comm_error.METADATA_KEY, {})
+    run.over_budget = ckpt.metadata(step).get(comm_error.STREAKS_KEY, {})
     if fallbacks:
         run.build(fallbacks)
         moved = ", ".join(f"{site} -> {codec}" for site, codec in fallbacks.items())
@@ -333,15 +395,41 @@ def archive_previous_run(out: Path) -> Path | None:
 
 
 def _start_over(cfg: TrainConfig, out: Path) -> None:
-    """`run.resume=false`: the earlier run in `out` is archived, reported in one line."""
-    if cfg.run.resume:
+    """Where this run starts from step 0 in a directory holding an earlier one, the earlier run
+    is archived first, said in one line: with `run.resume=false`, or where no checkpoint is left
+    to resume from (a run stopped before its first save); a start over never truncates its
+    metrics or TensorBoard history. Refuses to resume where every checkpoint was set aside as
+    unusable (that start from step 0 takes `run.resume=false`). Process 0 reads the directory
+    and decides for every process."""
+    plan = from_process_0(_start_plan(cfg, out) if jax.process_index() == 0 else None)
+    if "refuse" in plan:
+        raise ConfigError(plan["refuse"])
+    if "archive" not in plan:
         return
     if jax.process_index() == 0:
         archived = archive_previous_run(out)
         if archived is not None:
-            _say(f"run.resume=false: the earlier run in {out} was moved to {archived}")
+            _say(f"{plan['archive']}: the earlier run in {out} was moved to {archived}")
     if jax.process_count() > 1:  # nobody reads the directory before it is moved
         multihost_utils.sync_global_devices("earlier run archived")
+
+
+def _start_plan(cfg: TrainConfig, out: Path) -> dict[str, str]:
+    """{"archive": why} where this run starts over in `out`, {"refuse": why} where it must
+    not, {} where it resumes or `out` holds no earlier run."""
+    if not cfg.run.resume:
+        return {"archive": "run.resume=false"}
+    checkpoints = out / "checkpoints"
+    if saved_steps(checkpoints):
+        return {}
+    if unusable := set_aside(checkpoints):
+        return {
+            "refuse": f"every checkpoint in {checkpoints} was set aside as unusable "
+            f"({', '.join(unusable)}) and resuming would start from step 0; set "
+            "run.resume=false to start over (the earlier run is archived first), or use another "
+            "run.out_dir"
+        }
+    return {"archive": f"no checkpoint in {checkpoints} to resume from"}
 
 
 def _write_config(cfg: TrainConfig, out: Path) -> None:
@@ -417,6 +505,9 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
             f"MFU not reported: the peak FLOP/s of a {kind!r} device is unknown (set "
             "run.peak_tflops)"
         )
+    if start < end:
+        run.compile_ahead(state)
+        _say_reference_ops()
     try:
         with StopRequests() as stops:
             last = _loop(run, state, start, ckpt, writer, stops)
@@ -498,68 +589,6 @@ class Diverged(RuntimeError):
     """Training cannot go on from the state it has (one line on the command line, exit 1)."""
 
 
-class Stopped(Exception):
-    """A SIGTERM or SIGINT stopped the run after a step, with a checkpoint of that step.
-
-    The command line prints it as one line and exits with 128 + the signal's number (143 for
-    SIGTERM, 130 for SIGINT), as a shell reports a process the signal ended."""
-
-    def __init__(self, signum: int, step: int):
-        name = signal.Signals(signum).name
-        super().__init__(f"{name}: stopped at step {step}; run the same command to resume")
-        self.exit_status = 128 + signum
-
-
-class StopRequests:
-    """While active (a context manager, in the main thread), SIGTERM and SIGINT ask the loop to
-    stop after the current step instead of ending the process: schedulers send SIGTERM before
-    they preempt a job, and Ctrl-C is SIGINT. A second signal ends the process at once (exit
-    128 + its number), without a checkpoint; the last complete one stays good."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopRequests:
-        if threading.current_thread() is threading.main_thread():  # where Python runs handlers
-            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-    def _handle(self, signum: int, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.received is not None:
-            print(
-                f"taco-train: {name} again: exiting at once, without a checkpoint",
-                file=sys.stderr,
-                flush=True,
-            )
-            os._exit(128 + signum)
-            return  # (only where os._exit is replaced, as in a test)
-        self.received = signum
-        print(
-            f"taco-train: {name}: stopping after this step with a checkpoint (again: exit at once)",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def agreed(self, step: int, log_every: int) -> int | None:
-        """The signal every process stops for after `step`, or None. A single process stops
-        after any step; several agree at log steps (one small all-gather there, where the loop
-        waits for the device anyway), so that they stop after the same step."""
-        if jax.process_count() == 1:
-            return self.received
-        if step % log_every:
-            return None
-        signums = multihost_utils.process_allgather(np.int32(self.received or 0))
-        return int(np.max(signums)) or None
-
-
 class _SkipWatch:
     """Reads the device's count of skipped (non-finite) updates at each log step: a few skips
     are reported, a whole interval of them stops the run, naming the steps and what to try."""
@@ -593,6 +622,7 @@ def _steps(run: _Run, state, start, end, ckpt, writer, bar, profiler, stops) -> 
     t_mark, steps_since = None, 0
     compiles = True  # the next train step compiles its program: time from its end
     skips = _SkipWatch(run, state, start)
+    previous = None  # the outputs of the step before
     for step in range(start, end):
         batch = run.global_batch(run.train_batches.train(step))
         done = step + 1
@@ -602,9 +632,12 @@ def _steps(run: _Run, state, start, end, ckpt, writer, bar, profiler, stops) -> 
             paused = time.perf_counter()
         profiler.before(done)
         state, out = (run.measure_step if measuring else run.steps.train_step)(state, batch)
+        stops.dispatched(done, out)
         profiler.after(done, out)
         if measuring:
-            compiles |= _after_measuring(run, done, writer, bar)  # new program: it compiles
+            if _after_measuring(run, done, writer, bar):  # call sites switched codecs
+                run.compile_ahead(state)  # the new programs, before the next step
+                compiles = True
             if t_mark is not None:
                 t_mark += time.perf_counter() - paused
         elif compiles:
@@ -628,10 +661,17 @@ def _steps(run: _Run, state, start, end, ckpt, writer, bar, profiler, stops) -> 
             last["eval"] = _emit(record, writer, bar)
             if not metrics.is_finite(record["val_loss"]):
                 raise Diverged(f"validation loss {record['val_loss']} at step {done}")
-        stop = stops.agreed(done, cfg.log_every)
-        save = done % cfg.checkpoint_every == 0 or done in (cfg.steps, end) or stop is not None
-        if save:
+        # At most two steps in flight (one running, the next queued): a signal stops the run
+        # within a step of its arrival (`taco_train.stopping`).
+        jax.block_until_ready(previous)
+        previous = out
+        save = done % cfg.checkpoint_every == 0 or done in (cfg.steps, end)
+        if save:  # before deciding to stop: the processes wait for each other there
             _save(run, ckpt, done, state, writer)
+        stop = stops.decide(done)
+        if stop is not None and not save:
+            _save(run, ckpt, done, state, writer)
+            save = True
         if stop is not None and done < end:
             bar.close()
             raise Stopped(stop, done)
@@ -645,15 +685,27 @@ def _steps(run: _Run, state, start, end, ckpt, writer, bar, profiler, stops) -> 
 def _save(run: _Run, ckpt: Checkpointer, step: int, state, writer) -> None:
     """Checks the state is finite, saves it, and records how long the loop was blocked (the
     finite check and `Checkpointer.save`, after the step itself is done) as a "checkpoint"
-    record in metrics.jsonl: the pause per save, synchronous or asynchronous."""
+    record in metrics.jsonl: the pause per save, synchronous or asynchronous, and of it the
+    finite check (`finite_s`) and the wait for the save before (`previous_s`); the rest is
+    orbax's (asynchronous: the state's copy to host memory)."""
     jax.block_until_ready(state)  # the step's own time is not the checkpoint's
     started = time.perf_counter()
     if not bool(run.steps.is_finite(state)):  # never a checkpoint to resume into NaN
         raise Diverged(f"the train state is not finite at step {step}; not saved")
-    ckpt.save(step, state, {comm_error.METADATA_KEY: run.fallbacks})
+    checked = time.perf_counter()
+    budget = {comm_error.METADATA_KEY: run.fallbacks, comm_error.STREAKS_KEY: run.over_budget}
+    ckpt.save(step, state, budget)
     blocked = time.perf_counter() - started
-    asynchronous = run.cfg.run.async_checkpoint
-    writer.write({"kind": "checkpoint", "step": step, "blocked_s": blocked, "async": asynchronous})
+    writer.write(
+        {
+            "kind": "checkpoint",
+            "step": step,
+            "blocked_s": blocked,
+            "finite_s": checked - started,
+            "previous_s": ckpt.previous_wait_s,
+            "async": run.cfg.run.async_checkpoint,
+        }
+    )
 
 
 class _StepProfiler:
@@ -709,11 +761,14 @@ def _after_measuring(run: _Run, step: int, writer, bar) -> bool:
     budget = run.cfg.compression.error_budget
     if budget is None:
         return False
-    new = comm_error.over_budget(errors, budget, run.fallbacks, run.cfg.compression.fallback_codec)
+    comp = run.cfg.compression
+    streaks = comm_error.tally(run.over_budget, step, errors, budget)
+    new = comm_error.due(streaks, comp.error_budget_consecutive, run.fallbacks, comp.fallback_codec)
+    run.over_budget = {site: steps for site, steps in streaks.items() if site not in new}
     if not new:
         return False
-    _say(comm_error.switch_line(step, new, errors, budget))
-    writer.write(comm_error.fallback_record(step, new, errors))
+    _say(comm_error.switch_line(step, new, errors, budget, streaks))
+    writer.write(comm_error.fallback_record(step, new, errors, streaks))
     run.build({**run.fallbacks, **new})
     return True
 

@@ -23,6 +23,7 @@ from taco_models.pipeline import (
     from_stages,
     make_pipeline_loss,
     make_pipeline_loss_and_grads,
+    pp_replicated_mask,
     to_stages,
 )
 
@@ -436,3 +437,44 @@ def test_the_tables_gradient_is_not_computed_inside_the_schedules_loops(repeats)
     for body in bodies:
         inside = _called(body, computations, set())
         assert not any(table.search(computations[c]) for c in inside), body
+
+
+@SLOW  # 20-35 s each
+@pytest.mark.parametrize(
+    "cfg,schedule,repeats", [(GPT, "gpipe", 1), (GPT, "1f1b", 1), (GPT8, "circular", 2)]
+)
+def test_each_site_reports_once_per_microbatch_and_rank_under_every_schedule(
+    cfg, schedule, repeats
+):
+    """Measuring every collective of a pipelined step (pp = 2, tp = 2, M = 2): a layer's call
+    site reports once per microbatch and TP rank (`SiteError.calls`), none dropped, none from
+    the bubble steps (they compute and discard: their reports are dropped), none repeated by
+    the backward; the stage sends report once per step of the schedule and rank (each step
+    sends, bubble or not: M V + P - 1 steps a direction); the embedding and head once per rank
+    of their stage (1F1B: the embedding runs again for its gradient, the head per
+    microbatch); the stages' sum of the shared gradients once per shared leaf and rank."""
+    pp, tp, m = 2, 2, 2
+    _needs_devices(pp * tp)
+    parallel = _parallel(1, pp, tp, m, repeats=repeats, schedule=schedule)
+    comm = taco_jax.TPComm.create("tp", fwd="taco", telemetry=True)
+    codecs = StageCodecs("tahquant", telemetry=True, shared_grads="taco")
+    step = jax.jit(make_pipeline_loss_and_grads(cfg, parallel, comm, codecs))
+    taco_jax.telemetry.drain()
+    jax.block_until_ready(step(init_params(cfg, jax.random.key(0)), _tokens(cfg), KEY))
+    calls = {site: e.calls for site, e in taco_jax.telemetry.drain().items()}
+    one_f_one_b = schedule == "1f1b"
+    steps = m * repeats + pp - 1
+    sends = ("pp_send/fwd", "pp_send_grads/fwd" if one_f_one_b else "pp_send/bwd")
+    shared = sum(jax.tree.leaves(pp_replicated_mask(cfg)))
+    want = {
+        f"layer_{layer:02d}/{op}": m * tp
+        for layer in range(cfg.n_layers)
+        for op in ("attn_in/bwd", "attn_out/fwd", "mlp_in/bwd", "mlp_out/fwd")
+    }
+    want |= dict.fromkeys(sends, steps * pp * tp)
+    want |= {
+        "embed/fwd": tp * (2 if one_f_one_b else 1),
+        "head_in/bwd": tp * (m if one_f_one_b else 1),
+        "pp_grads/fwd": shared * pp * tp,
+    }
+    assert calls == want

@@ -1,7 +1,8 @@
 """`pallas_kernels.registry`: one kernel per (op, codec family, platform): Triton wherever JAX
 has Pallas' Triton lowering, Mosaic GPU on Hopper where it has not; the reference with one
-warning where that kernel cannot take a call, and the collectives padding their rows so that
-the kernels take every call they make.
+warning where that kernel cannot take a call (an error naming it under an explicit
+impl="pallas"), and the collectives and pipeline sends padding their rows so that the kernels
+take every call they make.
 
 On the CPU the launches are recorded instead of built (`launches`), with the GPU taken for a
 Hopper one where a test says so; what the kernels compute is tested in their own files, and on a
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
+import taco_jax
 from pallas_kernels import _pallas, encode_mosaic, registry
 from taco_jax import _backends, codecs, collectives, tahquant
 
@@ -27,8 +29,10 @@ TILES_ROW = encode_mosaic.row_multiple(TACO)  # 16384: two tiles of 64 groups of
 @pytest.fixture(autouse=True)
 def fresh_warnings():
     registry._warn_once.cache_clear()
+    registry._ON_REFERENCE.clear()
     yield
     registry._warn_once.cache_clear()
+    registry._ON_REFERENCE.clear()
 
 
 @pytest.fixture
@@ -111,10 +115,12 @@ def test_mosaic_takes_bf16_in_and_fp32_or_bf16_out(hopper, no_triton, launches):
     """Other dtypes run the reference, saying so."""
     x32 = jnp.ones((2, TILES_ROW), jnp.float32)
     wire = jnp.zeros((2, TACO.wire_bytes(TILES_ROW)), jnp.uint8)
-    with pytest.warns(RuntimeWarning, match="encode runs the jnp reference.*not float32"):
+    with pytest.warns(
+        RuntimeWarning, match=r"encode of taco .*float32\) runs the jnp reference.*bfloat16"
+    ):
         pk.encode(TACO, x32)
     pk.decode(TACO, wire, TILES_ROW, jnp.float32)
-    with pytest.warns(RuntimeWarning, match="decode runs the jnp reference.*not float16"):
+    with pytest.warns(RuntimeWarning, match=r"decode of taco .*float16\) runs the jnp reference"):
         pk.decode(TACO, wire, TILES_ROW, jnp.float16)
     assert [lowering for lowering, _ in launches] == ["mosaic"]
 
@@ -124,16 +130,37 @@ def test_where_mosaic_cannot_take_a_row_the_reference_runs_with_one_warning(
 ):
     """A row of 3 groups is not whole Mosaic tiles: the reference's bytes, said once."""
     x = jax.random.normal(jax.random.key(0), (2, 384), jnp.float32).astype(jnp.bfloat16)
-    with pytest.warns(RuntimeWarning, match="encode runs the jnp reference.*n=384"):
+    call = r"encode of taco \(rows \[2, n=384\], bfloat16\)"
+    with pytest.warns(RuntimeWarning, match=call + " runs the jnp reference.*n=384"):
         wire = pk.encode(TACO, x)
     np.testing.assert_array_equal(wire, codecs.encode_wire(TACO, x))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         np.testing.assert_array_equal(pk.encode(TACO, x), wire)  # no second warning
-    with pytest.warns(RuntimeWarning, match="decode_sum runs the jnp reference"):
+    with pytest.warns(RuntimeWarning, match=r"decode_sum of taco .* runs the jnp reference"):
         total = pk.decode_sum(TACO, wire, 384)
     np.testing.assert_array_equal(total, codecs.decode_sum_wire(TACO, wire, 384))
     assert launches == []
+    # Listed for the summary a run prints (taco_jax.reference_ops), each call with its reason.
+    listed = taco_jax.reference_ops()
+    assert list(listed) == [
+        "encode of taco (rows [2, n=384], bfloat16)",
+        "decode_sum of taco (rows [2, n=384], float32)",
+    ]
+    assert all(why.startswith("the Mosaic GPU kernels cannot take") for why in listed.values())
+
+
+def test_an_explicit_pallas_refuses_the_call_the_kernel_cannot_take(hopper, no_triton, launches):
+    """Asked for the kernels (fallback=False: the collectives' impl="pallas"), a row of 3 groups
+    raises, naming the call and the way to the reference; nothing runs, nothing is listed."""
+    x = jnp.ones((2, 384), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"impl='pallas': encode of taco \(rows \[2, n=384\]"):
+        pk.encode(TACO, x, fallback=False)
+    wire = jnp.zeros((4, TACO.wire_bytes(384)), jnp.uint8)
+    ops = _backends.get_ops("pallas")
+    with pytest.raises(ValueError, match=r"decode_sum of taco \(rows \[4, n=384\].*impl='auto'"):
+        ops.decode_sum(TACO, wire, 384, jnp.float32)
+    assert launches == [] and taco_jax.reference_ops() == {}
 
 
 def test_a_jax_without_the_triton_lowering(monkeypatch):
@@ -147,13 +174,26 @@ def test_a_jax_without_the_triton_lowering(monkeypatch):
     with pytest.raises(ValueError, match="jax 9.9 has no Pallas Triton lowering"):
         pk.encode_kernel.encode(TACO, x)
     codec = tahquant.get_stage_codec("tahquant")
-    stage = _backends.get_stage_ops("pallas")
     key = jax.random.key(2)
     y = jax.random.normal(jax.random.key(1), (2, 1024), jnp.float32)
-    with pytest.warns(RuntimeWarning, match="the tahquant stage codec runs the jnp reference"):
-        np.testing.assert_array_equal(
-            stage.encode(codec, y, key), tahquant.encode_wire(codec, y, key)
-        )
+    with pytest.raises(ValueError, match="impl='pallas': the tahquant stage codec"):
+        _backends.get_stage_ops("pallas").encode(codec, y, key)
+    with pytest.warns(RuntimeWarning, match="the tahquant stage codec .* runs the jnp reference"):
+        assert registry.stage_kernel(codec) == "reference"  # "auto"'s choice
+    assert "the tahquant stage codec (groups of 128)" in taco_jax.reference_ops()
+
+
+def test_stage_groups_beyond_the_kernels_are_said_or_refused():
+    """A TAH-Quant grid of groups the kernels cannot hold: the reference with one warning and a
+    line in the summary, or, asked for the kernels, an error naming the codec (before, it ran
+    the reference with no word)."""
+    wide = tahquant.TahQuant("wide", bits=8, group_size=4096, pivot=False, stochastic=False)
+    y = jax.random.normal(jax.random.key(1), (1, 4096), jnp.float32)
+    with pytest.raises(ValueError, match=r"the wide stage codec \(groups of 4096\).*at most 2048"):
+        _backends.get_stage_ops("pallas").encode(wide, y, None)
+    with pytest.warns(RuntimeWarning, match="the wide stage codec .* runs the jnp reference"):
+        assert registry.stage_kernel(wide) == "reference"
+    assert "at most 2048" in taco_jax.reference_ops()["the wide stage codec (groups of 4096)"]
 
 
 def test_unknown_ops_are_named():
@@ -185,6 +225,31 @@ def test_collectives_pad_rows_to_whole_mosaic_rows(hopper, no_triton, launches):
         ("mosaic", "taco_decode_sum_reencode_peer_steps_mosaic_taco_g128"),
         ("mosaic", "taco_decode_mosaic_taco_g128"),
     ]
+
+
+@pytest.mark.parametrize(
+    "codec, triton, lowering",
+    [("taco", False, "mosaic"), ("taco", True, "triton"), ("fp8", True, "triton")],
+)
+def test_pipeline_sends_pad_rows_to_whole_kernel_rows(
+    hopper, launches, monkeypatch, codec, triton, lowering
+):
+    """A compressed_ppermute of 1000 elements a rank with a TP codec: its row padded to whole
+    Mosaic rows where the Mosaic kernels run `taco` (before: whole groups, and the reference with
+    a warning), whole groups for Triton; every op a kernel's, none the reference."""
+    if not triton:
+        monkeypatch.setattr(_pallas, "pltriton", None)
+
+    def send(x):
+        return taco_jax.compressed_ppermute(x, "pp", [(0, 1), (1, 0)], codec=codec, impl="pallas")
+
+    x = jax.ShapeDtypeStruct((2, 1000), jnp.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no op falls to the reference
+        out = jax.eval_shape(jax.vmap(send, axis_name="pp"), x)
+    assert out.shape == x.shape
+    assert [lowering for lowering, _ in launches] == [lowering, lowering]
+    assert taco_jax.reference_ops() == {}
 
 
 # ------------------------------------------------------------------------------------------

@@ -16,9 +16,11 @@ def fresh_dispatch():
     caches = (_backends._kernels, _backends._pallas_ops, _backends._warn_fallback)
     for cache in caches:
         cache.cache_clear()
+    _backends._IMPORT_FALLBACK.clear()
     yield
     for cache in caches:
         cache.cache_clear()
+    _backends._IMPORT_FALLBACK.clear()
 
 
 @pytest.fixture
@@ -59,6 +61,9 @@ def test_auto_on_gpu_without_kernels_warns_once(kernels_missing, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _backends.get_ops("auto") is _backends.XLA_OPS  # no second warning
+    # and a run's start-up summary names it (taco_train lists `reference_ops`)
+    (why,) = _backends.reference_ops().values()
+    assert why.startswith("pallas_kernels failed to import") and "halted" in why
 
 
 def test_unknown_impl_names_the_value():

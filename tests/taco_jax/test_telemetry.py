@@ -143,6 +143,7 @@ def test_sites_are_named_by_layer_under_jit_scan_remat_vmap_and_shard_map(mode):
     ]
     message = 16 * 128 * 4  # fp32 bytes of one rank's message
     for site in reported.values():
+        assert site.calls == TP  # one report per rank: none dropped, none repeated by remat
         assert site.nbytes == site.compressed_bytes == TP * 2 * (TP - 1) / TP * message
         # two-shot E4M3 (test_collectives.py): u (1 + u) sum_r ||x_r|| + u ||sum||, u = 2^-4,
         # at most (2 u + u^2) N of the sum's norm for ranks of equal norm; ~0.036 measured.

@@ -1,5 +1,7 @@
 """Checkpoints that survive damage: a damaged newest checkpoint is reported in one line and the
-run resumes from the newest good one, which is never deleted for a newer one that is not."""
+run resumes from the newest good one, which is never deleted for a newer one that is not; any
+other restore error moves nothing and stops in one line; no launch starts a run over silently;
+a signal stops a run within a step of its arrival."""
 
 import json
 import os
@@ -8,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +27,7 @@ from train_testing import (
 )
 
 from taco_train import checkpointing, metrics, trainer
-from taco_train.checkpointing import MANIFEST, Checkpointer, damage
+from taco_train.checkpointing import MANIFEST, Checkpointer, RestoreError, damage
 from taco_train.main import main
 
 _args = tiny_args
@@ -128,6 +131,52 @@ def test_a_damaged_newest_checkpoint_is_set_aside_in_one_line(tmp_path, capsys):
     assert (tmp_path / "checkpoints" / "2.unusable").is_dir()
 
 
+def _two_good_checkpoints(tmp_path):
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=2, asynchronous=False)
+    ckpt.save(1, {"x": jnp.arange(1024.0)})
+    ckpt.save(2, {"x": jnp.arange(1024.0) + 1})
+    return ckpt
+
+
+TARGET = {"x": jax.ShapeDtypeStruct((1024,), jnp.float32)}
+
+
+def test_a_transient_restore_error_moves_nothing_and_stops_in_one_line(tmp_path, monkeypatch):
+    """A good checkpoint whose restore fails (here a device out of memory, as orbax would raise
+    it) is not damaged: RestoreError, one line naming the checkpoint and the error, and both
+    checkpoints stay where they were (before, each was moved aside in turn)."""
+    ckpt = _two_good_checkpoints(tmp_path)
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4.0GiB.\nmore detail")
+
+    monkeypatch.setattr(ckpt._manager, "restore", out_of_memory)
+    with pytest.raises(RestoreError) as error:
+        ckpt.restore_newest_good(TARGET)
+    ckpt.close()
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("checkpoint 2 in "), message
+    assert "did not restore (RuntimeError: RESOURCE_EXHAUSTED: Out of memory" in message
+    assert "nothing was moved" in message
+    assert checkpoint_steps(tmp_path / "checkpoints") == [1, 2]
+    assert not list((tmp_path / "checkpoints").glob("*.unusable"))
+
+
+def test_a_checkpoint_that_cannot_be_read_is_not_called_damaged(tmp_path, monkeypatch):
+    """Reading the files to verify them fails (a filesystem error): RestoreError, nothing moved;
+    only files that do not match their manifest set a checkpoint aside."""
+    ckpt = _two_good_checkpoints(tmp_path)
+
+    def unreadable(step_dir):
+        raise OSError(5, "Input/output error", str(step_dir / "default" / "d" / "0"))
+
+    monkeypatch.setattr(checkpointing, "damage", unreadable)
+    with pytest.raises(RestoreError, match=r"checkpoint 2 in .* could not be read.*OSError"):
+        ckpt.restore_newest_good(TARGET)
+    ckpt.close()
+    assert checkpoint_steps(tmp_path / "checkpoints") == [1, 2]
+
+
 def test_an_async_save_keeps_the_state_of_its_step_when_the_next_step_donates_it(tmp_path):
     """`train_step` donates the state; an asynchronous save returns before the files are written,
     so it must already hold its own copy: the checkpoint has the values of its step."""
@@ -159,8 +208,15 @@ def test_damaged_newest_checkpoint_falls_back_in_one_line(harm, finished, cache,
 
 
 @pytest.mark.slow  # `finished`
-def test_no_usable_checkpoint_is_one_line(finished, cache, tmp_path, capsys):
+def test_no_usable_checkpoint_is_one_line_and_a_requeue_never_starts_over(
+    finished, cache, tmp_path, capsys
+):
+    """Every checkpoint damaged: the launch stops in one line; the same command again (a
+    scheduler's requeue) refuses too, in one line, instead of training from step 0 over the
+    run's metrics (before: 5 records left of 43, nothing archived); run.resume=false then
+    starts over with the earlier run archived whole."""
     run = _copy(finished, tmp_path)
+    records = (run / "metrics.jsonl").read_text()
     for step in ("3", "6"):
         _flip_bytes(run / "checkpoints" / step)
     with pytest.raises(SystemExit) as exit_info:
@@ -168,6 +224,84 @@ def test_no_usable_checkpoint_is_one_line(finished, cache, tmp_path, capsys):
     assert exit_info.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("taco-train: error: no checkpoint in") and "is usable" in last
+    assert "run.resume=false" in last
+    with pytest.raises(SystemExit) as exit_info:  # the requeue
+        main(_args(run, cache))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("taco-train: error: every checkpoint in"), err
+    assert "(3.unusable, 6.unusable)" in err[0] and "run.resume=false" in err[0]
+    assert (run / "metrics.jsonl").read_text() == records  # nothing truncated
+    main(_args(run, cache, "run.resume=false", "run.steps=1"))
+    (archived,) = (run / "archive").iterdir()
+    assert (archived / "metrics.jsonl").read_text() == records
+    assert sorted(p.name for p in (archived / "checkpoints").iterdir()) == [
+        "3.unusable",
+        "6.unusable",
+    ]
+
+
+@pytest.mark.slow  # `finished`
+def test_a_transient_restore_error_stops_the_launch_in_one_line(
+    finished, cache, tmp_path, capsys, monkeypatch
+):
+    """The command line: one line naming the checkpoint and the error, exit 1, every
+    checkpoint and metrics record where it was; the next launch resumes."""
+    run = _copy(finished, tmp_path)
+    records = (run / "metrics.jsonl").read_text()
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4.0GiB.")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpointing.ocp.CheckpointManager, "restore", out_of_memory)
+        with pytest.raises(SystemExit) as exit_info:
+            main(_args(run, cache))
+    assert exit_info.value.code == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("taco-train: error: checkpoint 6 in ") and "Out of memory" in last
+    assert checkpoint_steps(run / "checkpoints") == [3, 6]
+    assert (run / "metrics.jsonl").read_text() == records
+    main(_args(run, cache, "run.steps=7"))
+    assert "at step 6" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_run_stopped_before_its_first_checkpoint_is_archived_not_truncated(
+    cache, tmp_path, capsys
+):
+    """A launch that logged steps but died before its first save leaves metrics and no
+    checkpoint: the next launch starts from step 0 with that run archived (one line), not cut
+    to nothing."""
+    run = tmp_path / "run"
+    main(_args(run, cache, "run.steps=2", "run.log_every=1", "run.checkpoint_every=100"))
+    shutil.rmtree(run / "checkpoints")  # as if killed before its first save completed
+    records = (run / "metrics.jsonl").read_text()
+    assert records.count('"kind": "train"') == 2
+    capsys.readouterr()
+    main(_args(run, cache, "run.steps=1"))
+    err = capsys.readouterr().err
+    moved = [line for line in err.splitlines() if "was moved to" in line]
+    assert len(moved) == 1 and moved[0].startswith(f"no checkpoint in {run}"), err
+    (archived,) = (run / "archive").iterdir()
+    assert (archived / "metrics.jsonl").read_text() == records
+
+
+@pytest.mark.slow
+def test_resume_with_another_dp_restores_and_continues(cache, tmp_path, capsys):
+    """Stopped at step 3 on dp = 1, resumed on dp = 2 (twice the devices, TP and the model
+    unchanged): orbax lays the checkpoint out on the new mesh, the change is said and
+    recorded, and the run finishes with a good checkpoint."""
+    run = tmp_path / "run"
+    main(_args(run, cache, "run.stop_at=3"))
+    capsys.readouterr()
+    main(_args(run, cache, "parallel.dp=2"))
+    err = capsys.readouterr().err
+    assert "at step 3" in err and "from step 4: parallel.dp 1 -> 2" in err, err
+    assert "| tp=2 (vmap) dp=2 |" in err
+    train = [r for r in metrics.read_jsonl(run / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [2, 4, 6] and all(np.isfinite(r["loss"]) for r in train)
+    assert damage(run / "checkpoints" / "6") is None
 
 
 def _wait_for_step_line(process, after: int) -> int:
@@ -239,7 +373,8 @@ def test_a_second_signal_exits_at_once(monkeypatch, capsys):
         assert exits == [128 + signal.SIGINT]
     err = capsys.readouterr().err.splitlines()
     assert err == [
-        "taco-train: SIGINT: stopping after this step with a checkpoint (again: exit at once)",
+        "taco-train: SIGINT: stopping after the step in progress or the one queued behind it, "
+        "with a checkpoint (again: exit at once)",
         "taco-train: SIGINT again: exiting at once, without a checkpoint",
     ]
 
@@ -371,3 +506,47 @@ def test_resuming_with_changed_math_says_and_records_each_change(finished, cache
     err = capsys.readouterr().err
     assert "from step" not in err and "nothing to train; raise run.steps to go on" in err, err
     assert len(metrics.read_jsonl(run / "config_history.jsonl")) == 1
+
+
+def _wait_for_a_save(run, process, after: int = 0) -> None:
+    """Until the run (its own process) records a checkpoint after step `after` in metrics.jsonl:
+    training is under way. A condition, not a duration."""
+    path = run / "metrics.jsonl"
+    while process.poll() is None:
+        try:
+            records = metrics.read_jsonl(path)
+        except json.JSONDecodeError:  # a line being written
+            records = []
+        if any(r["kind"] == "checkpoint" and r["step"] > after for r in records):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run ended (exit {process.returncode}) before it saved")
+
+
+def signal_latency(err: str, name: str) -> tuple[int, int]:
+    """(the last step done when the signal was handled, the step the run stopped at) from a
+    signalled run's stderr."""
+    heard = re.search(rf"taco-train: {name} after step (\d+): stopping ", err)
+    stopped = re.search(rf"taco-train: {name}: stopped at step (\d+); run the same command", err)
+    assert heard and stopped, err
+    return int(heard[1]), int(stopped[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_the_run_within_a_step_of_its_arrival(signum, cache, tmp_path):
+    """A signal sent mid-run, with no log step to wait for (run.log_every=1000): the run stops
+    after the step in progress or the one queued behind it, at most two steps after the last
+    it had done (before: at the next log step, ten steps later with the default), with a good
+    checkpoint of that step, exit 128 + the signal."""
+    run = tmp_path / "run"
+    steps = ("run.steps=1000", "run.log_every=1000", "run.eval_every=1000")
+    process = _start_run(_args(run, cache, *steps, "run.checkpoint_every=4"), tmp_path / "err")
+    _wait_for_a_save(run, process)
+    process.send_signal(signum)
+    process.communicate(timeout=120)
+    err = (tmp_path / "err").read_text()
+    assert process.returncode == 128 + signum, err
+    done, stopped = signal_latency(err, signal.Signals(signum).name)
+    assert done <= stopped <= done + 2, err
+    assert damage(run / "checkpoints" / str(stopped)) is None

@@ -132,3 +132,29 @@ def test_resuming_with_another_model_data_or_seed_is_refused_before_anything_cha
     assert "run.steps" not in err and "optimizer.lr" not in err  # those may change
     assert "run.resume=false" in err and "another run.out_dir" in err
     assert (tmp_path / "config.json").read_text() == earlier
+
+
+def test_resuming_a_sharded_optimizer_on_another_dp_is_refused_in_one_line(capsys, tmp_path):
+    """What orbax cannot reshard is refused before anything changes, naming it: ZeRO-1 splits
+    the optimizer state over the (dp, pp, tp) slices (docs/training.md, "Resume")."""
+    out, sharded = f"run.out_dir={str(tmp_path)!r}", "optimizer.sharded=true"
+    earlier = json.dumps(load_config(TINY, [out, NOWHERE, sharded]).to_dict())
+    (tmp_path / "config.json").write_text(earlier)
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "--config",
+                TINY,
+                "--set",
+                out,
+                "--set",
+                NOWHERE,
+                "--set",
+                sharded,
+                "--set",
+                "parallel.dp=2",
+            ]
+        )
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "(dp, pp, tp) slices (1, 1, 1) -> (2, 1, 1)" in err, err
+    assert (tmp_path / "config.json").read_text() == earlier

@@ -65,17 +65,36 @@ def test_a_site_over_the_budget_steps_down_its_ladder():
         "dp_grads": _error(0.5),
         "embed/fwd": _error(0.01, nonfinite=3),
     }
-    assert comm_error.over_budget(errors, 0.02, {}, "int8_hadamard") == {
+    streaks = comm_error.tally({}, 10, errors, 0.02)
+    assert comm_error.due(streaks, 1, {}, "int8_hadamard") == {
         "layer_01/mlp_out/fwd": "int8_hadamard",
         "dp_grads": "none",
         "embed/fwd": "int8_hadamard",
     }
     fallen = {"layer_01/mlp_out/fwd": "int8_hadamard"}
-    assert (
-        comm_error.over_budget(errors, 0.02, fallen, "int8_hadamard")["layer_01/mlp_out/fwd"]
-        == "none"
+    assert comm_error.due(streaks, 1, fallen, "int8_hadamard")["layer_01/mlp_out/fwd"] == "none"
+    assert comm_error.due(streaks, 1, {}, "none")["layer_01/mlp_out/fwd"] == "none"
+
+
+def test_a_site_falls_back_only_after_k_measuring_steps_in_a_row_over_the_budget():
+    """Over the budget once decides nothing (k = 2); a step within it starts the count over;
+    twice in a row falls back, and the streak names both steps."""
+    over, within = {"mlp_out/fwd": _error(0.05)}, {"mlp_out/fwd": _error(0.01)}
+    streaks = comm_error.tally({}, 10, over, 0.02)
+    assert streaks == {"mlp_out/fwd": [10]} and comm_error.due(streaks, 2, {}, "none") == {}
+    streaks = comm_error.tally(streaks, 20, within, 0.02)
+    assert streaks == {} and comm_error.due(streaks, 2, {}, "none") == {}
+    streaks = comm_error.tally(comm_error.tally(streaks, 30, over, 0.02), 40, over, 0.02)
+    assert streaks == {"mlp_out/fwd": [30, 40]}
+    new = comm_error.due(streaks, 2, {}, "none")
+    assert new == {"mlp_out/fwd": "none"}
+    line = comm_error.switch_line(40, new, over, 0.02, streaks)
+    assert line == (
+        "step 40: over compression.error_budget=0.02: mlp_out/fwd (error 0.0500; over at steps "
+        "30, 40) -> none, from step 41"
     )
-    assert comm_error.over_budget(errors, 0.02, {}, "none")["layer_01/mlp_out/fwd"] == "none"
+    record = comm_error.fallback_record(40, new, over, streaks)
+    assert record["sites"]["mlp_out/fwd"]["over_at"] == [30, 40]
 
 
 def test_the_record_line_and_table_of_measuring_steps():
@@ -90,7 +109,8 @@ def test_the_record_line_and_table_of_measuring_steps():
     assert comm_error.site_errors(record) == measured
     assert record["tp_bytes_compressed"] == 200 / 300  # TP sites only; the uncompressed one too
     assert "max 0.0400 (layer_01/mlp_out/fwd)" in comm_error.line(record)
-    fallback = comm_error.fallback_record(10, {"layer_01/mlp_out/fwd": "none"}, errors)
+    streaks = {"layer_01/mlp_out/fwd": [8, 10]}
+    fallback = comm_error.fallback_record(10, {"layer_01/mlp_out/fwd": "none"}, errors, streaks)
     table = comm_error.table([record, fallback], budget=0.02)
     rows = {line.split()[0]: line for line in table.splitlines()[2:]}
     assert re.search(
@@ -143,12 +163,13 @@ def _board(directory) -> dict[str, list[int]]:
 
 @pytest.mark.slow
 def test_the_outlier_layer_falls_back_alone_and_a_resumed_run_keeps_it(tmp_path, cache, capsys):
-    """Measuring every 2 steps with INT8 and a budget of 0.02: at step 2 the MLP output of the
-    layer that writes outlier features exceeds it and, alone, runs uncompressed from step 3
-    (one line, one record); later measuring steps show it uncompressed, the others compressed.
-    The run shows its errors (a scalar per site, the picture, the table). Stopped at step 3
-    and resumed, it keeps the fallback from its checkpoint: metrics and state end as the
-    uninterrupted run's, bit for bit."""
+    """Measuring every 2 steps with INT8 and a budget of 0.02: the MLP output of the layer that
+    writes outlier features exceeds it at steps 2 and 4 (the default two in a row) and, alone,
+    runs uncompressed from step 5 (one line naming both steps, one record); the measuring step
+    after shows it uncompressed, the others compressed. The run shows its errors (a scalar per
+    site, the picture, the table). Stopped at step 3 (once over: the count is kept in the
+    checkpoint), resumed to step 5 (it falls back at 4), and resumed again (the fallback kept
+    from the checkpoint): metrics and state end as the uninterrupted run's, bit for bit."""
     _outlier_checkpoint(tmp_path / "hf")
     config = tmp_path / "outliers.toml"
     text = Path(TINY).read_text()
@@ -165,25 +186,31 @@ def test_the_outlier_layer_falls_back_alone_and_a_resumed_run_keeps_it(tmp_path,
     records = metrics.read_jsonl(full / "metrics.jsonl")
     comm = [r for r in records if r["kind"] == "comm"]
     assert [r["step"] for r in comm] == [2, 4, 6]
-    first = comm_error.site_errors(comm[0])
-    assert first[OUTLIER_SITE] > BUDGET and len(first) == 10
-    assert all(e < BUDGET for site, e in first.items() if site != OUTLIER_SITE), first
+    for over in comm[:2]:
+        errors = comm_error.site_errors(over)
+        assert errors[OUTLIER_SITE] > BUDGET and len(errors) == 10
+        assert all(e < BUDGET for site, e in errors.items() if site != OUTLIER_SITE), errors
     fallbacks = [r for r in records if r["kind"] == "comm_fallback"]
-    assert [(r["step"], list(r["sites"])) for r in fallbacks] == [(2, [OUTLIER_SITE])]
+    assert [(r["step"], list(r["sites"])) for r in fallbacks] == [(4, [OUTLIER_SITE])]
+    assert fallbacks[0]["sites"][OUTLIER_SITE]["over_at"] == [2, 4]
     assert err.count("over compression.error_budget") == 1
-    for later in comm[1:]:
-        errors = comm_error.site_errors(later)
-        assert OUTLIER_SITE not in errors and len(errors) == 9
-        assert 0.85 < later["tp_bytes_compressed"] < 1  # one all-reduce of ten left
-    assert re.search(r"mlp_out/fwd .* layer_01 -> none after 2", err)
+    assert f"{OUTLIER_SITE} (error " in err and "; over at steps 2, 4) -> none, from step 5" in err
+    errors = comm_error.site_errors(comm[2])
+    assert OUTLIER_SITE not in errors and len(errors) == 9
+    assert 0.85 < comm[2]["tp_bytes_compressed"] < 1  # one all-reduce of ten left
+    assert re.search(r"mlp_out/fwd .* layer_01 -> none after 4", err)
     assert (full / "comm_error.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     board = _board(full / "tensorboard")
-    assert board[f"comm_error/{OUTLIER_SITE}"] == [2]
+    assert board[f"comm_error/{OUTLIER_SITE}"] == [2, 4]
     assert board["comm_error/layer_00/mlp_out/fwd"] == [2, 4, 6]
     assert board["comm/error_by_layer_and_op"] == [2, 4, 6]
 
     _run(config, resumed, cache, *overrides, "run.stop_at=3")
     saved = json.loads((resumed / "checkpoints" / "3" / "_CHECKPOINT_METADATA").read_text())
+    assert saved["custom_metadata"][comm_error.METADATA_KEY] == {}
+    assert saved["custom_metadata"][comm_error.STREAKS_KEY] == {OUTLIER_SITE: [2]}
+    _run(config, resumed, cache, *overrides, "run.stop_at=5")
+    saved = json.loads((resumed / "checkpoints" / "5" / "_CHECKPOINT_METADATA").read_text())
     assert saved["custom_metadata"][comm_error.METADATA_KEY] == {OUTLIER_SITE: "none"}
     capsys.readouterr()
     _run(config, resumed, cache, *overrides)

@@ -1,15 +1,19 @@
 """Two local CPU processes train together through `jax.distributed`: docs/training.md's
 two-host recipe as written (TP inside each process, dp = 2 across; its SLURM script too), a TP
 group across the processes (the network link), and a pipeline with one stage per process that
-checkpoints and resumes."""
+checkpoints and resumes, stops together on a signal to one of them, and takes one verdict on a
+checkpoint the processes see differently."""
 
+import json
 import os
 import re
 import shlex
+import signal
 import socket
 import stat
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -208,8 +212,8 @@ def test_processes_decide_the_error_budget_together(tmp_path, cache):
     """One stage per process, measuring every 2 steps: a stage send's error exists only with
     both processes' sums (the sender's process holds its bytes, the receiver's its error), so
     the step-2 record shows it, and over a budget below TAH-Quant's ~0.009
-    (tests/taco_jax/test_ppermute.py) both processes switch the sends to uncompressed at the
-    same step and finish the run."""
+    (tests/taco_jax/test_ppermute.py) at steps 2 and 4 both processes switch the sends to
+    uncompressed at the same step and finish the run."""
     run = tmp_path / "run"
     budget = ("run.comm_error_every=2", "compression.error_budget=0.005")
     _run_two_processes(run, cache, *ONE_STAGE_PER_PROCESS, *budget)
@@ -217,7 +221,172 @@ def test_processes_decide_the_error_budget_together(tmp_path, cache):
     first = next(r for r in records if r["kind"] == "comm")
     assert first["step"] == 2 and 0.005 < first["comm_error/pp_send/fwd"] < 0.05
     switched = [r for r in records if r["kind"] == "comm_fallback"]
-    assert [r["step"] for r in switched] == [2]
+    assert [r["step"] for r in switched] == [4]
     assert {"pp_send/fwd", "pp_send/bwd"} <= set(switched[0]["sites"])
-    later = [r for r in records if r["kind"] == "comm" and r["step"] > 2]
+    later = [r for r in records if r["kind"] == "comm" and r["step"] > 4]
     assert later and all("comm_error/pp_send/fwd" not in r for r in later)
+
+
+# Two processes of two CPU devices each: one all-reduce over all four, measured.
+_DRAIN_SCRIPT = """
+import json, os, jax, jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import taco_jax
+from taco_jax import telemetry
+address, rank = os.environ["JAX_COORDINATOR_ADDRESS"], int(os.environ["JAX_PROCESS_ID"])
+jax.distributed.initialize(address, 2, rank)
+mesh = jax.make_mesh((4,), ("tp",))
+psum = jax.jit(jax.shard_map(
+    lambda x: taco_jax.compressed_psum(x, "tp", telemetry=True, name="sum"),
+    mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
+x = jax.make_array_from_callback((4, 4096), jax.NamedSharding(mesh, P("tp")),
+    lambda index: jax.random.normal(jax.random.key(0), (4, 4096))[index])
+jax.block_until_ready(psum(x))
+try:
+    telemetry.drain()
+    refused = None
+except ValueError as error:
+    refused = str(error)
+merged = telemetry.drain(all_processes=True)["sum/fwd"]  # the refusal kept the reports
+jax.block_until_ready(psum(x))
+alone = telemetry.drain(all_processes=False)["sum/fwd"]
+print(json.dumps({"refused": refused, "merged": [merged.error, merged.calls],
+                  "alone": [alone.error, alone.calls]}))
+"""
+
+
+@pytest.mark.slow
+def test_drain_on_two_processes_merges_or_refuses_without_a_choice(tmp_path):
+    """On two processes `drain()` without `all_processes` refuses in one line (per-process
+    errors would have the processes decide apart); `all_processes=True` gives both the same
+    sums of all four devices' reports (one each: `calls`), `False` each its own two."""
+    port = _free_port()
+    env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}"}
+    argv = [sys.executable, "-c", _DRAIN_SCRIPT]
+    outputs = _launch([({**env, "JAX_PROCESS_ID": str(rank)}, argv) for rank in range(2)], 2)
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    for result in results:
+        assert result["refused"].startswith("drain() on 2 processes: pass all_processes=True")
+        assert result["merged"][1] == 4 and result["alone"][1] == 2
+    assert results[0]["merged"] == results[1]["merged"]  # one decision for both
+    # taco two-shot over 4 ranks of N(0, 1): ~0.036 (docs/api.md); each process alone sums
+    # half the ranks' values of the same all-reduce.
+    assert 0.01 < results[0]["merged"][0] < 0.06
+
+
+def _start_two_processes(out_dir, cache_dir, logs, *extra: str) -> list[subprocess.Popen]:
+    """`_run_two_processes` started, not awaited: each process's output goes to a file in
+    `logs` (a pipe nobody reads could fill and stall it)."""
+    port = _free_port()
+    argv = [sys.executable, "-m", "taco_train", "--config", TINY]
+    for o in tiny_overrides(out_dir, cache_dir, *extra):
+        argv += ["--set", o]
+    procs = []
+    for rank in range(2):
+        env = subprocess_env(
+            XLA_FLAGS="--xla_force_host_platform_device_count=1",
+            JAX_PLATFORMS="cpu",
+            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            JAX_NUM_PROCESSES="2",
+            JAX_PROCESS_ID=str(rank),
+        )
+        with open(logs / f"process{rank}.txt", "w") as log:
+            procs.append(
+                subprocess.Popen(argv, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+            )
+    return procs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_one_process_stops_both_after_the_same_step(signum, cache, tmp_path):
+    """One stage per process; the signal goes to process 1 alone, mid-run with no log step to
+    wait for: both agree on a step (through the coordination service), stop after it with one
+    checkpoint of it and exit 128 + the signal; at most three steps after the last process 1
+    had done (the step in progress, the one queued, and one more a process may run ahead)."""
+    run = tmp_path / "run"
+    steps = ("run.steps=1000", "run.log_every=1000", "run.eval_every=1000")
+    procs = _start_two_processes(
+        run, cache, tmp_path, *ONE_STAGE_PER_PROCESS, *steps, "run.checkpoint_every=4"
+    )
+    try:
+        while not any(r["kind"] == "checkpoint" for r in _records(run)):
+            assert all(p.poll() is None for p in procs), "a process ended before its first save"
+            time.sleep(0.05)
+        procs[1].send_signal(signum)
+        for p in procs:
+            p.wait(timeout=TIMEOUT_S)
+    finally:
+        for p in procs:
+            p.kill()
+    logs = [(tmp_path / f"process{rank}.txt").read_text() for rank in range(2)]
+    name = signal.Signals(signum).name
+    assert [p.returncode for p in procs] == [128 + signum] * 2, logs
+    heard = re.search(rf"taco-train: {name} after step (\d+): stopping once the processes", logs[1])
+    agreed = re.search(rf"taco-train: {name}: the processes stop after step (\d+)", logs[0])
+    assert heard and agreed, logs
+    done, step = int(heard[1]), int(agreed[1])
+    assert done <= step <= done + 3, logs
+    for log in logs:
+        assert f"taco-train: {name}: stopped at step {step}; run the same command" in log, log
+    assert _steps(run)[-1] == step and damage(run / "checkpoints" / str(step)) is None
+
+
+def _records(run) -> list[dict]:
+    try:
+        return metrics.read_jsonl(run / "metrics.jsonl")
+    except json.JSONDecodeError:  # a line being written
+        return []
+
+
+# Two processes of one device each restore a checkpoint of an array split over both; the
+# process named by DISAGREEING sees the files otherwise (a half-synced view): its own `damage`
+# finds step 2 damaged.
+_VERDICT_SCRIPT = """
+import json, os, sys, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+from taco_train import checkpointing
+address, rank = os.environ["JAX_COORDINATOR_ADDRESS"], int(os.environ["JAX_PROCESS_ID"])
+jax.distributed.initialize(address, 2, rank)
+sharding = jax.NamedSharding(jax.make_mesh((2,), ("x",)), P("x"))
+ckpt = checkpointing.Checkpointer(sys.argv[1], keep=2, asynchronous=False)
+if sys.argv[2] == "save":
+    for step in (1, 2):
+        x = jax.make_array_from_callback((8,), sharding, lambda i: step + np.arange(8.0)[i])
+        ckpt.save(step, {"x": x})
+else:
+    if rank == int(os.environ["DISAGREEING"]):
+        checkpointing.damage = lambda d: "its file x is changed" if d.name == "2" else None
+    target = {"x": jax.ShapeDtypeStruct((8,), jnp.float32, sharding=sharding)}
+    state, step = ckpt.restore_newest_good(target)
+    local = np.asarray(state["x"].addressable_shards[0].data).tolist()
+    print(json.dumps({"step": step, "local": local}))
+ckpt.close()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("disagreeing", [0, 1])
+def test_processes_that_see_a_checkpoint_differently_take_one_verdict(tmp_path, disagreeing):
+    """Process 0 reads the checkpoint and decides for both: where process 1 alone sees step 2
+    damaged, both restore step 2; where process 0 does, both set it aside (moved once) and
+    restore step 1. Before, each process hashed every file itself and one could enter the
+    set-aside barrier while the other entered orbax's restore: a hang."""
+    directory = str(tmp_path / "checkpoints")
+
+    def launch(phase: str, **env) -> list[str]:
+        argv = [sys.executable, "-c", _VERDICT_SCRIPT, directory, phase]
+        base = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", **env}
+        return _launch([({**base, "JAX_PROCESS_ID": str(r)}, argv) for r in range(2)])
+
+    launch("save")
+    outputs = launch("restore", DISAGREEING=str(disagreeing))
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    want = 2 if disagreeing == 1 else 1
+    assert [r["step"] for r in results] == [want, want], outputs
+    assert [r["local"] for r in results] == [
+        [want + i for i in range(4)],
+        [want + i for i in range(4, 8)],
+    ]
+    aside = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if "unusable" in p.name)
+    assert aside == ([] if disagreeing == 1 else ["2.unusable"])

@@ -1,6 +1,8 @@
 """End to end on configs/tiny.toml: the CLI's outputs, and resume == uninterrupted, bit for bit."""
 
 import json
+import logging
+import re
 import signal
 
 import jax
@@ -333,3 +335,64 @@ def test_one_f_one_b_3d_run_trains_and_resumes_exactly(cache, tmp_path):
         pytest.skip("needs 8 devices")
     overrides = (*THREE_D, "parallel.tp=2", "parallel.schedule='1f1b'")
     _assert_trains_logs_and_resumes(tmp_path, cache, overrides)
+
+
+def test_the_start_up_summary_names_every_op_that_runs_the_reference(monkeypatch, capsys):
+    """Not only a warning: where a kernel cannot take a call (here a row of 3 groups on a
+    Hopper GPU, faked as tests/pallas_kernels/test_registry.py does) the run's start-up says
+    which op runs the jnp reference and why, in one line; nothing where every op has its
+    kernel."""
+    import jax.numpy as jnp
+
+    import pallas_kernels
+    from pallas_kernels import _pallas, registry
+
+    monkeypatch.setattr(registry, "_ON_REFERENCE", {})
+    trainer._say_reference_ops()
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
+    with pytest.warns(RuntimeWarning, match="runs the jnp reference"):
+        pallas_kernels.encode(taco_jax.get_codec("taco"), jnp.ones((2, 384), jnp.bfloat16))
+    trainer._say_reference_ops()
+    assert capsys.readouterr().err == (
+        "on the jnp reference, far slower than the fused kernels: encode of taco (rows [2, "
+        "n=384], bfloat16): the Mosaic GPU kernels cannot take rows of n=384 (need whole tiles "
+        "of 8192 and a wire of whole 8-row boxes of 128 bytes: n a multiple of 16384)\n"
+    )
+
+
+@pytest.mark.slow
+def test_both_steps_compile_before_step_1(cache, tmp_path, monkeypatch, capsys):
+    """With measuring steps, the train step and the measuring step are compiled before the
+    loop starts (the measuring one's compile, or an out-of-memory from its exact fp32
+    collectives, no longer waits for step run.comm_error_every, maybe hours in), and the loop
+    compiles neither again; the start-up says how much more memory the measuring step needs."""
+    compiled = []
+
+    class Compiles(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if message.startswith("Compiling jit(train_step)"):
+                compiled.append("train_step")
+
+    steps = trainer._steps
+
+    def loop(*args, **kwargs):
+        compiled.append("loop starts")
+        return steps(*args, **kwargs)
+
+    handler = Compiles()
+    logging.getLogger("jax").addHandler(handler)
+    monkeypatch.setattr(trainer, "_steps", loop)
+    try:
+        with jax.log_compiles():
+            _cli(tmp_path / "run", cache, "run.comm_error_every=2", "run.steps=4")
+    finally:
+        logging.getLogger("jax").removeHandler(handler)
+    assert compiled == ["train_step", "train_step", "loop starts"]
+    err = capsys.readouterr().err
+    assert re.search(
+        r"the measuring step \(run.comm_error_every=2\) needs [\d.,]+ (bytes|KiB|MiB) more device "
+        r"memory than the train step \([\d.,]+ MiB per device\): its exact fp32 collectives",
+        err,
+    ), err
