@@ -13,12 +13,16 @@ every other step runs the program it runs without measuring. After it, this modu
   (`next_codec`), for the rest of the run. The trainer says so in one line (`switch_line`),
   records it (`fallback_record`), rebuilds its steps with the sites' new codecs
   (`taco_jax.CommConfig.site_codecs`: every rank switches at the same step, one program) and
-  saves them in each checkpoint (`METADATA_KEY`), so a resumed run keeps them;
+  saves them in each checkpoint with the compression settings that chose them
+  (`checkpoint_metadata`), so a resumed run keeps them while those settings hold
+  (`resumed_fallbacks`);
 - at the end, a table per op (`table`) and `comm_error.png`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import re
 from typing import Any
@@ -309,3 +313,51 @@ def table(records: list[dict[str, Any]], budget: float | None = None) -> str | N
 def _layer_or_site(site: str) -> str:
     layer = layer_of(site)
     return site if layer is None else f"layer_{layer:02d}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The fallbacks across a resume: they hold for the settings that chose them.
+
+# In a checkpoint's metadata beside METADATA_KEY: the compression settings (`compression.*`, as
+# configured) under which the error budget chose those fallbacks.
+SETTINGS_KEY = "comm_fallbacks_settings"
+
+
+def checkpoint_metadata(fallbacks: dict[str, str], compression) -> dict[str, Any]:
+    """What a checkpoint records of the error budget: its fallbacks ({call site: codec}) and
+    the `CompressionConfig` they were chosen under."""
+    return {METADATA_KEY: dict(fallbacks), SETTINGS_KEY: _settings(compression)}
+
+
+def _settings(compression) -> dict[str, Any]:
+    """`compression` as a checkpoint's metadata holds it (JSON values)."""
+    return json.loads(json.dumps(dataclasses.asdict(compression)))
+
+
+def resumed_fallbacks(
+    metadata: dict[str, Any], compression, reset: bool = False
+) -> tuple[dict[str, str], str | None]:
+    """The fallbacks a run resumed from a checkpoint with `metadata` takes up, and the start-up
+    line that says which and why (None where the checkpoint holds none). All of them while the
+    settings that chose them equal `compression`; none where any `compression.*` differs (the
+    run starts from its new settings: the budget, if any, measures them afresh), where the
+    checkpoint does not record those settings, or where `reset` (run.reset_fallbacks) asks."""
+    fallbacks = dict(metadata.get(METADATA_KEY) or {})
+    if not fallbacks:
+        return {}, None
+    moved = ", ".join(f"{site} -> {codec}" for site, codec in fallbacks.items())
+    saved, now = metadata.get(SETTINGS_KEY), _settings(compression)
+    if reset:
+        why = "run.reset_fallbacks=true"
+    elif saved is None:
+        why = "the checkpoint does not record the compression settings that chose them"
+    elif saved != now:
+        changed = [k for k in sorted(saved.keys() | now.keys()) if saved.get(k) != now.get(k)]
+        why = "; ".join(f"compression.{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in changed)
+    else:
+        kept = "kept from the checkpoint: the compression settings that chose them are unchanged"
+        return fallbacks, f"call sites off their codec (the error budget's, {kept}): {moved}"
+    return {}, (
+        f"the error budget's fallbacks saved with the checkpoint ({moved}) are dropped: {why}; "
+        "every call site starts from the configured codecs"
+    )

@@ -281,6 +281,9 @@ class RunConfig:
       blocks the loop until each is written and verified.
     sample_tokens: at the end, print a sample of this many tokens from the final checkpoint
       (`taco_train.sample`); 0 prints none.
+    reset_fallbacks: on resume, drop the error budget's fallbacks saved with the checkpoint
+      even where the compression settings that chose them are unchanged (a changed
+      `compression.*` drops them anyway; `taco_train.comm_error.resumed_fallbacks`).
     """
 
     steps: int = 1000
@@ -302,6 +305,7 @@ class RunConfig:
     async_checkpoint: bool = True
     comm_error_every: int = 0
     sample_tokens: int = 0
+    reset_fallbacks: bool = False
 
     def __post_init__(self):
         for name in ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every"):

@@ -206,7 +206,8 @@ def build_steps(
 
 def _init_or_restore(run: _Run, ckpt: Checkpointer):
     """The newest good checkpoint's state and step, or a fresh state at step 0; a restored
-    run takes up the error budget's fallbacks saved with its checkpoint."""
+    run takes up the error budget's fallbacks saved with its checkpoint while the compression
+    settings that chose them hold (`comm_error.resumed_fallbacks`)."""
     key = jax.random.key(run.cfg.run.seed)
     if not run.cfg.run.resume or not ckpt.steps():
         return _fresh_state(run, key), 0
@@ -219,11 +220,13 @@ def _init_or_restore(run: _Run, ckpt: Checkpointer):
         )
     state, step = restored
     _say(f"resuming from {ckpt.directory} at step {step}")
-    fallbacks = ckpt.metadata(step).get(comm_error.METADATA_KEY, {})
+    cfg = run.cfg
+    saved = ckpt.metadata(step)
+    fallbacks, said = comm_error.resumed_fallbacks(saved, cfg.compression, cfg.run.reset_fallbacks)
+    if said:
+        _say(said)
     if fallbacks:
         run.build(fallbacks)
-        moved = ", ".join(f"{site} -> {codec}" for site, codec in fallbacks.items())
-        _say(f"call sites off their codec (the error budget's, kept from the checkpoint): {moved}")
     return state, step
 
 
@@ -250,9 +253,11 @@ def _flat(tree: dict[str, Any]) -> dict[str, Any]:
 def check_resumable(cfg: TrainConfig, out: Path) -> dict[str, tuple[Any, Any]]:
     """Refuses, before anything is overwritten, to resume a run directory whose saved config
     differs from `cfg` in `RESUME_KEYS`; the message names the keys and the ways out. Returns
-    the changes of `RECORDED_KEYS` as {key: (old, new)}, which `record_changes` reports."""
+    the changes of `RECORDED_KEYS` as {key: (old, new)}, which `record_changes` reports. A
+    directory without a checkpoint holds nothing to resume (a start that failed before its
+    first one): its config.json is simply replaced."""
     saved_path = out / "config.json"
-    if not cfg.run.resume or not saved_path.exists():
+    if not cfg.run.resume or not saved_path.exists() or not holds_checkpoints(out):
         return {}
     old, new = _flat(json.loads(saved_path.read_text())), _flat(_config_json(cfg))
     changed = [k for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
@@ -272,6 +277,12 @@ def check_resumable(cfg: TrainConfig, out: Path) -> dict[str, tuple[Any, Any]]:
             "run.out_dir, or set run.resume=false to start over in this one"
         )
     return {k: (old.get(k), new.get(k)) for k in changed if k.startswith(RECORDED_KEYS)}
+
+
+def holds_checkpoints(out: Path) -> bool:
+    """Whether `out/checkpoints` holds a step directory, good or not (what a resume reads)."""
+    checkpoints = out / "checkpoints"
+    return checkpoints.is_dir() and any(p.name[:1].isdigit() for p in checkpoints.iterdir())
 
 
 def record_changes(changes: dict[str, tuple[Any, Any]], step: int, out: Path) -> None:
@@ -447,7 +458,7 @@ def _print_sample(cfg: TrainConfig, out: Path) -> None:
     --temperature 0.8 --top-k 40 --seed SEED` prints."""
     from taco_train import sample
 
-    model, params, tokenizer, eot = sample.load(out)
+    model, params, tokenizer, eos = sample.load(out)
     budget = cfg.run.sample_tokens
     if model.arch == "gpt":  # the learned positions hold the start token and seq_len - 1 more
         budget = min(budget, model.seq_len - 1)
@@ -456,7 +467,7 @@ def _print_sample(cfg: TrainConfig, out: Path) -> None:
         model,
         params,
         tokenizer,
-        eot,
+        eos,
         "",
         budget,
         seed=cfg.run.seed,
@@ -650,7 +661,7 @@ def _save(run: _Run, ckpt: Checkpointer, step: int, state, writer) -> None:
     started = time.perf_counter()
     if not bool(run.steps.is_finite(state)):  # never a checkpoint to resume into NaN
         raise Diverged(f"the train state is not finite at step {step}; not saved")
-    ckpt.save(step, state, {comm_error.METADATA_KEY: run.fallbacks})
+    ckpt.save(step, state, comm_error.checkpoint_metadata(run.fallbacks, run.cfg.compression))
     blocked = time.perf_counter() - started
     asynchronous = run.cfg.run.async_checkpoint
     writer.write({"kind": "checkpoint", "step": step, "blocked_s": blocked, "async": asynchronous})

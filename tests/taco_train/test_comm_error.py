@@ -188,7 +188,7 @@ def test_the_outlier_layer_falls_back_alone_and_a_resumed_run_keeps_it(tmp_path,
     capsys.readouterr()
     _run(config, resumed, cache, *overrides)
     err = capsys.readouterr().err
-    assert f"kept from the checkpoint): {OUTLIER_SITE} -> none" in err
+    assert f"settings that chose them are unchanged): {OUTLIER_SITE} -> none" in err
     assert "over compression.error_budget" not in err
     assert untimed(metrics.read_jsonl(resumed / "metrics.jsonl")) == untimed(records)
     assert_same_state(full, resumed, 6)
