@@ -100,6 +100,43 @@ def test_the_record_line_and_table_of_measuring_steps():
     assert comm_error.table([], budget=0.02) is None and comm_error.figure([]) is None
 
 
+def test_fallbacks_hold_for_the_settings_that_chose_them():
+    """A resume keeps the saved fallbacks while the compression settings equal those saved with
+    them; a changed key, a checkpoint without settings, or run.reset_fallbacks drops them all,
+    and the line says which and why."""
+    from taco_train.config import CompressionConfig
+
+    int8 = CompressionConfig(fwd="int8", error_budget=0.02)
+    saved = comm_error.checkpoint_metadata({OUTLIER_SITE: "none"}, int8)
+    kept, line = comm_error.resumed_fallbacks(saved, int8)
+    assert kept == {OUTLIER_SITE: "none"}
+    assert line.endswith(
+        f"the compression settings that chose them are unchanged): {OUTLIER_SITE} -> none"
+    )
+    dropped = (
+        f"the error budget's fallbacks saved with the checkpoint ({OUTLIER_SITE} -> none) are "
+        "dropped: "
+    )
+    for now, why in (
+        (CompressionConfig(fwd="none", error_budget=0.02), "compression.fwd 'int8' -> 'none'"),
+        (CompressionConfig(fwd="int8", error_budget=0.05), "compression.error_budget 0.02 -> 0.05"),
+        (CompressionConfig(fwd="int8"), "compression.error_budget 0.02 -> None"),
+    ):
+        assert comm_error.resumed_fallbacks(saved, now) == (
+            {},
+            f"{dropped}{why}; every call site starts from the configured codecs",
+        )
+    fallbacks, line = comm_error.resumed_fallbacks(saved, int8, reset=True)
+    assert fallbacks == {} and line.startswith(dropped + "run.reset_fallbacks=true;")
+    unrecorded = {comm_error.METADATA_KEY: {OUTLIER_SITE: "none"}}
+    fallbacks, line = comm_error.resumed_fallbacks(unrecorded, int8)
+    assert fallbacks == {} and "does not record the compression settings" in line
+    assert comm_error.resumed_fallbacks(comm_error.checkpoint_metadata({}, int8), int8) == (
+        {},
+        None,
+    )
+
+
 # The tiny GPT with outlier features: two of its 64 residual channels written 30x larger by
 # layer 1's MLP (`_outlier_checkpoint`). Plain INT8 (per-group absmax) errs ~0.009 on the
 # other call sites (at most 0.012 in this run) and ~0.028 where every group holds an outlier
