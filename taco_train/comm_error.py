@@ -129,14 +129,26 @@ def _ordered(error: float) -> float:
 
 def switch_line(step: int, new: dict[str, str], errors, budget: float) -> str:
     """The one log line of the call sites that leave their codec after measuring step `step`."""
-    moves = ", ".join(f"{site} ({_said(errors[site])}) -> {codec}" for site, codec in new.items())
+    moves = ", ".join(
+        f"{site} ({_said(errors[site], budget)}) -> {codec}" for site, codec in new.items()
+    )
     return f"step {step}: over compression.error_budget={budget:g}: {moves}, from step {step + 1}"
 
 
-def _said(error: telemetry.SiteError) -> str:
+def _said(error: telemetry.SiteError, budget: float) -> str:
     if error.codec_nonfinite:
         return f"{error.nonfinite} non-finite values"
-    return f"error {error.error:.4f}"
+    return f"error {_above(error.error, budget)}"
+
+
+def _above(value: float, budget: float) -> str:
+    """`value` with the fewest significant digits, 4 at least, that read above `budget`:
+    "0.0312", but "0.030004" where "0.03" would read as a budget of 0.03."""
+    for digits in range(4, 18):
+        text = f"{value:.{digits}g}"
+        if float(text) > budget:
+            return text
+    return repr(value)
 
 
 def fallback_record(step: int, new: dict[str, str], errors) -> dict[str, Any]:
@@ -266,36 +278,24 @@ def table(records: list[dict[str, Any]], budget: float | None = None) -> str | N
                 nonfinite[op_of(site)] = nonfinite.get(op_of(site), 0) + n
     ops = sorted({op_of(s) for s in by_site} | {op_of(s) for s in fell}, key=_op_key)
     budget_text = "" if budget is None else f"; budget {budget:g}"
-    header = f"  {'op':<24} {'largest':>8}  {'at':<24} {'mean':>8} {'non-finite':>10}  fell back"
     title = (
-        f"compression error per op over {len(steps)} measuring steps (steps {steps[0]}-"
-        f"{steps[-1]}; relative to the exact fp32 collective{budget_text}):"
+        f"compression error per op over {len(steps)} measuring steps ({steps[0]}-{steps[-1]}), "
+        f"relative to the exact fp32 collective{budget_text}:"
     )
-    rows = [title, header]
-    for op in ops:
-        values = [
-            (e, site, step)
-            for site, v in by_site.items()
-            if op_of(site) == op
-            for step, e in v.items()
-        ]
-        fallen = [
-            f"{_layer_or_site(site)} -> {codec} after {step}"
-            for site, (codec, step) in fell.items()
-            if op_of(site) == op
-        ]
-        if values:
-            worst, site, step = max(values, key=lambda v: _ordered(v[0]))
-            layer = layer_of(site)
-            where = f"step {step}" if layer is None else f"layer_{layer:02d}, step {step}"
-            mean = f"{np.mean([v[0] for v in values]):8.4f}"
-            largest = f"{worst:8.4f}"
-        else:
-            largest, where, mean = f"{'-':>8}", "-", f"{'-':>8}"
-        rows.append(
-            f"  {op:<24} {largest}  {where:<24} {mean} {nonfinite.get(op, 0):>10d}  "
-            f"{'; '.join(fallen) or '-'}"
-        )
+    cells = [
+        (op, *_largest_and_mean(by_site, op), nonfinite.get(op, 0), _fell_back(fell, op))
+        for op in ops
+    ]
+    op_width = max(len("op"), *(len(c[0]) for c in cells))
+    at_width = max(len("at"), *(len(c[2]) for c in cells))
+    rows = _wrapped(title)
+    rows.append(
+        f"  {'op':<{op_width}} {'largest':>8}  {'at':<{at_width}} {'mean':>8} "
+        f"{'non-finite':>10}  fell back"
+    )
+    for op, largest, where, mean, bad, fallen in cells:
+        row = f"  {op:<{op_width}} {largest:>8}  {where:<{at_width}} {mean:>8} {bad:>10d}  "
+        rows += _wrapped(row + fallen)
     shares = [
         (r["step"], r["tp_bytes_compressed"])
         for r in records
@@ -310,9 +310,66 @@ def table(records: list[dict[str, Any]], budget: float | None = None) -> str | N
     return "\n".join(rows)
 
 
-def _layer_or_site(site: str) -> str:
+def _largest_and_mean(by_site: dict[str, dict[int, float]], op: str) -> tuple[str, str, str]:
+    """The table's cells of `op`: its largest error, where and when, and its mean error."""
+    values = [
+        (e, site, step) for site, v in by_site.items() if op_of(site) == op for step, e in v.items()
+    ]
+    if not values:
+        return "-", "-", "-"
+    worst, site, step = max(values, key=lambda v: _ordered(v[0]))
     layer = layer_of(site)
-    return site if layer is None else f"layer_{layer:02d}"
+    where = f"step {step}" if layer is None else f"layer_{layer:02d}, step {step}"
+    return f"{worst:.4f}", where, f"{np.mean([v[0] for v in values]):.4f}"
+
+
+# The width of the table's rows: a longer one (many fallbacks of one op) goes on below.
+TABLE_WIDTH = 100
+
+
+def _fell_back(fell: dict[str, tuple[str, int]], op: str) -> str:
+    """The table's "fell back" cell of `op`: per (codec, step) its layers, as ranges
+    ("layers 0-6, 9 -> none after 4"), or "-"."""
+    groups: dict[tuple[str, int], list[int | None]] = {}
+    for site, (codec, step) in fell.items():
+        if op_of(site) == op:
+            groups.setdefault((codec, step), []).append(layer_of(site))
+    parts = []
+    for (codec, step), layers in sorted(groups.items(), key=lambda item: (item[0][1], item[0])):
+        where = _layers(layers)
+        parts.append(f"{where} -> {codec} after {step}" if where else f"{codec} after {step}")
+    return "; ".join(parts) or "-"
+
+
+def _layers(layers: list[int | None]) -> str:
+    """ "layer_03", "layers 0-6, 9"; "" for a site outside the blocks (its op's only one)."""
+    numbers = sorted(n for n in layers if n is not None)
+    if not numbers:
+        return ""
+    if len(numbers) == 1:
+        return f"layer_{numbers[0]:02d}"
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return "layers " + ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+
+
+def _wrapped(row: str) -> list[str]:
+    """`row` in lines of at most `TABLE_WIDTH` characters, those after the first indented."""
+    import textwrap
+
+    if len(row) <= TABLE_WIDTH:
+        return [row]
+    return textwrap.wrap(
+        row,
+        TABLE_WIDTH,
+        subsequent_indent=" " * 6,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
 
 
 # ---------------------------------------------------------------------------------------------

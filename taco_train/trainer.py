@@ -723,7 +723,8 @@ def _after_measuring(run: _Run, step: int, writer, bar) -> bool:
     new = comm_error.over_budget(errors, budget, run.fallbacks, run.cfg.compression.fallback_codec)
     if not new:
         return False
-    _say(comm_error.switch_line(step, new, errors, budget))
+    if jax.process_index() == 0:  # with the measuring steps' lines, not across the bar
+        bar.write(comm_error.switch_line(step, new, errors, budget))
     writer.write(comm_error.fallback_record(step, new, errors))
     run.build({**run.fallbacks, **new})
     return True

@@ -100,6 +100,31 @@ def test_the_record_line_and_table_of_measuring_steps():
     assert comm_error.table([], budget=0.02) is None and comm_error.figure([]) is None
 
 
+def test_the_switch_line_reads_above_the_budget_and_the_table_stays_narrow():
+    """An error just over the budget shows the digits that put it over (0.0300 would read as
+    0.03); fourteen layers falling back make one short cell of layer ranges, and no row of
+    the table is wider than TABLE_WIDTH."""
+    errors = {f"layer_{i:02d}/mlp_out/fwd": _error(0.030004) for i in range(16)}
+    line = comm_error.switch_line(4, {"layer_03/mlp_out/fwd": "none"}, errors, 0.03)
+    assert line == (
+        "step 4: over compression.error_budget=0.03: layer_03/mlp_out/fwd (error 0.030004) "
+        "-> none, from step 5"
+    )
+    first = {f"layer_{i:02d}/mlp_out/fwd": "int8_hadamard" for i in range(14)}
+    again = {f"layer_{i:02d}/mlp_out/fwd": "none" for i in (3, 5, 6, 9)}
+    records = [
+        comm_error.record(4, errors),
+        comm_error.fallback_record(4, first, errors),
+        comm_error.fallback_record(8, again, errors),
+        comm_error.fallback_record(8, {"head_in/bwd": "none"}, {"head_in/bwd": _error(0.5)}),
+    ]
+    table = comm_error.table(records, budget=0.03)
+    unwrapped = table.replace("\n      ", " ")
+    assert "layers 0-2, 4, 7-8, 10-13 -> int8_hadamard after 4; layers 3, 5-6, 9" in unwrapped
+    assert unwrapped.splitlines()[-2].endswith("0  none after 8")  # head_in/bwd: no layer
+    assert max(len(row) for row in table.splitlines()) <= comm_error.TABLE_WIDTH
+
+
 def test_fallbacks_hold_for_the_settings_that_chose_them():
     """A resume keeps the saved fallbacks while the compression settings equal those saved with
     them; a changed key, a checkpoint without settings, or run.reset_fallbacks drops them all,
@@ -198,7 +223,8 @@ def test_the_outlier_layer_falls_back_alone_and_a_resumed_run_keeps_it(tmp_path,
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     capsys.readouterr()
     _run(config, full, cache, *overrides)
-    err = capsys.readouterr().err
+    printed = capsys.readouterr()
+    err = printed.err
     records = metrics.read_jsonl(full / "metrics.jsonl")
     comm = [r for r in records if r["kind"] == "comm"]
     assert [r["step"] for r in comm] == [2, 4, 6]
@@ -207,7 +233,7 @@ def test_the_outlier_layer_falls_back_alone_and_a_resumed_run_keeps_it(tmp_path,
     assert all(e < BUDGET for site, e in first.items() if site != OUTLIER_SITE), first
     fallbacks = [r for r in records if r["kind"] == "comm_fallback"]
     assert [(r["step"], list(r["sites"])) for r in fallbacks] == [(2, [OUTLIER_SITE])]
-    assert err.count("over compression.error_budget") == 1
+    assert printed.out.count("over compression.error_budget") == 1  # with the records' lines
     for later in comm[1:]:
         errors = comm_error.site_errors(later)
         assert OUTLIER_SITE not in errors and len(errors) == 9
@@ -226,6 +252,6 @@ def test_the_outlier_layer_falls_back_alone_and_a_resumed_run_keeps_it(tmp_path,
     _run(config, resumed, cache, *overrides)
     err = capsys.readouterr().err
     assert f"settings that chose them are unchanged): {OUTLIER_SITE} -> none" in err
-    assert "over compression.error_budget" not in err
+    assert "over compression.error_budget" not in capsys.readouterr().out + err
     assert untimed(metrics.read_jsonl(resumed / "metrics.jsonl")) == untimed(records)
     assert_same_state(full, resumed, 6)

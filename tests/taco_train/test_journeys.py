@@ -212,8 +212,7 @@ def test_budget_fallback_then_resume_with_compression_off_is_uncompressed(tmp_pa
     budget = ("compression.error_budget=0.02", f"model.init_from={str(checkpoint)!r}")
     capsys.readouterr()
     _cli(tmp_path, cache, run, "compression.fwd='int8'", *budget, *measured, "run.steps=4")
-    err = capsys.readouterr().err
-    assert "over compression.error_budget=0.02: layer_01/mlp_out/fwd" in err
+    assert "over compression.error_budget=0.02: layer_01/mlp_out/fwd" in capsys.readouterr().out
     records = metrics.read_jsonl(run / "metrics.jsonl")
     before = [r["tp_bytes_compressed"] for r in records if r["kind"] == "comm"]
     assert len(before) == 2 and all(0.85 < share <= 1 for share in before)
