@@ -9,6 +9,7 @@ installed and run from.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 from collections.abc import Sequence
@@ -124,6 +125,9 @@ def _run(args: argparse.Namespace) -> None:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=1, default=str))
         return
-    from taco_train.trainer import train_and_evaluate
+    from taco_train.native_output import without_gloo_connected_lines
+    from taco_train.trainer import spans_processes, train_and_evaluate
 
-    train_and_evaluate(cfg)
+    several = spans_processes(cfg.run.distributed)  # on the CPU, Gloo connects the processes
+    with without_gloo_connected_lines() if several else contextlib.nullcontext():
+        train_and_evaluate(cfg)

@@ -46,7 +46,7 @@ def maybe_initialize_distributed(mode: str) -> None:
     `JAX_PROCESS_ID` from the environment; "on": let JAX auto-detect the cluster (SLURM, Open MPI,
     ...); "off": never.
     """
-    if mode == "off" or (mode == "auto" and "JAX_COORDINATOR_ADDRESS" not in os.environ):
+    if not spans_processes(mode):
         return
     if mode == "auto":
         jax.distributed.initialize(
@@ -56,6 +56,11 @@ def maybe_initialize_distributed(mode: str) -> None:
         )
     else:
         jax.distributed.initialize()
+
+
+def spans_processes(mode: str) -> bool:
+    """Whether `run.distributed=mode` makes the run one of several processes."""
+    return mode == "on" or (mode == "auto" and "JAX_COORDINATOR_ADDRESS" in os.environ)
 
 
 def _say(message: str) -> None:
