@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -348,6 +349,26 @@ def archive_previous_run(out: Path) -> Path | None:
     return target
 
 
+# What orbax names a step directory while it writes it (`<step>.orbax-checkpoint-tmp...`).
+UNFINISHED_SAVE = "*.orbax-checkpoint-tmp*"
+
+
+def remove_unfinished_saves(checkpoints: Path) -> None:
+    """Removes the step directories a save left unfinished (the process ended while orbax wrote
+    them: never a checkpoint), saying so in one line each; orbax would otherwise warn about
+    each when it saves that step again."""
+    if jax.process_index() == 0 and checkpoints.is_dir():
+        for path in sorted(checkpoints.glob(UNFINISHED_SAVE)):
+            shutil.rmtree(path)
+            step = path.name.partition(".")[0]
+            _say(
+                f"removed {path}: the save of step {step} that the earlier run did not finish "
+                "(it ended while writing it)"
+            )
+    if jax.process_count() > 1:  # nobody saves before it is gone
+        multihost_utils.sync_global_devices("unfinished saves removed")
+
+
 def _start_over(cfg: TrainConfig, out: Path) -> None:
     """`run.resume=false`: the earlier run in `out` is archived, reported in one line."""
     if cfg.run.resume:
@@ -399,6 +420,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
     if lead:
         _write_config(cfg, run.out)
         run.dataset.tokenizer.save(run.out / TOKENIZER_FILE)  # the export's and sample's
+    remove_unfinished_saves(run.out / "checkpoints")
     ckpt = Checkpointer(run.out / "checkpoints", cfg.run.keep_checkpoints, cfg.run.async_checkpoint)
     state, start = _init_or_restore(run, ckpt)
     record_changes(changes, start, run.out)

@@ -280,3 +280,36 @@ def test_a_failed_start_does_not_block_the_retry(tmp_path, cache, capsys):
     _cli(tmp_path, cache, run, f"model.init_from={str(LLAMA)!r}", *SHORT)
     assert (run / "checkpoints" / "2").is_dir()
     assert json.loads((run / "config.json").read_text())["model"]["init_from"] == str(LLAMA)
+
+
+# ---------------------------------------------------------------------------------------------
+# A save the process did not finish.
+
+
+@pytest.mark.slow
+def test_a_resume_after_a_killed_save_says_it_in_a_line_of_ours(tmp_path, cache, capsys, caplog):
+    """A process killed while orbax wrote step 6 leaves `6.orbax-checkpoint-tmp`; the resume
+    removes it in one line of ours (not orbax's warning when it writes step 6 again) and
+    ends with a good checkpoint 6."""
+    run = tmp_path / "run"
+    short = ("run.checkpoint_every=3", "run.tensorboard=false", "run.progress=false")
+    args = ["--config", TINY]
+    for override in tiny_overrides(run, cache, *short):
+        args += ["--set", override]
+    jax.clear_caches()
+    main([*args, "--set", "run.steps=3"])
+    unfinished = run / "checkpoints" / "6.orbax-checkpoint-tmp"
+    shutil.copytree(run / "checkpoints" / "3", unfinished)  # what a killed save leaves, or like
+    capsys.readouterr()
+    jax.clear_caches()
+    main([*args, "--set", "run.steps=6"])
+    err = capsys.readouterr().err
+    assert (
+        f"removed {unfinished}: the save of step 6 that the earlier run did not finish (it "
+        "ended while writing it)"
+    ) in err
+    assert "temporary directory" not in err + caplog.text
+    assert trainer.holds_checkpoints(run) and not unfinished.exists()
+    from taco_train.checkpointing import damage
+
+    assert damage(run / "checkpoints" / "6") is None
