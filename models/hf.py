@@ -396,7 +396,10 @@ class _Files:
         self._open = _open_safetensors
         index = path / INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise CheckpointError(f"{index}: not a weight map ({error!r})") from None
             self.where = {name: path / file for name, file in weight_map.items()}
         elif (path / SINGLE_FILE).is_file():
             with self._open(path / SINGLE_FILE) as f:

@@ -260,6 +260,15 @@ def test_a_truncated_safetensors_file_is_one_line_from_every_entry_point(tmp_pat
         sample.main([str(damaged), "--prompt", "a"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == f"taco-train sample: error: {message}\n"
+    sharded = tmp_path / "sharded"  # a cut-short index of a sharded checkpoint, and config.json
+    shutil.copytree(QWEN, sharded)
+    index = sharded / hf.INDEX_FILE
+    index.write_text(index.read_text()[:50])
+    with pytest.raises(hf.CheckpointError, match=rf"^{index}: not a weight map \(JSONDecodeError"):
+        hf.load(sharded)
+    (sharded / hf.CONFIG_FILE).write_text("{")
+    with pytest.raises(hf.CheckpointError, match=rf"^{sharded / hf.CONFIG_FILE}: not valid JSON"):
+        hf.load(sharded)
 
 
 @pytest.mark.slow
