@@ -162,14 +162,29 @@ def train(
 
 
 def main(argv=None) -> list[float]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--data", type=int, default=2)
-    parser.add_argument("--fsdp", type=int, default=2)
-    parser.add_argument("--tensor", type=int, default=2)
-    parser.add_argument("--codec", default="taco", choices=taco_jax.CODEC_NAMES)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--axis-type", default="explicit", choices=["explicit", "auto"])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="The mesh is data x fsdp x tensor devices; on a CPU, set XLA_FLAGS="
+        "--xla_force_host_platform_device_count to their product.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--steps", type=int, default=30, help="AdamW steps to train")
+    parser.add_argument("--data", type=int, default=2, help="devices on the data axis")
+    parser.add_argument("--fsdp", type=int, default=2, help="devices on the fsdp axis")
+    parser.add_argument("--tensor", type=int, default=2, help="devices on the tensor (TP) axis")
+    parser.add_argument(
+        "--codec",
+        default="taco",
+        choices=taco_jax.CODEC_NAMES,
+        help="codec of the TP reductions (none: exact fp32)",
+    )
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks (scanned)")
+    parser.add_argument(
+        "--axis-type",
+        default="explicit",
+        choices=["explicit", "auto"],
+        help="the mesh axes' type: Explicit (sharding in types) or Auto (the compiler's)",
+    )
     args = parser.parse_args(argv)
     axis_type = AxisType.Explicit if args.axis_type == "explicit" else AxisType.Auto
     shape = (args.data, args.fsdp, args.tensor)

@@ -21,7 +21,8 @@ one device's memory loads under TP and PP.
 
 Errors name the file and the key in one line (`CheckpointError`): no config.json, an
 architecture other than these, a setting ours lacks (a sliding window, a rope type other than
-ROPE_TYPES, biases Llama may add), a missing tensor, a shape that does not match.
+ROPE_TYPES, biases Llama may add), a missing tensor, a shape that does not match, a damaged file
+(a config.json that is not JSON, a truncated safetensors file).
 """
 
 from __future__ import annotations
@@ -66,7 +67,10 @@ def load_config(path: str | Path) -> ModelConfig:
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
         raise CheckpointError(f"{file}: no such file (a Hugging Face model directory holds one)")
-    hf = json.loads(file.read_text())
+    try:
+        hf = json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{file}: not valid JSON ({error})") from None
     archs = hf.get("architectures") or []
     arch = next((ARCHITECTURES[a][0] for a in archs if a in ARCHITECTURES), None)
     if arch is None:
@@ -189,8 +193,17 @@ def _rotary_config(hf: dict, file: Path, arch: str) -> ModelConfig:
     )
 
 
-def hf_config(cfg: ModelConfig) -> dict:
-    """The config.json of `cfg` (transformers 4.x keys, which 5.x reads too)."""
+def hf_config(cfg: ModelConfig, token_ids: dict[str, int | list[int]] | None = None) -> dict:
+    """The config.json of `cfg` (transformers 4.x keys, which 5.x reads too). token_ids: e.g.
+    {"bos_token_id": 0, "eos_token_id": [0, 2]}, each id inside the vocabulary (without them
+    transformers assumes GPT-2's 50256)."""
+    token_ids = dict(token_ids or {})
+    for key, ids in token_ids.items():
+        for i in ids if isinstance(ids, list) else [ids]:
+            if not (isinstance(i, int) and 0 <= i < cfg.vocab_size):
+                raise ValueError(
+                    f"{key}={ids!r} is not inside the vocabulary [0, {cfg.vocab_size})"
+                )
     architecture, model_type = next(
         (name, kind) for name, (arch, kind) in ARCHITECTURES.items() if arch == cfg.arch
     )
@@ -201,6 +214,7 @@ def hf_config(cfg: ModelConfig) -> dict:
         "tie_word_embeddings": cfg.tied_embeddings,
         "torch_dtype": "float32",
     }
+    common |= token_ids
     if cfg.arch == "gpt":
         return {
             **common,
@@ -379,12 +393,13 @@ class _Files:
     """The directory's safetensors tensors by name, opened lazily with the numpy API."""
 
     def __init__(self, path: Path):
-        from safetensors import safe_open  # the train extra's; the library core stays JAX+NumPy
-
-        self._open = lambda file: safe_open(file, framework="numpy")
+        self._open = _open_safetensors
         index = path / INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise CheckpointError(f"{index}: not a weight map ({error!r})") from None
             self.where = {name: path / file for name, file in weight_map.items()}
         elif (path / SINGLE_FILE).is_file():
             with self._open(path / SINGLE_FILE) as f:
@@ -413,6 +428,21 @@ class _Files:
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """tensor[index] as fp32, reading only that block from the file."""
         return np.asarray(self._slice(name)[index], dtype=np.float32)
+
+
+def _open_safetensors(file: Path):
+    """`safe_open(file)` (numpy), a damaged file (truncated, not safetensors) a CheckpointError
+    naming it in one line."""
+    from safetensors import SafetensorError, safe_open  # the train extra's (the core: JAX+NumPy)
+
+    try:
+        return safe_open(file, framework="numpy")
+    except SafetensorError as error:
+        size = file.stat().st_size
+        raise CheckpointError(
+            f"{file}: not a readable safetensors file ({size:,} bytes: {error}); a download "
+            "cut short leaves one like it: fetch it again"
+        ) from None
 
 
 def _canonical(name: str) -> str:
@@ -597,18 +627,21 @@ def save(
     *,
     max_shard_bytes: int | None = None,
     extra_files: Callable[[Path], None] | None = None,
+    token_ids: dict[str, int | list[int]] | None = None,
 ) -> None:
     """Writes `params` as a Hugging Face directory that transformers loads: config.json and
     model.safetensors (fp32), or with `max_shard_bytes` shards and model.safetensors.index.json.
-    The vocabulary's padding rows are dropped. extra_files(path) may add e.g. a tokenizer."""
+    The vocabulary's padding rows are dropped. extra_files(path) may add e.g. a tokenizer;
+    token_ids: config.json's bos_token_id / eos_token_id (`hf_config`)."""
     from safetensors.numpy import save_file
 
     path = Path(path)
+    config = hf_config(cfg, token_ids)  # before anything is written
     path.mkdir(parents=True, exist_ok=True)
     tensors = to_hf_tensors(cfg, params)
     for stale in [*path.glob("model*.safetensors"), path / INDEX_FILE]:  # an earlier save's
         stale.unlink(missing_ok=True)
-    (path / CONFIG_FILE).write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
+    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     metadata = {"format": "pt"}  # transformers refuses safetensors files without it
     if max_shard_bytes is None:
         save_file(tensors, str(path / SINGLE_FILE), metadata=metadata)

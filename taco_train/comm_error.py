@@ -15,14 +15,17 @@ every other step runs the program it runs without measuring. After it, this modu
   trainer says so in one line naming those steps (`switch_line`), records it
   (`fallback_record`), rebuilds its steps with the sites' new codecs
   (`taco_jax.CommConfig.site_codecs`: every rank switches at the same step, one program) and
-  saves in each checkpoint's metadata both the fallbacks (`METADATA_KEY`: {call site: codec})
-  and the runs of measuring steps over the budget so far (`STREAKS_KEY`: {call site: [steps]}),
-  so a resumed run keeps them;
+  saves in each checkpoint the fallbacks (`METADATA_KEY`: {call site: codec}), the runs of
+  measuring steps over the budget so far (`STREAKS_KEY`: {call site: [steps]}) and the
+  compression settings that chose them (`checkpoint_metadata`), so a resumed run keeps both
+  while those settings hold (`resumed_fallbacks`, `resumed_streaks`);
 - at the end, a table per op (`table`) and `comm_error.png`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import re
 from typing import Any
@@ -145,7 +148,7 @@ def switch_line(step: int, new: dict[str, str], errors, budget: float, streaks) 
     """The one log line of the call sites that leave their codec after measuring step `step`,
     each with the measuring steps it was over the budget on (`streaks`)."""
     moves = ", ".join(
-        f"{site} ({_said(errors[site])}; over at steps {_steps(streaks[site])}) -> {codec}"
+        f"{site} ({_said(errors[site], budget)}; over at steps {_steps(streaks[site])}) -> {codec}"
         for site, codec in new.items()
     )
     return f"step {step}: over compression.error_budget={budget:g}: {moves}, from step {step + 1}"
@@ -155,10 +158,20 @@ def _steps(steps: list[int]) -> str:
     return ", ".join(str(s) for s in steps)
 
 
-def _said(error: telemetry.SiteError) -> str:
+def _said(error: telemetry.SiteError, budget: float) -> str:
     if error.codec_nonfinite:
         return f"{error.nonfinite} non-finite values"
-    return f"error {error.error:.4f}"
+    return f"error {_above(error.error, budget)}"
+
+
+def _above(value: float, budget: float) -> str:
+    """`value` with the fewest significant digits, 4 at least, that read above `budget`:
+    "0.0312", but "0.030004" where "0.03" would read as a budget of 0.03."""
+    for digits in range(4, 18):
+        text = f"{value:.{digits}g}"
+        if float(text) > budget:
+            return text
+    return repr(value)
 
 
 def fallback_record(step: int, new: dict[str, str], errors, streaks) -> dict[str, Any]:
@@ -294,36 +307,24 @@ def table(records: list[dict[str, Any]], budget: float | None = None) -> str | N
                 nonfinite[op_of(site)] = nonfinite.get(op_of(site), 0) + n
     ops = sorted({op_of(s) for s in by_site} | {op_of(s) for s in fell}, key=_op_key)
     budget_text = "" if budget is None else f"; budget {budget:g}"
-    header = f"  {'op':<24} {'largest':>8}  {'at':<24} {'mean':>8} {'non-finite':>10}  fell back"
     title = (
-        f"compression error per op over {len(steps)} measuring steps (steps {steps[0]}-"
-        f"{steps[-1]}; relative to the exact fp32 collective{budget_text}):"
+        f"compression error per op over {len(steps)} measuring steps ({steps[0]}-{steps[-1]}), "
+        f"relative to the exact fp32 collective{budget_text}:"
     )
-    rows = [title, header]
-    for op in ops:
-        values = [
-            (e, site, step)
-            for site, v in by_site.items()
-            if op_of(site) == op
-            for step, e in v.items()
-        ]
-        fallen = [
-            f"{_layer_or_site(site)} -> {codec} after {step}"
-            for site, (codec, step) in fell.items()
-            if op_of(site) == op
-        ]
-        if values:
-            worst, site, step = max(values, key=lambda v: _ordered(v[0]))
-            layer = layer_of(site)
-            where = f"step {step}" if layer is None else f"layer_{layer:02d}, step {step}"
-            mean = f"{np.mean([v[0] for v in values]):8.4f}"
-            largest = f"{worst:8.4f}"
-        else:
-            largest, where, mean = f"{'-':>8}", "-", f"{'-':>8}"
-        rows.append(
-            f"  {op:<24} {largest}  {where:<24} {mean} {nonfinite.get(op, 0):>10d}  "
-            f"{'; '.join(fallen) or '-'}"
-        )
+    cells = [
+        (op, *_largest_and_mean(by_site, op), nonfinite.get(op, 0), _fell_back(fell, op))
+        for op in ops
+    ]
+    op_width = max(len("op"), *(len(c[0]) for c in cells))
+    at_width = max(len("at"), *(len(c[2]) for c in cells))
+    rows = _wrapped(title)
+    rows.append(
+        f"  {'op':<{op_width}} {'largest':>8}  {'at':<{at_width}} {'mean':>8} "
+        f"{'non-finite':>10}  fell back"
+    )
+    for op, largest, where, mean, bad, fallen in cells:
+        row = f"  {op:<{op_width}} {largest:>8}  {where:<{at_width}} {mean:>8} {bad:>10d}  "
+        rows += _wrapped(row + fallen)
     shares = [
         (r["step"], r["tp_bytes_compressed"])
         for r in records
@@ -338,6 +339,127 @@ def table(records: list[dict[str, Any]], budget: float | None = None) -> str | N
     return "\n".join(rows)
 
 
-def _layer_or_site(site: str) -> str:
+def _largest_and_mean(by_site: dict[str, dict[int, float]], op: str) -> tuple[str, str, str]:
+    """The table's cells of `op`: its largest error, where and when, and its mean error."""
+    values = [
+        (e, site, step) for site, v in by_site.items() if op_of(site) == op for step, e in v.items()
+    ]
+    if not values:
+        return "-", "-", "-"
+    worst, site, step = max(values, key=lambda v: _ordered(v[0]))
     layer = layer_of(site)
-    return site if layer is None else f"layer_{layer:02d}"
+    where = f"step {step}" if layer is None else f"layer_{layer:02d}, step {step}"
+    return f"{worst:.4f}", where, f"{np.mean([v[0] for v in values]):.4f}"
+
+
+# The width of the table's rows: a longer one (many fallbacks of one op) goes on below.
+TABLE_WIDTH = 100
+
+
+def _fell_back(fell: dict[str, tuple[str, int]], op: str) -> str:
+    """The table's "fell back" cell of `op`: per (codec, step) its layers, as ranges
+    ("layers 0-6, 9 -> none after 4"), or "-"."""
+    groups: dict[tuple[str, int], list[int | None]] = {}
+    for site, (codec, step) in fell.items():
+        if op_of(site) == op:
+            groups.setdefault((codec, step), []).append(layer_of(site))
+    parts = []
+    for (codec, step), layers in sorted(groups.items(), key=lambda item: (item[0][1], item[0])):
+        where = _layers(layers)
+        parts.append(f"{where} -> {codec} after {step}" if where else f"{codec} after {step}")
+    return "; ".join(parts) or "-"
+
+
+def _layers(layers: list[int | None]) -> str:
+    """ "layer_03", "layers 0-6, 9"; "" for a site outside the blocks (its op's only one)."""
+    numbers = sorted(n for n in layers if n is not None)
+    if not numbers:
+        return ""
+    if len(numbers) == 1:
+        return f"layer_{numbers[0]:02d}"
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return "layers " + ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+
+
+def _wrapped(row: str) -> list[str]:
+    """`row` in lines of at most `TABLE_WIDTH` characters, those after the first indented."""
+    import textwrap
+
+    if len(row) <= TABLE_WIDTH:
+        return [row]
+    return textwrap.wrap(
+        row,
+        TABLE_WIDTH,
+        subsequent_indent=" " * 6,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The fallbacks across a resume: they hold for the settings that chose them.
+
+# In a checkpoint's metadata beside METADATA_KEY: the compression settings (`compression.*`, as
+# configured) under which the error budget chose those fallbacks.
+SETTINGS_KEY = "comm_fallbacks_settings"
+
+
+def checkpoint_metadata(
+    fallbacks: dict[str, str], compression, streaks: dict[str, list[int]] | None = None
+) -> dict[str, Any]:
+    """What a checkpoint records of the error budget: its fallbacks ({call site: codec}), the
+    measuring steps over the budget in a row ({call site: [steps]}) and the `CompressionConfig`
+    they were chosen under."""
+    return {
+        METADATA_KEY: dict(fallbacks),
+        STREAKS_KEY: dict(streaks or {}),
+        SETTINGS_KEY: _settings(compression),
+    }
+
+
+def _settings(compression) -> dict[str, Any]:
+    """`compression` as a checkpoint's metadata holds it (JSON values)."""
+    return json.loads(json.dumps(dataclasses.asdict(compression)))
+
+
+def resumed_fallbacks(
+    metadata: dict[str, Any], compression, reset: bool = False
+) -> tuple[dict[str, str], str | None]:
+    """The fallbacks a run resumed from a checkpoint with `metadata` takes up, and the start-up
+    line that says which and why (None where the checkpoint holds none). All of them while the
+    settings that chose them equal `compression`; none where any `compression.*` differs (the
+    run starts from its new settings: the budget, if any, measures them afresh), where the
+    checkpoint does not record those settings, or where `reset` (run.reset_fallbacks) asks."""
+    fallbacks = dict(metadata.get(METADATA_KEY) or {})
+    if not fallbacks:
+        return {}, None
+    moved = ", ".join(f"{site} -> {codec}" for site, codec in fallbacks.items())
+    saved, now = metadata.get(SETTINGS_KEY), _settings(compression)
+    if reset:
+        why = "run.reset_fallbacks=true"
+    elif saved is None:
+        why = "the checkpoint does not record the compression settings that chose them"
+    elif saved != now:
+        changed = [k for k in sorted(saved.keys() | now.keys()) if saved.get(k) != now.get(k)]
+        why = "; ".join(f"compression.{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in changed)
+    else:
+        kept = "kept from the checkpoint: the compression settings that chose them are unchanged"
+        return fallbacks, f"call sites off their codec (the error budget's, {kept}): {moved}"
+    return {}, (
+        f"the error budget's fallbacks saved with the checkpoint ({moved}) are dropped: {why}; "
+        "every call site starts from the configured codecs"
+    )
+
+
+def resumed_streaks(metadata: dict[str, Any], compression, reset: bool = False) -> dict:
+    """The runs of measuring steps over the budget a resumed run carries on counting: those
+    saved, while the settings that measured them equal `compression` (as `resumed_fallbacks`),
+    else none."""
+    if reset or metadata.get(SETTINGS_KEY) != _settings(compression):
+        return {}
+    return dict(metadata.get(STREAKS_KEY) or {})

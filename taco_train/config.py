@@ -289,6 +289,9 @@ class RunConfig:
       blocks the loop until each is written and verified.
     sample_tokens: at the end, print a sample of this many tokens from the final checkpoint
       (`taco_train.sample`); 0 prints none.
+    reset_fallbacks: on resume, drop the error budget's fallbacks saved with the checkpoint
+      even where the compression settings that chose them are unchanged (a changed
+      `compression.*` drops them anyway; `taco_train.comm_error.resumed_fallbacks`).
     """
 
     steps: int = 1000
@@ -310,6 +313,7 @@ class RunConfig:
     async_checkpoint: bool = True
     comm_error_every: int = 0
     sample_tokens: int = 0
+    reset_fallbacks: bool = False
 
     def __post_init__(self):
         for name in ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every"):
@@ -510,10 +514,21 @@ def _coerce(section: str, name: str, value: Any, hint: Any) -> Any:
     checkable = all(t in _SCALARS or typing.get_origin(t) is Literal for t in allowed)
     if not checkable:
         return value
-    raise ConfigError(f"{section}.{name}={value!r} does not match the field type {hint}")
+    raise ConfigError(f"{section}.{name}={value!r} does not match the field type {type_name(hint)}")
 
 
 _SCALARS = (int, float, str, bool, type(None))
+
+
+def type_name(hint: Any) -> str:
+    """A field type as a user writes it: "float", "int | None", "'bpe' | 'byte' | 'hf'"."""
+    if _is_union(hint):
+        return " | ".join(type_name(t) for t in typing.get_args(hint))
+    if typing.get_origin(hint) is Literal:
+        return " | ".join(repr(v) for v in typing.get_args(hint))
+    if hint is type(None):
+        return "None"
+    return getattr(hint, "__name__", str(hint))
 
 
 def _is_union(hint: Any) -> bool:
@@ -635,13 +650,31 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         except (tomllib.TOMLDecodeError, ConfigError) as error:
             raise ConfigError(f"{where}: {error}") from None
     from_file = {f"{s}.{k}" for s, values in tree.items() for k in values}
+    from_set: dict[str, str] = {}  # key: the override that sets it last
     for override in overrides:
         apply_override(tree, override)
-        from_file.discard(override.partition("=")[0].strip())
+        key = override.partition("=")[0].strip()
+        from_file.discard(key)
+        from_set[key] = override
     try:
         return build_config(tree)
     except ConfigError as error:
-        key = re.match(r"(\w+\.\w+)=", str(error))
-        if key is None or key.group(1) not in from_file:
-            raise
-        raise ConfigError(f"{where}: {error}") from None
+        raise _blamed(error, where, from_file, from_set) from None
+
+
+def _blamed(
+    error: ConfigError, where: str, from_file: set[str], from_set: dict[str, str]
+) -> ConfigError:
+    """`error` with where its values came from, where that is not plain: an error about a value
+    of the file (its first key) starts with the file, and one that a --set made by meeting the
+    file's values (it names keys of both) says so; an error about --set values alone stays as
+    it is."""
+    first = re.match(r"(\w+\.\w+)=", str(error))
+    if first is None or first.group(1) not in from_file:
+        return error
+    named = {f"{s}.{k}" for s, k in re.findall(r"\b(\w+)\.(\w+)\b", str(error)) if s in SECTIONS}
+    conflicting = [from_set[key] for key in sorted(named) if key in from_set]
+    if conflicting:
+        sets = " ".join(f"--set {override}" for override in conflicting)
+        return ConfigError(f"{sets} conflicts with {where}: {error}")
+    return ConfigError(f"{where}: {error}")

@@ -1,16 +1,20 @@
-"""The bundled training script: `python -m taco_train [--config FILE] [--set k=v ...]`.
+"""The bundled training script: `python -m taco_train [--config FILE|NAME] [--set k=v ...]`.
 
 Parses the configuration and calls `taco_train.trainer.train_and_evaluate`; see docs/training.md.
+`--config` takes a TOML file, or the name of a config bundled with the trainer (the repository's
+configs/, installed as the package data `taco_train.configs`), found wherever the trainer is
+installed and run from.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 from collections.abc import Sequence
 
-DEFAULT_CONFIG = "configs/default.toml"
+DEFAULT_CONFIG = "default"  # the bundled configs/default.toml
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -18,7 +22,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--config",
         default=None,
-        help=f"TOML file of overrides (default: {DEFAULT_CONFIG} if it exists, else built-ins)",
+        help="TOML file of overrides, or the name of a bundled one: "
+        f"{', '.join(bundled_configs())} (default: the bundled {DEFAULT_CONFIG})",
     )
     parser.add_argument(
         "--set",
@@ -79,17 +84,52 @@ def _main(args: argparse.Namespace) -> None:
         raise SystemExit(128 + signal.SIGINT) from None
 
 
+def bundled_configs() -> list[str]:
+    """The names of the configs bundled with the trainer (`taco_train.configs`)."""
+    from importlib import resources
+
+    files = resources.files("taco_train.configs").iterdir()
+    return sorted(f.name.removesuffix(".toml") for f in files if f.name.endswith(".toml"))
+
+
+def config_file(name: str):
+    """The TOML file `--config name` means: `name` where it is a file (a path, as given), else
+    the bundled config of that name (`tiny` or `tiny.toml`: `taco_train.configs/tiny.toml`);
+    ConfigError naming the bundled ones where it is neither."""
+    import os
+    from importlib import resources
+    from pathlib import Path
+
+    from taco_train.config import ConfigError
+
+    if os.path.isfile(name):
+        return Path(name)
+    if os.sep in name:
+        raise ConfigError(f"config file {name!r} does not exist")
+    bundled = bundled_configs()
+    stem = name.removesuffix(".toml")
+    if stem in bundled:
+        return resources.files("taco_train.configs") / f"{stem}.toml"
+    raise ConfigError(
+        f"--config {name!r}: no such file, and no bundled config of that name (bundled: "
+        f"{', '.join(bundled)})"
+    )
+
+
 def _run(args: argparse.Namespace) -> None:
     import json
-    import os
+    from importlib import resources
 
     from taco_train.config import load_config
 
-    path = args.config or (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
-    cfg = load_config(path, args.overrides)
+    with resources.as_file(config_file(args.config or DEFAULT_CONFIG)) as path:
+        cfg = load_config(path, args.overrides)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=1, default=str))
         return
-    from taco_train.trainer import train_and_evaluate
+    from taco_train.native_output import without_gloo_connected_lines
+    from taco_train.trainer import spans_processes, train_and_evaluate
 
-    train_and_evaluate(cfg)
+    several = spans_processes(cfg.run.distributed)  # on the CPU, Gloo connects the processes
+    with without_gloo_connected_lines() if several else contextlib.nullcontext():
+        train_and_evaluate(cfg)

@@ -11,20 +11,21 @@ its continuation; an empty prompt starts after an end-of-text token (a new docum
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 
 def load(source: str | Path):
-    """(ModelConfig, fp32 parameters, `tokenizers.Tokenizer`, end-of-text id or None) of a
-    run directory or a Hugging Face directory."""
+    """(ModelConfig, fp32 parameters, `tokenizers.Tokenizer`, end-of-text ids) of a run
+    directory or a Hugging Face directory. The ids end a text (any of them) and the first starts
+    an empty prompt: a run's are those its export writes (`taco_train.export.run_tokenizer`),
+    so that the run directory and its export continue a prompt alike."""
     from tokenizers import Tokenizer
 
     from taco_models import hf
     from taco_train.config import ConfigError
-    from taco_train.export import end_of_text_id, restore_params
+    from taco_train.export import restore_params, run_tokenizer
 
     source = Path(source)
     tokenizer_file = source / "tokenizer.json"
@@ -36,10 +37,12 @@ def load(source: str | Path):
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     if (source / "checkpoints").is_dir():  # a run directory
         cfg, params, _ = restore_params(source)
-        return cfg.model, params, tokenizer, end_of_text_id(tokenizer, cfg.data.tokenizer)
+        return cfg.model, params, tokenizer, run_tokenizer(source, cfg).eos_ids
     try:
         model, params = hf.load(source)
     except hf.CheckpointError as error:
+        if (source / hf.CONFIG_FILE).is_file():  # a Hugging Face directory, damaged
+            raise ConfigError(str(error)) from None
         raise ConfigError(
             f"{source} is neither a run directory (no checkpoints/) nor a Hugging "
             f"Face directory: {error}"
@@ -47,35 +50,39 @@ def load(source: str | Path):
     return model, params, tokenizer, _hf_end_of_text(source, tokenizer)
 
 
-def _hf_end_of_text(directory: Path, tokenizer) -> int | None:
-    """generation_config.json's eos_token_id (the first of a list), else "<|endoftext|>"."""
+def _hf_end_of_text(directory: Path, tokenizer) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (else config.json's), else "<|endoftext|>"'s id,
+    else none."""
     from taco_train.data import EOT
+    from taco_train.export import generation_ids
 
-    generation = directory / "generation_config.json"
-    eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
-    eos = eos[0] if isinstance(eos, list) and eos else eos
-    return eos if isinstance(eos, int) else tokenizer.token_to_id(EOT)
+    eos = generation_ids(directory).get("eos")
+    if eos and all(isinstance(i, int) for i in eos):
+        return tuple(eos)
+    eot = tokenizer.token_to_id(EOT)
+    return () if eot is None else (eot,)
 
 
 def complete(
-    model, params, tokenizer, eot: int | None, prompt: str, max_new_tokens: int, **sampling
+    model, params, tokenizer, eos: Sequence[int], prompt: str, max_new_tokens: int, **sampling
 ) -> str:
-    """The continuation of `prompt` (text, up to the end-of-text token), decoded by
-    `taco_models.generate.generate` with `sampling` (temperature, top_k, seed, dtype)."""
+    """The continuation of `prompt` (text, up to the first of the end-of-text ids `eos`),
+    decoded by `taco_models.generate.generate` with `sampling` (temperature, top_k, seed,
+    dtype); an empty prompt starts after `eos[0]`."""
     import numpy as np
 
     from taco_models.generate import generate
 
     ids = tokenizer.encode(prompt).ids
     if not ids:
-        if eot is None:
+        if not eos:
             raise ValueError(
                 "the prompt is empty and the tokenizer has no end-of-text token to "
                 "start from: give --prompt"
             )
-        ids = [eot]
+        ids = [eos[0]]
     new = np.asarray(generate(model, params, np.asarray([ids]), max_new_tokens, **sampling))[0]
-    ends = np.flatnonzero(new == eot) if eot is not None else []
+    ends = np.flatnonzero(np.isin(new, list(eos)))
     return tokenizer.decode(new[: ends[0]].tolist() if len(ends) else new.tolist())
 
 
@@ -97,12 +104,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     from taco_train.config import ConfigError
 
     try:
-        model, params, tokenizer, eot = load(args.source)
+        model, params, tokenizer, eos = load(args.source)
         text = complete(
             model,
             params,
             tokenizer,
-            eot,
+            eos,
             args.prompt,
             args.max_new_tokens,
             temperature=args.temperature,

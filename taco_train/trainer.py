@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 from datetime import UTC, datetime
@@ -51,7 +52,7 @@ def maybe_initialize_distributed(mode: str) -> None:
     `JAX_PROCESS_ID` from the environment; "on": let JAX auto-detect the cluster (SLURM, Open MPI,
     ...); "off": never.
     """
-    if mode == "off" or (mode == "auto" and "JAX_COORDINATOR_ADDRESS" not in os.environ):
+    if not spans_processes(mode):
         return
     if mode == "auto":
         jax.distributed.initialize(
@@ -61,6 +62,11 @@ def maybe_initialize_distributed(mode: str) -> None:
         )
     else:
         jax.distributed.initialize()
+
+
+def spans_processes(mode: str) -> bool:
+    """Whether `run.distributed=mode` makes the run one of several processes."""
+    return mode == "on" or (mode == "auto" and "JAX_COORDINATOR_ADDRESS" in os.environ)
 
 
 def _say(message: str) -> None:
@@ -266,7 +272,8 @@ def build_steps(
 
 def _init_or_restore(run: _Run, ckpt: Checkpointer):
     """The newest good checkpoint's state and step, or a fresh state at step 0; a restored
-    run takes up the error budget's fallbacks saved with its checkpoint."""
+    run takes up the error budget's fallbacks saved with its checkpoint while the compression
+    settings that chose them hold (`comm_error.resumed_fallbacks`)."""
     key = jax.random.key(run.cfg.run.seed)
     if not run.cfg.run.resume or not from_process_0(ckpt.steps()):
         return _fresh_state(run, key), 0
@@ -280,12 +287,14 @@ def _init_or_restore(run: _Run, ckpt: Checkpointer):
         )
     state, step = restored
     _say(f"resuming from {ckpt.directory} at step {step}")
-    fallbacks = ckpt.metadata(step).get(comm_error.METADATA_KEY, {})
-    run.over_budget = ckpt.metadata(step).get(comm_error.STREAKS_KEY, {})
+    cfg = run.cfg
+    saved = ckpt.metadata(step)
+    fallbacks, said = comm_error.resumed_fallbacks(saved, cfg.compression, cfg.run.reset_fallbacks)
+    run.over_budget = comm_error.resumed_streaks(saved, cfg.compression, cfg.run.reset_fallbacks)
+    if said:
+        _say(said)
     if fallbacks:
         run.build(fallbacks)
-        moved = ", ".join(f"{site} -> {codec}" for site, codec in fallbacks.items())
-        _say(f"call sites off their codec (the error budget's, kept from the checkpoint): {moved}")
     return state, step
 
 
@@ -312,9 +321,11 @@ def _flat(tree: dict[str, Any]) -> dict[str, Any]:
 def check_resumable(cfg: TrainConfig, out: Path) -> dict[str, tuple[Any, Any]]:
     """Refuses, before anything is overwritten, to resume a run directory whose saved config
     differs from `cfg` in `RESUME_KEYS`; the message names the keys and the ways out. Returns
-    the changes of `RECORDED_KEYS` as {key: (old, new)}, which `record_changes` reports."""
+    the changes of `RECORDED_KEYS` as {key: (old, new)}, which `record_changes` reports. A
+    directory without a checkpoint holds nothing to resume (a start that failed before its
+    first one): its config.json is simply replaced."""
     saved_path = out / "config.json"
-    if not cfg.run.resume or not saved_path.exists():
+    if not cfg.run.resume or not saved_path.exists() or not holds_checkpoints(out):
         return {}
     old, new = _flat(json.loads(saved_path.read_text())), _flat(_config_json(cfg))
     changed = [k for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
@@ -334,6 +345,12 @@ def check_resumable(cfg: TrainConfig, out: Path) -> dict[str, tuple[Any, Any]]:
             "run.out_dir, or set run.resume=false to start over in this one"
         )
     return {k: (old.get(k), new.get(k)) for k in changed if k.startswith(RECORDED_KEYS)}
+
+
+def holds_checkpoints(out: Path) -> bool:
+    """Whether `out/checkpoints` holds a step directory, good or not (what a resume reads)."""
+    checkpoints = out / "checkpoints"
+    return checkpoints.is_dir() and any(p.name[:1].isdigit() for p in checkpoints.iterdir())
 
 
 def record_changes(changes: dict[str, tuple[Any, Any]], step: int, out: Path) -> None:
@@ -392,6 +409,26 @@ def archive_previous_run(out: Path) -> Path | None:
     for path in present:
         path.rename(target / path.name)
     return target
+
+
+# What orbax names a step directory while it writes it (`<step>.orbax-checkpoint-tmp...`).
+UNFINISHED_SAVE = "*.orbax-checkpoint-tmp*"
+
+
+def remove_unfinished_saves(checkpoints: Path) -> None:
+    """Removes the step directories a save left unfinished (the process ended while orbax wrote
+    them: never a checkpoint), saying so in one line each; orbax would otherwise warn about
+    each when it saves that step again."""
+    if jax.process_index() == 0 and checkpoints.is_dir():
+        for path in sorted(checkpoints.glob(UNFINISHED_SAVE)):
+            shutil.rmtree(path)
+            step = path.name.partition(".")[0]
+            _say(
+                f"removed {path}: the save of step {step} that the earlier run did not finish "
+                "(it ended while writing it)"
+            )
+    if jax.process_count() > 1:  # nobody saves before it is gone
+        multihost_utils.sync_global_devices("unfinished saves removed")
 
 
 def _start_over(cfg: TrainConfig, out: Path) -> None:
@@ -471,6 +508,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
     if lead:
         _write_config(cfg, run.out)
         run.dataset.tokenizer.save(run.out / TOKENIZER_FILE)  # the export's and sample's
+    remove_unfinished_saves(run.out / "checkpoints")
     ckpt = Checkpointer(run.out / "checkpoints", cfg.run.keep_checkpoints, cfg.run.async_checkpoint)
     state, start = _init_or_restore(run, ckpt)
     record_changes(changes, start, run.out)
@@ -538,7 +576,7 @@ def _print_sample(cfg: TrainConfig, out: Path) -> None:
     --temperature 0.8 --top-k 40 --seed SEED` prints."""
     from taco_train import sample
 
-    model, params, tokenizer, eot = sample.load(out)
+    model, params, tokenizer, eos = sample.load(out)
     budget = cfg.run.sample_tokens
     if model.arch == "gpt":  # the learned positions hold the start token and seq_len - 1 more
         budget = min(budget, model.seq_len - 1)
@@ -547,7 +585,7 @@ def _print_sample(cfg: TrainConfig, out: Path) -> None:
         model,
         params,
         tokenizer,
-        eot,
+        eos,
         "",
         budget,
         seed=cfg.run.seed,
@@ -693,8 +731,11 @@ def _save(run: _Run, ckpt: Checkpointer, step: int, state, writer) -> None:
     if not bool(run.steps.is_finite(state)):  # never a checkpoint to resume into NaN
         raise Diverged(f"the train state is not finite at step {step}; not saved")
     checked = time.perf_counter()
-    budget = {comm_error.METADATA_KEY: run.fallbacks, comm_error.STREAKS_KEY: run.over_budget}
-    ckpt.save(step, state, budget)
+    ckpt.save(
+        step,
+        state,
+        comm_error.checkpoint_metadata(run.fallbacks, run.cfg.compression, run.over_budget),
+    )
     blocked = time.perf_counter() - started
     writer.write(
         {
@@ -767,7 +808,8 @@ def _after_measuring(run: _Run, step: int, writer, bar) -> bool:
     run.over_budget = {site: steps for site, steps in streaks.items() if site not in new}
     if not new:
         return False
-    _say(comm_error.switch_line(step, new, errors, budget, streaks))
+    if jax.process_index() == 0:  # with the measuring steps' lines, not across the bar
+        bar.write(comm_error.switch_line(step, new, errors, budget, streaks))
     writer.write(comm_error.fallback_record(step, new, errors, streaks))
     run.build({**run.fallbacks, **new})
     return True

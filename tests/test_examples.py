@@ -27,6 +27,14 @@ def _load(name: str):
     return sys.modules[module_name]
 
 
+def test_gspmd_gpt_help_explains_every_option(capsys):
+    """Each of the example's seven options has a help text (which then shows its default)."""
+    with pytest.raises(SystemExit) as info:
+        _load("gspmd_gpt").main(["--help"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.count("(default: ") == 7
+
+
 @pytest.mark.slow
 def test_gspmd_gpt_smoke():
     losses = _load("gspmd_gpt").main(["--steps", "2", "--layers", "1"])

@@ -186,6 +186,7 @@ def test_stochastic_stage_codec_is_reproducible_from_its_key():
     first = _run(GPT, 1, 2, 2, 2, codec="tahquant", key=KEY)
     again = _run(GPT, 1, 2, 2, 2, codec="tahquant", key=KEY)
     other = _run(GPT, 1, 2, 2, 2, codec="tahquant", key=jax.random.key(4))
+    # The same program run twice on the same inputs (and key): deterministic, bit for bit.
     np.testing.assert_array_equal(_flat(first), _flat(again))
     assert not np.array_equal(_flat(first), _flat(other))
 
@@ -214,14 +215,17 @@ EPS_SHARED_SUM = MARGIN * EPS_SEND["taco"] * math.sqrt(2)
 @pytest.mark.parametrize("cfg", [GPT, QWEN], ids=["tied", "untied"])
 def test_compressed_shared_gradient_sum(cfg):
     """`shared_grads` compresses only the sum over stages of the pp-replicated parameters'
-    gradients: the blocks' gradients stay bit for bit those of the exact pipeline, the others
-    move by one compressed all-reduce's error (and do move)."""
+    gradients: the loss and the blocks' gradients stay those of the exact pipeline (another
+    program, so within `exact_tolerance`'s reassociation, not bit for bit), the others move
+    by one compressed all-reduce's error (and do move)."""
     exact_loss, exact = _run(cfg, 1, 2, 2, 2)
     loss, grads = _run(cfg, 1, 2, 2, 2, shared_grads="taco")
-    assert float(loss) == float(exact_loss)  # the forward does not see the gradient sum
+    tol = exact_tolerance(cfg)
+    assert abs(float(loss) - float(exact_loss)) <= tol * abs(float(exact_loss))
     for name in grads:
         if name == "blocks":
-            np.testing.assert_array_equal(_flat(grads[name]), _flat(exact[name]))
+            a, b = _flat(grads[name]), _flat(exact[name])
+            assert np.linalg.norm(a - b) <= tol * np.linalg.norm(b)
             continue
         a, b = _flat(grads[name]), _flat(exact[name])
         err = np.linalg.norm(a - b) / np.linalg.norm(b)
@@ -232,7 +236,7 @@ def test_compressed_shared_gradient_sum(cfg):
                 replicas.setdefault(str(shard.index), []).append(np.asarray(shard.data))
             for copies in replicas.values():
                 assert len(copies) >= 2  # one per stage
-                for other in copies[1:]:
+                for other in copies[1:]:  # one program decoding the same bytes on each stage
                     np.testing.assert_array_equal(other, copies[0])
 
 
@@ -244,7 +248,9 @@ def test_loss_only_equals_the_loss_of_loss_and_grads():
     params, tokens = init_params(GPT, jax.random.key(0)), _tokens(GPT)
     loss = jax.jit(make_pipeline_loss(GPT, parallel, comm))(params, tokens)
     with_grads = jax.jit(make_pipeline_loss_and_grads(GPT, parallel, comm))(params, tokens)[0]
-    np.testing.assert_array_equal(loss, with_grads)
+    # Two programs computing one forward: equal within the reassociation `exact_tolerance`
+    # allows (bit for bit where XLA happens to order both alike).
+    assert abs(float(loss) - float(with_grads)) <= exact_tolerance(GPT) * abs(float(with_grads))
 
 
 def test_stages_are_a_free_reshape_of_the_full_layout():
@@ -335,6 +341,7 @@ def test_one_f_one_b_stochastic_sends_are_reproducible_from_their_key():
     first = _run(GPT, 1, 2, 2, 4, codec="tahquant", key=KEY, schedule="1f1b")
     again = _run(GPT, 1, 2, 2, 4, codec="tahquant", key=KEY, schedule="1f1b")
     other = _run(GPT, 1, 2, 2, 4, codec="tahquant", key=jax.random.key(4), schedule="1f1b")
+    # The same program run twice on the same inputs (and key): deterministic, bit for bit.
     np.testing.assert_array_equal(_flat(first), _flat(again))
     assert not np.array_equal(_flat(first), _flat(other))
 

@@ -1,10 +1,11 @@
 """`compressed_ppermute` on 8 fake CPU devices (shard_map) and under vmap emulation.
 
-What it must equal, exactly: on every destination, the receiver's decode of what the source
-encoded: for a stage codec `tahquant.roundtrip(codec, x_source, fold_in(key, source))` (the
-source folds in its index), for a TP codec `codecs.roundtrip`; zeros on ranks that receive
-nothing; `codec="none"` is `lax.ppermute` bit for bit. The codecs' own error bounds are tested in
-test_tahquant.py and test_codecs.py.
+What it must equal: on every destination, the receiver's decode of what the source encoded:
+for a stage codec `tahquant.roundtrip(codec, x_source, fold_in(key, source))` (the source folds
+in its index), for a TP codec `codecs.roundtrip`, each compiled here as a program of its own
+(`assert_decoded` says how near: two programs need not round alike); zeros on ranks that receive
+nothing; `codec="none"` is `lax.ppermute` bit for bit (it calls it: pure data movement). The
+codecs' own error bounds are tested in test_tahquant.py and test_codecs.py.
 """
 
 import jax
@@ -49,6 +50,35 @@ def _expected(codec_name, x, perm, key=KEY):
     return out.reshape(x.shape)
 
 
+# Rounding ties: how many groups of one message may land on another code in the replay.
+MAX_TIES = 2
+
+
+def assert_decoded(out, want, group_size: int) -> None:
+    """`out` is the decode of the message `want` decodes, compiled in another program: the same
+    operations on the same values, but XLA may order a transform's sums or contract a multiply
+    and an add into an FMA differently, so a value may differ by a few fp32 roundings of its
+    group's magnitude (8 ulps of the group's largest value: the scale's division and the
+    transform's log2(G) <= 7 butterfly levels, one rounding each). Where that moves a value
+    across a rounding boundary of the code grid, the group's decode moves by one code step:
+    at most 2/15 of the group's largest value (int4's grid, the coarsest; E4M3's is 2^-3
+    relative), spread over the group by a Hadamard (each entry of which is <= 1). So: every
+    group within 8 ulps, but at most MAX_TIES groups a quarter of their largest value away. A
+    misrouted or re-encoded message moves every group by O(1). Measured: bit for bit, every
+    codec, both modes (jax 0.11.2, CPU)."""
+    out, want = np.asarray(out, np.float32).reshape(-1), np.asarray(want, np.float32).reshape(-1)
+    pad = -out.size % group_size
+    diff = np.abs(np.pad(out - want, (0, pad))).reshape(-1, group_size).max(axis=1)
+    largest = np.abs(np.pad(want, (0, pad))).reshape(-1, group_size).max(axis=1)
+    fp32_level = diff <= 8 * 2.0**-24 * largest
+    assert int(np.sum(~fp32_level)) <= MAX_TIES, diff[~fp32_level]
+    assert bool(np.all(diff <= (0.25 + 8 * 2.0**-24) * largest))
+
+
+def _group_size(name: str) -> int:
+    return tj.ppermute.resolve_codec(name).group_size if name != "none" else 1
+
+
 # Every codec over the cycle; over the chain (a partial permutation) one codec per kind:
 # none, a fixed-bit stage codec, the adaptive one, a TP codec.
 def _receiver_case(name, perm):
@@ -75,7 +105,12 @@ def test_receivers_hold_the_decoded_message(mode, perm, name):
     x = _ranks(4, (3, 100), seed=1)  # 300 elements: not a multiple of any group size
     fn = lambda v: tj.compressed_ppermute(v, "pp", perm, codec=name, key=KEY)  # noqa: E731
     out = run_tp(fn, x, tp=4, mode=mode, axis_name="pp")
-    np.testing.assert_array_equal(out, _expected(name, x, perm))
+    want = _expected(name, x, perm)
+    if name == "none":  # lax.ppermute itself: data movement, exact
+        np.testing.assert_array_equal(out, want)
+    else:
+        for rank in range(4):  # each rank's message, in groups of the codec's size
+            assert_decoded(out[rank], want[rank], _group_size(name))
 
 
 @pytest.mark.slow
@@ -106,6 +141,7 @@ def test_none_equals_lax_ppermute_with_gradients(mode):
         return jax.grad(ours)(v), jax.grad(theirs)(v)
 
     ours, theirs = run_tp(both, x, tp=4, mode=mode, axis_name="pp")
+    # codec "none" calls lax.ppermute: one program, the same operations on the same values.
     np.testing.assert_array_equal(ours, theirs)
 
 
@@ -125,8 +161,9 @@ def test_gradient_is_the_compressed_inverse_send(mode):
     out = run_tp(grad, (x, c), tp=4, mode=mode, axis_name="pp")
     inverse = [(d, s) for s, d in CHAIN4]
     want = _expected("tahquant_sym", c, inverse, key=jax.random.fold_in(KEY, 1))
-    np.testing.assert_array_equal(out, want)
-    np.testing.assert_array_equal(out[3], 0.0)
+    for rank in range(4):
+        assert_decoded(out[rank], want[rank], _group_size("tahquant_sym"))
+    np.testing.assert_array_equal(out[3], 0.0)  # nothing sent: zeros, exactly
 
 
 def test_under_jit_scan_and_remat():

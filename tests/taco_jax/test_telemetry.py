@@ -152,7 +152,10 @@ def test_sites_are_named_by_layer_under_jit_scan_remat_vmap_and_shard_map(mode):
 
 def test_site_codecs_move_one_layer_off_its_codec_under_scan():
     """`site_codecs` names a layer of a scanned site: that layer runs its codec (here none: the
-    lax collective itself, reporting only its bytes), the others keep theirs, bit for bit."""
+    lax collective itself, reporting only its bytes), the others keep theirs. The programs with
+    and without the move are two programs, which need not round alike: the moved layer equals
+    lax.psum within the reassociation of its N-term sum, the others stay within the two-shot
+    bound of the exact sum (and off it: still compressed), as they were before the move."""
     xs = _ranks((3, 64, 256), seed=5)
 
     def layers(comm, xs):
@@ -167,9 +170,18 @@ def test_site_codecs_move_one_layer_off_its_codec_under_scan():
     after = run_tp(functools.partial(layers, moved), xs, tp=TP, mode="vmap")
     reported = telemetry.drain()
     exact = run_tp(lambda v: lax.psum(v, "tp"), xs, tp=TP, mode="vmap")
-    np.testing.assert_array_equal(after[:, 1], exact[:, 1])
+    # Two orders of an N-term fp32 sum differ by <= 2 (N - 1) 2^-24 sum_r |x_r| per value.
+    magnitude = np.sum(np.abs(np.asarray(xs)), axis=0)
+    level = 2 * (TP - 1) * 2.0**-24 * magnitude[1]
+    assert bool(np.all(np.abs(np.asarray(after[:, 1]) - np.asarray(exact[:, 1])) <= level))
+    u = 2.0**-4  # two-shot E4M3 (test_collectives.py): u (1 + u) sum_r ||x_r|| + u ||sum||
     for i in (0, 2):
-        np.testing.assert_array_equal(after[:, i], before[:, i])
+        layer = np.asarray(xs[:, i], np.float64)
+        bound = u * (1 + u) * sum(map(np.linalg.norm, layer)) + u * np.linalg.norm(layer.sum(0))
+        for program in (before, after):
+            for rank in range(TP):
+                error = np.linalg.norm(np.asarray(program[rank, i], np.float64) - layer.sum(0))
+                assert 0 < error <= 1.01 * bound, (i, rank, error, bound)
         assert reported[f"layer_{i:02d}/out/fwd"].error > 0
     assert reported["layer_01/out/fwd"].error is None
     assert reported["layer_01/out/fwd"].compressed_bytes == 0

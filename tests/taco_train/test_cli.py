@@ -8,7 +8,7 @@ import pytest
 from train_testing import REPO, TINY, subprocess_env
 
 from taco_train.config import load_config
-from taco_train.main import main
+from taco_train.main import bundled_configs, main
 
 NOWHERE = "data.corpus='/nonexistent/corpus'"  # reached only if a check came too late
 
@@ -107,6 +107,28 @@ def test_missing_config_file_is_one_line(capsys, tmp_path):
     )
 
 
+def test_a_bundled_config_is_found_by_name_from_any_directory(tmp_path, monkeypatch, capsys):
+    """`--config tiny` (or tiny.toml) is the bundled configs/tiny.toml where no such file is in
+    the working directory, and a file of that name there wins; a name that is neither is one
+    line listing the bundled ones."""
+    monkeypatch.chdir(tmp_path)
+    bundled = json.loads(json.dumps(load_config(TINY).to_dict()))
+    for name in ("tiny", "tiny.toml"):
+        main(["--config", name, "--print-config"])
+        assert json.loads(capsys.readouterr().out) == bundled
+    (tmp_path / "tiny").write_text("[run]\nsteps = 7\n")  # a path still means the file
+    main(["--config", "tiny", "--print-config"])
+    assert json.loads(capsys.readouterr().out)["run"]["steps"] == 7
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", "tinny"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "taco-train: error: --config 'tinny': no such file, and no bundled config of that name "
+        f"(bundled: {', '.join(bundled_configs())})\n"
+    )
+    assert "tiny" in bundled_configs() and "default" in bundled_configs()
+
+
 @pytest.mark.parametrize(
     "change, named",
     [
@@ -124,7 +146,8 @@ def test_resuming_with_another_model_data_or_seed_is_refused_before_anything_cha
     line naming the key, and the run directory is left as it was."""
     run = ["--config", TINY, "--set", f"run.out_dir={str(tmp_path)!r}", "--set", NOWHERE]
     earlier = json.dumps(load_config(TINY, [f"run.out_dir={str(tmp_path)!r}", NOWHERE]).to_dict())
-    (tmp_path / "config.json").write_text(earlier)  # what an earlier run left
+    (tmp_path / "config.json").write_text(earlier)  # what an earlier run left: its config
+    (tmp_path / "checkpoints" / "6").mkdir(parents=True)  # and a checkpoint to resume
     with pytest.raises(SystemExit):
         main([*run, "--set", change, "--set", "run.steps=9", "--set", "optimizer.lr=0.01"])
     err = capsys.readouterr().err

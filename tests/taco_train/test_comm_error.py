@@ -90,7 +90,7 @@ def test_a_site_falls_back_only_after_k_measuring_steps_in_a_row_over_the_budget
     assert new == {"mlp_out/fwd": "none"}
     line = comm_error.switch_line(40, new, over, 0.02, streaks)
     assert line == (
-        "step 40: over compression.error_budget=0.02: mlp_out/fwd (error 0.0500; over at steps "
+        "step 40: over compression.error_budget=0.02: mlp_out/fwd (error 0.05; over at steps "
         "30, 40) -> none, from step 41"
     )
     record = comm_error.fallback_record(40, new, over, streaks)
@@ -118,6 +118,75 @@ def test_the_record_line_and_table_of_measuring_steps():
         rows["mlp_out/fwd"],
     )
     assert comm_error.table([], budget=0.02) is None and comm_error.figure([]) is None
+
+
+def test_the_switch_line_reads_above_the_budget_and_the_table_stays_narrow():
+    """An error just over the budget shows the digits that put it over (0.0300 would read as
+    0.03); fourteen layers falling back make one short cell of layer ranges, and no row of
+    the table is wider than TABLE_WIDTH."""
+    errors = {f"layer_{i:02d}/mlp_out/fwd": _error(0.030004) for i in range(16)}
+    streaks = {site: [2, 4] for site in errors} | {"head_in/bwd": [6, 8]}
+    line = comm_error.switch_line(4, {"layer_03/mlp_out/fwd": "none"}, errors, 0.03, streaks)
+    assert line == (
+        "step 4: over compression.error_budget=0.03: layer_03/mlp_out/fwd (error 0.030004; "
+        "over at steps 2, 4) -> none, from step 5"
+    )
+    first = {f"layer_{i:02d}/mlp_out/fwd": "int8_hadamard" for i in range(14)}
+    again = {f"layer_{i:02d}/mlp_out/fwd": "none" for i in (3, 5, 6, 9)}
+    head = {"head_in/bwd": _error(0.5)}
+    records = [
+        comm_error.record(4, errors),
+        comm_error.fallback_record(4, first, errors, streaks),
+        comm_error.fallback_record(8, again, errors, streaks),
+        comm_error.fallback_record(8, {"head_in/bwd": "none"}, head, streaks),
+    ]
+    table = comm_error.table(records, budget=0.03)
+    unwrapped = table.replace("\n      ", " ")
+    assert "layers 0-2, 4, 7-8, 10-13 -> int8_hadamard after 4; layers 3, 5-6, 9" in unwrapped
+    assert unwrapped.splitlines()[-2].endswith("0  none after 8")  # head_in/bwd: no layer
+    assert max(len(row) for row in table.splitlines()) <= comm_error.TABLE_WIDTH
+
+
+def test_fallbacks_hold_for_the_settings_that_chose_them():
+    """A resume keeps the saved fallbacks while the compression settings equal those saved with
+    them; a changed key, a checkpoint without settings, or run.reset_fallbacks drops them all,
+    and the line says which and why."""
+    from taco_train.config import CompressionConfig
+
+    int8 = CompressionConfig(fwd="int8", error_budget=0.02)
+    saved = comm_error.checkpoint_metadata({OUTLIER_SITE: "none"}, int8)
+    kept, line = comm_error.resumed_fallbacks(saved, int8)
+    assert kept == {OUTLIER_SITE: "none"}
+    assert line.endswith(
+        f"the compression settings that chose them are unchanged): {OUTLIER_SITE} -> none"
+    )
+    dropped = (
+        f"the error budget's fallbacks saved with the checkpoint ({OUTLIER_SITE} -> none) are "
+        "dropped: "
+    )
+    for now, why in (
+        (CompressionConfig(fwd="none", error_budget=0.02), "compression.fwd 'int8' -> 'none'"),
+        (CompressionConfig(fwd="int8", error_budget=0.05), "compression.error_budget 0.02 -> 0.05"),
+        (CompressionConfig(fwd="int8"), "compression.error_budget 0.02 -> None"),
+    ):
+        assert comm_error.resumed_fallbacks(saved, now) == (
+            {},
+            f"{dropped}{why}; every call site starts from the configured codecs",
+        )
+    fallbacks, line = comm_error.resumed_fallbacks(saved, int8, reset=True)
+    assert fallbacks == {} and line.startswith(dropped + "run.reset_fallbacks=true;")
+    unrecorded = {comm_error.METADATA_KEY: {OUTLIER_SITE: "none"}}
+    fallbacks, line = comm_error.resumed_fallbacks(unrecorded, int8)
+    assert fallbacks == {} and "does not record the compression settings" in line
+    assert comm_error.resumed_fallbacks(comm_error.checkpoint_metadata({}, int8), int8) == (
+        {},
+        None,
+    )
+    # The measuring steps over the budget so far count on under the same settings only.
+    streaky = comm_error.checkpoint_metadata({}, int8, {OUTLIER_SITE: [2]})
+    assert comm_error.resumed_streaks(streaky, int8) == {OUTLIER_SITE: [2]}
+    assert comm_error.resumed_streaks(streaky, CompressionConfig(fwd="none")) == {}
+    assert comm_error.resumed_streaks(streaky, int8, reset=True) == {}
 
 
 # The tiny GPT with outlier features: two of its 64 residual channels written 30x larger by
@@ -182,7 +251,8 @@ def test_the_outlier_layer_falls_back_alone_and_a_resumed_run_keeps_it(tmp_path,
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     capsys.readouterr()
     _run(config, full, cache, *overrides)
-    err = capsys.readouterr().err
+    printed = capsys.readouterr()
+    err = printed.err
     records = metrics.read_jsonl(full / "metrics.jsonl")
     comm = [r for r in records if r["kind"] == "comm"]
     assert [r["step"] for r in comm] == [2, 4, 6]
@@ -193,11 +263,13 @@ def test_the_outlier_layer_falls_back_alone_and_a_resumed_run_keeps_it(tmp_path,
     fallbacks = [r for r in records if r["kind"] == "comm_fallback"]
     assert [(r["step"], list(r["sites"])) for r in fallbacks] == [(4, [OUTLIER_SITE])]
     assert fallbacks[0]["sites"][OUTLIER_SITE]["over_at"] == [2, 4]
-    assert err.count("over compression.error_budget") == 1
-    assert f"{OUTLIER_SITE} (error " in err and "; over at steps 2, 4) -> none, from step 5" in err
-    errors = comm_error.site_errors(comm[2])
-    assert OUTLIER_SITE not in errors and len(errors) == 9
-    assert 0.85 < comm[2]["tp_bytes_compressed"] < 1  # one all-reduce of ten left
+    assert printed.out.count("over compression.error_budget") == 1  # with the records' lines
+    assert f"{OUTLIER_SITE} (error " in printed.out
+    assert "; over at steps 2, 4) -> none, from step 5" in printed.out
+    for later in comm[2:]:
+        errors = comm_error.site_errors(later)
+        assert OUTLIER_SITE not in errors and len(errors) == 9
+        assert 0.85 < later["tp_bytes_compressed"] < 1  # one all-reduce of ten left
     assert re.search(r"mlp_out/fwd .* layer_01 -> none after 4", err)
     assert (full / "comm_error.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     board = _board(full / "tensorboard")
@@ -215,7 +287,7 @@ def test_the_outlier_layer_falls_back_alone_and_a_resumed_run_keeps_it(tmp_path,
     capsys.readouterr()
     _run(config, resumed, cache, *overrides)
     err = capsys.readouterr().err
-    assert f"kept from the checkpoint): {OUTLIER_SITE} -> none" in err
-    assert "over compression.error_budget" not in err
+    assert f"settings that chose them are unchanged): {OUTLIER_SITE} -> none" in err
+    assert "over compression.error_budget" not in capsys.readouterr().out + err
     assert untimed(metrics.read_jsonl(resumed / "metrics.jsonl")) == untimed(records)
     assert_same_state(full, resumed, 6)

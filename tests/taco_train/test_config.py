@@ -175,7 +175,12 @@ def test_unknown_names_say_the_closest_valid_one(override, message):
     [
         ("[optimizer]\nlrr = 1e-3\n", "unknown key optimizer.lrr (did you mean optimizer.lr?)"),
         ("[optimiser]\nlr = 1e-3\n", "unknown section 'optimiser' (did you mean 'optimizer'?)"),
-        ("[run]\nsteps = 'ten'\n", "run.steps='ten' does not match the field type"),
+        ("[run]\nsteps = 'ten'\n", "run.steps='ten' does not match the field type int"),
+        ("[run]\nstop_at = 1.5\n", "run.stop_at=1.5 does not match the field type int | None"),
+        (
+            "[data]\ntokenizer = 3\n",
+            "data.tokenizer=3 does not match the field type 'bpe' | 'byte' | 'hf'",
+        ),
         ("[optimizer]\nlr = -1.0\n", "optimizer.lr=-1.0 must be > 0"),
         ("[optimizer]\nlr = 1e-3\n[run]\nsteps = [\n", "Invalid value"),  # not TOML
     ],
@@ -194,6 +199,20 @@ def test_a_bad_value_given_by_an_override_does_not_blame_the_file(tmp_path):
     with pytest.raises(ValueError) as info:
         load_config(path, ["optimizer.lr=-2"])
     assert str(info.value) == "optimizer.lr=-2.0 must be > 0"
+
+
+def test_a_conflict_made_by_an_override_blames_the_override(tmp_path):
+    """The file's budget is fine with its measuring steps; --set run.comm_error_every=0 takes
+    them away: the error names the override first, then the file."""
+    path = tmp_path / "mine.toml"
+    path.write_text("[compression]\nerror_budget = 0.05\n[run]\ncomm_error_every = 100\n")
+    load_config(path)
+    with pytest.raises(ValueError) as info:
+        load_config(path, ["run.comm_error_every=0"])
+    assert str(info.value) == (
+        f"--set run.comm_error_every=0 conflicts with config file {str(path)!r}: "
+        "compression.error_budget=0.05 needs measuring steps: set run.comm_error_every (e.g. 100)"
+    )
 
 
 def test_a_vocabulary_tp_cannot_split_says_the_vocab_size_to_set():

@@ -123,6 +123,8 @@ def test_the_two_host_recipe_of_the_docs(tmp_path, cache):
     )
     train = [r for r in metrics.read_jsonl(run / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in train] == [2] and np.isfinite(train[0]["loss"])
+    for out in outputs:  # Gloo connected the group: its line per group is not shown
+        assert "[Gloo]" not in out and "step      2 | loss" in outputs[0]
 
 
 def test_the_slurm_script_starts_the_per_host_commands(tmp_path):
@@ -169,6 +171,8 @@ def test_a_tp_group_across_two_processes_reads_the_network_table(tmp_path, cache
     )
     train = [r for r in metrics.read_jsonl(run / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in train] == [2] and np.isfinite(train[0]["loss"])
+    for out in outputs:  # Gloo connected the group: its line per group is not shown
+        assert "[Gloo]" not in out and "step      2 | loss" in outputs[0]
 
 
 # A pipeline of two stages, one per process (each process one device): the stage sends, INT8

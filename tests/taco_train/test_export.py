@@ -100,3 +100,14 @@ def test_a_non_empty_out_dir_is_refused_in_one_line(tmp_path, capsys):
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
     with pytest.raises(ConfigError, match="no_run/config.json: no such file"):
         export(tmp_path / "no_run", tmp_path / "out", overwrite=True)  # --force goes on
+
+
+def test_export_help_says_what_it_does_in_a_sentence(capsys):
+    with pytest.raises(SystemExit) as info:
+        export_main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert (
+        "Writes a run's trained model as a Hugging Face directory, with the tokenizer it "
+        "trained with." in " ".join(out.split())
+    )

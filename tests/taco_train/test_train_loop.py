@@ -339,7 +339,8 @@ def test_one_f_one_b_3d_run_trains_and_resumes_exactly(cache, tmp_path):
 
 def test_the_start_up_summary_names_every_op_that_runs_the_reference(monkeypatch, capsys):
     """Not only a warning: where a kernel cannot take a call (here a row of 3 groups on a
-    Hopper GPU, faked as tests/pallas_kernels/test_registry.py does) the run's start-up says
+    Hopper GPU whose JAX has no Triton lowering, so that the Mosaic kernels are chosen; faked as
+    tests/pallas_kernels/test_registry.py does) the run's start-up says
     which op runs the jnp reference and why, in one line; nothing where every op has its
     kernel."""
     import jax.numpy as jnp
@@ -351,6 +352,7 @@ def test_the_start_up_summary_names_every_op_that_runs_the_reference(monkeypatch
     trainer._say_reference_ops()
     assert capsys.readouterr().err == ""
     monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
+    monkeypatch.setattr(_pallas, "pltriton", None)
     with pytest.warns(RuntimeWarning, match="runs the jnp reference"):
         pallas_kernels.encode(taco_jax.get_codec("taco"), jnp.ones((2, 384), jnp.bfloat16))
     trainer._say_reference_ops()

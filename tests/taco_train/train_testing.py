@@ -42,7 +42,9 @@ def final_state(out_dir: Path, step: int):
 
 
 def assert_same_state(out_a: Path, out_b: Path, step: int) -> None:
-    """The checkpoints of `step` in two run directories hold the same state, bit for bit."""
+    """The checkpoints of `step` in two run directories hold the same state, bit for bit: for
+    runs of the same programs (one configuration, one machine, one session's compile flags),
+    whose compilation and CPU execution are deterministic; never across machines."""
     import jax
     import numpy as np
 
