@@ -362,10 +362,15 @@ def _fused_runs(x: jax.Array, axis_name: AxisName, cfg: CommConfig) -> bool:
 def _exchange_fused(x: jax.Array, axis_name: AxisName, cfg: CommConfig, n_ranks: int) -> bool:
     """Whether a collective may exchange through the fused kernels (the all-reduce: whether the
     policy may pick "fused"): they run here (`_fused_runs`), and `algorithm` is "fused", or "auto"
-    at N = 2, the only group size measured. One- and two-shot keep NCCL."""
+    where a table measured them for this group size (`policy.fused_in_auto`: N = 2, or this
+    machine's tuned table). One- and two-shot keep NCCL."""
     if cfg.algorithm == "fused":
         return _fused_runs(x, axis_name, cfg)
-    return cfg.algorithm == "auto" and n_ranks == 2 and _fused_runs(x, axis_name, cfg)
+    return (
+        cfg.algorithm == "auto"
+        and _fused_runs(x, axis_name, cfg)
+        and policy.fused_in_auto(n_ranks, "nvlink", cfg.codec)
+    )
 
 
 def _row_multiple(cfg: CommConfig, fused: bool) -> int:
@@ -479,7 +484,8 @@ def _at_site(collective, x: jax.Array, cfg: CommConfig, site: str, layer, axis_n
     `cfg.site_codecs`. Where the layer is traced and some layers' codecs differ, a
     `lax.switch` on the layer picks the codec (one branch per codec). The statistics are each
     rank's (`taco_jax.telemetry.per_rank`)."""
-    out, stats = _site_collective(collective, x, cfg, site, layer)
+    with policy.call_scope():  # ties the traced program to `policy.choose`'s record
+        out, stats = _site_collective(collective, x, cfg, site, layer)
     return out, telemetry.per_rank(stats, axis_name)
 
 

@@ -31,18 +31,19 @@ this process's devices (with several processes a guess, which the log line says)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
 
-from taco_jax import _policy_table
+from taco_jax import _policy_table, _tuned
 
 LINKS = ("auto", "nvlink", "shm", "socket")
 # Compress only where the measurement beat the plain collective by more than the run-to-run
@@ -260,32 +261,140 @@ def _preferred(rows, size: int) -> str:
 
 
 def measured_choice(op: str, link: str, n_ranks: int, nbytes: int, fused: bool = True) -> Choice:
-    """What the table says for `op` on `link` with a message of `nbytes` per rank (the all-reduce's
-    and reduce-scatter's input, the all-gather's output).
+    """What the shipped table says for `op` on `link` with a message of `nbytes` per rank (the
+    all-reduce's and reduce-scatter's input, the all-gather's output).
 
     The algorithm is the one measured best at the nearest size at or below (the smallest size's
     below it): the fastest, or within `TIE` of it the fastest of those that quantize the fewest
     times (`_preferred`), whether or not the table says to compress, so that a forced
     compression runs it too. Compress at a measured size when that algorithm's speedup reached
     MIN_SPEEDUP; between two measured sizes only when it did at both; above the largest as the
-    largest; below the smallest never. `fused`: whether the "fused" algorithm's kernel can run
-    (else its row is left out).
+    largest; below the smallest never (`_between_sizes`). `fused`: whether the "fused"
+    algorithm's kernel can run (else its row is left out).
     """
     rows = _table(op, link, n_ranks, fused)
     sizes = sorted({size for per_size in rows.values() for size in per_size})
+    cells = {}
+    for size in sizes:
+        best = _preferred(rows, size)
+        speedup = rows[best][size]
+        where = f"{link} at {size >> 20} MiB: measured {speedup:.2f}x"
+        enough = speedup >= MIN_SPEEDUP
+        reason = where if enough else f"{where} < {MIN_SPEEDUP}x"
+        cells[size] = Choice(enough, best if op == "all_reduce" else "-", reason)
+    return _between_sizes(cells, nbytes)
+
+
+def _between_sizes(cells: dict[int, Choice], nbytes: int) -> Choice:
+    """The choice for `nbytes` from the choices at measured sizes: the algorithm of the nearest
+    size at or below (the smallest's below it); compressed when that size's choice is, and
+    between two measured sizes only when both are (one lucky measurement does not spread to
+    unmeasured sizes); above the largest as the largest; below the smallest never."""
+    sizes = sorted(cells)
     below = [size for size in sizes if size <= nbytes]
     above = [size for size in sizes if size > nbytes]
-    near = below[-1] if below else sizes[0]
-    best = _preferred(rows, near)
-    algorithm = best if op == "all_reduce" else "-"
-    where = f"{link} at {near >> 20} MiB"
+    near = cells[below[-1] if below else sizes[0]]
     if not below:
-        return Choice(False, algorithm, f"{nbytes} B is below the smallest measured size")
-    neighbours = [near] + ([above[0]] if nbytes != near and above else [])
-    worst = min(rows[_preferred(rows, size)][size] for size in neighbours)
-    if worst < MIN_SPEEDUP:
-        return Choice(False, algorithm, f"{where}: measured {worst:.2f}x < {MIN_SPEEDUP}x")
-    return Choice(True, algorithm, f"{where}: measured {rows[best][near]:.2f}x")
+        return Choice(False, near.algorithm, f"{nbytes} B is below the smallest measured size")
+    neighbours = [cells[below[-1]]] + ([cells[above[0]]] if nbytes != below[-1] and above else [])
+    refusal = next((c for c in neighbours if not c.compress), None)
+    if refusal is not None:
+        return Choice(False, near.algorithm, refusal.reason)
+    return Choice(True, near.algorithm, near.reason)
+
+
+# Tuned tables ------------------------------------------------------------------------------
+def tuned_cell(op: str, comparison: dict, fused: bool, where: str) -> Choice:
+    """The choice at one measured size from this machine's comparison (`taco_jax.tune`): the
+    plain collective unless an algorithm that runs here measured "faster" (its interval above 1
+    and above the A/A control's: `taco_jax.timing.verdict`); a ratio inside its A/A interval
+    is "level", and level means plain. Among the faster ones, those whose intervals overlap the
+    fastest's are not told apart, and the fastest of them that quantizes the fewest times runs.
+    The all-reduce reads one-shot, two-shot and (where its kernel runs, `fused`) fused; the
+    reduce-scatter and all-gather the exchange that runs ("fused" where it does, else "-"). The
+    algorithm, also when plain, is the fastest measured (a forced compression runs it)."""
+    variants = comparison["variants"]
+    if op == "all_reduce":
+        names = [a for a in variants if fused or a != "fused"]
+    else:
+        names = ["fused"] if fused and "fused" in variants else ["-"]
+    names = [a for a in names if a in variants and variants[a]["verdict"] != "wrong"]
+    if not names:
+        return Choice(False, "two_shot" if op == "all_reduce" else "-", f"{where}: none runs right")
+    fastest = max(names, key=lambda a: variants[a]["median"])
+    faster = [a for a in names if variants[a]["verdict"] == "faster"]
+    aa = comparison["aa"]
+    if not faster:
+        stats = variants[fastest]
+        reason = f"{where}: {fastest} {_ratio(stats)} {stats['verdict']} (A/A {_interval(aa)})"
+        return Choice(False, fastest if op == "all_reduce" else "-", reason)
+    best = max(faster, key=lambda a: variants[a]["median"])
+    floor = variants[best]["interval"][0]
+    close = [a for a in faster if variants[a]["interval"][1] >= floor]
+    chosen = min(close, key=lambda a: (QUANTIZATIONS[a], -variants[a]["median"]))
+    stats = variants[chosen]
+    reason = f"{where}: {chosen} {_ratio(stats)} faster (A/A {_interval(aa)})"
+    return Choice(True, chosen if op == "all_reduce" else "-", reason)
+
+
+def _interval(pair) -> str:
+    return f"[{pair[0]:.2f}, {pair[1]:.2f}]"
+
+
+def _ratio(stats: dict) -> str:
+    return f"{stats['median']:.2f}x {_interval(stats['interval'])}"
+
+
+def tuned_choice(
+    op: str, link: str, n_ranks: int, nbytes: int, codec: str, fused: bool = False
+) -> Choice | None:
+    """What this machine's tuned table (`_tuned.current`) says for `op` of `codec` (`codec_key`)
+    on a group of `n_ranks` on `link`, by the sizes it measured (`tuned_cell`, then
+    `_between_sizes`); None where it measured no such op, codec and group."""
+    table = _tuned.current()
+    entry = table.entry(n_ranks, link) if table is not None else None
+    if entry is None:
+        return None
+    measured = {size: cell[codec] for size, cell in entry.get(op, {}).items() if codec in cell}
+    if not measured:
+        return None
+    cells = {
+        size: tuned_cell(op, comparison, fused, f"tuned, {link} N = {n_ranks} at {_size(size)}")
+        for size, comparison in measured.items()
+    }
+    return _between_sizes(cells, nbytes)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
+
+
+def source(n_ranks: int, link: str, codec: str) -> str:
+    """Where "auto"'s choices for `codec` on a group of `n_ranks` on `link` come from here: this
+    machine's tuned table, else on a GPU the shipped table, else none (every message
+    compressed); with how to tune where it is not the tuned table."""
+    table = _tuned.current()
+    entry = table.entry(n_ranks, link) if table is not None else None
+    if entry is not None and any(codec in cell for op in entry.values() for cell in op.values()):
+        return f"this machine's tuned table {table.describe()}"
+    where = _tuned.default_path()
+    tune = f"python -m taco_jax.tune --tp {n_ranks} measures this machine (into {where})"
+    if jax.default_backend() != "gpu":
+        return f"no tuned table for N = {n_ranks} on {link}: every message is compressed; {tune}"
+    shipped = _policy_table.SOURCES.get(link, {})
+    model = "" if n_ranks == 2 else f"; N = {n_ranks} by a model (two-shot's N = 2 row)"
+    return (
+        f"the shipped table (measured on {shipped.get('device', '?')} at N = 2, "
+        f"{shipped.get('date', '?')}{model}): no tuned table for N = {n_ranks} on {link}; {tune}"
+    )
+
+
+@functools.cache
+def _say_shipped(n_ranks: int, link: str, codec: str) -> None:
+    LOG.warning("auto policy for %s: %s", codec, source(n_ranks, link, codec))
 
 
 def on_real_link(axis_name) -> bool:
@@ -335,22 +444,110 @@ def _concrete_mesh() -> jax.sharding.Mesh | None:
     return None if mesh is None or mesh.empty else mesh
 
 
+def _on_mesh_axis(axis_name) -> bool:
+    """Whether `axis_name` is bound by `shard_map` (a mesh axis: bytes move), on any backend."""
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    return all(name in manual for name in names)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One collective as traced: what `choose` was asked, where, and what it chose. `link` is
+    the TP group's (`resolve_link`) on a mesh axis, None under `vmap` (and for the identity
+    codec); `real`: on GPUs (`on_real_link`)."""
+
+    cfg: object
+    op: str
+    nbytes: int
+    axis_name: object
+    n_ranks: int
+    fused_available: bool
+    link: str | None
+    real: bool
+    choice: Choice
+
+    @property
+    def codec(self) -> str:
+        return _tuned.codec_key(self.cfg.codec)
+
+
+_RECORDS: list[dict[int, list[Call]]] = []  # while `recording`: the calls by scope token
+_SCOPES: list[int] = []  # the tokens of the `call_scope`s being traced, innermost last
+SCOPE_PREFIX = "taco_collective_"
+_TOKENS = itertools.count(1)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[dict[int, list[Call]]]:
+    """While tracing in it, every collective's `Call`, by the token of its `call_scope` (a
+    `jax.named_scope` named `SCOPE_PREFIX` + token, which the traced program's equations
+    carry: `taco_jax.tune.step_collectives` counts how often each runs). Outside it the
+    collectives add no scope and record nothing."""
+    calls: dict[int, list[Call]] = {}
+    _RECORDS.append(calls)
+    try:
+        yield calls
+    finally:
+        _RECORDS.remove(calls)
+
+
+@contextlib.contextmanager
+def call_scope() -> Iterator[None]:
+    """Around one collective call: its `choose` and every operation it traces (see
+    `recording`)."""
+    if not _RECORDS:
+        yield
+        return
+    token = next(_TOKENS)
+    _SCOPES.append(token)
+    _RECORDS[-1].setdefault(token, [])
+    try:
+        with jax.named_scope(f"{SCOPE_PREFIX}{token}"):
+            yield
+    finally:
+        _SCOPES.pop()
+
+
 def choose(
     cfg, op: str, nbytes: int, axis_name, n_ranks: int, *, fused_available: bool = False
 ) -> Choice:
     """The `Choice` for one collective of `cfg` (a `CommConfig`) on `nbytes` per rank.
 
     Explicit options win: `min_compress_bytes` (an int) decides whether, `algorithm` (not
-    "auto") how; "auto" options come from the table on a real link, else as the module says.
+    "auto") how; "auto" options come, on a `shard_map` axis, from this machine's tuned table
+    where it measured this group (`tuned_choice`), else on GPUs from the shipped table (one log
+    line says so, and how to tune), else as the module says (every message compressed).
     `fused_available`: whether the "fused" algorithm's kernel runs here (`peer_writes`, and the
-    kernel takes the codec and dtype); where it does not, "fused" is "one_shot" and the table's
-    "fused" measurements are not read.
+    kernel takes the codec and dtype); where it does not, "fused" is "one_shot" and no table's
+    "fused" measurements are read.
     """
+    real = on_real_link(axis_name)
+    link = None  # an identity codec runs plain whatever the tables say: no link to find
+    reads = real or _RECORDS or _tuned.current() is not None
+    if reads and not cfg.codec.is_identity and (real or _on_mesh_axis(axis_name)):
+        link = resolve_link(cfg.link, axis_name)
+    choice = decide(cfg, op, nbytes, n_ranks, fused_available, link, real)
+    if _RECORDS and _SCOPES:
+        call = Call(cfg, op, nbytes, axis_name, n_ranks, fused_available, link, real, choice)
+        _RECORDS[-1].setdefault(_SCOPES[-1], []).append(call)
+    return choice
+
+
+def decide(
+    cfg, op: str, nbytes: int, n_ranks: int, fused_available: bool, link: str | None, real: bool
+) -> Choice:
+    """`choose`'s decision where the context is known: `link` (None: not a mesh axis) and
+    `real` (a GPU link). The same call decides again after a new table is installed
+    (`redecide`)."""
     asks_policy = cfg.min_compress_bytes is None or cfg.algorithm == "auto"
     measured = None
-    if asks_policy and on_real_link(axis_name):
-        link = resolve_link(cfg.link, axis_name)
-        measured = measured_choice(op, link, n_ranks, nbytes, fused_available)
+    if asks_policy and link is not None:
+        codec = _tuned.codec_key(cfg.codec)
+        measured = tuned_choice(op, link, n_ranks, nbytes, codec, fused_available)
+        if measured is None and real:
+            _say_shipped(n_ranks, link, codec)
+            measured = measured_choice(op, link, n_ranks, nbytes, fused_available)
     if cfg.min_compress_bytes is not None:
         compress = nbytes >= cfg.min_compress_bytes
         reason = f"min_compress_bytes={cfg.min_compress_bytes}"
@@ -371,20 +568,90 @@ def choose(
     return Choice(compress and not cfg.codec.is_identity, algorithm, reason)
 
 
+def redecide(call: Call) -> Choice:
+    """What `choose` decides for `call` now (after a table was installed or tuned)."""
+    return decide(
+        call.cfg, call.op, call.nbytes, call.n_ranks, call.fused_available, call.link, call.real
+    )
+
+
+def fused_in_auto(n_ranks: int, link: str, codec) -> bool:
+    """Whether "auto" may exchange through the fused kernels for a group of `n_ranks`: where a
+    table measured them for that group: the shipped one at N = 2, or this machine's tuned
+    table."""
+    if n_ranks == 2:
+        return True
+    table = _tuned.current()
+    entry = table.entry(n_ranks, link) if table is not None else None
+    key = _tuned.codec_key(codec)
+    return entry is not None and any(
+        "fused" in cell[key]["variants"]
+        for sizes in entry.values()
+        for cell in sizes.values()
+        if key in cell
+    )
+
+
+def fused_kernel_runs(link: str, codec="taco", impl: str = "auto", mesh=None) -> bool:
+    """Whether the fused kernels (the codes stored into the peers' memory,
+    `pallas_kernels.exchange_mosaic`) run for a TP group on `link` on this machine, for bf16
+    messages of `codec` with `impl`: what `peer_writes` and `_backends.fused_exchange` check
+    while tracing, known before it: GPUs on NVLink, one process driving them, no PCIe card, a
+    mesh (where given) in device order, compiled kernels, Mosaic GPU on this GPU (Hopper) and a
+    codec its exchange takes."""
+    from taco_jax import _backends, codecs
+
+    codec = codecs.get_codec(codec) if isinstance(codec, str) else codec
+    if jax.default_backend() != "gpu" or link != "nvlink" or jax.process_count() != 1:
+        return False
+    if "pcie" in jax.devices()[0].device_kind.lower() or not isinstance(codec, codecs.Codec):
+        return False
+    if mesh is not None and not (mesh.device_ids.ravel() == np.arange(mesh.devices.size)).all():
+        return False
+    if impl not in ("auto", "pallas") or _backends.get_ops(impl) is _backends.XLA_OPS:
+        return False
+    kernels = _backends._kernels()
+    row = jax.ShapeDtypeStruct((1, _backends.FUSED_ROW_MULTIPLE), jax.numpy.bfloat16)
+    return kernels.registry.mosaic_runs(codec) and (
+        kernels.exchange_mosaic.unsupported(codec, row) is None
+    )
+
+
 def _label(choice: Choice) -> str:
     if not choice.compress:
         return "plain"
     return "compressed" if choice.algorithm == "-" else choice.algorithm
 
 
-def summary(link: str = "auto", n_ranks: int = 2) -> str:
-    """One line per op: from which message size "auto" compresses on `link`, and how."""
+def summary(
+    link: str = "auto", n_ranks: int = 2, *, codec="taco", fused: bool | None = None
+) -> str:
+    """One line per op: how "auto" decides each measured message size on `link` for a group of
+    `n_ranks` with `codec`, and from which table: this machine's tuned one where it measured
+    them ("tuned"), else the shipped one ("shipped"). `fused`: whether the fused kernels run
+    (default: `fused_kernel_runs` here); "fused" is never named where they do not."""
+    from taco_jax import codecs
+
     link = resolve_link(link)
+    codec = codecs.get_codec(codec) if isinstance(codec, str) else codec
+    key = _tuned.codec_key(codec)
+    fused = fused_kernel_runs(link, codec) if fused is None else fused
     lines = []
     for op in TABLE_OPS:
-        rows = _policy_table.SPEEDUPS[link][TABLE_OPS[op]]
-        sizes = sorted({size for per_size in rows.values() for size in per_size})
-        chosen = [(size, measured_choice(op, link, n_ranks, size)) for size in sizes]
-        parts = [f"{size >> 20} MiB {_label(c)}" for size, c in chosen]
-        lines.append(f"{op} on {link}, N = {n_ranks}: " + ", ".join(parts))
+        may_fuse = fused and fused_in_auto(n_ranks, link, codec)
+        table = _tuned.current()
+        entry = table.entry(n_ranks, link) if table is not None else None
+        sizes = sorted(s for s, cell in (entry or {}).get(op, {}).items() if key in cell)
+        origin = "tuned"
+        if not sizes:
+            rows = _policy_table.SPEEDUPS[link][TABLE_OPS[op]]
+            sizes, origin = sorted({s for per_size in rows.values() for s in per_size}), "shipped"
+        parts = []
+        for size in sizes:
+            if origin == "tuned":
+                choice = tuned_choice(op, link, n_ranks, size, key, may_fuse)
+            else:
+                choice = measured_choice(op, link, n_ranks, size, may_fuse)
+            parts.append(f"{_size(size)} {_label(choice)}")
+        lines.append(f"{op} on {link}, N = {n_ranks} ({origin}): " + ", ".join(parts))
     return "\n".join(lines)

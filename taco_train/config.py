@@ -49,6 +49,7 @@ SECTIONS = ("model", "parallel", "compression", "optimizer", "data", "run")
 
 
 _COMM = taco_jax.CommConfig  # the collectives' option defaults, in one place
+TUNE_MODES = ("auto", "off", "force")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,10 @@ class CompressionConfig:
       stages are on different nodes.
     dp_grad / dp_param: SDP4Bit's codecs of the sharded optimizer's traffic (optimizer.sharded):
       "tlq_hs" for the gradient reduce-scatter, "qwd" for the parameter all-gather, or "none".
+    tune: "auto": at start-up, time the TP collectives at the step's sizes on this machine
+      (`taco_jax.tune`, about a minute, cached in the policy file) where TP runs over real GPUs,
+      the policy decides, and the file has no measurement of them; "off": never; "force":
+      always, on any devices (on the CPU or under vmap: the codec's cost, for the prediction).
     """
 
     fwd: str = codecs.DEFAULT_CODEC
@@ -102,6 +107,7 @@ class CompressionConfig:
     pp_link: str = "auto"
     dp_grad: str = "none"
     dp_param: str = "none"
+    tune: str = "auto"
 
     def __post_init__(self):
         tp_names = taco_jax.CODEC_NAMES + taco_jax.collectives.TAHQUANT_CODEC_NAMES
@@ -134,6 +140,8 @@ class CompressionConfig:
             raise ConfigError(
                 f"compression.pp_link={self.pp_link!r} is not one of {taco_jax.policy.LINKS}"
             )
+        if self.tune not in TUNE_MODES:
+            raise ConfigError(f"compression.tune={self.tune!r} is not one of {TUNE_MODES}")
         self.make_comm()  # Validates group_size, impl, slices and min_compress_bytes in the core.
 
     def make_comm(

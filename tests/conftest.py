@@ -39,8 +39,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # a cache of the user's own i
     _JIT_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="taco-jit-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+# The tuned policy files "auto" reads (`taco_jax._tuned`): a fresh directory per session, so
+# that no table of the user's decides a test, and every process a test starts inherits it.
+_POLICY_CACHE = os.environ["TACO_JAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="taco-policy-")
+os.environ.pop("TACO_JAX_POLICY_FILE", None)
 
 
 def pytest_sessionfinish(session, exitstatus):
     if _JIT_CACHE is not None:
         shutil.rmtree(_JIT_CACHE, ignore_errors=True)
+    shutil.rmtree(_POLICY_CACHE, ignore_errors=True)

@@ -217,7 +217,7 @@ def test_no_real_link_compresses_everything():
 def test_summary_names_every_op_and_size():
     text = policy.summary("socket")
     assert text.count("\n") == len(policy.TABLE_OPS) - 1
-    assert "all_reduce on socket, N = 2: 1 MiB plain" in text
+    assert "all_reduce on socket, N = 2 (shipped): 1 MiB plain" in text
 
 
 def test_fused_only_where_its_kernel_runs(monkeypatch):
