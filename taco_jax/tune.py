@@ -37,6 +37,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -180,8 +181,14 @@ def _error(approx: jax.Array, exact: jax.Array) -> jax.Array:
 
 def _roundtrip_error(codec, x: jax.Array) -> float:
     """The relative error of one encode + decode of every rank's block with `codec`."""
-    if isinstance(codec, tahquant.TahQuant):
-        trip = jax.jit(jax.vmap(lambda v: tahquant.roundtrip(codec, v[None])[0]))
+    if isinstance(codec, tahquant.TahQuant):  # its collectives draw noise from the message
+
+        def one(v):
+            rows = codecs.pad_to_multiple(v[None], codec.group_size)[0]
+            key = tahquant.message_key(rows) if codec.stochastic else None
+            return tahquant.roundtrip(codec, rows, key)[0, : v.size].astype(v.dtype)
+
+        trip = jax.jit(jax.vmap(one))
     else:
         trip = jax.jit(jax.vmap(lambda v: codecs.roundtrip(codec, v)))
     return _scalar(_error(trip(x), x))
@@ -495,51 +502,56 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _say(line: str) -> None:
+    if jax.process_index() == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     _initialize_distributed(args.distributed)
-    say = (
-        (lambda line: print(line, file=sys.stderr, flush=True))
-        if jax.process_index() == 0
-        else (lambda line: None)
-    )
     devices = jax.device_count()
     if devices == 1 and not args.emulate:
-        say(
+        _say(
             "a TP link needs two GPUs (devices): this machine has one, so no link is measured; "
             "timing the codec's cost beside the plain collective with the ranks under vmap"
         )
-    sizes_tp = args.tp or [n for n in (2, 4, 8) if n <= devices] or [2]
-    groups = groups_of(sizes_tp, emulate=args.emulate)
+    groups = groups_of(args.tp or [n for n in (2, 4, 8) if n <= devices] or [2], args.emulate)
     sizes = {op: [int(s * MiB) for s in args.sizes_mib] for op in args.ops}
     entries = {}
     for group in groups:
-        say(f"tuning N = {group.n_ranks} on {group.link} ({', '.join(args.codecs)})")
-        budget = args.budget_s / len(groups)
+        _say(f"tuning N = {group.n_ranks} on {group.link} ({', '.join(args.codecs)})")
         entries[(group.n_ranks, group.link)] = measure(
-            group, sizes, args.codecs, impl=args.impl, budget_s=budget, calls=args.calls, say=say
+            group,
+            sizes,
+            args.codecs,
+            impl=args.impl,
+            budget_s=args.budget_s / len(groups),
+            calls=args.calls,
+            say=_say,
         )
-    path = _tuned.write(
-        _tuned_path(args.out), entries, "python -m taco_jax.tune " + " ".join(argv or sys.argv[1:])
-    )
+    command = "python -m taco_jax.tune " + " ".join(sys.argv[1:] if argv is None else argv)
+    path = _tuned.write(Path(args.out) if args.out else _tuned.default_path(), entries, command)
+    _say_choices(entries)
+    _say(f"wrote {path}")
+
+
+def _say_choices(entries: dict) -> None:
+    """What "auto" now decides at each measured size (a group under vmap: nothing moves there,
+    every message is compressed; its times are the codec's cost)."""
     for (n, link), ops in entries.items():
         if link == _tuned.EMULATED:
-            say(f"N = {n} under vmap: the codec's cost; 'auto' compresses every message there")
+            _say(f"N = {n} under vmap: the codec's cost; 'auto' compresses every message there")
             continue
         for op, per_size in ops.items():
             for size, cell in per_size.items():
-                for codec in cell:
-                    fused = "fused" in cell[codec]["variants"]
+                for codec, comparison in cell.items():
+                    if not comparison["variants"]:
+                        continue
+                    fused = "fused" in comparison["variants"]  # timed only where it runs
                     where = f"N = {n} on {link}, {op} {policy._size(size)}"
-                    choice = policy.tuned_cell(op, cell[codec], fused, where)
-                    say(f"{codec} -> {policy._label(choice)}: {choice.reason}")
-    say(f"wrote {path}")
-
-
-def _tuned_path(out: str | None):
-    from pathlib import Path
-
-    return Path(out) if out else _tuned.default_path()
+                    choice = policy.tuned_cell(op, comparison, fused, where)
+                    _say(f"{codec} -> {policy._label(choice)}: {choice.reason}")
 
 
 if __name__ == "__main__":
