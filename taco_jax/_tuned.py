@@ -2,9 +2,10 @@
 
 `python -m taco_jax.tune` (`taco_jax.tune`) writes it; `taco_jax.policy` reads it. One JSON file
 per machine, named by the machine's fingerprint (`fingerprint`: platform, device kind and count,
-process count, JAX, jaxlib and NCCL versions) in a cache directory, as XLA's autotuning caches
-are: `$TACO_JAX_CACHE_DIR`, else `$XDG_CACHE_HOME/taco_jax`, else `~/.cache/taco_jax`;
-`$TACO_JAX_POLICY_FILE` names one file instead (a file shared across a cluster).
+process count, JAX, jaxlib and NCCL versions) in the project's cache directory, as XLA's
+autotuning caches are: `$TACO_JAX_CACHE`, else `~/.cache/taco_jax` (where the trainer caches
+its data too); `$TACO_JAX_POLICY_FILE`, where set, names one file instead (e.g. one shared by a
+cluster).
 
     {"format": FORMAT, "taco_jax": version, "fingerprint": {...}, "date": ..., "command": ...,
      "entries": [{"n_ranks": 4, "link": "nvlink", "ops": {op: {bytes: {codec: comparison}}}}]}
@@ -84,15 +85,14 @@ def fingerprint() -> dict[str, object]:
 
 
 def cache_dir() -> Path:
-    if "TACO_JAX_CACHE_DIR" in os.environ:
-        return Path(os.environ["TACO_JAX_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "taco_jax"
+    """`$TACO_JAX_CACHE`, else `~/.cache/taco_jax`."""
+    return Path(os.environ.get("TACO_JAX_CACHE") or Path.home() / ".cache" / "taco_jax")
 
 
 def default_path() -> Path:
-    """`$TACO_JAX_POLICY_FILE`, else this machine's file in `cache_dir()`."""
-    if "TACO_JAX_POLICY_FILE" in os.environ:
+    """`$TACO_JAX_POLICY_FILE` where set (not empty), else this machine's file in
+    `cache_dir()`, named by its fingerprint."""
+    if os.environ.get("TACO_JAX_POLICY_FILE"):
         return Path(os.environ["TACO_JAX_POLICY_FILE"])
     text = json.dumps(fingerprint(), sort_keys=True)
     return cache_dir() / f"policy-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"

@@ -6,6 +6,7 @@ measurement under vmap on the CPU, where a variant with a wrong result is never 
 
 import json
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -214,6 +215,18 @@ def test_the_policy_file_reads_back_and_merges(tmp_path, monkeypatch):
     assert "python -m taco_jax.tune --tp 2" not in policy.source(2, "shm", TACO)
     assert "tuned table" in policy.source(2, "shm", TACO)
     assert "no tuned table for N = 8" in policy.source(8, "shm", TACO)
+
+
+def test_the_file_is_named_by_the_machine_in_the_cache_directory(tmp_path, monkeypatch):
+    """Without `TACO_JAX_POLICY_FILE`, the project's cache directory holds one file per machine:
+    one that differs in anything the fingerprint holds looks for another name."""
+    monkeypatch.setenv("TACO_JAX_POLICY_FILE", "")
+    monkeypatch.setenv("TACO_JAX_CACHE", str(tmp_path))
+    path = _tuned.default_path()
+    assert path.parent == tmp_path and re.fullmatch(r"policy-[0-9a-f]{16}\.json", path.name)
+    here = _tuned.fingerprint()
+    monkeypatch.setattr(_tuned, "fingerprint", lambda: {**here, "devices": here["devices"] + 1})
+    assert _tuned.default_path().parent == tmp_path and _tuned.default_path() != path
 
 
 @pytest.mark.parametrize(

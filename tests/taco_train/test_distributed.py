@@ -415,18 +415,15 @@ def _comparisons(entry: dict) -> list[dict]:
 
 @pytest.mark.slow
 def test_four_processes_tune_n2_and_n4_and_agree(tmp_path):
-    """Four processes tune N = 2 and N = 4 together, each writing its own cache directory: the
-    four files hold the same measurements (every sample is the slowest process's, so every
+    """Four processes tune N = 2 and N = 4 together, each writing its own file: the four files
+    hold the same measurements (every sample is the slowest process's, so every
     process stops after the same rounds and decides alike), with both group sizes, every op,
     and intervals beside the A/A control's; process 0 alone says its progress."""
     commands = _on_processes(4, [*TUNE, "--tp", "2", "4"], {})
     for rank, (env, _) in enumerate(commands):
-        env["TACO_JAX_CACHE_DIR"] = str(tmp_path / f"policy{rank}")
+        env["TACO_JAX_POLICY_FILE"] = str(tmp_path / f"policy{rank}.json")
     outputs = _launch(commands)
-    tables = [
-        json.loads(next((tmp_path / f"policy{r}").glob("policy-*.json")).read_text())
-        for r in range(4)
-    ]
+    tables = [json.loads((tmp_path / f"policy{r}.json").read_text()) for r in range(4)]
     assert all(t["entries"] == tables[0]["entries"] for t in tables)
     entries = {(e["n_ranks"], e["link"]): e for e in tables[0]["entries"]}
     assert set(entries) == {(2, "socket"), (4, "socket")}
@@ -448,8 +445,8 @@ def test_the_trainer_names_the_table_two_processes_tuned(tmp_path, cache):
     512 B, lie below the tuned 64 KiB: those collectives run plain). Another machine's file or
     a damaged one is ignored in one line, the run then says it has no tuned table, as it does
     with the file removed (on the CPU: every message compressed)."""
-    policy_dir = tmp_path / "policy"
-    env = {"TACO_JAX_CACHE_DIR": str(policy_dir)}
+    policy_dir = tmp_path / "policy"  # the cache directory, the file named by the machine
+    env = {"TACO_JAX_CACHE": str(policy_dir), "TACO_JAX_POLICY_FILE": ""}
     tuned = _launch(_on_processes(2, [*TUNE, "--tp", "2"], env))
     (path,) = policy_dir.glob("policy-*.json")
     assert f"wrote {path}" in tuned[0]

@@ -89,7 +89,7 @@ def test_a_forced_tuning_predicts_then_measures_the_step(tmp_path, cache, capsys
     step's sizes are timed, each printed with what runs and its ratio; the prediction is
     printed, and after warm-up the measured step beside it, both in metrics.jsonl. A second
     start with "auto" finds the sizes in the file and times nothing; "off" predicts nothing."""
-    monkeypatch.setenv("TACO_JAX_CACHE_DIR", str(tmp_path / "policy"))  # this test's own
+    monkeypatch.setenv("TACO_JAX_POLICY_FILE", str(tmp_path / "policy.json"))  # this test's own
     run = tmp_path / "run"
     main(tiny_args(run, cache, "compression.tune='force'", "run.steps=4", "run.eval_every=4"))
     out, err = capsys.readouterr()
