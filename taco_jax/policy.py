@@ -5,7 +5,11 @@ depends on the message size (docs/method.md, "The auto policy"). The collectives
 when their options are left at "auto" (`CommConfig.algorithm="auto"`,
 `CommConfig.min_compress_bytes=None`):
 
-- On GPU devices bound by `jax.shard_map` (a real link), the choice comes from
+- On devices bound by `jax.shard_map`, where this machine's tuned table (`_tuned`, written by
+  `taco_jax.tune`) measured the TP group's size on its link, the choice comes from it
+  (`tuned_choice`): compressed where an algorithm measured faster beyond its A/A control (level
+  means plain), N = 4 and 8 by their own measurements.
+- Else on GPU devices bound by `jax.shard_map` (a real link), the choice comes from the shipped
   `_policy_table.SPEEDUPS`, measured at N = 2 on each link (`benchmarks/policy_table.py` writes
   it from `benchmarks/collectives.py` records). A message is compressed when the best measured
   algorithm at the largest measured size not above it was at least `MIN_SPEEDUP` faster than
@@ -14,9 +18,10 @@ when their options are left at "auto" (`CommConfig.algorithm="auto"`,
   the one that quantizes least often. The "fused" rows (the kernels that store into the peers'
   memory) are read only where those kernels run (`peer_writes`, and the caller's codec and
   dtype). For N > 2 two-shot runs (fewer bytes than one-shot there) and its own N = 2 row
-  decides: a model, not a measurement.
-- Anywhere else (the CPU, or a TP group emulated with `jax.vmap(axis_name=...)`, where no bytes
-  move) every message is compressed with two-shot, TACO's algorithm: what a numerics study wants.
+  decides: a model, not a measurement. One log line says so, and how to tune.
+- Anywhere else (the CPU without a tuned table, or a TP group emulated with
+  `jax.vmap(axis_name=...)`, where no bytes move) every message is compressed with two-shot,
+  TACO's algorithm: what a numerics study wants.
 
 The link is `CommConfig.link`, or with "auto" read from the machine (`explain_link`, docs/api.md
 "Which link"): NCCL's switches when set (`NCCL_P2P_DISABLE=1`: host shared memory; with
@@ -27,6 +32,9 @@ the device kind decides ("PCIe" in it: "shm", else NVLink is assumed) and the lo
 The TP group's devices come from the mesh: `mesh_link(mesh, axis_name)`, or while tracing the
 concrete mesh where JAX exposes it (under `jax.set_mesh`); otherwise the group is taken to be
 this process's devices (with several processes a guess, which the log line says).
+
+While `recording`, every collective traced is recorded with its choice (`Call`), in a named
+scope that lets `taco_jax.tune.step_collectives` count how often a program runs it.
 """
 
 from __future__ import annotations
@@ -304,6 +312,8 @@ def _between_sizes(cells: dict[int, Choice], nbytes: int) -> Choice:
 
 
 # Tuned tables ------------------------------------------------------------------------------
+
+
 def tuned_cell(op: str, comparison: dict, fused: bool, where: str) -> Choice:
     """The choice at one measured size from this machine's comparison (`taco_jax.tune`): the
     plain collective unless an algorithm that runs here measured "faster" (its interval above 1
@@ -326,14 +336,15 @@ def tuned_cell(op: str, comparison: dict, fused: bool, where: str) -> Choice:
     aa = comparison["aa"]
     if not faster:
         stats = variants[fastest]
-        reason = f"{where}: {fastest} {_ratio(stats)} {stats['verdict']} (A/A {_interval(aa)})"
+        measured = f"{describe_ratio(stats)} {stats['verdict']}"
+        reason = f"{where}: {fastest} {measured} (A/A {_interval(aa)})"
         return Choice(False, fastest if op == "all_reduce" else "-", reason)
     best = max(faster, key=lambda a: variants[a]["median"])
     floor = variants[best]["interval"][0]
     close = [a for a in faster if variants[a]["interval"][1] >= floor]
     chosen = min(close, key=lambda a: (QUANTIZATIONS[a], -variants[a]["median"]))
     stats = variants[chosen]
-    reason = f"{where}: {chosen} {_ratio(stats)} faster (A/A {_interval(aa)})"
+    reason = f"{where}: {chosen} {describe_ratio(stats)} faster (A/A {_interval(aa)})"
     return Choice(True, chosen if op == "all_reduce" else "-", reason)
 
 
@@ -341,7 +352,8 @@ def _interval(pair) -> str:
     return f"[{pair[0]:.2f}, {pair[1]:.2f}]"
 
 
-def _ratio(stats: dict) -> str:
+def describe_ratio(stats: dict) -> str:
+    """A measured ratio with its interval: "1.23x [1.18, 1.27]"."""
     return f"{stats['median']:.2f}x {_interval(stats['interval'])}"
 
 
@@ -358,14 +370,16 @@ def tuned_choice(
     measured = {size: cell[codec] for size, cell in entry.get(op, {}).items() if codec in cell}
     if not measured:
         return None
+    where = f"tuned, {link} N = {n_ranks} at"
     cells = {
-        size: tuned_cell(op, comparison, fused, f"tuned, {link} N = {n_ranks} at {_size(size)}")
+        size: tuned_cell(op, comparison, fused, f"{where} {describe_size(size)}")
         for size, comparison in measured.items()
     }
     return _between_sizes(cells, nbytes)
 
 
-def _size(nbytes: int) -> str:
+def describe_size(nbytes: int) -> str:
+    """`nbytes` in its largest whole binary unit: "12 MiB", "1.5 KiB", "512 B"."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= scale:
             return f"{nbytes / scale:g} {unit}"
@@ -576,9 +590,9 @@ def redecide(call: Call) -> Choice:
 
 
 def fused_in_auto(n_ranks: int, link: str, codec) -> bool:
-    """Whether "auto" may exchange through the fused kernels for a group of `n_ranks`: where a
-    table measured them for that group: the shipped one at N = 2, or this machine's tuned
-    table."""
+    """Whether "auto" may exchange through the fused kernels for a group of `n_ranks`: only
+    where a table measured them for that group size (the shipped one at N = 2, this machine's
+    tuned table at any N)."""
     if n_ranks == 2:
         return True
     table = _tuned.current()
@@ -617,7 +631,8 @@ def fused_kernel_runs(link: str, codec="taco", impl: str = "auto", mesh=None) ->
     )
 
 
-def _label(choice: Choice) -> str:
+def describe_choice(choice: Choice) -> str:
+    """What runs: "plain", the all-reduce's algorithm, or "compressed"."""
     if not choice.compress:
         return "plain"
     return "compressed" if choice.algorithm == "-" else choice.algorithm
@@ -634,24 +649,23 @@ def summary(
 
     link = resolve_link(link)
     codec = codecs.get_codec(codec) if isinstance(codec, str) else codec
-    key = _tuned.codec_key(codec)
     fused = fused_kernel_runs(link, codec) if fused is None else fused
-    lines = []
-    for op in TABLE_OPS:
-        may_fuse = fused and fused_in_auto(n_ranks, link, codec)
-        table = _tuned.current()
-        entry = table.entry(n_ranks, link) if table is not None else None
-        sizes = sorted(s for s, cell in (entry or {}).get(op, {}).items() if key in cell)
+    may_fuse = fused and fused_in_auto(n_ranks, link, codec)
+    return "\n".join(_summary_line(op, link, n_ranks, codec, may_fuse) for op in TABLE_OPS)
+
+
+def _summary_line(op: str, link: str, n_ranks: int, codec, fused: bool) -> str:
+    key = _tuned.codec_key(codec)
+    table = _tuned.current()
+    entry = (table.entry(n_ranks, link) if table is not None else None) or {}
+    sizes = sorted(size for size, cell in entry.get(op, {}).items() if key in cell)
+    if sizes:
         origin = "tuned"
-        if not sizes:
-            rows = _policy_table.SPEEDUPS[link][TABLE_OPS[op]]
-            sizes, origin = sorted({s for per_size in rows.values() for s in per_size}), "shipped"
-        parts = []
-        for size in sizes:
-            if origin == "tuned":
-                choice = tuned_choice(op, link, n_ranks, size, key, may_fuse)
-            else:
-                choice = measured_choice(op, link, n_ranks, size, may_fuse)
-            parts.append(f"{_size(size)} {_label(choice)}")
-        lines.append(f"{op} on {link}, N = {n_ranks} ({origin}): " + ", ".join(parts))
-    return "\n".join(lines)
+        chosen = [tuned_choice(op, link, n_ranks, size, key, fused) for size in sizes]
+    else:
+        origin = "shipped"
+        rows = _policy_table.SPEEDUPS[link][TABLE_OPS[op]]
+        sizes = sorted({size for per_size in rows.values() for size in per_size})
+        chosen = [measured_choice(op, link, n_ranks, size, fused) for size in sizes]
+    parts = [f"{describe_size(s)} {describe_choice(c)}" for s, c in zip(sizes, chosen, strict=True)]
+    return f"{op} on {link}, N = {n_ranks} ({origin}): " + ", ".join(parts)

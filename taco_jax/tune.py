@@ -316,8 +316,9 @@ def _progress(group: Group, op: str, size: int, result: dict) -> str:
     parts = [f"plain {first['plain_s'] * 1e6:.1f} us (A/A [{lo:.2f}, {hi:.2f}])"]
     for codec, comparison in result.items():
         for algorithm, stats in comparison["variants"].items():
-            parts.append(f"{codec} {algorithm} {policy._ratio(stats)} {stats['verdict']}")
-    return f"N = {group.n_ranks} {group.link} {op} {policy._size(size)}: " + ", ".join(parts)
+            parts.append(f"{codec} {algorithm} {policy.describe_ratio(stats)} {stats['verdict']}")
+    where = f"N = {group.n_ranks} {group.link} {op} {policy.describe_size(size)}"
+    return f"{where}: " + ", ".join(parts)
 
 
 # Counting a step's collectives ---------------------------------------------------------------
@@ -450,7 +451,7 @@ def predict(
         entry = table.entry(call.n_ranks, link) or {}
         cell = entry.get(call.op, {}).get(call.nbytes, {})
         comparison = cell.get(call.codec) or next(iter(cell.values()), None)
-        what = f"{call.op} {policy._size(call.nbytes)} x {count}"
+        what = f"{call.op} {policy.describe_size(call.nbytes)} x {count}"
         if comparison is None:
             unmeasured.append(what)
             continue
@@ -460,7 +461,7 @@ def predict(
         if choice.compress:
             name = _chosen_variant(call, choice, comparison["variants"])
             stats = comparison["variants"][name]
-            seconds, label = stats["seconds"], f"{name} {policy._ratio(stats)}"
+            seconds, label = stats["seconds"], f"{name} {policy.describe_ratio(stats)}"
         plain += count * plain_s
         chosen += count * seconds
         lines.append(
@@ -549,9 +550,9 @@ def _say_choices(entries: dict) -> None:
                     if not comparison["variants"]:
                         continue
                     fused = "fused" in comparison["variants"]  # timed only where it runs
-                    where = f"N = {n} on {link}, {op} {policy._size(size)}"
+                    where = f"N = {n} on {link}, {op} {policy.describe_size(size)}"
                     choice = policy.tuned_cell(op, comparison, fused, where)
-                    _say(f"{codec} -> {policy._label(choice)}: {choice.reason}")
+                    _say(f"{codec} -> {policy.describe_choice(choice)}: {choice.reason}")
 
 
 if __name__ == "__main__":
