@@ -439,36 +439,51 @@ def predict(
 ) -> Prediction:
     """The step of `counted` collectives (`step_collectives`) of TP groups on `link` ("vmap":
     emulated) priced by `table`: per collective its count x the measured seconds of the plain
-    collective and of what `policy.redecide` chooses now, at the call's exact size (a size the
-    table did not measure is named in `unmeasured`)."""
+    collective and of what `policy.redecide` chooses now, at the call's exact size (a size or
+    an algorithm the table did not measure is named in `unmeasured`, and left out of both)."""
     plain = chosen = 0.0
     lines, unmeasured = [], []
     grouped: dict = collections.defaultdict(int)
     for call, count in counted:
         grouped[call] += count
     for call, count in grouped.items():
-        choice = policy.redecide(call)
-        entry = table.entry(call.n_ranks, link) or {}
-        cell = entry.get(call.op, {}).get(call.nbytes, {})
-        comparison = cell.get(call.codec) or next(iter(cell.values()), None)
         what = f"{call.op} {policy.describe_size(call.nbytes)} x {count}"
-        if comparison is None:
+        priced = _priced(call, table.entry(call.n_ranks, link) or {})
+        if priced is None:
             unmeasured.append(what)
             continue
-        plain_s = comparison["plain_s"]
-        seconds = plain_s
-        label = "plain"
-        if choice.compress:
-            name = _chosen_variant(call, choice, comparison["variants"])
-            stats = comparison["variants"][name]
-            seconds, label = stats["seconds"], f"{name} {policy.describe_ratio(stats)}"
+        plain_s, seconds, label = priced
         plain += count * plain_s
         chosen += count * seconds
-        lines.append(
-            f"{what} ({call.codec}, N = {call.n_ranks} on {link}): "
-            f"{label}, {plain_s * 1e6:.1f} -> {seconds * 1e6:.1f} us"
-        )
+        where = f"{call.codec}, N = {call.n_ranks} on {link}"
+        lines.append(f"{what} ({where}): {label}, {plain_s * 1e6:.1f} -> {seconds * 1e6:.1f} us")
     return Prediction(plain, chosen, tuple(lines), tuple(unmeasured))
+
+
+def _priced(call: policy.Call, entry: dict) -> tuple[float, float, str] | None:
+    """(plain seconds, seconds of what runs, what runs with its measured ratio) of one call,
+    or None where the entry has no time for it. The identity codec's calls take the plain
+    time of any codec's comparison of their op and size."""
+    cell = entry.get(call.op, {}).get(call.nbytes, {})
+    comparison = cell.get(call.codec)
+    if comparison is None and call.cfg.codec.is_identity:
+        comparison = next(iter(cell.values()), None)
+    if comparison is None:
+        return None
+    plain_s, variants_ = comparison["plain_s"], comparison["variants"]
+    choice = policy.redecide(call)
+    if not choice.compress:
+        right = {a: s for a, s in variants_.items() if s["verdict"] != "wrong"}
+        if not right:
+            return plain_s, plain_s, "plain"
+        best = max(right, key=lambda a: right[a]["median"])
+        stats = right[best]
+        return plain_s, plain_s, f"plain ({best} {policy.describe_ratio(stats)} {stats['verdict']})"
+    name = _chosen_variant(call, choice, variants_)
+    if name not in variants_:
+        return None
+    stats = variants_[name]
+    return plain_s, stats["seconds"], f"{name} {policy.describe_ratio(stats)} {stats['verdict']}"
 
 
 # The command ---------------------------------------------------------------------------------

@@ -560,6 +560,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
     finally:  # Also after a non-finite loss: the plot shows where it went wrong.
         ckpt.close()
         writer.close()
+        tuning.finish()
         if lead:
             records = metrics.read_jsonl(run.out / "metrics.jsonl")
             metrics.plot_losses(records, run.out / "loss.png", str(run.out))

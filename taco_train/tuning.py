@@ -67,6 +67,12 @@ def agreed_table() -> _tuned.Table | None:
     return table
 
 
+def finish() -> None:
+    """The run's table is this process's no more (the next run, or the library, reads the
+    file again)."""
+    _tuned.uninstall()
+
+
 def _step_calls(run, state, build_steps: Callable) -> list[tuple[policy.Call, int]]:
     """The TP collectives of one train step with their counts, from a trace of a fresh build of
     the steps (the run's own are traced when compiled, after the table is final)."""

@@ -42,6 +42,14 @@ def choice_of(op, variants: dict, fused_runs: bool = False):
     return policy.tuned_cell(op, comparison(**variants), fused_runs, "here")
 
 
+@pytest.fixture(autouse=True)
+def no_table_installed():
+    """Each test starts with the file's table (no table a trainer of this process installed)."""
+    _tuned.uninstall()
+    yield
+    _tuned.uninstall()
+
+
 @pytest.fixture
 def installed():
     """Installs a table for this test only (a process's table, as the trainer installs it)."""
@@ -170,7 +178,8 @@ def _call(op, nbytes, codec="taco", compress_algorithm=None, n_ranks=2):
 def test_the_prediction_is_counts_times_measured_times(installed):
     """Each collective's count x the measured seconds of the plain op and of what the policy
     chooses now (here from the installed table: one-shot at 256 KiB, plain at 64 KiB); the
-    identity codec's calls cost the plain time of their size; an unmeasured size is named."""
+    identity codec's calls cost the plain time of their size; an unmeasured size, or a codec
+    the table did not measure, is named and left out."""
     level = comparison(plain_s=2e-4, one_shot=variant(1.0, 0.97, 1.03, seconds=2e-4))
     pays = comparison(plain_s=1e-3, one_shot=variant(1.25, 1.2, 1.3, seconds=8e-4))
     gather = comparison(plain_s=5e-4, **{"-": variant(1.0, 0.97, 1.03, seconds=5e-4)})
@@ -187,11 +196,21 @@ def test_the_prediction_is_counts_times_measured_times(installed):
         (_call("all_reduce", 64 * KiB), 3),
         (_call("all_gather", 64 * KiB, codec="none"), 2),
         (_call("reduce_scatter", 64 * KiB), 5),  # not measured
+        (_call("all_reduce", 256 * KiB, codec="int6_hadamard"), 7),  # another codec: not measured
     ]
     prediction = tune.predict(counted, table, "shm")
     assert prediction.plain_s == pytest.approx(12 * 1e-3 + 3 * 2e-4 + 2 * 5e-4)
     assert prediction.chosen_s == pytest.approx(12 * 8e-4 + 3 * 2e-4 + 2 * 5e-4)
-    assert prediction.unmeasured == ("reduce_scatter 64 KiB x 5",)
+    assert prediction.unmeasured == ("reduce_scatter 64 KiB x 5", "all_reduce 256 KiB x 7")
+    lines = "\n".join(prediction.lines)
+    assert (
+        "all_reduce 256 KiB x 12 (taco@128, N = 2 on shm): one_shot 1.25x [1.20, 1.30] faster"
+        in lines
+    )
+    assert (
+        "all_reduce 64 KiB x 3 (taco@128, N = 2 on shm): plain (one_shot 1.00x [0.97, 1.03] level)"
+        in lines
+    )
     assert "-2.40 ms" in prediction.line() and "-24.0% of a 10.0 ms step" in prediction.line(1e-2)
 
 
