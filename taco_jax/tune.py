@@ -316,7 +316,8 @@ def _progress(group: Group, op: str, size: int, result: dict) -> str:
     parts = [f"plain {first['plain_s'] * 1e6:.1f} us (A/A [{lo:.2f}, {hi:.2f}])"]
     for codec, comparison in result.items():
         for algorithm, stats in comparison["variants"].items():
-            parts.append(f"{codec} {algorithm} {policy.describe_ratio(stats)} {stats['verdict']}")
+            measured = f"{policy.describe_ratio(stats)} {stats['verdict']}"
+            parts.append(f"{codec} {algorithm} {stats['seconds'] * 1e6:.1f} us {measured}")
     where = f"N = {group.n_ranks} {group.link} {op} {policy.describe_size(size)}"
     return f"{where}: " + ", ".join(parts)
 
