@@ -334,9 +334,11 @@ def step_collectives(
     `calls` these are) with how many times one run of the program runs it: the equations of
     each call carry its scope's token, and where they appear counts, times the lengths of the
     `lax.scan`s around them. A call counts once per (sub)program that holds some of its
-    equations computed from the program's inputs (`_count`): the forward pass, the backward
-    pass, and a remat's recomputation each.
-    A `cond` counts its branch of the most calls; a `while` loop its body once."""
+    equations computed from the program's inputs (`_count`): the forward and the backward pass
+    each. A `cond` counts its branch of the most calls; a `while` loop its body once.
+    Not seen: a remat's recomputation of a collective (each is a `custom_vjp` op, whose primal
+    JAX traces without the caller's scopes); the models' remat keeps the collectives' outputs
+    (`REMAT_SAVED_NAMES`), so none of theirs is recomputed."""
     counts: collections.Counter = collections.Counter()
     root = jaxpr.jaxpr if isinstance(jaxpr, jex_core.ClosedJaxpr) else jaxpr
     _count(root, 1, None, calls, counts)
