@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
+from taco_jax import policy
 from taco_jax.jax_workarounds import concrete_mesh
 
 IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
@@ -148,8 +149,6 @@ def _mesh_axis(axis_name, mesh) -> bool:
 
 
 def _resolve_link(link: str, axis_name, mesh) -> str:
-    from taco_jax import policy  # the policy reads targets: imported here, not at the top
-
     if mesh is not None and link == "auto":
         return policy.mesh_link(mesh, axis_name).name
     return policy.resolve_link(link, axis_name)
