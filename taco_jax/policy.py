@@ -12,9 +12,9 @@ when their options are left at "auto" (`CommConfig.algorithm="auto"`,
   the plain collective (and, between two measured sizes, at both); below the smallest measured
   size, never. It runs the fastest algorithm measured there, or among those within `TIE` of it
   the one that quantizes least often. The "fused" rows (the kernels that store into the peers'
-  memory) are read only where those kernels run (`peer_writes`, and the caller's codec and
-  dtype). For N > 2 two-shot runs (fewer bytes than one-shot there) and its own N = 2 row
-  decides: a model, not a measurement.
+  memory) are read only where those kernels run (`Target.fused_exchange_possible`, and the
+  caller's codec and dtype). For N > 2 two-shot runs (fewer bytes than one-shot there) and its
+  own N = 2 row decides: a model, not a measurement.
 - Anywhere else (the CPU, or a TP group emulated with `jax.vmap(axis_name=...)`, where no bytes
   move) every message is compressed with two-shot, TACO's algorithm: what a numerics study wants.
 
@@ -43,6 +43,7 @@ import jax
 import numpy as np
 
 from taco_jax import _policy_table
+from taco_jax.jax_workarounds import concrete_mesh
 
 LINKS = ("auto", "nvlink", "shm", "socket")
 # Compress only where the measurement beat the plain collective by more than the run-to-run
@@ -212,7 +213,7 @@ def resolve_link(link: str, axis_name=None) -> str:
     devices), said once in the log."""
     if link != "auto":
         return link
-    mesh = _concrete_mesh()
+    mesh = concrete_mesh()
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     if mesh is not None and axis_name is not None and set(names) <= set(mesh.axis_names):
         found = mesh_link(mesh, axis_name)
@@ -288,69 +289,23 @@ def measured_choice(op: str, link: str, n_ranks: int, nbytes: int, fused: bool =
     return Choice(True, algorithm, f"{where}: measured {rows[best][near]:.2f}x")
 
 
-def on_real_link(axis_name) -> bool:
-    """Whether `axis_name` is a `shard_map` mesh axis of GPU devices (bytes really move)."""
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    manual = jax.sharding.get_abstract_mesh().manual_axes
-    return jax.default_backend() == "gpu" and all(name in manual for name in names)
-
-
-def peer_writes(cfg, axis_name) -> bool:
-    """Whether a kernel may store into the peers' memory along `axis_name` (the fused kernels):
-    one `shard_map` axis of GPUs on NVLink, driven by one process, in a mesh whose devices are
-    in row-major order where that is known (Mosaic GPU's rule; `_mesh_in_device_order`). Over
-    shared memory or sockets the link is NCCL's transport, which peer stores would bypass; PCIe
-    cards (whose device name says so) and GPUs of other processes or hosts are not reached by
-    peer stores here."""
-    return (
-        isinstance(axis_name, str)
-        and on_real_link(axis_name)
-        and resolve_link(cfg.link, axis_name) == "nvlink"
-        and jax.process_count() == 1
-        and "pcie" not in jax.devices()[0].device_kind.lower()
-        and _mesh_in_device_order()
-    )
-
-
-def _mesh_in_device_order() -> bool:
-    """False if the concrete mesh being traced is known and its devices are not 0, 1, ... in
-    row-major order. Under `shard_map(mesh=...)` jax 0.11.2 does not expose the concrete mesh
-    while tracing (only under `jax.set_mesh`); such a mesh must follow the rule itself, or
-    Mosaic GPU refuses it when the program is compiled."""
-    mesh = _concrete_mesh()
-    if mesh is None:
-        return True
-    ids = mesh.device_ids.ravel()
-    return bool((ids == np.arange(ids.size)).all())
-
-
-def _concrete_mesh() -> jax.sharding.Mesh | None:
-    """The concrete mesh being traced, where JAX exposes it (None: unknown)."""
-    try:  # a private function of jax 0.11 (no public one works inside jit); without it: unknown
-        from jax._src.mesh import get_concrete_mesh
-
-        mesh = get_concrete_mesh()
-    except (ImportError, AttributeError):
-        return None
-    return None if mesh is None or mesh.empty else mesh
-
-
 def choose(
-    cfg, op: str, nbytes: int, axis_name, n_ranks: int, *, fused_available: bool = False
+    cfg, op: str, nbytes: int, n_ranks: int, target, *, fused_available: bool = False
 ) -> Choice:
-    """The `Choice` for one collective of `cfg` (a `CommConfig`) on `nbytes` per rank.
+    """The `Choice` for one collective of `cfg` (a `CommConfig`) on `nbytes` per rank, traced for
+    `target` (a `taco_jax.target.Target`: whether bytes really move, and over which link).
 
     Explicit options win: `min_compress_bytes` (an int) decides whether, `algorithm` (not
     "auto") how; "auto" options come from the table on a real link, else as the module says.
-    `fused_available`: whether the "fused" algorithm's kernel runs here (`peer_writes`, and the
-    kernel takes the codec and dtype); where it does not, "fused" is "one_shot" and the table's
+    `fused_available`: whether the "fused" algorithm's kernel runs here (the target's
+    `fused_exchange_possible`, and the kernel takes the codec and dtype:
+    `pallas_kernels.registry.select`); where it does not, "fused" is "one_shot" and the table's
     "fused" measurements are not read.
     """
     asks_policy = cfg.min_compress_bytes is None or cfg.algorithm == "auto"
     measured = None
-    if asks_policy and on_real_link(axis_name):
-        link = resolve_link(cfg.link, axis_name)
-        measured = measured_choice(op, link, n_ranks, nbytes, fused_available)
+    if asks_policy and target.real_link:
+        measured = measured_choice(op, target.link, n_ranks, nbytes, fused_available)
     if cfg.min_compress_bytes is not None:
         compress = nbytes >= cfg.min_compress_bytes
         reason = f"min_compress_bytes={cfg.min_compress_bytes}"
@@ -377,14 +332,16 @@ def _label(choice: Choice) -> str:
     return "compressed" if choice.algorithm == "-" else choice.algorithm
 
 
-def summary(link: str = "auto", n_ranks: int = 2) -> str:
-    """One line per op: from which message size "auto" compresses on `link`, and how."""
+def summary(link: str = "auto", n_ranks: int = 2, *, fused: bool = False) -> str:
+    """One line per op: from which message size "auto" compresses on `link`, and how; `fused`:
+    whether the fused exchange's kernel runs there (`Target.fused_exchange_possible` of the TP
+    group, `taco_jax.target.probe(axis, link, mesh=mesh)`), else its rows are not read."""
     link = resolve_link(link)
     lines = []
     for op in TABLE_OPS:
         rows = _policy_table.SPEEDUPS[link][TABLE_OPS[op]]
         sizes = sorted({size for per_size in rows.values() for size in per_size})
-        chosen = [(size, measured_choice(op, link, n_ranks, size)) for size in sizes]
+        chosen = [(size, measured_choice(op, link, n_ranks, size, fused)) for size in sizes]
         parts = [f"{size >> 20} MiB {_label(c)}" for size, c in chosen]
         lines.append(f"{op} on {link}, N = {n_ranks}: " + ", ".join(parts))
     return "\n".join(lines)

@@ -478,12 +478,15 @@ def _say_policy(cfg: TrainConfig, out: Path, link: str = "auto") -> None:
     """Where the collectives' "auto" policy compresses on this machine's link, when it decides
     (TP over real GPUs with min_compress_bytes unset, docs/method.md "The auto policy"):
     printed, and kept in `collectives_policy.txt` beside the run's config, so a run recorded as
-    `taco` says where it really compressed. link: the TP link (`resolve_links`'s, or the
-    config's)."""
+    `taco` says where it really compressed, the fused exchange only where it runs on this
+    machine's TP groups. link: the TP link (`resolve_links`'s, or the config's)."""
     comp = cfg.compression
     real_tp = cfg.parallel.tp > 1 and cfg.parallel.mode == "shard_map"
-    if real_tp and comp.min_compress_bytes is None and jax.default_backend() == "gpu":
-        text = taco_jax.policy.summary(link, cfg.parallel.tp)
+    if not real_tp or comp.min_compress_bytes is not None:
+        return
+    tp = taco_jax.target.probe("tp", link, mesh=make_mesh(cfg.parallel))
+    if tp.real_link:  # GPUs: the policy decides from its table (elsewhere it compresses all)
+        text = taco_jax.policy.summary(tp.link, cfg.parallel.tp, fused=tp.fused_exchange_possible)
         _say(
             "collectives (auto policy, by message bytes per rank; set "
             "compression.min_compress_bytes=0 to compress every one):\n" + text
