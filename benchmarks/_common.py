@@ -7,6 +7,7 @@ that a table can say when and on which code a figure was measured (`tables.py`).
 
 from __future__ import annotations
 
+import argparse
 import ast
 import datetime
 import functools
@@ -25,9 +26,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from taco_jax import timing
+
 ENV_PREFIXES = ("NCCL_", "XLA_", "CUDA_VISIBLE_DEVICES", "JAX_", "TACO_JAX_")
 REPO = pathlib.Path(__file__).resolve().parents[1]
 KERNELS = REPO / "pallas_kernels"
+RESULTS = REPO / "benchmarks" / "results"
 COMMIT_ENV = "TACO_JAX_COMMIT"  # names the commit where the tree has no .git (a copied tree)
 
 
@@ -136,6 +140,29 @@ def write_record(
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {path}")
     return path
+
+
+def timed_script_options(p: argparse.ArgumentParser, budget_s: float, max_repeats: int) -> None:
+    """The options of a timed script: its comparisons' budget and rounds (`taco_jax.timing`),
+    a deadline, and where its record goes (`compare_options` reads them)."""
+    p.add_argument("--budget-s", type=float, default=budget_s, help="a comparison's budget")
+    p.add_argument("--min-repeats", type=int, default=timing.MIN_REPEATS, help="rounds, at least")
+    p.add_argument("--max-repeats", type=int, default=max_repeats, help="rounds, at most")
+    p.add_argument("--deadline", type=float, help="time.time() to stop at the minimum rounds")
+    p.add_argument("--suffix", default="", help="appended to the record's file name")
+    p.add_argument("--out", default=os.environ.get("OUT") or str(RESULTS))
+
+
+def compare_options(args) -> dict:
+    """`taco_jax.timing.compare`'s options, from `timed_script_options`' arguments."""
+    names = ("budget_s", "deadline", "min_repeats", "max_repeats")
+    return {name: getattr(args, name) for name in names}
+
+
+def tp_mesh(tp: int) -> jax.sharding.Mesh:
+    """A ("tp",) mesh of the first `tp` devices."""
+    auto = (jax.sharding.AxisType.Auto,)
+    return jax.make_mesh((tp,), ("tp",), devices=jax.devices()[:tp], axis_types=auto)
 
 
 def activation_like(leading: int, size: int, seed: int, dof: float) -> dict[str, jax.Array]:

@@ -61,14 +61,9 @@ ORBAX_WAIT = re.compile(r"Waiting for previous save to complete took [\d.]+ seco
 
 def run(overrides: tuple[str, ...], asynchronous: str, out_dir: Path) -> dict:
     """One training run; its checkpoint records, printed wall time and orbax's end wait."""
+    own = (f"run.async_checkpoint={asynchronous}", f"run.out_dir='{out_dir}'", "run.resume=false")
     argv = [sys.executable, "-m", "taco_train", "--config", "/dev/null"]
-    for override in (
-        *overrides,
-        f"run.async_checkpoint={asynchronous}",
-        f"run.out_dir='{out_dir}'",
-        "run.resume=false",
-    ):
-        argv += ["--set", override]
+    argv += [arg for override in (*overrides, *own) for arg in ("--set", override)]
     done = subprocess.run(argv, cwd=_common.REPO, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"the run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")

@@ -24,7 +24,6 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
-import pathlib  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -34,18 +33,10 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import taco_jax as tj  # noqa: E402
-from benchmarks._common import activation_like, write_record  # noqa: E402
+from benchmarks._common import RESULTS, activation_like, tp_mesh, write_record  # noqa: E402
 from taco_jax import tahquant, tahquant_adaptive  # noqa: E402
 from taco_jax.codecs import hadamard_matrix  # noqa: E402
 from taco_jax.telemetry import relative_error  # noqa: E402
-
-RESULTS = pathlib.Path(__file__).parent / "results"
-
-
-def datasets(tp: int, size: int, seed: int) -> dict[str, jax.Array]:
-    """Per-rank partial sums [tp, size]: Gaussian, Student-t (2 dof), outlier channels."""
-    return activation_like(tp, size, seed, dof=2.0)
-
 
 # 6-bit grids compared after the Hadamard (why `int6_hadamard` is an integer grid): each group
 # rotated, scaled by its absmax to the format's largest value, rounded to nearest, scaled back.
@@ -140,13 +131,11 @@ def main() -> None:
     codecs = [c for c in tj.CODEC_NAMES if c != "none"]
     results = {}
     for tp in args.tp:
-        mesh = jax.make_mesh(
-            (tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:tp]
-        )
-        data = datasets(tp, args.size, args.seed)
+        mesh = tp_mesh(tp)
+        data = activation_like(tp, args.size, args.seed, dof=2.0)  # each rank's partial sums
         results[tp] = {c: {name: measure(c, x, mesh) for name, x in data.items()} for c in codecs}
         print(f"TP = {tp} measured", flush=True)
-    one_rank = datasets(1, args.size, args.seed)
+    one_rank = activation_like(1, args.size, args.seed, dof=2.0)
     grids = {name: six_bit_grid_errors(x[0]) for name, x in one_rank.items()}
     bits = {c: tj.get_codec(c).bits_per_element for c in codecs}
     write_record(

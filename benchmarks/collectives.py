@@ -20,7 +20,6 @@ keeps every comparison's raw times.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import jax
@@ -30,8 +29,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from benchmarks._common import write_record
-from taco_jax import timing
+from benchmarks._common import compare_options, timed_script_options, tp_mesh, write_record
+from pallas_kernels import registry
+from taco_jax import target, timing
 from taco_jax.telemetry import relative_error
 
 MiB = 1 << 20
@@ -84,14 +84,18 @@ def _sampler(op, x: jax.Array, inner: int, mesh) -> timing.Sampler:
     return timing.wall(lambda: looped(x), per=inner)
 
 
-def _chosen(algorithm: str, tp: int, size: int, emulated: bool) -> str:
+def _chosen(codec: str, algorithm: str, tp: int, size: int, mesh) -> str:
     """The all-reduce algorithm a row runs; for "auto", what `taco_jax.policy` chose on this
-    machine's link ("plain": the lax collective itself; two-shot where no bytes move)."""
+    machine's link, "fused" only where its kernel runs here ("plain": the lax collective
+    itself; two-shot where no bytes move)."""
     if algorithm != "auto":
         return algorithm
-    if emulated or jax.default_backend() != "gpu":
+    where = target.probe("tp", mesh=mesh) if mesh is not None else target.Target()
+    if not where.real_link:
         return "auto:two_shot"
-    choice = tj.policy.measured_choice("all_reduce", "auto", tp, size)
+    codec = tj.collectives.collective_codec(codec)
+    exchange = registry.select("encode_all_gather", codec, impl="auto", target=where)
+    choice = tj.policy.measured_choice("all_reduce", where.link, tp, size, exchange is not None)
     return "auto:" + (choice.algorithm if choice.compress else "plain")
 
 
@@ -126,18 +130,7 @@ def run(args) -> dict:
         groups = [(args.emulate, None)]
     else:
         sizes_tp = args.tp or [tp for tp in (2, 4, 8) if tp <= jax.device_count()]
-        groups = [
-            (
-                tp,
-                jax.make_mesh(
-                    (tp,),
-                    ("tp",),
-                    devices=jax.devices()[:tp],
-                    axis_types=(jax.sharding.AxisType.Auto,),
-                ),
-            )
-            for tp in sizes_tp
-        ]
+        groups = [(tp, tp_mesh(tp)) for tp in sizes_tp]
     rows, comparisons = [], []
     variants = [(c, s, a) for c in args.codecs for s in args.slices for a in args.algorithms]
     for tp, mesh in groups:
@@ -153,24 +146,12 @@ def run(args) -> dict:
                     samplers[variant_name(codec, algorithm, slices)] = _sampler(
                         _op(op, codec, slices, algorithm), x, args.inner, mesh
                     )
-                result = timing.compare(
-                    samplers,
-                    "lax",
-                    budget_s=args.budget_s,
-                    max_repeats=args.max_repeats,
-                    min_repeats=args.min_repeats,
-                    deadline=args.deadline,
-                )
+                result = timing.compare(samplers, "lax", **compare_options(args))
                 comparisons.append(dict(tp=tp, bytes=size, op=OPS[op], **result))
-                rows += _rows(tp, size, OPS[op], timed, checks, result, mesh is None)
+                rows += _rows(tp, size, OPS[op], timed, checks, result, mesh)
                 for row in rows[-len(samplers) :]:
                     print(_format(row), flush=True)
-    return {
-        "emulated": bool(args.emulate),
-        "inner": args.inner,
-        "rows": rows,
-        "comparisons": comparisons,
-    }
+    return dict(emulated=bool(args.emulate), inner=args.inner, rows=rows, comparisons=comparisons)
 
 
 def _pair_variants(variants: list[tuple]) -> list[tuple]:
@@ -184,7 +165,7 @@ def _pair_variants(variants: list[tuple]) -> list[tuple]:
     return out
 
 
-def _rows(tp, size, op, variants, checks, result, emulated) -> list[dict]:
+def _rows(tp, size, op, variants, checks, result, mesh) -> list[dict]:
     """One row per timed collective of a comparison: its median seconds and, for the
     compressed ones, the speedup over the lax collective (median, interval, verdict)."""
     times, summary = result["times_s"], result["summary"]
@@ -207,7 +188,8 @@ def _rows(tp, size, op, variants, checks, result, emulated) -> list[dict]:
             row.update(algorithm="-", speedup=1.0, aa=summary[timing.AA_RATIO])
         else:
             all_reduce = op == OPS["all_reduce"]
-            row["algorithm"] = _chosen(algorithm, tp, size, emulated) if all_reduce else algorithm
+            chosen = _chosen(codec, algorithm, tp, size, mesh) if all_reduce else algorithm
+            row["algorithm"] = chosen
             s = summary[name]
             row.update(speedup=s["median"], interval=s["interval"], verdict=s["verdict"])
             row.update(checks.get((codec, algorithm), {}))
@@ -237,27 +219,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slices", type=int, nargs="+", default=[1])
     p.add_argument("--algorithms", nargs="+", default=["auto"], choices=tj.collectives.ALGORITHMS)
     p.add_argument("--ops", nargs="+", default=["all_reduce", "pair"], choices=tuple(OPS))
-    p.add_argument(
-        "--tp",
-        type=int,
-        nargs="+",
-        default=[],
-        help="TP sizes over the GPUs (default: 2, 4, 8 where there are as many)",
-    )
+    p.add_argument("--tp", type=int, nargs="+", default=[], help="TP sizes (default 2, 4, 8)")
     p.add_argument("--emulate", type=int, default=0, help="N ranks under vmap on one device")
     p.add_argument("--inner", type=int, default=5, help="collectives per sample")
-    p.add_argument("--budget-s", type=float, default=30.0, help="per comparison")
-    p.add_argument("--min-repeats", type=int, default=timing.MIN_REPEATS)
-    p.add_argument("--max-repeats", type=int, default=30)
-    p.add_argument(
-        "--deadline",
-        type=float,
-        default=None,
-        help="time.time() after which comparisons stop at their minimum rounds",
-    )
     p.add_argument("--smoke", action="store_true", help="tiny sizes, few repeats (a CPU check)")
-    p.add_argument("--suffix", default="", help="appended to the record's file name")
-    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    timed_script_options(p, budget_s=30.0, max_repeats=30)
     return p
 
 

@@ -19,10 +19,11 @@ several seeds: the spread of its final validation loss is the noise floor a code
 must exceed, and each codec is compared with the baseline of its own seed and layout.
 
 Writes `<out>/convergence-<date>.json` (per run: final train/val loss, tokens, steps, wall
-time, mean relative error per compressed collective, the validation curve; the paired
-comparison; `python -m benchmarks.tables` draws the curves). `--merge FILE ...` keeps the runs
-of earlier records (runs already there are not repeated), so a study can be split over machines
-and sessions; `--report-only` trains nothing and only merges and compares.
+time, mean relative error per compressed collective, the validation curve) and prints the
+paired comparison; `python -m benchmarks.tables` makes its table and draws the curves.
+`--merge FILE ...` keeps the runs of earlier records (runs already there are not repeated), so
+a study can be split over machines and sessions; `--report-only` trains nothing and only
+merges and compares.
 
     python -m benchmarks.convergence --tp 4 --codecs none taco fp8 taco_no_ds int8 \
         --baseline-seeds 0 1 --set run.steps=600
@@ -42,6 +43,7 @@ import re
 import statistics
 import time
 
+from benchmarks import tables
 from benchmarks._common import write_record
 from taco_train import comm_error, metrics
 from taco_train.config import ConfigError, load_config
@@ -205,44 +207,18 @@ def summarize(records: list[dict], codec: str, layout: str, seed: int, wall: flo
     }
 
 
-def compare(runs: list[dict]) -> list[dict]:
-    """Final validation loss per codec and layout against the baseline of the same seed.
-
-    The seed sets both the initialization and the data order, and moves the final loss far more
-    than any working codec does, so each run is compared with the uncompressed run of its own
-    seed and layout (a paired difference); the baseline's seed-to-seed spread is reported beside
-    it.
-    """
-    rows = []
-    for layout in sorted({layout_of(r) for r in runs}):
-        group = [r for r in runs if layout_of(r) == layout]
-        base = {r["seed"]: r["final_val_loss"] for r in group if r["codec"] == "none"}
-        if not base:
-            continue
-        values = list(base.values())
-        spread = (max(values) - min(values)) / statistics.mean(values) * 100
-        for codec in sorted({r["codec"] for r in group}):
-            mine = [r for r in group if r["codec"] == codec]
-            if any(r.get("diverged") for r in mine):
-                rows.append({"layout": layout, "codec": codec, "val_loss": None, "diverged": True})
-                continue
-            paired = [
-                (r["final_val_loss"] - base[r["seed"]]) / base[r["seed"]] * 100
-                for r in mine
-                if r["seed"] in base
-            ]
-            rows.append(
-                {
-                    "layout": layout,
-                    "codec": codec,
-                    "val_loss": statistics.mean(r["final_val_loss"] for r in mine),
-                    "seeds": sorted(r["seed"] for r in mine),
-                    "paired_pct_vs_bf16": statistics.mean(paired) if paired else None,
-                    "paired_pct_per_seed": paired,
-                    "baseline_seed_spread_pct": spread if len(values) > 1 else None,
-                }
-            )
-    return rows
+def report(runs: list[dict]) -> None:
+    """Prints each codec's final validation loss against the bf16 run of its seed and layout,
+    the paired comparison of BENCHMARKS.md (`tables.paired`: the seed moves the loss far more
+    than a working codec does); a run that diverged, as such."""
+    finished = [r for r in runs if not r.get("diverged")]
+    runs_of = tables.runs_of([{"name": "this study", "runs": finished}])
+    for r in (r for r in runs if r.get("diverged")):
+        print(f"{layout_of(r)} {r['codec']:14s} seed {r['seed']} diverged")
+    for layout, codec in sorted({(r["layout"], r["codec"]) for r in runs_of}):
+        if codec != "none" and tables.pairs(runs_of, layout, codec):
+            p = tables.paired(runs_of, layout, codec)
+            print(f"{layout} {codec:14s} {tables.pm(p)} vs bf16, seeds {p['seeds']}")
 
 
 def write_results(args, runs: list[dict], out: pathlib.Path, sources: list[dict]) -> None:
@@ -257,7 +233,6 @@ def write_results(args, runs: list[dict], out: pathlib.Path, sources: list[dict]
         merged_from=args.merge,
         sources=sources,
         paper_pct_vs_bf16=PAPER,
-        comparison=compare(runs),
         runs=runs,
     )
 
@@ -329,16 +304,7 @@ def main() -> None:
         )
         write_results(args, runs, out, sources)  # after every run: a killed study keeps its results
     write_results(args, runs, out, sources)
-    for row in compare(runs):
-        if row.get("diverged"):
-            print(f"{row['layout']} {row['codec']:14s} diverged")
-            continue
-        spread = row["baseline_seed_spread_pct"]
-        print(
-            f"{row['layout']} {row['codec']:14s} val {row['val_loss']:.4f} paired "
-            f"{row['paired_pct_vs_bf16']:+.2f}% over seeds {row['seeds']} (baseline seed "
-            f"spread {'n/a' if spread is None else f'{spread:.2f}%'})"
-        )
+    report(runs)
 
 
 if __name__ == "__main__":

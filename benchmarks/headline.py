@@ -77,15 +77,8 @@ def multi_gpu_parts(n: int, links, dry: bool) -> list[Part]:
             f"{preset} tp={n} (shard_map) {c}" for c in ("none", *(f"{c} auto" for c in codecs))
         ]
         argv = ("--tp-preset", preset, "--tp-codecs", *codecs[1:], "--only", *only)
-        parts.append(
-            Part(
-                f"step-{link}",
-                "train_step",
-                (*argv, f"--suffix=-headline-{link}"),
-                LINKS[link],
-                2.0,
-            )
-        )
+        argv += (f"--suffix=-headline-{link}",)
+        parts.append(Part(f"step-{link}", "train_step", argv, LINKS[link], weight=2.0))
     return parts
 
 

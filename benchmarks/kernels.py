@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import os
 import statistics
 import time
 
@@ -32,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from benchmarks._common import write_record
+from benchmarks._common import compare_options, timed_script_options, write_record
 from pallas_kernels import (
     decode_kernel,
     decode_mosaic,
@@ -41,7 +40,7 @@ from pallas_kernels import (
     encode_mosaic,
     registry,
 )
-from taco_jax import codecs, timing
+from taco_jax import codecs, target, timing
 
 MiB = 1 << 20
 L2_FLUSH_BYTES = 256 * MiB  # > 4x the H200's 60 MB L2
@@ -101,12 +100,25 @@ def _ops(codec, peers: int, backends=("auto",), reference=False, interpret=False
     out = {}
     for i, (op, (bind, ref, kind, io)) in enumerate(ops.items()):
         for backend in backends:
-            if backend != "mosaic" or registry.mosaic_runs(codec):
+            if backend != "mosaic" or _mosaic_runs(codec):
                 name = op if backend == "auto" else f"{op}_{backend}"
                 out[name] = (jax.jit(bind(kernels[backend][i])), kind, io)
         if reference:
             out[f"{op}_reference"] = (jax.jit(ref), kind, io)
     return out
+
+
+def _registry_kernel(op: str, codec, n: int, peers: int, interpret: bool) -> str:
+    """The kernel the registry runs `op` of bf16 rows [peers, n] with, here."""
+    impl, dtype = "pallas_interpret" if interpret else "auto", jnp.bfloat16
+    dtype = None if op == "decode_sum_reencode" else dtype
+    where = target.probe()
+    return registry.select(op, codec, impl=impl, target=where, n=n, rows=peers, dtype=dtype).name
+
+
+def _mosaic_runs(codec) -> bool:
+    """Whether the Mosaic GPU kernels run `codec` here: a Hopper GPU, a codec they take."""
+    return target.probe().hopper and encode_mosaic.unsupported_codec(codec) is None
 
 
 def _inputs(codec, peers: int, elements: int, key, kind: str, rotate: bool) -> list[tuple]:
@@ -120,33 +132,24 @@ def _inputs(codec, peers: int, elements: int, key, kind: str, rotate: bool) -> l
     return out
 
 
-def bench(
-    key,
-    sizes,
-    codec_name="taco",
-    peers=(8,),
-    backends=("auto",),
-    reference=False,
-    interpret=False,
-    calls=None,
-    **compare,
-):
-    """Per peer count and message size (bytes of bf16): an XLA copy of the same bytes (a
-    negate, the baseline) and each op of `_ops`, in one program of dependent calls each,
-    interleaved with an A/A control (`timing.compare`). Rows and the comparisons' raw times."""
-    codec = codecs.get_codec(codec_name, 128)
+def bench(key, args):
+    """Per peer count (`args.peers`) and message size (`args.sizes_mib`, bytes of bf16): an XLA
+    copy of the same bytes (a negate, the baseline) and each op of `_ops`, in one program of
+    dependent calls each, interleaved with an A/A control (`timing.compare`). Rows and the
+    comparisons' raw times."""
+    codec, interpret = codecs.get_codec(args.codec, 128), args.interpret
     rows, comparisons = [], []
-    for p in peers:
-        ops = _ops(codec, p, backends, reference, interpret)
-        for size in sizes:
+    for p in args.peers:
+        ops = _ops(codec, p, args.backends, args.reference, interpret)
+        for size in (int(s * MiB) for s in args.sizes_mib):
             elements, rotate = size // 2, size >= MiB
-            calls_here = calls or (IN_PROGRAM_CALLS if rotate else LATENCY_CALLS)
+            calls_here = args.calls or (IN_PROGRAM_CALLS if rotate else LATENCY_CALLS)
             inputs = {k: _inputs(codec, p, elements, key, k, rotate) for k in ("x", "wire")}
             samplers = {"copy": timing.in_program(lambda x: -x, inputs["x"], calls_here)}
             for name, (fn, kind, _) in ops.items():
                 if "_mosaic" not in name or encode_mosaic.unsupported(codec, elements // p) is None:
                     samplers[name] = timing.in_program(fn, inputs[kind], calls_here)
-            result = timing.compare(samplers, "copy", **compare)
+            result = timing.compare(samplers, "copy", **compare_options(args))
             comparisons.append(dict(bytes=size, peers=p, calls=calls_here, **result))
             rows.append(_row(size, p, codec, ops, result, interpret))
             print(f"{p} peers, {size / MiB:g} MiB, % of the copy:", _shares(rows[-1]), flush=True)
@@ -166,17 +169,7 @@ def _row(size: int, peers: int, codec, ops, result, interpret: bool) -> dict:
         copy_in_program_s=median("copy"),
         copy_in_program_tbps=2 * size / median("copy") / 1e12,
         aa=summary[timing.AA_RATIO],
-        registry={
-            op: registry.kernel_for(
-                op,
-                codec,
-                n=n,
-                dtype=None if op == "decode_sum_reencode" else jnp.bfloat16,
-                peers=peers,
-                interpret=interpret,
-            )
-            for op in registry.OPS
-        },
+        registry={op: _registry_kernel(op, codec, n, peers, interpret) for op in registry.OPS},
         triton_launches={
             op: dataclasses.asdict(launch)
             for op, launch in (
@@ -210,7 +203,6 @@ def _shares(row: dict) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     p.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64, 256, 1024])
     p.add_argument("--codec", default="taco")
     p.add_argument("--peers", type=int, nargs="+", default=[8], help="rows of each message")
@@ -218,29 +210,11 @@ def main(argv=None):
     p.add_argument("--reference", action="store_true", help="also time the jnp references")
     p.add_argument("--interpret", action="store_true", help="Pallas' CPU interpreter (a check)")
     p.add_argument("--calls", type=int, default=None, help="calls a program (default: 16 or 200)")
-    p.add_argument("--budget-s", type=float, default=20.0, help="per size")
-    p.add_argument("--min-repeats", type=int, default=timing.MIN_REPEATS)
-    p.add_argument("--max-repeats", type=int, default=30)
-    p.add_argument("--deadline", type=float, default=None, help="time.time() to stop rounds at")
-    p.add_argument("--suffix", default="", help="appended to the record's file name")
+    timed_script_options(p, budget_s=20.0, max_repeats=30)
     args = p.parse_args(argv)
     if args.interpret and args.backends != ["auto"]:
         p.error("--interpret times the registry's kernels: --backends auto")
-    key = jax.random.key(int(time.time()))  # fresh data every run
-    compare = dict(budget_s=args.budget_s, deadline=args.deadline)
-    compare |= dict(min_repeats=args.min_repeats, max_repeats=args.max_repeats)
-    sizes = [int(s * MiB) for s in args.sizes_mib]
-    rows, comparisons = bench(
-        key,
-        sizes,
-        args.codec,
-        args.peers,
-        args.backends,
-        args.reference,
-        args.interpret,
-        args.calls,
-        **compare,
-    )
+    rows, comparisons = bench(jax.random.key(int(time.time())), args)  # fresh data every run
     write_record(
         "kernels" if args.codec == "taco" else f"kernels-{args.codec}",
         args.out,

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import pathlib
 import statistics
 import time
 import traceback
@@ -44,7 +43,12 @@ import numpy as np
 import optax
 
 import taco_jax
-from benchmarks._common import device_time_by_kernel, write_record
+from benchmarks._common import (
+    compare_options,
+    device_time_by_kernel,
+    timed_script_options,
+    write_record,
+)
 from taco_jax import timing
 from taco_models import ModelConfig, ParallelConfig, layers
 from taco_models.parallel import SCHEDULES
@@ -52,8 +56,6 @@ from taco_models.pipeline import StageCodecs
 from taco_train import metrics as run_metrics
 from taco_train.steps import make_steps
 from taco_train.zero import ZeroConfig
-
-RESULTS = pathlib.Path(__file__).parent / "results"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,16 +79,13 @@ def default_cases(args) -> list[Case]:
     one = ParallelConfig(remat=args.remat, scan_layers=not args.unroll)
     if args.smoke:
         tiny = ParallelConfig(tp=2, mode="vmap", scan_layers=not args.unroll)
+        # pp = 2 on fake CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=2+)
+        pp = pipeline_cases(args, 2, preset="gpt_tiny", overrides=(("n_layers", 4),))
         return [
             Case("gpt_tiny", "gpt_tiny", 4, one),
             Case("gpt_tiny tp=2 (vmap) none", "gpt_tiny", 4, tiny, "none"),
             Case("gpt_tiny tp=2 (vmap) taco", "gpt_tiny", 4, tiny, "taco", args.impl),
-            # pp = 2 on fake CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=2+)
-            *(
-                pipeline_cases(args, 2, preset="gpt_tiny", overrides=(("n_layers", 4),))
-                if jax.device_count() >= 2
-                else []
-            ),
+            *(pp if jax.device_count() >= 2 else []),
         ]
     # GPT-125M: 16 x 2048 tokens, activations ~20 GB without remat. GPT-1.3B: 8 x 2048 tokens,
     # ~2 MB of saved activations per token (~35 GB) and 21 GB of fp32 weights and Adam moments.
@@ -266,8 +265,7 @@ def run_group(group: list[Case], args) -> tuple[list[dict], dict | None]:
     if not built:
         return list(rows.values()), None
     samplers = {b.case.label: timing.wall(b.step) for b in built}
-    compare = dict(budget_s=args.budget_s, deadline=args.deadline, warmup=args.warmup)
-    compare |= dict(min_repeats=args.min_repeats, max_repeats=args.max_repeats)
+    compare = compare_options(args) | dict(warmup=args.warmup)
     try:
         result = timing.compare(samplers, built[0].case.label, **compare)
     except Exception as err:  # noqa: BLE001 - e.g. out of memory with every case resident
@@ -351,10 +349,7 @@ def parser() -> argparse.ArgumentParser:
     arg = p.add_argument
     arg("--smoke", action="store_true", help="tiny preset, 2 rounds (CPU check)")
     arg("--warmup", type=int, default=2, help="untimed rounds of steps")
-    arg("--budget-s", type=float, default=60.0, help="timing budget a group")
-    arg("--min-repeats", type=int, default=timing.MIN_REPEATS, help="rounds a group, at least")
-    arg("--max-repeats", type=int, default=20, help="rounds a group, at most")
-    arg("--deadline", type=float, default=None, help="time.time() to stop groups' rounds at")
+    timed_script_options(p, budget_s=60.0, max_repeats=20)
     arg("--batch-125m", type=int, default=16)
     arg("--batch-1p3b", type=int, default=8)
     arg("--tp-preset", default="gpt_1p3b", help="model of the real-TP runs")
@@ -384,8 +379,6 @@ def parser() -> argparse.ArgumentParser:
     arg("--unroll", action="store_true", help="unrolled layers instead of scan")
     arg("--profile-steps", type=int, default=0, help="then profile: device time per kernel")
     arg("--only", nargs="+", default=None, help="only the cases whose label holds one of these")
-    arg("--suffix", default="", help="appended to the record's file name")
-    arg("--out", default=os.environ.get("OUT") or str(RESULTS))
     return p
 
 

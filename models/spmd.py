@@ -14,23 +14,34 @@ batch). Where vmap differs from devices:
 - `lax.cond` on a rank's index runs both branches (a select);
 - jax 0.11.2's vmap rules take `lax.ppermute` with a full permutation only, and `all_gather` /
   `psum_scatter` over one axis name at a time (`taco_jax`'s collectives work around both);
-- the copies an out spec leaves out are not compared unless `CHECK_REPLICAS` is set.
+- the copies an out spec leaves out are not compared, but inside `replicas_checked()`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-# Tests set this: every output's copies along the mesh axes its spec leaves out must then be
-# bit-identical (checked on the host after each call), where `shard_map` would keep one
-# device's copy unseen.
-CHECK_REPLICAS = False
+_CHECK_REPLICAS = contextvars.ContextVar("check_replicas", default=False)
+
+
+@contextlib.contextmanager
+def replicas_checked(on: bool = True) -> Iterator[None]:
+    """Inside it (tests), every output's copies along the mesh axes its spec leaves out must be
+    bit-identical (checked on the host after each call), where `shard_map` would keep one
+    device's copy unseen. Read while a program is traced."""
+    token = _CHECK_REPLICAS.set(on)
+    try:
+        yield
+    finally:
+        _CHECK_REPLICAS.reset(token)
 
 
 def _is_spec(x) -> bool:
@@ -84,7 +95,7 @@ def _merge(y: jax.Array, spec: P, sizes: Mapping[str, int]) -> jax.Array:
     names = list(sizes)
     dims = _dim_axes(spec, y.ndim - len(names), sizes)
     named = _named(spec)
-    if CHECK_REPLICAS and named != set(names):
+    if _CHECK_REPLICAS.get() and named != set(names):
         _check_copies(y, [i for i, a in enumerate(names) if a not in named], spec)
     y = y[tuple(slice(None) if a in named else 0 for a in names)]
     kept = [a for a in names if a in named]

@@ -5,7 +5,7 @@ names them; kernels import `pl`, `plgpu` and `pltriton` from here and call them 
 `call` launches a Triton-lowered kernel (`pl.pallas_call`), `mosaic_kernel` a Mosaic GPU one
 (`plgpu.kernel`); both refuse buffers past the kernels' 32-bit offsets and type their outputs
 under `shard_map(check_vma=True)` as their inputs are typed. Which kernel runs where is decided
-in `registry` alone.
+in `registry.select` alone.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from taco_jax import target
 
 # Why this JAX cannot lower through Triton (None: it can).
 TRITON_IMPORT_ERROR: str | None = None
@@ -125,16 +127,9 @@ def mosaic_kernel(
     return jax.lax.pcast(out, missing, to="varying") if missing else out
 
 
-def hopper_gpu() -> bool:
-    """Whether the default device is a Hopper GPU (compute capability 9.x: wgmma, TMA)."""
-    if jax.default_backend() != "gpu":
-        return False
-    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
-
-
 def hopper_sms() -> int | None:
     """The SM count of the default device if it is a Hopper GPU that reports one, else None."""
-    return getattr(jax.devices()[0], "core_count", None) if hopper_gpu() else None
+    return getattr(jax.devices()[0], "core_count", None) if target.probe().hopper else None
 
 
 def smem_bytes(scratch) -> int:

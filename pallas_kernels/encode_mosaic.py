@@ -113,11 +113,12 @@ MAX_TILES_PER_PROGRAM = 16
 MAX_STEPS_IN_FLIGHT = 3
 
 
-def default_config(rows: int, tiles_per_row: int) -> MosaicConfig:
+def default_config(rows: int, tiles_per_row: int, sms: int | None = None) -> MosaicConfig:
     """Of the program lengths t <= 16 that divide a row, the one of most estimated throughput:
     the grid's occupancy of whole waves times t / (t + PROGRAM_OVERHEAD_TILES); ties to the
-    longer. Under `jax.vmap` the grid is the batch times the one sized here."""
-    at_once = (_pallas.hopper_sms() or HOPPER_SMS) * PROGRAMS_PER_SM
+    longer. Under `jax.vmap` the grid is the batch times the one sized here. sms: the GPU's SM
+    count (None: the device's, else `HOPPER_SMS`)."""
+    at_once = (sms or _pallas.hopper_sms() or HOPPER_SMS) * PROGRAMS_PER_SM
 
     def throughput(t: int) -> float:
         programs = rows * tiles_per_row // t

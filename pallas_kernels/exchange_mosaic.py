@@ -43,6 +43,9 @@ _TILE = TILE_GROUPS
 # resident at once (one program per SM: its shared memory, ~100 KiB, leaves room for NCCL's
 # kernels beside it).
 MAX_PROGRAMS = 128
+# Rows are padded to a multiple of this many elements: 16 tiles of 64 groups of 128, so that a
+# row splits into up to 16 x its length / 2^17 programs (`launch`).
+ROW_MULTIPLE = 16 * TILE_GROUPS * GROUP_SIZE
 
 
 def max_programs() -> int:

@@ -3,7 +3,7 @@
 Public API:
   compressed_psum, compressed_psum_scatter, compressed_all_gather  (collectives.py)
   compressed_ppermute: pipeline stage-to-stage sends                 (ppermute.py)
-  CommConfig, comm_config: the collective options and their defaults
+  CommConfig, comm_config: the collective options and their defaults (comm_config.py)
   TPComm, copy_to_tp, reduce_from_tp, gather_from_sp, scatter_to_sp (tp.py: Megatron f / g)
   gspmd: column_parallel_dense, row_parallel_dense for GSPMD (pjit-style) models
   Codec, Payload, get_codec, CODEC_NAMES, roundtrip                 (codecs.py)

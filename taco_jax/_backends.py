@@ -1,10 +1,11 @@
 """Which implementation runs the codec operations of the collectives.
 
 The collectives speak to codecs only through `CodecOps`, on packed wire buffers (uint8 rows of
-`codec.wire_bytes(n)` bytes; see `codecs.pack`). The "xla" ops are the packed-wire jnp
-references of `taco_jax.codecs`; the "pallas" ops are the fused kernels of `pallas_kernels`,
-imported on first use (they import the codec definition, never this module). A backend never
-changes the reference, and every backend is tested against it.
+`codec.wire_bytes(n)` bytes; see `codecs.pack`). "xla" runs the packed-wire jnp references of
+`taco_jax.codecs`; the kernels' ops ask `pallas_kernels.registry.select` what runs each call on
+the `taco_jax.target.Target` the op is traced for. `pallas_kernels` is imported on first use
+(it imports the codec definitions and the target, never this module). A backend never changes
+the reference, and every backend is tested against it.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ import jax.numpy as jnp
 
 from taco_jax import codecs, tahquant
 from taco_jax.codecs import Codec
-
-IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
+from taco_jax.target import Target, wants_kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +43,19 @@ XLA_OPS = CodecOps(
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class StageOps:
+    """Packed-wire operations of the TAH-Quant codecs (`taco_jax.tahquant`)."""
+
+    encode: Callable
+    """(codec, x[R, n], key) -> wire[R, B] (key: the stochastic rounding's PRNG key)."""
+    decode: Callable
+    """(codec, wire[R, B], n, dtype) -> x[R, n]."""
+
+
+STAGE_REFERENCE = StageOps(tahquant.encode_wire, tahquant.decode_wire)
+
+
 @functools.cache
 def _kernels():
     """The `pallas_kernels` module, or the ImportError that stopped it (imported once)."""
@@ -53,31 +66,22 @@ def _kernels():
     return pallas_kernels
 
 
-def _fused(kernel, reference, interpret: bool, fallback: bool):
-    """`kernel` for compressing codecs; the reference for the identity codec "none"."""
-
-    def op(codec: Codec, *args):
-        if codec.is_identity:
-            return reference(codec, *args)
-        return kernel(codec, *args, interpret=interpret, fallback=fallback)
-
-    return op
-
-
-@functools.cache
-def _pallas_ops(interpret: bool, fallback: bool) -> CodecOps:
+def _registry(impl: str, target: Target):
+    """`pallas_kernels.registry` where `impl` asks for the kernels on `target`, else None (the
+    reference). Where the kernels fail to import, "auto" runs the reference with one warning,
+    naming the import error, and the others raise it."""
+    if not wants_kernels(impl, target):
+        return None
     kernels = _kernels()
-    if isinstance(kernels, ImportError):
-        raise ImportError(
-            "impl='pallas' needs the fused kernels of the pallas_kernels package, which failed "
-            f"to import: {kernels!r}"
-        ) from kernels
-    return CodecOps(
-        *(
-            _fused(getattr(kernels, name), getattr(XLA_OPS, name), interpret, fallback)
-            for name in ("encode", "decode", "decode_sum", "decode_sum_reencode")
-        )
-    )
+    if not isinstance(kernels, ImportError):
+        return kernels.registry
+    if impl == "auto":
+        _warn_fallback(repr(kernels))
+        return None
+    raise ImportError(
+        f"impl={impl!r} needs the fused kernels of the pallas_kernels package, which failed "
+        f"to import: {kernels!r}"
+    ) from kernels
 
 
 @functools.cache
@@ -91,40 +95,54 @@ def _warn_fallback(error: str) -> None:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class StageOps:
-    """Packed-wire operations of the TAH-Quant codecs (`taco_jax.tahquant`)."""
+def get_ops(impl: str, target: Target) -> CodecOps:
+    """The TP codec ops for `impl` ("xla", "pallas", "pallas_interpret": the kernels in Pallas'
+    CPU interpreter, or "auto") on `target`.
 
-    encode: Callable
-    """(codec, x[R, n], key) -> wire[R, B] (key: the stochastic rounding's PRNG key)."""
-    decode: Callable
-    """(codec, wire[R, B], n, dtype) -> x[R, n]."""
+    "auto" runs the kernels on a GPU, else the reference; on a GPU where the kernels cannot be
+    imported it runs the reference and warns once, naming the import error ("pallas" raises
+    it). What runs each call is `pallas_kernels.registry.select`'s choice; where that kernel
+    cannot take a call, "auto" runs the reference there (one warning; `reference_ops` lists
+    it) and "pallas" raises, naming the call.
+    """
+    if _registry(impl, target) is None:
+        return XLA_OPS
+    return _kernel_ops(impl, target)
 
 
-def get_stage_ops(impl: str) -> StageOps:
-    """The TAH-Quant ops for `impl`, chosen as `get_ops` chooses: the fused kernels of
-    `pallas_kernels.tahquant_kernel`, or the jnp reference (as `get_ops`: with a warning under
-    "auto" where the kernels cannot take a codec, an error naming it under "pallas")."""
-    if get_ops(impl) is XLA_OPS:
-        return StageOps(tahquant.encode_wire, tahquant.decode_wire)
-    kernels = _kernels().tahquant_kernel
-    options = (impl == "pallas_interpret", impl == "auto")  # interpret, fallback
-    return StageOps(
-        functools.partial(_stage_op, kernels.encode, tahquant.encode_wire, *options),
-        functools.partial(_stage_op, kernels.decode, tahquant.decode_wire, *options),
+@functools.cache
+def _kernel_ops(impl: str, target: Target) -> CodecOps:
+    options = dict(interpret=impl == "pallas_interpret", fallback=impl == "auto", target=target)
+    kernels = _kernels()
+    return CodecOps(
+        *(functools.partial(getattr(kernels, op), **options) for op in kernels.registry.OPS)
     )
 
 
-def codec_ops(impl: str, codec: Codec | tahquant.TahQuant) -> CodecOps:
-    """The collectives' ops for `codec` under `impl`: `get_ops(impl)` for a TP `Codec`; for a
-    TAH-Quant codec (TAH-Quant on TP traffic), its stage encode and decode (`get_stage_ops`),
-    with the sums in fp32 in rank order as `codecs.decode_sum_wire` does."""
+def stage_ops(impl: str, target: Target) -> StageOps:
+    """The TAH-Quant ops for `impl` on `target`, chosen as `get_ops` chooses: the fused kernels
+    of `pallas_kernels.tahquant_kernel`, or the reference (with a warning under "auto" where
+    the kernels cannot take a codec, an error naming it under "pallas")."""
+    registry = _registry(impl, target)
+    if registry is None:
+        return STAGE_REFERENCE
+
+    def op(name, codec, *args):
+        return registry.select(name, codec, impl=impl, target=target)(codec, *args)
+
+    return StageOps(functools.partial(op, "encode"), functools.partial(op, "decode"))
+
+
+def codec_ops(impl: str, codec: Codec | tahquant.TahQuant, target: Target) -> CodecOps:
+    """The collectives' ops for `codec` under `impl` on `target`: `get_ops` for a TP `Codec`;
+    for a TAH-Quant codec (TAH-Quant on TP traffic), its stage encode and decode
+    (`stage_ops`), with the sums in fp32 in rank order as `codecs.decode_sum_wire` does."""
     if isinstance(codec, Codec):
-        return get_ops(impl)
-    return _stage_collective_ops(get_stage_ops(impl))
+        return get_ops(impl, target)
+    return stage_collective_ops(stage_ops(impl, target))
 
 
-def _stage_collective_ops(stage: StageOps) -> CodecOps:
+def stage_collective_ops(stage: StageOps) -> CodecOps:
     """`CodecOps` built from a TAH-Quant codec's encode and decode (no fused sums)."""
 
     def encode(codec, x):
@@ -145,81 +163,33 @@ def _stage_collective_ops(stage: StageOps) -> CodecOps:
     return CodecOps(encode, stage.decode, decode_sum, decode_sum_reencode)
 
 
-def _stage_op(kernel, reference, interpret: bool, fallback: bool, codec, *args):
-    """The kernel where the registry gives it the call (`pallas_kernels.registry.stage_kernel`:
-    the codec's groups, the Triton lowering), else the reference, said or refused there."""
-    registry = _kernels().registry
-    if registry.stage_kernel(codec, interpret=interpret, fallback=fallback) == "reference":
-        return reference(codec, *args)
-    return kernel(codec, *args, interpret=interpret)
-
-
-# The fused all-gather takes rows of a multiple of this many elements: 16 tiles of 64 groups of
-# 128, so that a row splits into up to 16 x its length / 2^17 programs (`exchange_mosaic.launch`).
-FUSED_ROW_MULTIPLE = 16 * 64 * 128
-
-
-FUSED_KINDS = ("all_gather", "all_to_all")
-
-
-def fused_exchange(kind: str, impl: str, codec: Codec, x: jax.Array, axis_name: str):
-    """The fused encode + exchange kernel of `pallas_kernels.exchange_mosaic` for `kind`
-    ("all_gather": x[R, n] -> wire[N, R, B]; "all_to_all": x[N, n] -> wire[N, B]) bound to
-    (codec, axis_name, its size), where `impl` runs compiled kernels, the registry runs Mosaic
-    GPU kernels for `codec`, and the kernel takes `x` (`exchange_mosaic.unsupported`); else
-    None. The caller vouches for the link (peer stores need NVLink) and for the axis (one
-    `shard_map` mesh axis)."""
-    if kind not in FUSED_KINDS:
-        raise ValueError(f"unknown fused exchange {kind=}; choose one of {FUSED_KINDS}")
-    if not isinstance(codec, Codec) or impl not in ("auto", "pallas") or get_ops(impl) is XLA_OPS:
+def exchange(kind: str, impl: str, codec, target: Target, *, rows: int = 1, n=None, dtype=None):
+    """The fused encode + exchange (`pallas_kernels.registry.select`: "encode_all_gather",
+    x[R, n] -> wire[N, R, B], or "encode_all_to_all", x[N, n] -> wire[N, B]) of `rows` rows of
+    `n` elements (None: any) of `dtype`, where it runs on `target`; else None."""
+    registry = _registry(impl, target)
+    if registry is None:
         return None
-    kernels = _kernels()
-    exchange = kernels.exchange_mosaic
-    if not kernels.registry.mosaic_runs(codec) or exchange.unsupported(codec, x) is not None:
-        return None
-    kernel = getattr(exchange, f"encode_{kind}")
-    return functools.partial(
-        kernel, codec, axis_name=axis_name, n_ranks=jax.lax.axis_size(axis_name)
-    )
+    return registry.select(kind, codec, impl=impl, target=target, n=n, rows=rows, dtype=dtype)
 
 
-def kernel_row_multiple(impl: str, codec: Codec | tahquant.TahQuant) -> int:
-    """What the collectives pad each row (per slice) to for `impl`'s kernels: whole groups, and
-    where compiled kernels run Mosaic GPU kernels for `codec`, whole rows of those
-    (`pallas_kernels.registry.row_multiple`; zero groups after the message, as any padding),
-    so that they take every row."""
-    if not isinstance(codec, Codec) or impl not in ("auto", "pallas") or get_ops(impl) is XLA_OPS:
+def row_multiple(impl: str, codec, target: Target) -> int:
+    """What the collectives pad each row (per slice) to for the ops `impl` runs on `target`:
+    whole groups, or whole rows of the Mosaic GPU kernels where they run `codec` (zero groups
+    after the message, as any padding), so that the kernels take every row."""
+    registry = _registry(impl, target)
+    if registry is None or not isinstance(codec, Codec | tahquant.TahQuant):
         return codec.group_size
-    return _kernels().registry.row_multiple(codec)
+    return registry.select("encode", codec, impl=impl, target=target).row_multiple
 
 
-def max_buffer_bytes(impl: str) -> int | None:
+def max_buffer_bytes(impl: str, target: Target) -> int | None:
     """The most bytes an operand or result of one kernel call may hold where `impl` runs the
-    kernels (their offsets are 32-bit: `pallas_kernels._pallas.MAX_BUFFER_BYTES`); None for the
-    jnp reference, which has no such limit."""
-    if get_ops(impl) is XLA_OPS:
+    kernels on `target` (their offsets are 32-bit: `pallas_kernels._pallas.MAX_BUFFER_BYTES`);
+    None for the jnp reference, which has no such limit."""
+    if _registry(impl, target) is None:
         return None
     return _kernels()._pallas.MAX_BUFFER_BYTES
-
-
-def get_ops(impl: str) -> CodecOps:
-    """The ops for `impl`: "xla", "pallas", "pallas_interpret" (the kernels in Pallas' CPU
-    interpreter) or "auto".
-
-    "auto" picks the fused kernels on a GPU backend, else "xla". On a GPU where the kernels
-    cannot be imported it falls back to "xla" and warns once, naming the import error; "pallas"
-    raises that error instead. Which kernel runs each op is `pallas_kernels.registry`'s
-    choice; where that kernel cannot take a call, "auto" runs the reference there (one
-    warning; `reference_ops` lists it) and "pallas" raises, naming the call.
-    """
-    if impl not in IMPLS:
-        raise ValueError(f"unknown {impl=}; choose one of {IMPLS}")
-    if impl == "xla" or (impl == "auto" and jax.default_backend() != "gpu"):
-        return XLA_OPS
-    if impl == "auto" and isinstance(_kernels(), ImportError):
-        _warn_fallback(repr(_kernels()))
-        return XLA_OPS
-    return _pallas_ops(interpret=impl == "pallas_interpret", fallback=impl == "auto")
 
 
 _IMPORT_FALLBACK: dict[str, str] = {}

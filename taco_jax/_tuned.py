@@ -89,12 +89,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TACO_JAX_CACHE") or Path.home() / ".cache" / "taco_jax")
 
 
-def default_path() -> Path:
-    """`$TACO_JAX_POLICY_FILE` where set (not empty), else this machine's file in
-    `cache_dir()`, named by its fingerprint."""
+def default_path(machine: dict[str, object] | None = None) -> Path:
+    """`$TACO_JAX_POLICY_FILE` where set (not empty), else the file in `cache_dir()` of the
+    machine whose fingerprint is `machine` (None: this one, `fingerprint()`), named by it."""
     if os.environ.get("TACO_JAX_POLICY_FILE"):
         return Path(os.environ["TACO_JAX_POLICY_FILE"])
-    text = json.dumps(fingerprint(), sort_keys=True)
+    text = json.dumps(fingerprint() if machine is None else machine, sort_keys=True)
     return cache_dir() / f"policy-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
 
 

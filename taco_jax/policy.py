@@ -16,9 +16,10 @@ when their options are left at "auto" (`CommConfig.algorithm="auto"`,
   the plain collective (and, between two measured sizes, at both); below the smallest measured
   size, never. It runs the fastest algorithm measured there, or among those within `TIE` of it
   the one that quantizes least often. The "fused" rows (the kernels that store into the peers'
-  memory) are read only where those kernels run (`peer_writes`, and the caller's codec and
-  dtype). For N > 2 two-shot runs (fewer bytes than one-shot there) and its own N = 2 row
-  decides: a model, not a measurement. One log line says so, and how to tune.
+  memory) are read only where those kernels run (`Target.fused_exchange_possible`, and the
+  caller's codec and dtype: `taco_jax.algorithms.fused_kernel_runs`). For N > 2 two-shot runs
+  (fewer bytes than one-shot there) and its own N = 2 row decides: a model, not a measurement.
+  One log line says so, and how to tune.
 - Anywhere else (the CPU without a tuned table, or a TP group emulated with
   `jax.vmap(axis_name=...)`, where no bytes move) every message is compressed with two-shot,
   TACO's algorithm: what a numerics study wants.
@@ -51,7 +52,8 @@ from collections.abc import Iterator, Sequence
 import jax
 import numpy as np
 
-from taco_jax import _policy_table, _tuned
+from taco_jax import _policy_table, _tuned, codecs
+from taco_jax.jax_workarounds import concrete_mesh
 
 LINKS = ("auto", "nvlink", "shm", "socket")
 # Compress only where the measurement beat the plain collective by more than the run-to-run
@@ -221,7 +223,7 @@ def resolve_link(link: str, axis_name=None) -> str:
     devices), said once in the log."""
     if link != "auto":
         return link
-    mesh = _concrete_mesh()
+    mesh = concrete_mesh()
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     if mesh is not None and axis_name is not None and set(names) <= set(mesh.axis_names):
         found = mesh_link(mesh, axis_name)
@@ -411,65 +413,18 @@ def _say_shipped(n_ranks: int, link: str, codec: str) -> None:
     LOG.warning("auto policy for %s: %s", codec, source(n_ranks, link, codec))
 
 
-def on_real_link(axis_name) -> bool:
-    """Whether `axis_name` is a `shard_map` mesh axis of GPU devices (bytes really move)."""
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    manual = jax.sharding.get_abstract_mesh().manual_axes
-    return jax.default_backend() == "gpu" and all(name in manual for name in names)
-
-
-def peer_writes(cfg, axis_name) -> bool:
-    """Whether a kernel may store into the peers' memory along `axis_name` (the fused kernels):
-    one `shard_map` axis of GPUs on NVLink, driven by one process, in a mesh whose devices are
-    in row-major order where that is known (Mosaic GPU's rule; `_mesh_in_device_order`). Over
-    shared memory or sockets the link is NCCL's transport, which peer stores would bypass; PCIe
-    cards (whose device name says so) and GPUs of other processes or hosts are not reached by
-    peer stores here."""
-    return (
-        isinstance(axis_name, str)
-        and on_real_link(axis_name)
-        and resolve_link(cfg.link, axis_name) == "nvlink"
-        and jax.process_count() == 1
-        and "pcie" not in jax.devices()[0].device_kind.lower()
-        and _mesh_in_device_order()
-    )
-
-
-def _mesh_in_device_order() -> bool:
-    """False if the concrete mesh being traced is known and its devices are not 0, 1, ... in
-    row-major order. Under `shard_map(mesh=...)` jax 0.11.2 does not expose the concrete mesh
-    while tracing (only under `jax.set_mesh`); such a mesh must follow the rule itself, or
-    Mosaic GPU refuses it when the program is compiled."""
-    mesh = _concrete_mesh()
-    if mesh is None:
-        return True
-    ids = mesh.device_ids.ravel()
-    return bool((ids == np.arange(ids.size)).all())
-
-
-def _concrete_mesh() -> jax.sharding.Mesh | None:
-    """The concrete mesh being traced, where JAX exposes it (None: unknown)."""
-    try:  # a private function of jax 0.11 (no public one works inside jit); without it: unknown
-        from jax._src.mesh import get_concrete_mesh
-
-        mesh = get_concrete_mesh()
-    except (ImportError, AttributeError):
-        return None
-    return None if mesh is None or mesh.empty else mesh
-
-
-def _on_mesh_axis(axis_name) -> bool:
-    """Whether `axis_name` is bound by `shard_map` (a mesh axis: bytes move), on any backend."""
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    manual = jax.sharding.get_abstract_mesh().manual_axes
-    return all(name in manual for name in names)
+def reads_link_off_gpu() -> bool:
+    """Whether a collective on a `shard_map` axis of devices other than GPUs (the CPU's) may read
+    its link: where this machine's tuned table is installed (`taco_jax.tune` measures any
+    devices), or while the collectives are `recording` (their link prices them). Only then does
+    `taco_jax.target.probe` find such an axis's link: no other choice reads it."""
+    return bool(_RECORDS) or _tuned.current() is not None
 
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """One collective as traced: what `choose` was asked, where, and what it chose. `link` is
-    the TP group's (`resolve_link`) on a mesh axis, None under `vmap` (and for the identity
-    codec); `real`: on GPUs (`on_real_link`)."""
+    """One collective as traced: what `choose` was asked, for which target (a
+    `taco_jax.target.Target`) along which axis, and what it chose."""
 
     cfg: object
     op: str
@@ -477,13 +432,17 @@ class Call:
     axis_name: object
     n_ranks: int
     fused_available: bool
-    link: str | None
-    real: bool
+    target: object
     choice: Choice
 
     @property
     def codec(self) -> str:
         return _tuned.codec_key(self.cfg.codec)
+
+    @property
+    def link(self) -> str | None:
+        """The TP group's link on a mesh axis (`Target.link`); None under `vmap`."""
+        return self.target.link
 
 
 _RECORDS: list[dict[int, list[Call]]] = []  # while `recording`: the calls by scope token
@@ -524,44 +483,48 @@ def call_scope() -> Iterator[None]:
 
 
 def choose(
-    cfg, op: str, nbytes: int, axis_name, n_ranks: int, *, fused_available: bool = False
+    cfg,
+    op: str,
+    nbytes: int,
+    n_ranks: int,
+    target,
+    *,
+    fused_available: bool = False,
+    axis_name=None,
 ) -> Choice:
-    """The `Choice` for one collective of `cfg` (a `CommConfig`) on `nbytes` per rank.
+    """The `Choice` for one collective of `cfg` (a `CommConfig`) on `nbytes` per rank, traced for
+    `target` (a `taco_jax.target.Target`: whether bytes really move, and over which link)
+    along `axis_name` (kept in the record while `recording`).
 
     Explicit options win: `min_compress_bytes` (an int) decides whether, `algorithm` (not
-    "auto") how; "auto" options come, on a `shard_map` axis, from this machine's tuned table
-    where it measured this group (`tuned_choice`), else on GPUs from the shipped table (one log
-    line says so, and how to tune), else as the module says (every message compressed).
-    `fused_available`: whether the "fused" algorithm's kernel runs here (`peer_writes`, and the
-    kernel takes the codec and dtype); where it does not, "fused" is "one_shot" and no table's
+    "auto") how; "auto" options come, on a `shard_map` axis (`target.link`), from this
+    machine's tuned table where it measured this group (`tuned_choice`), else on GPUs
+    (`target.real_link`) from the shipped table (one log line says so, and how to tune), else
+    as the module says (every message compressed).
+    `fused_available`: whether the "fused" algorithm's kernel runs here (the target's
+    `fused_exchange_possible`, and the kernel takes the codec and dtype:
+    `pallas_kernels.registry.select`); where it does not, "fused" is "one_shot" and no table's
     "fused" measurements are read.
     """
-    real = on_real_link(axis_name)
-    link = None  # an identity codec runs plain whatever the tables say: no link to find
-    reads = real or _RECORDS or _tuned.current() is not None
-    if reads and not cfg.codec.is_identity and (real or _on_mesh_axis(axis_name)):
-        link = resolve_link(cfg.link, axis_name)
-    choice = decide(cfg, op, nbytes, n_ranks, fused_available, link, real)
+    choice = decide(cfg, op, nbytes, n_ranks, target, fused_available)
     if _RECORDS and _SCOPES:
-        call = Call(cfg, op, nbytes, axis_name, n_ranks, fused_available, link, real, choice)
+        call = Call(cfg, op, nbytes, axis_name, n_ranks, fused_available, target, choice)
         _RECORDS[-1].setdefault(_SCOPES[-1], []).append(call)
     return choice
 
 
-def decide(
-    cfg, op: str, nbytes: int, n_ranks: int, fused_available: bool, link: str | None, real: bool
-) -> Choice:
-    """`choose`'s decision where the context is known: `link` (None: not a mesh axis) and
-    `real` (a GPU link). The same call decides again after a new table is installed
-    (`redecide`)."""
+def decide(cfg, op: str, nbytes: int, n_ranks: int, target, fused_available: bool = False):
+    """`choose`'s decision, recording nothing. The same call decides again after a new table
+    is installed (`redecide`)."""
     asks_policy = cfg.min_compress_bytes is None or cfg.algorithm == "auto"
     measured = None
-    if asks_policy and link is not None:
+    # An identity codec runs plain whatever the tables say: none is read (nor said) for it.
+    if asks_policy and target.link is not None and not cfg.codec.is_identity:
         codec = _tuned.codec_key(cfg.codec)
-        measured = tuned_choice(op, link, n_ranks, nbytes, codec, fused_available)
-        if measured is None and real:
-            _say_shipped(n_ranks, link, codec)
-            measured = measured_choice(op, link, n_ranks, nbytes, fused_available)
+        measured = tuned_choice(op, target.link, n_ranks, nbytes, codec, fused_available)
+        if measured is None and target.real_link:
+            _say_shipped(n_ranks, target.link, codec)
+            measured = measured_choice(op, target.link, n_ranks, nbytes, fused_available)
     if cfg.min_compress_bytes is not None:
         compress = nbytes >= cfg.min_compress_bytes
         reason = f"min_compress_bytes={cfg.min_compress_bytes}"
@@ -584,12 +547,10 @@ def decide(
 
 def redecide(call: Call) -> Choice:
     """What `choose` decides for `call` now (after a table was installed or tuned)."""
-    return decide(
-        call.cfg, call.op, call.nbytes, call.n_ranks, call.fused_available, call.link, call.real
-    )
+    return decide(call.cfg, call.op, call.nbytes, call.n_ranks, call.target, call.fused_available)
 
 
-def fused_in_auto(n_ranks: int, link: str, codec) -> bool:
+def fused_in_auto(n_ranks: int, link: str | None, codec) -> bool:
     """Whether "auto" may exchange through the fused kernels for a group of `n_ranks`: only
     where a table measured them for that group size (the shipped one at N = 2, this machine's
     tuned table at any N)."""
@@ -606,31 +567,6 @@ def fused_in_auto(n_ranks: int, link: str, codec) -> bool:
     )
 
 
-def fused_kernel_runs(link: str, codec="taco", impl: str = "auto", mesh=None) -> bool:
-    """Whether the fused kernels (the codes stored into the peers' memory,
-    `pallas_kernels.exchange_mosaic`) run for a TP group on `link` on this machine, for bf16
-    messages of `codec` with `impl`: what `peer_writes` and `_backends.fused_exchange` check
-    while tracing, known before it: GPUs on NVLink, one process driving them, no PCIe card, a
-    mesh (where given) in device order, compiled kernels, Mosaic GPU on this GPU (Hopper) and a
-    codec its exchange takes."""
-    from taco_jax import _backends, codecs
-
-    codec = codecs.get_codec(codec) if isinstance(codec, str) else codec
-    if jax.default_backend() != "gpu" or link != "nvlink" or jax.process_count() != 1:
-        return False
-    if "pcie" in jax.devices()[0].device_kind.lower() or not isinstance(codec, codecs.Codec):
-        return False
-    if mesh is not None and not (mesh.device_ids.ravel() == np.arange(mesh.devices.size)).all():
-        return False
-    if impl not in ("auto", "pallas") or _backends.get_ops(impl) is _backends.XLA_OPS:
-        return False
-    kernels = _backends._kernels()
-    row = jax.ShapeDtypeStruct((1, _backends.FUSED_ROW_MULTIPLE), jax.numpy.bfloat16)
-    return kernels.registry.mosaic_runs(codec) and (
-        kernels.exchange_mosaic.unsupported(codec, row) is None
-    )
-
-
 def describe_choice(choice: Choice) -> str:
     """What runs: "plain", the all-reduce's algorithm, or "compressed"."""
     if not choice.compress:
@@ -638,18 +574,14 @@ def describe_choice(choice: Choice) -> str:
     return "compressed" if choice.algorithm == "-" else choice.algorithm
 
 
-def summary(
-    link: str = "auto", n_ranks: int = 2, *, codec="taco", fused: bool | None = None
-) -> str:
+def summary(link: str = "auto", n_ranks: int = 2, *, codec="taco", fused: bool = False) -> str:
     """One line per op: how "auto" decides each measured message size on `link` for a group of
     `n_ranks` with `codec`, and from which table: this machine's tuned one where it measured
-    them ("tuned"), else the shipped one ("shipped"). `fused`: whether the fused kernels run
-    (default: `fused_kernel_runs` here); "fused" is never named where they do not."""
-    from taco_jax import codecs
-
+    them ("tuned"), else the shipped one ("shipped"). `fused`: whether the fused exchange's
+    kernel runs for the group (`taco_jax.algorithms.fused_kernel_runs` of its target); "fused"
+    is never named, nor its rows read, where it does not."""
     link = resolve_link(link)
     codec = codecs.get_codec(codec) if isinstance(codec, str) else codec
-    fused = fused_kernel_runs(link, codec) if fused is None else fused
     may_fuse = fused and fused_in_auto(n_ranks, link, codec)
     return "\n".join(_summary_line(op, link, n_ranks, codec, may_fuse) for op in TABLE_OPS)
 

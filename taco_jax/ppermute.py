@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from taco_jax import _backends, _local, codecs, tahquant, tahquant_adaptive, telemetry
-from taco_jax.collectives import AxisName, axis_size
+from taco_jax import target as platform
+from taco_jax.algorithms import AxisName, axis_size
 from taco_jax.tahquant import TahQuant
 from taco_jax.tahquant_adaptive import AdaptiveTahQuant
 
@@ -75,8 +76,9 @@ def check_perm(perm, n_ranks: int) -> tuple[tuple[int, int], ...]:
     return pairs
 
 
-def _wire_ops(direction: _Direction):
-    """(encode(rows, key) -> wire, decode(wire, n, dtype) -> rows) of the direction's codec."""
+def _wire_ops(direction: _Direction, target: platform.Target):
+    """(encode(rows, key) -> wire, decode(wire, n, dtype) -> rows) of the direction's codec on
+    `target`."""
     codec = direction.codec
     if isinstance(codec, AdaptiveTahQuant):  # the jnp reference (no fused kernel)
         return (
@@ -84,9 +86,9 @@ def _wire_ops(direction: _Direction):
             functools.partial(tahquant_adaptive.decode_wire, codec),
         )
     if isinstance(codec, TahQuant):
-        ops = _backends.get_stage_ops(direction.impl)
+        ops = _backends.stage_ops(direction.impl, target)
         return functools.partial(ops.encode, codec), functools.partial(ops.decode, codec)
-    ops = _backends.get_ops(direction.impl)
+    ops = _backends.get_ops(direction.impl, target)
     return (
         lambda rows, key: ops.encode(codec, rows),
         lambda wire, n, dtype: ops.decode(codec, wire, n, dtype),
@@ -129,7 +131,8 @@ def _send(x, axis_name, pairs, full, partial: bool, direction: _Direction, key):
             return out, None
         stats = telemetry.unmeasured(_sent_bytes(x, axis_name, pairs))
         return out, telemetry.per_rank(stats, axis_name)
-    encode, decode = _wire_ops(direction)
+    target = platform.probe()  # the codec kernels' platform (no link is read here)
+    encode, decode = _wire_ops(direction, target)
     if key is not None:  # ranks draw independent rounding noise
         key = jax.random.fold_in(key, lax.axis_index(axis_name))
 
@@ -141,7 +144,7 @@ def _send(x, axis_name, pairs, full, partial: bool, direction: _Direction, key):
             key = jax.random.fold_in(key, lax.axis_index(blocks))
         # Whole groups, and whole rows of the kernels that run the codec (Mosaic GPU's tiles
         # on Hopper), so that the chosen kernel takes the message: none falls to the reference.
-        multiple = _backends.kernel_row_multiple(direction.impl, direction.codec)
+        multiple = _backends.row_multiple(direction.impl, direction.codec, target)
         row, size = codecs.pad_to_multiple(x.reshape(1, -1), multiple)
         wire = lax.ppermute(encode(row, key), axis_name, full)
         out = decode(wire, row.shape[-1], x.dtype)[0, :size].reshape(x.shape)
@@ -241,8 +244,8 @@ def compressed_ppermute(
     for c in (fwd_codec, bwd):
         if getattr(c, "stochastic", False) and key is None:
             raise ValueError(f"codec {c.name!r} rounds stochastically: pass key=")
-    if impl not in _backends.IMPLS:
-        raise ValueError(f"unknown impl={impl!r}; choose one of {_backends.IMPLS}")
+    if impl not in platform.IMPLS:
+        raise ValueError(f"unknown impl={impl!r}; choose one of {platform.IMPLS}")
     fwd = _Direction(fwd_codec, impl, telemetry)
     perms = (pairs, pairs if under_shard_map else _completed(pairs, n_ranks))
     bwd_direction = _Direction(bwd, impl, telemetry)

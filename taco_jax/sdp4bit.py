@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from taco_jax import _backends, codecs
-from taco_jax.collectives import AxisName, axis_size, exchange_rows
+from taco_jax import target as platform
+from taco_jax.algorithms import AxisName, axis_size, exchange_rows
 from taco_jax.tahquant import TahQuant
 
 _SYMMETRIC = dict(asymmetric=False, pivot=False, stochastic=True)
@@ -59,14 +60,10 @@ def smoothed(x: jax.Array) -> jax.Array:
     return codecs.hadamard_transform(blocks, HADAMARD_BLOCK).reshape(x.shape)
 
 
-def _encode(codec: TahQuant, rows: jax.Array, key: jax.Array, impl: str) -> jax.Array:
-    return _backends.get_stage_ops(impl).encode(codec, rows, key)
-
-
-def _decode_sum(codec: TahQuant, wire: jax.Array, n: int, impl: str) -> jax.Array:
+def _decode_sum(codec: TahQuant, wire: jax.Array, n: int, stage: _backends.StageOps) -> jax.Array:
     """The fp32 sum of the decoded rows of wire [N, B], in row order (every rank alike): the
-    TP collectives' decode-sum for TAH-Quant codecs (`_backends.codec_ops`)."""
-    return _backends.codec_ops(impl, codec).decode_sum(codec, wire, n)
+    TP collectives' decode-sum for TAH-Quant codecs (`_backends.stage_collective_ops`)."""
+    return _backends.stage_collective_ops(stage).decode_sum(codec, wire, n)
 
 
 def _check_gradient(x: jax.Array, ranks: int) -> None:
@@ -119,29 +116,30 @@ def tlq_hs_psum_scatter(
     _check_gradient(x, ranks)
     key = _rank_key(key, axes)
     y = smoothed(x)
+    stage = _backends.stage_ops(impl, platform.probe())
     if len(axes) == 1:
-        return _one_level(TLQ_OUTER, y, axes[0], key, impl)
+        return _one_level(TLQ_OUTER, y, axes[0], key, stage)
     outer, inner = axes
     n_outer, n_inner = sizes
     if n_outer == 1:  # one group: the 8-bit level alone (a 4-bit pass would add error only)
-        return _one_level(TLQ_INNER, y, inner, key, impl)
+        return _one_level(TLQ_INNER, y, inner, key, stage)
     if n_inner == 1:
-        return _one_level(TLQ_OUTER, y, outer, key, impl)
+        return _one_level(TLQ_OUTER, y, outer, key, stage)
     shard = x.shape[0] // ranks
     # Row i of the inner level holds, for every outer index o, shard (o, i): what inner peer i
     # sums before the outer level.
     rows = y.reshape(n_outer, n_inner, shard).transpose(1, 0, 2).reshape(n_inner, -1)
-    wire = exchange_rows(_encode(TLQ_INNER, rows, key, impl), inner)
-    partial = _decode_sum(TLQ_INNER, wire, rows.shape[1], impl).reshape(n_outer, shard)
-    wire = exchange_rows(_encode(TLQ_OUTER, partial, jax.random.fold_in(key, 1), impl), outer)
-    return smoothed(_decode_sum(TLQ_OUTER, wire, shard, impl))
+    wire = exchange_rows(stage.encode(TLQ_INNER, rows, key), inner)
+    partial = _decode_sum(TLQ_INNER, wire, rows.shape[1], stage).reshape(n_outer, shard)
+    wire = exchange_rows(stage.encode(TLQ_OUTER, partial, jax.random.fold_in(key, 1)), outer)
+    return smoothed(_decode_sum(TLQ_OUTER, wire, shard, stage))
 
 
-def _one_level(codec: TahQuant, y: jax.Array, axis: AxisName, key, impl: str) -> jax.Array:
+def _one_level(codec: TahQuant, y: jax.Array, axis: AxisName, key, stage) -> jax.Array:
     """The smoothed gradient y [n] reduce-scattered over one axis with `codec`'s codes."""
     rows = y.reshape(axis_size(axis), -1)  # row j: shard j
-    wire = exchange_rows(_encode(codec, rows, key, impl), axis)
-    return smoothed(_decode_sum(codec, wire, rows.shape[1], impl))
+    wire = exchange_rows(stage.encode(codec, rows, key), axis)
+    return smoothed(_decode_sum(codec, wire, rows.shape[1], stage))
 
 
 def qwd_all_gather(
@@ -181,9 +179,10 @@ def qwd_all_gather(
     index = rank_index(axes)
     mine = lax.dynamic_slice_in_dim(replica, index * m, m).astype(jnp.float32)
     delta = new_shard.astype(jnp.float32) - mine
-    wire = _encode(QWD, delta[None], _rank_key(key, axes), impl)
+    stage = _backends.stage_ops(impl, platform.probe())
+    wire = stage.encode(QWD, delta[None], _rank_key(key, axes))
     every = gather_over(wire, axes)  # [ranks, B], row j from rank j
-    deltas = _backends.get_stage_ops(impl).decode(QWD, every, m, jnp.float32).reshape(-1)
+    deltas = stage.decode(QWD, every, m, jnp.float32).reshape(-1)
     return (replica.astype(jnp.float32) + deltas).astype(replica.dtype)
 
 

@@ -29,11 +29,6 @@ from taco_jax.codecs import DEFAULT_CODEC
 from taco_jax.collectives import (
     CodecLike,
     CommConfig,
-    _axes_bound,
-    _axis_names,
-    _axis_sizes,
-    _batched_under_vmap,
-    _is_bound,
     all_reduce_at,
     as_varying,
     call_site,
@@ -45,6 +40,7 @@ from taco_jax.collectives import (
     type_carrier,
     uses_layer,
 )
+from taco_jax.jax_workarounds import axes_bound, axis_sizes, batched_under_vmap, unbound_here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,21 +96,21 @@ def _copy_fwd(x, layer, comm, name):
     # all; the innermost vmap's view, which is TP's in an emulated mesh (taco_models.spmd).
     emulated = comm.axis_name not in jax.sharding.get_abstract_mesh().axis_names
     batched = _batched(lax.stop_gradient(x)) if emulated else jnp.ones((), bool)
-    out = _batched_under_vmap(_copy(x, layer, comm, name), comm.axis_name)  # ranks' own cotangents
+    out = batched_under_vmap(_copy(x, layer, comm, name), comm.axis_name)  # ranks' own cotangents
     kept = layer if uses_layer(comm.bwd, f"{name}/bwd") else None
-    return out, (type_carrier(x), _axis_sizes(comm.axis_name), batched, kept)
+    return out, (type_carrier(x), axis_sizes(comm.axis_name), batched, kept)
 
 
 def _copy_bwd(comm, name, residuals, ct):
     """The compressed all-reduce of the ranks' cotangents: every rank's own copy of x gets the
     sum (shard_map's pvary transposes to psum). Under `jax.grad(jax.vmap(...))` (the axis
-    unbound here, `_axes_bound`), JAX sums the ranks' cotangents of an x the vmap shares
+    unbound here, `axes_bound`), JAX sums the ranks' cotangents of an x the vmap shares
     (`in_axes=None`), as its broadcast transposes: rank 0 alone returns the sum, the others 0,
     so that x gets the sum once, as a replicated input of `jax.shard_map` does."""
     like, sizes, batched, layer = residuals
-    around_vmap = not all(map(_is_bound, _axis_names(comm.axis_name)))
+    around_vmap = unbound_here(comm.axis_name)
     site = f"{name}/bwd"
-    with _axes_bound(comm.axis_name, sizes):
+    with axes_bound(comm.axis_name, sizes):
         reduced, stats = all_reduce_at(ct, comm.axis_name, comm.bwd, site, layer)
         telemetry.report(site, stats, layer=layer, axis_name=comm.axis_name)
         if around_vmap:

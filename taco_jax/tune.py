@@ -3,12 +3,13 @@
 For each TP group size and op (all-reduce, reduce-scatter, all-gather) at the message sizes a
 run sends (or a ladder), `measure` times the plain `lax` collective against each compressed
 algorithm that runs there (all-reduce: one-shot, two-shot, and fused where its kernel runs,
-`policy.fused_kernel_runs`; the other two: their exchange through NCCL ("-") and the fused one
-where it runs), with the run's codecs, interleaved with an A/A control (`taco_jax.timing`), and
-checks each result against the plain one. `policy` then decides from it (`policy.tuned_cell`:
-level means plain). A sample is one jitted program of a few dependent calls of the op (each
-call's input through an optimization barrier with the previous output, `timing.chained`), so
-that the op is timed as it runs inside a step, dispatch spread over the calls.
+`algorithms.fused_kernel_runs` of the group's `taco_jax.target.Target`; the other two: their
+exchange through NCCL ("-") and the fused one where it runs), with the run's codecs,
+interleaved with an A/A control (`taco_jax.timing`), and checks each result against the plain
+one. `policy` then decides from it (`policy.tuned_cell`: level means plain). A sample is one
+jitted program of a few dependent calls of the op (each call's input through an optimization
+barrier with the previous output, `timing.chained`), so that the op is timed as it runs inside
+a step, dispatch spread over the calls.
 
 With several processes (`jax.distributed`) every process runs the same programs in the same
 order, and each sample is the slowest process's (a collective finishes when its last rank does):
@@ -48,7 +49,8 @@ from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from taco_jax import _tuned, codecs, collectives, policy, tahquant, timing
+from taco_jax import _tuned, algorithms, codecs, collectives, policy, tahquant, timing
+from taco_jax import target as platform
 from taco_jax.telemetry import relative_error
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -100,7 +102,11 @@ def groups_of(sizes: Sequence[int], emulate: bool = False) -> list[Group]:
 
 def variants(op: str, group: Group, codec, impl: str = "auto") -> list[str]:
     """The compressed algorithms timed for `op` with `codec` on `group`: see the module doc."""
-    fused = group.mesh is not None and policy.fused_kernel_runs(group.link, codec, impl, group.mesh)
+    if group.mesh is None:  # under vmap: no peers to store into
+        fused = False
+    else:
+        group_target = platform.probe(group.axis, group.link, mesh=group.mesh)
+        fused = algorithms.fused_kernel_runs(group_target, codec, impl)
     names = ["one_shot", "two_shot"] if op == "all_reduce" else ["-"]
     return names + (["fused"] if fused else [])
 
@@ -245,18 +251,31 @@ def measure(
 
 def _compare(group, op, size, codec_list, impl, budget_s, calls, clock) -> dict:
     """One op and size: the plain collective against every codec's algorithms."""
-    elements = _elements(op, size, group.n_ranks)
-    x = _message(group, elements, seed=size % (1 << 31))
+    x = _message(group, _elements(op, size, group.n_ranks), seed=size % (1 << 31))
     calls = calls or int(np.clip(CALL_BYTES // max(size, 1), MIN_CALLS, MAX_CALLS))
+    programs = _programs(group, op, codec_list, impl, calls)
+    return _checked_times(programs, x, codec_list, calls, budget_s, clock)
+
+
+def _programs(group, op, codec_list, impl, calls) -> dict:
+    """{"plain": the lax collective's program, (codec key, algorithm): each algorithm's that
+    runs here (`variants`)}: `_program`s of `calls` calls of `op` on `group`."""
     programs = {"plain": _program(_op(op, group.axis), group, calls)}
-    compressing = [c for c in codec_list if not c.is_identity]
-    for codec in compressing:
+    for codec in (c for c in codec_list if not c.is_identity):
         for algorithm in variants(op, group, codec, impl):
             fn = _op(op, group.axis, codec, algorithm, impl)
             programs[(_tuned.codec_key(codec), algorithm)] = _program(fn, group, calls)
+    return programs
+
+
+def _checked_times(programs, x, codec_list, calls, budget_s, clock) -> dict:
+    """{codec key: comparison} of `programs` (`_programs`) on x: each timed against "plain"
+    with an A/A control, and its result checked against plain's (`_comparisons`)."""
     exact = programs["plain"](x)[0]
     errors = {key: _scalar(_error(p(x)[0], exact)) for key, p in programs.items() if key != "plain"}
-    roundtrip = {_tuned.codec_key(c): _roundtrip_error(c, x) for c in compressing}
+    roundtrip = {
+        _tuned.codec_key(c): _roundtrip_error(c, x) for c in codec_list if not c.is_identity
+    }
     samplers = {
         _name(key): _agreed(timing.wall(lambda p=p: p(x), per=calls)) for key, p in programs.items()
     }

@@ -478,18 +478,20 @@ def _write_config(cfg: TrainConfig, out: Path) -> None:
 def _say_policy(cfg: TrainConfig, out: Path, link: str = "auto") -> None:
     """Where the collectives' "auto" policy compresses on this machine's link, when it decides
     (TP over real GPUs with min_compress_bytes unset, docs/method.md "The auto policy"), from
-    which table (this machine's tuned one, or the shipped one), "fused" only where its kernels
-    run here (`taco_jax.policy.fused_kernel_runs`): printed, and kept in
-    `collectives_policy.txt` beside the run's config, so a run recorded as `taco` says where it
-    really compressed. link: the TP link (`resolve_links`'s, or the config's)."""
+    which table (this machine's tuned one, or the shipped one), "fused" only where its kernel
+    runs on this machine's TP groups (`taco_jax.algorithms.fused_kernel_runs` of their target):
+    printed, and kept in `collectives_policy.txt` beside the run's config, so a run recorded as
+    `taco` says where it really compressed. link: the TP link (`resolve_links`'s, or the
+    config's)."""
     comp = cfg.compression
     real_tp = cfg.parallel.tp > 1 and cfg.parallel.mode == "shard_map"
-    if real_tp and comp.min_compress_bytes is None and jax.default_backend() == "gpu":
+    if not real_tp or comp.min_compress_bytes is not None:
+        return
+    tp = taco_jax.target.probe("tp", link, mesh=make_mesh(cfg.parallel))
+    if tp.real_link:  # GPUs: the policy decides from its table (elsewhere it compresses all)
         codec = taco_jax.collectives.collective_codec(comp.fwd, comp.group_size)
-        fused = taco_jax.policy.fused_kernel_runs(
-            taco_jax.policy.resolve_link(link), codec, comp.impl, make_mesh(cfg.parallel)
-        )
-        text = taco_jax.policy.summary(link, cfg.parallel.tp, codec=codec, fused=fused)
+        fused = taco_jax.algorithms.fused_kernel_runs(tp, codec, comp.impl)
+        text = taco_jax.policy.summary(tp.link, cfg.parallel.tp, codec=codec, fused=fused)
         _say(
             "collectives (auto policy, by message bytes per rank; set "
             "compression.min_compress_bytes=0 to compress every one):\n" + text

@@ -38,7 +38,7 @@ import optax
 from jax import lax
 
 from taco_jax import sdp4bit, telemetry
-from taco_jax.collectives import axis_size
+from taco_jax.algorithms import axis_size
 
 GRAD_CODECS = ("none", "tlq_hs")
 PARAM_CODECS = ("none", "qwd")

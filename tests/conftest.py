@@ -25,9 +25,12 @@ docs/decisions/029-floats-across-programs.md). Processes started with
 take as long as a user's would.
 """
 
+import contextlib
 import os
 import shutil
 import tempfile
+
+import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 _FAST_COMPILE = "--xla_backend_optimization_level=1"
@@ -49,3 +52,14 @@ def pytest_sessionfinish(session, exitstatus):
     if _JIT_CACHE is not None:
         shutil.rmtree(_JIT_CACHE, ignore_errors=True)
     shutil.rmtree(_POLICY_CACHE, ignore_errors=True)
+
+
+@pytest.fixture
+def check_replicas():
+    """check_replicas(on=True): for the rest of the test, every emulated output's copies along
+    the mesh axes its spec leaves out must be the same bits
+    (`taco_models.spmd.replicas_checked`)."""
+    from taco_models import spmd
+
+    with contextlib.ExitStack() as stack:
+        yield lambda on=True: stack.enter_context(spmd.replicas_checked(on))

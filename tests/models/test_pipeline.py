@@ -16,7 +16,7 @@ import pytest
 from tolerances import BATCH, exact_tolerance
 
 import taco_jax
-from taco_models import ModelConfig, ParallelConfig, init_params, reference_loss_and_grads, spmd
+from taco_models import ModelConfig, ParallelConfig, init_params, reference_loss_and_grads
 from taco_models.pipeline import (
     StageCodecs,
     _SavedForward,
@@ -142,12 +142,12 @@ def _flat(tree) -> np.ndarray:
     ],
 )
 def test_uncompressed_pipeline_equals_unsharded(
-    references, cfg, dp, pp, tp, microbatches, sp, repeats, mode, monkeypatch
+    references, cfg, dp, pp, tp, microbatches, sp, repeats, mode, check_replicas
 ):
     """Same function, reductions reassociated (TP partial sums, microbatch means, the psum of
     the tied embedding's two gradient parts): the fp32 bound of tests/tolerances.py. Emulated,
     every rank's copy of the replicated outputs must be the same bits too."""
-    monkeypatch.setattr(spmd, "CHECK_REPLICAS", mode == "emulate")
+    check_replicas(mode == "emulate")
     ref_loss, ref_grads = references[cfg]
     loss, grads = _run(cfg, dp, pp, tp, microbatches, sp=sp, repeats=repeats, mode=mode)
     tol = exact_tolerance(cfg)
@@ -305,11 +305,11 @@ def test_errors_name_the_offending_value():
     ],
 )
 def test_one_f_one_b_equals_unsharded(
-    references, cfg, dp, pp, tp, microbatches, sp, mode, monkeypatch
+    references, cfg, dp, pp, tp, microbatches, sp, mode, check_replicas
 ):
     """As test_uncompressed_pipeline_equals_unsharded: the same function with its reductions
     reassociated (microbatch gradients summed in the schedule's order), the fp32 bound."""
-    monkeypatch.setattr(spmd, "CHECK_REPLICAS", mode == "emulate")
+    check_replicas(mode == "emulate")
     ref_loss, ref_grads = references[cfg]
     loss, grads = _run(cfg, dp, pp, tp, microbatches, sp=sp, mode=mode, schedule="1f1b")
     tol = exact_tolerance(cfg)

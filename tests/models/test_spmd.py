@@ -79,10 +79,10 @@ def test_a_spec_that_does_not_fit_names_the_array():
         twice(jnp.zeros((4, 4)))
 
 
-def test_replica_check_catches_copies_that_differ(monkeypatch):
-    """With `CHECK_REPLICAS`, an output whose copies along the axes its spec leaves out differ
+def test_replica_check_catches_copies_that_differ(check_replicas):
+    """With `replicas_checked`, an output whose copies along the axes its spec leaves out differ
     (here the noise, drawn per rank) raises; copies made equal by a collective pass."""
-    monkeypatch.setattr(spmd, "CHECK_REPLICAS", True)
+    check_replicas(True)
     x = jnp.arange(16 * 12, dtype=jnp.float32).reshape(16, 12)
     w = jnp.arange(6, dtype=jnp.float32)
 

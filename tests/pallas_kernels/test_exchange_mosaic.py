@@ -2,9 +2,11 @@
 
 Mosaic GPU's CPU interpreter has no semaphores, so the kernel itself runs only on >= 2 Hopper
 GPUs; there it must equal, byte for byte, the encode + NCCL all-gather it replaces, and the
-"fused" all-reduce must equal "one_shot" bit for bit (same codes, same sum order): no tolerance
-is needed. On the CPU: the launch rule, the fallback to one-shot, and that the kernel lowers for
-CUDA inside shard_map (which catches Mosaic GPU API drift without a GPU).
+"fused" all-reduce must equal "one_shot" bit for bit where both encode with the Mosaic GPU
+kernel (same codes, same sum order): no tolerance is needed. On the CPU, on an assumed Hopper
+GPU joined by NVLink (`taco_jax.target.assume`): the launch rule, the fallback to one-shot, and
+that the kernel lowers for CUDA inside shard_map (which catches Mosaic GPU API drift without a
+GPU).
 """
 
 import jax
@@ -15,15 +17,18 @@ from jax import lax
 from tiers import tiered
 
 import taco_jax as tj
-from pallas_kernels import _pallas, encode_mosaic, exchange_mosaic
+from pallas_kernels import encode_mosaic, exchange_mosaic, registry
 from pallas_kernels.encode_mosaic import MosaicConfig as MosaicLaunch
-from taco_jax import _backends, codecs, collectives, policy
+from taco_jax import _backends, codecs, collectives, target
 
 TILE = 64 * 128  # elements of one 64-group tile of G = 128
 MESSAGE_TILES = 1536  # 24 MiB of bf16 a rank
+# One-shot's own encode is Triton's where JAX has the lowering, whose codes may differ from the
+# fused kernel's Mosaic GPU ones at rounding ties: compared bit for bit, both run Mosaic GPU.
+MOSAIC_CODEC_OPS = dict(triton_missing="compared with the Mosaic GPU codec ops")
 
 two_hopper_gpus = pytest.mark.skipif(
-    not _pallas.hopper_gpu() or jax.device_count() < 2, reason="needs >= 2 Hopper GPUs"
+    not target.probe().hopper or jax.device_count() < 2, reason="needs >= 2 Hopper GPUs"
 )
 
 
@@ -79,10 +84,9 @@ def test_unsupported_names_too_many_rows():
     assert "200 rows" in reason
 
 
-def test_a_plan_must_keep_every_program_resident(monkeypatch):
+def test_a_plan_must_keep_every_program_resident():
     """A caller's plan with more programs than can be resident would deadlock in the handshake:
     refused, naming the count, before anything is traced on the axis."""
-    monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
     x = jnp.zeros((1, 256 * TILE), jnp.bfloat16)  # 256 tiles: 256 one-tile programs
     with pytest.raises(ValueError, match="launches 256 programs"):
         exchange_mosaic.encode_all_gather(
@@ -90,35 +94,35 @@ def test_a_plan_must_keep_every_program_resident(monkeypatch):
         )
 
 
-def _pretend_nvlink(monkeypatch):
-    """Make the fused path's conditions hold on the CPU: a real link, found to be NVLink, a
-    Hopper GPU."""
-    monkeypatch.setattr(policy, "on_real_link", lambda axis_name: True)
-    monkeypatch.setattr(policy, "_device_link", lambda devices: policy.Link("nvlink", "pretended"))
-    monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
+@pytest.fixture
+def hopper():
+    """The ops traced in the test take the CPU for a Hopper GPU (`taco_jax.target.assume`); with
+    link="nvlink" the fused exchange's conditions then hold (a real link, peer stores)."""
+    with target.assume(backend="gpu", hopper=True):
+        yield
 
 
 def _stand_in_exchange(calls):
-    """`_backends.fused_exchange` built from the jnp encode and lax collectives (the bytes the
+    """`_backends.exchange` built from the jnp encode and lax collectives (the bytes the
     kernels must produce), recording each call: the fused path's padding, slicing, trimming and
     dispatch, run on the CPU."""
 
-    def fused_exchange(kind, impl, codec, x, axis_name):
-        if x.dtype != jnp.bfloat16:
+    def exchange(kind, impl, codec, target, *, rows=1, n=None, dtype=None):
+        if dtype != jnp.bfloat16:
             return None
 
-        def exchange(x, replicated=False):
+        def run(codec, x, axis_name, n_ranks, replicated=False):
             calls.append((kind, x.shape))
-            assert x.shape[-1] % _backends.FUSED_ROW_MULTIPLE == 0  # padded for the kernel
+            assert x.shape[-1] % exchange_mosaic.ROW_MULTIPLE == 0  # padded for the kernel
             wire = codecs.encode_wire(codec, x)
-            if kind == "all_to_all":
+            if kind == "encode_all_to_all":
                 return collectives.exchange_rows(wire, axis_name)
             to = "invarying" if replicated else "varying"
             return lax.all_gather(wire, axis_name, axis=0, to=to)
 
-        return exchange
+        return registry.Kernel("stand_in", run, exchange_mosaic.ROW_MULTIPLE)
 
-    return fused_exchange
+    return exchange
 
 
 # The fast tier: every op at 2 ranks, the all-reduce also at 4 ranks in 3 slices.
@@ -129,13 +133,12 @@ def _stand_in_exchange(calls):
         [("psum", 2, 1), ("psum_scatter", 2, 1), ("all_gather", 2, 1), ("psum", 4, 3)],
     ),
 )
-def test_the_fused_path_equals_one_shot_around_its_exchange(monkeypatch, ranks, slices, op):
+def test_the_fused_path_equals_one_shot_around_its_exchange(hopper, monkeypatch, ranks, slices, op):
     """With a stand-in for the kernels: "fused" pads rows to whole kernel tiles (odd sizes here),
-    slices, exchanges through `_backends.fused_exchange` and trims back, bit for bit as one-shot
+    slices, exchanges through `_backends.exchange` and trims back, bit for bit as one-shot
     through NCCL (the same codes: padding adds whole zero groups after the message)."""
-    _pretend_nvlink(monkeypatch)
     calls = []
-    monkeypatch.setattr(_backends, "fused_exchange", _stand_in_exchange(calls))
+    monkeypatch.setattr(_backends, "exchange", _stand_in_exchange(calls))
     mesh = _mesh(ranks)
     x = _sharded(mesh, (ranks * ranks * 3001,), seed=ranks)
     ops = {
@@ -145,7 +148,9 @@ def test_the_fused_path_equals_one_shot_around_its_exchange(monkeypatch, ranks, 
     }
 
     def run(algorithm):
-        options = dict(algorithm=algorithm, impl="xla", slices=slices, min_compress_bytes=0)
+        options = dict(
+            algorithm=algorithm, impl="xla", slices=slices, min_compress_bytes=0, link="nvlink"
+        )
         return _on_mesh(lambda v: ops[op](v, **options)[None], mesh, x)
 
     fused = run("fused")
@@ -155,13 +160,12 @@ def test_the_fused_path_equals_one_shot_around_its_exchange(monkeypatch, ranks, 
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
-def test_fused_collectives_are_typed_as_lax_ones(monkeypatch, check_vma):
+def test_fused_collectives_are_typed_as_lax_ones(hopper, check_vma):
     """The fused kernels inside the collectives, traced with their gradients: under check_vma the
     all-reduce's output is replicated (as lax.psum's), the reduce-scatter's and all-gather's vary
     (as lax's do), so custom_vjp's type checks and out_specs=P() for the psum hold."""
-    _pretend_nvlink(monkeypatch)
     mesh = _mesh(2)
-    options = dict(impl="pallas", algorithm="fused", min_compress_bytes=0)
+    options = dict(impl="pallas", algorithm="fused", min_compress_bytes=0, link="nvlink")
 
     def step(v):
         total = tj.compressed_psum(v, "tp", **options)
@@ -189,11 +193,10 @@ def test_fused_collectives_are_typed_as_lax_ones(monkeypatch, check_vma):
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("kind", ["all_gather", "all_to_all"])
 @pytest.mark.parametrize("dp", [1, 2])
-def test_kernels_lower_for_cuda_inside_shard_map(monkeypatch, check_vma, kind, dp):
+def test_kernels_lower_for_cuda_inside_shard_map(check_vma, kind, dp):
     """The kernels' Mosaic GPU modules build (peer refs, semaphores, TMA stores to a peer whose
     device id is recomputed on the host), on a ("tp",) and a ("dp", "tp") mesh, typed as lax's
     collectives are under check_vma (the gather replicated along tp: out_specs without tp)."""
-    monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
     mesh = jax.make_mesh(
         (dp, 2),
         ("dp", "tp"),
@@ -271,9 +274,8 @@ def test_fused_exchange_equals_encode_then_the_lax_collective(kind, rows, tiles,
 @two_hopper_gpus
 def test_fused_pair_equals_the_nccl_pair_with_gradients():
     """Reduce-scatter then all-gather (sequence parallelism), forward and backward, through the
-    fused exchanges and through NCCL's: the same codes and the same decodes, so bit for bit. The
-    all-gather's input is 1/N of the message: at N x 24 MiB per rank every encode is the Mosaic
-    one (below 24 MiB NCCL's path encodes with Triton, which may differ at rounding ties)."""
+    fused exchanges and through NCCL's: the same codes (every codec op on Mosaic GPU:
+    `MOSAIC_CODEC_OPS`) and the same decodes, so bit for bit."""
     n = jax.device_count()
     mesh = _mesh(n)
     x = _sharded(mesh, (n * n * MESSAGE_TILES * TILE,), seed=7)
@@ -284,7 +286,8 @@ def test_fused_pair_equals_the_nccl_pair_with_gradients():
             part = tj.compressed_psum_scatter(v, "tp", **options)
             return tj.compressed_all_gather(part, "tp", axis=0, tiled=True, **options)
 
-        return _out_and_grad_on_mesh(pair, mesh, x)
+        with target.assume(**MOSAIC_CODEC_OPS):
+            return _out_and_grad_on_mesh(pair, mesh, x)
 
     for fused, nccl in zip(run("fused"), run("one_shot"), strict=True):
         np.testing.assert_array_equal(fused, nccl)
@@ -295,8 +298,8 @@ def test_fused_pair_equals_the_nccl_pair_with_gradients():
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_fused_psum_equals_one_shot_with_gradients(check_vma):
     """Forward and backward (a psum of the cotangent under check_vma=False), bit for bit, over
-    dependent calls (the semaphores must come back to zero between calls). 24 MiB per rank, so
-    that one-shot's own encode is the Mosaic one too (Triton's may differ at rounding ties)."""
+    dependent calls (the semaphores must come back to zero between calls); one-shot's own encode
+    the Mosaic one too (`MOSAIC_CODEC_OPS`)."""
     n = jax.device_count()
     mesh = _mesh(n)
     x = _sharded(mesh, (n, MESSAGE_TILES * TILE), seed=3)
@@ -309,7 +312,8 @@ def test_fused_psum_equals_one_shot_with_gradients(check_vma):
                     v = lax.pcast(v, "tp", to="varying")
             return v
 
-        return _out_and_grad_on_mesh(forward, mesh, x, check_vma=check_vma)
+        with target.assume(**MOSAIC_CODEC_OPS):
+            return _out_and_grad_on_mesh(forward, mesh, x, check_vma=check_vma)
 
     out_f, grad_f = run("fused")
     out_o, grad_o = run("one_shot")

@@ -32,7 +32,7 @@ from test_kernels import FP32_EPS, _ideal_scaled, _tie_rtol, _x, assert_codes_ma
 import pallas_kernels as pk
 from pallas_kernels import _pallas, decode_mosaic, encode_mosaic
 from pallas_kernels.encode_mosaic import MosaicConfig
-from taco_jax import codecs
+from taco_jax import codecs, target
 
 TILE_ELEMENTS = 64 * 128
 CODECS = ("taco", "taco_e5m2", "taco_no_ds")  # the codecs the Mosaic kernels take
@@ -40,7 +40,7 @@ TILES = {"taco": 2, "taco_e5m2": 2, "taco_no_ds": 4}  # the fewest whole tiles o
 # Hopper allows 227 KiB of shared memory a block; what a default launch may take.
 HOPPER_SMEM_BYTES = 227 << 10
 SLOW = pytest.mark.slow
-hopper = pytest.mark.skipif(not _pallas.hopper_gpu(), reason="needs a Hopper GPU")
+hopper = pytest.mark.skipif(not target.probe().hopper, reason="needs a Hopper GPU")
 
 
 def _wire(codec, rows, tiles, seed):
@@ -132,12 +132,11 @@ def test_row_multiple_is_the_fewest_whole_tiles_that_fit(name):
 @pytest.mark.parametrize("sms", [None, 114, 132])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("tiles_per_row", [2, 6, 7, 64, 192, 512, 2048])
-def test_encode_launches_cover_every_tile_and_fit(monkeypatch, sms, rows, tiles_per_row):
+def test_encode_launches_cover_every_tile_and_fit(sms, rows, tiles_per_row):
     """Each program takes whole tiles of one row (tiles_per_program divides the row, so the
     grid covers each tile exactly once), no more steps in flight than tiles, and the program's
     shared memory fits a Hopper block."""
-    monkeypatch.setattr(_pallas, "hopper_sms", lambda: sms)
-    config = encode_mosaic.default_config(rows, tiles_per_row)
+    config = encode_mosaic.default_config(rows, tiles_per_row, sms=sms)
     assert tiles_per_row % config.tiles_per_program == 0
     assert 1 <= config.steps_in_flight <= config.tiles_per_program
     tile_bytes = TILE_ELEMENTS * 2

@@ -25,7 +25,9 @@ from tp_testing import MODES, run_tp
 
 import pallas_kernels
 import taco_jax as tj
-from taco_jax import codecs, tahquant
+from pallas_kernels.exchange_mosaic import ROW_MULTIPLE as FUSED_ROW
+from taco_jax import algorithms, codecs, tahquant
+from taco_jax.target import Target
 
 U = 2.0**-4
 TP_SIZES = (2, 4, 8)  # each test's fast-tier sizes differ: together they cover all three
@@ -765,51 +767,55 @@ KERNEL_OPS = {
 @pytest.mark.parametrize("op", sorted(KERNEL_OPS))
 def test_messages_past_the_kernel_buffer_limit_are_sliced_not_changed(monkeypatch, op):
     """A message whose kernel buffers would pass the kernels' 32-bit offsets is cut into slices
-    (`collectives._addressable`), which changes no value. With the one limit lowered (to ~0.7 MB,
+    (`algorithms.addressable`), which changes no value. With the one limit lowered (to ~0.7 MB,
     where this odd-sized message needs 2-3 slices), the kernels' own check
-    (`_pallas.check_addressable`) sees every buffer within it, the op ran sliced, and its outputs
-    equal the unlimited call's bit for bit."""
+    (`_pallas.check_addressable`) sees every buffer within it, the op ran sliced (an encode
+    launch per slice), and its outputs equal the unlimited call's bit for bit."""
     tp = 2
-    x = _ranks(tp, (3 * tj._backends.FUSED_ROW_MULTIPLE + 50,), seed=51).astype(jnp.bfloat16)
+    x = _ranks(tp, (3 * FUSED_ROW + 50,), seed=51).astype(jnp.bfloat16)
     fn = KERNEL_OPS[op]
-    want = run_tp(lambda v: fn(v, impl="pallas_interpret"), x, tp=tp, mode="shard_map")
+
+    def run(v):
+        return run_tp(lambda v: fn(v, impl="pallas_interpret"), v, tp=tp, mode="shard_map")
+
+    def encodes() -> int:  # a fresh function: traced anew, not taken from make_jaxpr's cache
+        return str(jax.make_jaxpr(lambda v: run(v))(x)).count("name=taco_encode_")
+
+    want = run(x)
+    assert encodes() == 1
     monkeypatch.setattr(pallas_kernels._pallas, "MAX_BUFFER_BYTES", 700_000)
-    sliced, counts = tj.collectives._sliced, []
-
-    def counting(fn, rows, slices):
-        counts.append(slices)
-        return sliced(fn, rows, slices)
-
-    monkeypatch.setattr(tj.collectives, "_sliced", counting)
-    got = run_tp(lambda v: fn(v, impl="pallas_interpret"), x, tp=tp, mode="shard_map")
-    assert len(counts) == 1 and counts[0] > 1  # one call, sliced
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert encodes() > 1  # sliced
+    np.testing.assert_array_equal(np.asarray(run(x)), np.asarray(want))
 
 
-def test_a_message_too_large_for_every_slice_count_is_refused(monkeypatch):
-    monkeypatch.setattr(pallas_kernels._pallas, "MAX_BUFFER_BYTES", 1024)
-    cfg = tj.comm_config("taco", impl="pallas_interpret")
+def _addressable(codec: str, x, limit):
+    cfg = tj.comm_config(codec, impl="pallas_interpret")
+    padding = cfg.codec.group_size
+    return algorithms.addressable(cfg, x, 2, rows=1, padding=padding, limit=limit)
+
+
+def test_a_message_too_large_for_every_slice_count_is_refused():
     x = jnp.zeros((1 << 20,), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"1048576 elements per rank over 2 ranks .* 16 slices"):
-        tj.collectives._addressable(cfg, x, 2, rows=1)
+        _addressable("taco", x, limit=1024)
 
 
-def test_tahquant_slices_count_its_fp32_decode(monkeypatch):
+def test_tahquant_slices_count_its_fp32_decode():
     """TAH-Quant's decode-sum writes each row in fp32 (no fused kernel): 4 bytes per element,
     more than the bf16 values (2) or the two wire rows (2 x ~1.07) that bound `taco` here."""
-    monkeypatch.setattr(pallas_kernels._pallas, "MAX_BUFFER_BYTES", 600_000)
-    x = jnp.zeros((2 * tj._backends.FUSED_ROW_MULTIPLE,), jnp.bfloat16)  # rows pad to these
+    x = jnp.zeros((2 * FUSED_ROW,), jnp.bfloat16)
     # One slice: values 524 kB, two `taco` wire rows 557 kB (TAH-Quant's 561 kB), fp32 row 1 MB.
-    taco = tj.comm_config("taco", impl="pallas_interpret")
-    assert tj.collectives._addressable(taco, x, 2, rows=1).slices == 1
-    stage = tj.comm_config("tahquant_nearest", impl="pallas_interpret")
-    assert tj.collectives._addressable(stage, x, 2, rows=1).slices == 2
+    assert _addressable("taco", x, limit=600_000).slices == 1
+    assert _addressable("tahquant_nearest", x, limit=600_000).slices == 2
 
 
 def test_the_reference_codec_has_no_buffer_limit():
-    cfg = tj.comm_config("taco", impl="xla")
-    assert tj.collectives._addressable(cfg, jnp.zeros((8,)), 2, rows=1) is cfg
-    assert tj._backends.max_buffer_bytes("xla") is None
+    cpu = Target()
+    assert tj._backends.max_buffer_bytes("xla", cpu) is None
+    assert tj._backends.max_buffer_bytes("auto", cpu) is None  # "auto" off a GPU: the reference
+    limit = pallas_kernels._pallas.MAX_BUFFER_BYTES
+    assert tj._backends.max_buffer_bytes("auto", Target(backend="gpu")) == limit
+    assert _addressable("taco", jnp.zeros((8,)), limit=None).slices == 1
 
 
 # ------------------------------------------------------------------ TAH-Quant's grids on TP

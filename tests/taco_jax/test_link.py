@@ -42,8 +42,15 @@ def fresh(monkeypatch):
         cached.cache_clear()
 
 
-def nvml_says(monkeypatch, joined):
-    monkeypatch.setattr(policy, "_nvlink_joined", lambda devices: (joined, "NVML says so"))
+def nvml_says(monkeypatch, joined: bool, count: int = 8):
+    """A fake `pynvml` whose `count` GPUs are all joined by NVLink, or none."""
+    pairs = {frozenset((a, b)) for a in range(count) for b in range(count) if a != b}
+    nvml = fake_pynvml(pairs if joined else set(), count)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    return nvml
+
+
+JOINED = "NVML: NVLink joins GPUs [0, 1] of this host"
 
 
 @pytest.mark.parametrize(
@@ -64,13 +71,14 @@ def test_nccl_switches_win(monkeypatch, env, link):
 
 
 def test_ranks_on_different_hosts_read_the_network_table(monkeypatch):
-    monkeypatch.setattr(policy, "_nvlink_joined", lambda devices: pytest.fail("asked NVML"))
+    nvml = nvml_says(monkeypatch, True)
     link = policy.explain_link(gpus(0, 0, 1, 1))
     assert (link.name, link.why, link.assumed) == (
         "socket",
         "the group's 4 devices are on 2 hosts",
         False,
     )
+    assert nvml.calls == []  # NVML not asked
 
 
 def test_cpu_devices_of_two_processes_are_a_network_link():
@@ -85,7 +93,8 @@ def test_cpu_devices_of_two_processes_are_a_network_link():
 @pytest.mark.parametrize("joined,link", [(True, "nvlink"), (False, "shm")])
 def test_nvml_decides_within_a_host(monkeypatch, joined, link):
     nvml_says(monkeypatch, joined)
-    assert policy.explain_link(gpus(0, 0)) == policy.Link(link, "NVML says so")
+    why = JOINED if joined else "NVML: no NVLink between GPUs 0 and 1 of this host"
+    assert policy.explain_link(gpus(0, 0)) == policy.Link(link, why)
 
 
 @pytest.mark.parametrize("kind,link", [("NVIDIA H200", "nvlink"), ("NVIDIA H100 PCIe", "shm")])
@@ -174,19 +183,19 @@ def test_mesh_link_reads_the_groups_along_the_axis(monkeypatch):
     devices = np.empty(8, dtype=object)
     devices[:] = gpus(0, 0, 0, 0, 1, 1, 1, 1)
     mesh = types.SimpleNamespace(devices=devices.reshape(2, 4), axis_names=("dp", "tp"))
-    assert policy.mesh_link(mesh, "tp") == policy.Link("nvlink", "NVML says so")
+    tp = policy.mesh_link(mesh, "tp")  # either host's group: NVLink joins its GPUs
+    assert tp.name == "nvlink" and tp.why.startswith("NVML: NVLink joins GPUs [")
     assert policy.mesh_link(mesh, "dp") == policy.Link(
         "socket", "the group's 2 devices are on 2 hosts"
     )
     assert policy.mesh_link(mesh, ("dp", "tp")).name == "socket"
 
 
-def test_resolve_link_reads_the_mesh_being_traced_and_says_it(monkeypatch, caplog):
-    """Under `jax.set_mesh` the TP groups are the mesh's (here inside a host); without a mesh,
-    this process's devices (across both hosts). One log line says which and why."""
+def test_resolve_link_reads_the_mesh_being_traced_and_says_it(caplog):
+    """Under `jax.set_mesh` the TP groups are the mesh's (here 4 of the 8 devices); without a
+    mesh, this process's devices (all 8). One log line says which and why."""
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-    monkeypatch.setattr(policy, "_host", lambda d: d.id // 4)  # devices 0-3 and 4-7
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "tp"))
     seen = {}
 
@@ -199,5 +208,5 @@ def test_resolve_link_reads_the_mesh_being_traced_and_says_it(monkeypatch, caplo
         jax.jit(probe)(1.0)
     assert seen["auto"] == "shm"
     assert "TP link shm: the group's 4 cpu devices share one process's memory" in caplog.text
-    assert policy.resolve_link("auto", "tp") == "socket"
-    assert "TP link socket: the group's 8 devices are on 2 processes" in caplog.text
+    assert policy.resolve_link("auto", "tp") == "shm"
+    assert "TP link shm: the group's 8 cpu devices share one process's memory" in caplog.text

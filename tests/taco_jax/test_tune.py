@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 from tp_testing import tp_mesh
 
 import taco_jax as tj
-from taco_jax import _tuned, policy, timing, tune
+from taco_jax import _tuned, algorithms, collectives, policy, timing, tune
+from taco_jax.target import Target
 
 KiB, MiB = 1 << 10, 1 << 20
 AA = [0.98, 1.02]
@@ -172,7 +173,7 @@ def test_collectives_follow_a_tuned_table_on_a_mesh_never_under_vmap(installed):
 def _call(op, nbytes, codec="taco", compress_algorithm=None, n_ranks=2):
     cfg = tj.comm_config(codec, link="shm")
     choice = policy.Choice(compress_algorithm is not None, compress_algorithm or "-", "")
-    return policy.Call(cfg, op, nbytes, "tp", n_ranks, False, "shm", False, choice)
+    return policy.Call(cfg, op, nbytes, "tp", n_ranks, False, Target(link="shm"), choice)
 
 
 def test_the_prediction_is_counts_times_measured_times(installed):
@@ -244,8 +245,8 @@ def test_the_file_is_named_by_the_machine_in_the_cache_directory(tmp_path, monke
     path = _tuned.default_path()
     assert path.parent == tmp_path and re.fullmatch(r"policy-[0-9a-f]{16}\.json", path.name)
     here = _tuned.fingerprint()
-    monkeypatch.setattr(_tuned, "fingerprint", lambda: {**here, "devices": here["devices"] + 1})
-    assert _tuned.default_path().parent == tmp_path and _tuned.default_path() != path
+    other = _tuned.default_path({**here, "devices": here["devices"] + 1})
+    assert other.parent == tmp_path and other != path
 
 
 @pytest.mark.parametrize(
@@ -267,21 +268,26 @@ def test_a_damaged_foreign_or_stale_file_is_ignored_in_one_line(
         assert _tuned.current() is None
         assert _tuned.current() is None  # read again: not said again
         cfg = tj.comm_config("taco", link="shm")
-        assert policy.decide(cfg, "all_reduce", MiB, 2, False, "shm", False).compress
+        assert policy.decide(cfg, "all_reduce", MiB, 2, Target(link="shm")).compress
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and f"{path}: {why}" in lines[0], lines
 
 
-def test_the_summary_names_its_source_and_fused_only_where_it_runs(installed, monkeypatch):
+def test_the_summary_names_its_source_and_fused_only_where_it_runs(installed):
     """The tuned table's sizes where it measured the group, the shipped table's elsewhere; a
-    tuned "fused" faster than all is not named where its kernel does not run (here: the CPU)."""
+    tuned "fused" faster than all is not named where its kernel does not run (`fused_kernel_runs`
+    of the group's target: a Hopper GPU storing into its peers, the kernels compiled)."""
     fast_fused = comparison(
         one_shot=variant(1.0, 0.97, 1.03),
         two_shot=variant(0.9, 0.87, 0.93),
         fused=variant(1.5, 1.45, 1.55),
     )
     installed({(2, "nvlink"): {"all_reduce": {16 * MiB: {TACO: fast_fused}}}})
-    assert not policy.fused_kernel_runs("nvlink")  # a CPU
+    hopper = Target(backend="gpu", hopper=True, real_link=True, link="nvlink", peer_stores=True)
+    assert algorithms.fused_kernel_runs(hopper)
+    assert not algorithms.fused_kernel_runs(hopper, impl="xla")
+    assert not algorithms.fused_kernel_runs(Target(backend="gpu", real_link=True, link="nvlink"))
+    assert not algorithms.fused_kernel_runs(Target())  # the CPU
     text = policy.summary("nvlink", 2)
     assert "all_reduce on nvlink, N = 2 (tuned): 16 MiB plain" in text
     assert "fused" not in text
@@ -294,25 +300,30 @@ def test_the_summary_names_its_source_and_fused_only_where_it_runs(installed, mo
 
 
 @pytest.mark.slow
-def test_measure_under_vmap_times_and_checks_every_variant(monkeypatch):
+def test_measure_under_vmap_times_and_checks_every_variant():
     """On the CPU under vmap (the codec's cost): every variant timed against the plain op with
-    an A/A control and checked against its result; a variant whose result is wrong (here, one
-    made to return zeros) is marked "wrong" and never chosen, however fast."""
+    an A/A control and checked against its result (`tune.measure`); a variant whose result is
+    wrong (here, two-shot's program made to return zeros) is marked "wrong" and never chosen,
+    however fast."""
     group = tune.Group(2, _tuned.EMULATED)
-    real_op = tune._op
-
-    def broken(op, axis, codec=None, algorithm="-", impl="auto"):
-        fn = real_op(op, axis, codec, algorithm, impl)
-        return (lambda v: jnp.zeros_like(fn(v))) if algorithm == "two_shot" else fn
-
-    monkeypatch.setattr(tune, "_op", broken)
     ops = tune.measure(group, {"all_reduce": [64 * KiB]}, ["taco"], budget_s=2, say=print)
     result = ops["all_reduce"][64 * KiB][TACO]
     assert set(result["variants"]) == {"one_shot", "two_shot"}
     assert result["repeats"] >= timing.MIN_REPEATS and len(result["aa"]) == 2
+    for stats in result["variants"].values():
+        assert stats["verdict"] != "wrong" and stats["rel_err"] < 0.1
+        lo, hi = stats["interval"]
+        assert lo <= stats["median"] <= hi
+
+    codec, calls = collectives.collective_codec("taco"), tune.MIN_CALLS
+    programs = tune._programs(group, "all_reduce", [codec], "auto", calls)
+    two_shot = tune._op("all_reduce", group.axis, codec, "two_shot")
+    programs[(TACO, "two_shot")] = tune._program(
+        lambda v: jnp.zeros_like(two_shot(v)), group, calls
+    )
+    x = tune._message(group, tune._elements("all_reduce", 64 * KiB, 2), seed=0)
+    result = tune._checked_times(programs, x, [codec], calls, 2, tune._Clock())[TACO]
     one_shot, two_shot = result["variants"]["one_shot"], result["variants"]["two_shot"]
     assert one_shot["verdict"] != "wrong" and one_shot["rel_err"] < 0.1
     assert two_shot["verdict"] == "wrong" and two_shot["rel_err"] == pytest.approx(1.0)
-    lo, hi = one_shot["interval"]
-    assert lo <= one_shot["median"] <= hi
     assert policy.tuned_cell("all_reduce", result, False, "here").algorithm == "one_shot"

@@ -163,6 +163,7 @@ def test_resuming_a_sharded_optimizer_on_another_dp_is_refused_in_one_line(capsy
     out, sharded = f"run.out_dir={str(tmp_path)!r}", "optimizer.sharded=true"
     earlier = json.dumps(load_config(TINY, [out, NOWHERE, sharded]).to_dict())
     (tmp_path / "config.json").write_text(earlier)
+    (tmp_path / "checkpoints" / "10").mkdir(parents=True)  # a run to resume (its step directory)
     with pytest.raises(SystemExit):
         main(
             [

@@ -8,7 +8,11 @@ import pytest
 
 from taco_models.config import RopeScaling
 from taco_train.config import (
+    CompressionConfig,
     ConfigError,
+    DataConfig,
+    OptimizerConfig,
+    RunConfig,
     TrainConfig,
     apply_override,
     build_config,
@@ -129,11 +133,55 @@ def test_tp_takes_tahquant_grids_with_their_own_group_size():
         ("compression.dp_param=tlq_hs", "compression.dp_param='tlq_hs'"),
         ("compression.dp_grad=tlq_hs", "needs optimizer.sharded=true"),
         ("optimizer.bucket_elements=0", "optimizer.bucket_elements=0 must be >= 1"),
+        ("optimizer.b2=1", "optimizer.b2=1.0 must be in [0, 1)"),
+        ("compression.error_budget_consecutive=0", "error_budget_consecutive=0 must be >= 1"),
+        ("model.preset=3", "model.preset=3 does not match the field type str"),
+        ("model.init_from=3", "model.init_from=3 does not match the field type str"),
     ],
 )
 def test_validation_errors_name_the_value(override, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         load_config(None, ["parallel.dp=4", override])
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: OptimizerConfig(b1=1.0), "optimizer.b1=1.0 must be in [0, 1)"),
+        (lambda: OptimizerConfig(min_lr_ratio=1.5), "optimizer.min_lr_ratio=1.5 must be in [0, 1]"),
+        (lambda: DataConfig(val_fraction=0.0), "data.val_fraction=0.0 must be in (0, 1)"),
+        (lambda: RunConfig(steps=0), "run.steps=0 must be >= 1"),
+        (lambda: RunConfig(stop_at=20, steps=10), "run.stop_at=20 must be in [1, run.steps=10]"),
+        (
+            lambda: RunConfig(distributed="maybe"),
+            "run.distributed='maybe' does not match the field type 'auto' | 'on' | 'off'",
+        ),
+        (lambda: RunConfig(steps="10"), "run.steps='10' does not match the field type int"),
+        (lambda: CompressionConfig(pp_link="wifi"), "compression.pp_link='wifi' is not one of"),
+        (
+            lambda: CompressionConfig(error_budget=float("nan")),
+            "compression.error_budget=nan must be > 0",
+        ),
+    ],
+)
+def test_a_section_checks_its_fields_when_built_in_python(make, message):
+    """The checks beside the fields run in `__post_init__`, for a section built in Python as
+    for one loaded; NaN fails a bound."""
+    with pytest.raises(ConfigError) as info:
+        make()
+    assert str(info.value).startswith(message)
+
+
+def test_a_saved_config_is_checked_as_a_file_is():
+    """A run directory's config.json goes through the same names, types and checks."""
+    saved = json.loads(json.dumps(load_config(None).to_dict()))
+    assert from_saved(saved) == load_config(None)
+    saved["run"]["steps"] = "ten"
+    with pytest.raises(ConfigError, match="run.steps='ten' does not match the field type int"):
+        from_saved(saved)
+    saved["run"] = {"stepz": 10}
+    with pytest.raises(ConfigError, match=r"unknown key run.stepz \(did you mean run.steps\?\)"):
+        from_saved(saved)
 
 
 def test_an_error_budget_needs_measuring_steps():

@@ -11,7 +11,7 @@ from tolerances import exact_tolerance
 
 import taco_jax
 from taco_jax import sdp4bit
-from taco_models import ModelConfig, ParallelConfig, pipeline, spmd
+from taco_models import ModelConfig, ParallelConfig, pipeline
 from taco_models import parallel as layout
 from taco_models.parallel import check_config
 from taco_train import zero
@@ -201,7 +201,7 @@ def _slice_dims(parallel: ParallelConfig):
     ],
     ids=["dp2", "dp2-pp2-tp2-sp", "emulate-dp2-pp2-tp2-sp"],
 )
-def test_sharded_optimizer_is_the_replicated_one(parallel, monkeypatch):
+def test_sharded_optimizer_is_the_replicated_one(parallel, check_replicas):
     """ZeRO-1 (`optimizer.sharded`), uncompressed, fp32: three steps land where the replicated
     optimizer lands, both report the same gradient norm (with pp and tp each rank keeps the
     shards of its stage and TP slice, and the norm must count the leaves that stages or TP
@@ -217,7 +217,7 @@ def test_sharded_optimizer_is_the_replicated_one(parallel, monkeypatch):
     if jax.device_count() < parallel.num_devices:
         pytest.skip(f"needs {parallel.num_devices} devices")
     # Emulated there is one copy per leaf to compare; the ranks' copies are checked as made.
-    monkeypatch.setattr(spmd, "CHECK_REPLICAS", parallel.mode == "emulate")
+    check_replicas(parallel.mode == "emulate")
     lr, steps_run = 3e-3, 3
     comm = taco_jax.TPComm.create("tp", fwd="none")
     adamw = optax.adamw(lr, weight_decay=0.1)
@@ -247,7 +247,7 @@ def test_sharded_optimizer_is_the_replicated_one(parallel, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["shard_map", "emulate"])
-def test_two_level_dp_compresses_in_two_levels(mode, monkeypatch):
+def test_two_level_dp_compresses_in_two_levels(mode, check_replicas, monkeypatch):
     """dp = 4 as 2 groups of 2 (`dp_intra=2`): the mesh names both levels, the batch and every
     sharded-state leaf are split over them, and ZeRO-1 with TLq-HS (8-bit codes within a group,
     4-bit across) and qWD trains: the loss falls over a few steps, the replicas stay identical,
@@ -255,7 +255,7 @@ def test_two_level_dp_compresses_in_two_levels(mode, monkeypatch):
     exact path's 0, below the 4-bit bound of tests/taco_train/test_train_loop.py's
     ERROR_BOUNDS). Emulated on one device, the same (its mesh axes of size 1)."""
     parallel = ParallelConfig(dp=4, dp_intra=2, compute_dtype="float32", mode=mode)
-    monkeypatch.setattr(spmd, "CHECK_REPLICAS", mode == "emulate")
+    check_replicas(mode == "emulate")
     if jax.device_count() < parallel.num_devices:
         pytest.skip(f"needs {parallel.num_devices} devices")
     assert parallel.dp_axis == ("dp_inter", "dp_intra") and parallel.dp_shape == (2, 2)

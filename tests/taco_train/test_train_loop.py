@@ -12,7 +12,6 @@ import pytest
 from train_testing import TINY, assert_same_state, checkpoint_steps, tiny_args, untimed
 
 import taco_jax
-from taco_models import spmd
 from taco_train import comm_error, metrics, trainer
 from taco_train.checkpointing import damage
 from taco_train.config import load_config
@@ -160,25 +159,25 @@ def test_divergence_stops_in_one_line_and_saves_no_nonfinite_state(cache, tmp_pa
 
 
 @pytest.mark.parametrize("mode,written", [("shard_map", True), ("vmap", False)])
-def test_auto_policy_is_printed_and_kept_for_real_tp_on_gpus(
-    tmp_path, monkeypatch, capsys, mode, written
-):
+def test_auto_policy_is_printed_and_kept_for_real_tp_on_gpus(tmp_path, capsys, mode, written):
     """TP over real GPUs with the defaults: the policy's choices go to stderr and to
     collectives_policy.txt (the backend is declared a GPU here; nothing runs on it), from the
-    shipped table (no tuned one), and on NVLink never "fused": its kernels do not run here
-    (no Hopper GPU), though the shipped NVLink table measured them fastest from 16 MiB."""
+    shipped table (no tuned one), and on NVLink "fused" only where its kernel runs (a Hopper
+    GPU's target), though the shipped NVLink table measured it fastest from 16 MiB."""
     cfg = load_config(
         TINY, ["parallel.tp=2", f"parallel.mode={mode!r}", "compression.link='nvlink'"]
     )
-    monkeypatch.setattr(trainer.jax, "default_backend", lambda: "gpu")
-    trainer._say_policy(cfg, tmp_path, "nvlink")
+    with taco_jax.target.assume(backend="gpu"):
+        trainer._say_policy(cfg, tmp_path, "nvlink")
     kept = tmp_path / "collectives_policy.txt"
     assert kept.exists() == written
     if written:
         assert kept.read_text() == taco_jax.policy.summary("nvlink", 2, fused=False) + "\n"
         assert "all_reduce on nvlink, N = 2 (shipped)" in capsys.readouterr().err
         assert "fused" not in kept.read_text()
-        assert "16 MiB fused" in taco_jax.policy.summary("nvlink", 2, fused=True)
+        with taco_jax.target.assume(backend="gpu", hopper=True):
+            trainer._say_policy(cfg, tmp_path, "nvlink")
+        assert "16 MiB fused" in kept.read_text()
 
 
 def test_auto_links_are_found_from_the_run_mesh_and_built_into_its_steps(monkeypatch):
@@ -319,14 +318,14 @@ def test_3d_compressed_run_trains_and_resumes_exactly(cache, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_the_paper_layout_emulated_on_one_device_trains_and_resumes_exactly(
-    cache, tmp_path, monkeypatch
+    cache, tmp_path, check_replicas
 ):
     """The paper's TP 4 x PP 2 x DP 2 (16 ranks) with every dimension compressed, emulated on one
     device (`parallel.mode=emulate`, models/spmd.py): the loss falls, each dimension's error is
     logged within its bound, every rank's copy of what it replicates (qWD's weight replicas
     across dp among them) is the same bits, and a resumed run ends bit for bit where the
     uninterrupted one does."""
-    monkeypatch.setattr(spmd, "CHECK_REPLICAS", True)
+    check_replicas(True)
     overrides = (*THREE_D, "parallel.mode='emulate'", "parallel.tp=4")
     _assert_trains_logs_and_resumes(tmp_path, cache, overrides)
 
@@ -343,30 +342,31 @@ def test_one_f_one_b_3d_run_trains_and_resumes_exactly(cache, tmp_path):
     _assert_trains_logs_and_resumes(tmp_path, cache, overrides)
 
 
-def test_the_start_up_summary_names_every_op_that_runs_the_reference(monkeypatch, capsys):
+def test_the_start_up_summary_names_every_op_that_runs_the_reference(capsys):
     """Not only a warning: where a kernel cannot take a call (here a row of 3 groups on a
-    Hopper GPU whose JAX has no Triton lowering, so that the Mosaic kernels are chosen; faked as
-    tests/pallas_kernels/test_registry.py does) the run's start-up says
-    which op runs the jnp reference and why, in one line; nothing where every op has its
-    kernel."""
+    Hopper GPU whose JAX has no Triton lowering, a target as tests/pallas_kernels/
+    test_registry.py builds them) the run's start-up says which op runs the jnp reference and
+    why, in one line; nothing where every op has its kernel."""
     import jax.numpy as jnp
 
     import pallas_kernels
-    from pallas_kernels import _pallas, registry
+    from pallas_kernels import registry
 
-    monkeypatch.setattr(registry, "_ON_REFERENCE", {})
+    registry.forget_reference()
     trainer._say_reference_ops()
     assert capsys.readouterr().err == ""
-    monkeypatch.setattr(_pallas, "hopper_gpu", lambda: True)
-    monkeypatch.setattr(_pallas, "pltriton", None)
+    hopper = taco_jax.target.Target(backend="gpu", hopper=True, triton_missing="no Triton")
     with pytest.warns(RuntimeWarning, match="runs the jnp reference"):
-        pallas_kernels.encode(taco_jax.get_codec("taco"), jnp.ones((2, 384), jnp.bfloat16))
+        pallas_kernels.encode(
+            taco_jax.get_codec("taco"), jnp.ones((2, 384), jnp.bfloat16), target=hopper
+        )
     trainer._say_reference_ops()
     assert capsys.readouterr().err == (
         "on the jnp reference, far slower than the fused kernels: encode of taco (rows [2, "
         "n=384], bfloat16): the Mosaic GPU kernels cannot take rows of n=384 (need whole tiles "
         "of 8192 and a wire of whole 8-row boxes of 128 bytes: n a multiple of 16384)\n"
     )
+    registry.forget_reference()
 
 
 @pytest.mark.slow
