@@ -388,17 +388,18 @@ def describe_size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def source(n_ranks: int, link: str, codec: str) -> str:
-    """Where "auto"'s choices for `codec` on a group of `n_ranks` on `link` come from here: this
-    machine's tuned table, else on a GPU the shipped table, else none (every message
-    compressed); with how to tune where it is not the tuned table."""
+def source(n_ranks: int, link: str, codec: str, *, real_link: bool) -> str:
+    """Where "auto"'s choices for `codec` on a group of `n_ranks` on `link` come from: this
+    machine's tuned table, else where the group's bytes move over GPUs (`real_link`,
+    `Target.real_link`) the shipped table, else none (every message compressed); with how to
+    tune where it is not the tuned table."""
     table = _tuned.current()
     entry = table.entry(n_ranks, link) if table is not None else None
     if entry is not None and any(codec in cell for op in entry.values() for cell in op.values()):
         return f"this machine's tuned table {table.describe()}"
     where = _tuned.default_path()
     tune = f"python -m taco_jax.tune --tp {n_ranks} measures this machine (into {where})"
-    if jax.default_backend() != "gpu":
+    if not real_link:
         return f"no tuned table for N = {n_ranks} on {link}: every message is compressed; {tune}"
     shipped = _policy_table.SOURCES.get(link, {})
     model = "" if n_ranks == 2 else f"; N = {n_ranks} by a model (two-shot's N = 2 row)"
@@ -410,7 +411,7 @@ def source(n_ranks: int, link: str, codec: str) -> str:
 
 @functools.cache
 def _say_shipped(n_ranks: int, link: str, codec: str) -> None:
-    LOG.warning("auto policy for %s: %s", codec, source(n_ranks, link, codec))
+    LOG.warning("auto policy for %s: %s", codec, source(n_ranks, link, codec, real_link=True))
 
 
 def reads_link_off_gpu() -> bool:

@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from taco_jax import _tuned, collectives, policy, tune
+from taco_jax import _tuned, collectives, policy, target, tune
 from taco_train.checkpointing import from_process_0
 
 BUDGET_S = tune.BUDGET_S  # the timed rounds of a start-up tuning ("about a minute")
@@ -106,11 +106,11 @@ def start_up(run, state, build_steps: Callable) -> tune.Prediction | None:
     if not policy_decides(cfg):
         return None
     link, n_ranks = tp_link(run), cfg.parallel.tp
-    real = link != _tuned.EMULATED and jax.default_backend() == "gpu"
+    real = link != _tuned.EMULATED and target.probe("tp", link, mesh=run.steps.mesh).real_link
     has_entry = table is not None and table.entry(n_ranks, link) is not None
     if comp.tune == "off" or (comp.tune == "auto" and not real and not has_entry):
         if link != _tuned.EMULATED:
-            _say(f"compression.tune={comp.tune}: the TP collectives' policy: {_source(run, link)}")
+            _say(_policy_line(run, link, real))
         return None
     counted = _step_calls(run, state, build_steps)
     missing = _unmeasured(counted, table, link, n_ranks)
@@ -118,7 +118,7 @@ def start_up(run, state, build_steps: Callable) -> tune.Prediction | None:
         sizes = _sizes(counted) if comp.tune == "force" else missing
         table = _tune(run, link, sizes, {c.cfg.codec for c, _ in counted})
     if link != _tuned.EMULATED:
-        _say(f"compression.tune={comp.tune}: the TP collectives' policy: {_source(run, link)}")
+        _say(_policy_line(run, link, real))
     else:
         _say(
             "compression.tune: a TP group emulated under vmap moves no bytes: every message is "
@@ -140,11 +140,13 @@ def _sizes(counted) -> dict[str, list[int]]:
     return {op: sorted(s) for op, s in sizes.items()}
 
 
-def _source(run, link: str) -> str:
+def _policy_line(run, link: str, real: bool) -> str:
+    """Which table the TP collectives' policy reads (`policy.source`); `real`: TP over GPUs."""
     comp = run.cfg.compression
     codec = comp.fwd if comp.fwd != "none" else comp.bwd
     key = _tuned.codec_key(collectives.collective_codec(codec, comp.group_size))
-    return policy.source(run.cfg.parallel.tp, link, key)
+    where = policy.source(run.cfg.parallel.tp, link, key, real_link=real)
+    return f"compression.tune={comp.tune}: the TP collectives' policy: {where}"
 
 
 def _tune(run, link: str, sizes: dict[str, list[int]], codec_set) -> _tuned.Table | None:
