@@ -117,10 +117,12 @@ def may_fuse(x: jax.Array, cfg: CommConfig, target: Target, n_ranks: int):
     "fused"), or None: it runs here (`fused_exchange`) and `algorithm` is "fused", or "auto"
     where a table measured it for this group size (`policy.fused_in_auto`: N = 2, or this
     machine's tuned table). One- and two-shot keep NCCL."""
-    auto = cfg.algorithm == "auto" and policy.fused_in_auto(n_ranks, target.link, cfg.codec)
-    if cfg.algorithm == "fused" or auto:
-        return fused_exchange("all_gather", cfg, target, dtype=x.dtype)
-    return None
+    if cfg.algorithm not in ("auto", "fused"):
+        return None
+    fused = fused_exchange("all_gather", cfg, target, dtype=x.dtype)
+    if fused is not None and cfg.algorithm == "auto":
+        return fused if policy.fused_in_auto(n_ranks, target.link, cfg.codec) else None
+    return fused
 
 
 def row_multiple(cfg: CommConfig, target: Target, fused=None) -> int:

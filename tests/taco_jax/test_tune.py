@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from tp_testing import tp_mesh
 
 import taco_jax as tj
-from taco_jax import _tuned, algorithms, collectives, policy, timing, tune
+from taco_jax import _tuned, algorithms, collectives, policy, target, timing, tune
 from taco_jax.target import Target
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -168,6 +168,28 @@ def test_collectives_follow_a_tuned_table_on_a_mesh_never_under_vmap(installed):
         jax.jit(jax.vmap(psum, axis_name="tp")).lower(jnp.zeros((2, 32 * KiB), jnp.bfloat16))
     (call,) = [c for cs in calls.values() for c in cs]
     assert (call.link, call.choice.algorithm, call.choice.compress) == (None, "two_shot", True)
+
+
+def test_auto_fuses_a_group_above_two_only_where_its_table_measured_fused(installed):
+    """N = 4 on NVLink, traced for a Hopper GPU (whose fused kernel runs): the shipped table
+    measured N = 2 only, so "auto" never fuses there; a tuned table whose N = 4 row measured
+    fused faster than the rest makes it run the fused exchange."""
+    spec = jax.ShapeDtypeStruct((4 * 8 * MiB,), jnp.bfloat16)  # 16 MiB per rank
+
+    def traced() -> str:  # a fresh function each time: jit caches traces by function
+        psum = lambda v: tj.compressed_psum(v, "tp", link="nvlink")  # noqa: E731
+        mapped = jax.shard_map(psum, mesh=tp_mesh(4), in_specs=P("tp"), out_specs=P("tp"))
+        with target.assume(backend="gpu", hopper=True):
+            return str(jax.jit(mapped).trace(spec).jaxpr)
+
+    assert "taco_encode_all_gather" not in traced()
+    fast_fused = comparison(
+        one_shot=variant(1.1, 1.05, 1.15),
+        two_shot=variant(1.2, 1.15, 1.25),
+        fused=variant(1.6, 1.55, 1.65),
+    )
+    installed({(4, "nvlink"): {"all_reduce": {16 * MiB: {TACO: fast_fused}}}})
+    assert "taco_encode_all_gather" in traced()
 
 
 def _call(op, nbytes, codec="taco", compress_algorithm=None, n_ranks=2):
