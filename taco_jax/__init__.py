@@ -12,6 +12,8 @@ Public API:
   policy: what the "auto" options choose (whether and how to compress), from measurements
   telemetry: each compressed collective's error by call site (layer_07/mlp_out/fwd)
   timing: ratios of timings with intervals and an A/A control (the benchmarks' harness)
+  tune: the collectives timed on this machine for "auto" (`python -m taco_jax.tune`; imported
+    on its own, `from taco_jax import tune`)
   reference_ops: the codec ops that ran the jnp reference where fused kernels were asked for
 
 The library needs JAX and NumPy only; the fused GPU kernels (`pallas_kernels`) are imported on

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from taco_jax import _backends, codecs
+from taco_jax import _backends, codecs, policy
 from taco_jax.codecs import Codec
 from taco_jax.comm_config import MAX_SLICES, CommConfig
 from taco_jax.jax_workarounds import varying
@@ -102,13 +102,27 @@ def fused_exchange(kind: str, cfg: CommConfig, target: Target, rows=None, dtype=
     )
 
 
+def fused_kernel_runs(target: Target, codec="taco", impl: str = "auto") -> bool:
+    """Whether the fused exchange's kernel runs bf16 messages of `codec` (a name or a codec)
+    under `impl` on `target` (a TP group's before any op is traced:
+    `taco_jax.target.probe(axis, link, mesh=mesh)`): what `fused_exchange` finds while tracing,
+    `pallas_kernels.registry.select`'s answer."""
+    codec = codecs.get_codec(codec) if isinstance(codec, str) else codec
+    kernel = _backends.exchange("encode_all_gather", impl, codec, target, dtype=jnp.bfloat16)
+    return kernel is not None
+
+
 def may_fuse(x: jax.Array, cfg: CommConfig, target: Target, n_ranks: int):
     """The fused exchange a collective may use (the all-reduce: whether the policy may pick
-    "fused"), or None: it runs here (`fused_exchange`) and `algorithm` is "fused", or "auto" at
-    N = 2, the only group size measured. One- and two-shot keep NCCL."""
-    if cfg.algorithm == "fused" or (cfg.algorithm == "auto" and n_ranks == 2):
-        return fused_exchange("all_gather", cfg, target, dtype=x.dtype)
-    return None
+    "fused"), or None: it runs here (`fused_exchange`) and `algorithm` is "fused", or "auto"
+    where a table measured it for this group size (`policy.fused_in_auto`: N = 2, or this
+    machine's tuned table). One- and two-shot keep NCCL."""
+    if cfg.algorithm not in ("auto", "fused"):
+        return None
+    fused = fused_exchange("all_gather", cfg, target, dtype=x.dtype)
+    if fused is not None and cfg.algorithm == "auto":
+        return fused if policy.fused_in_auto(n_ranks, target.link, cfg.codec) else None
+    return fused
 
 
 def row_multiple(cfg: CommConfig, target: Target, fused=None) -> int:

@@ -138,10 +138,13 @@ def _nbytes(x: jax.Array) -> int:
     return x.size * x.dtype.itemsize
 
 
-def _chosen(op, x, cfg, target, n_ranks, fused, scale=1) -> policy.Choice:
+def _chosen(op, x, axis_name, cfg, target, n_ranks, fused, scale=1) -> policy.Choice:
     """`taco_jax.policy.choose` for `op` on x (message bytes per rank: x's, times `scale`)."""
     nbytes = _nbytes(x) * scale
-    return policy.choose(cfg, op, nbytes, n_ranks, target, fused_available=fused is not None)
+    available = fused is not None
+    return policy.choose(
+        cfg, op, nbytes, n_ranks, target, fused_available=available, axis_name=axis_name
+    )
 
 
 def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig):
@@ -152,7 +155,7 @@ def _all_reduce(x: jax.Array, axis_name: AxisName, cfg: CommConfig):
     nbytes = 2 * (n_ranks - 1) / n_ranks * _nbytes(x)
     target = platform.probe(axis_name, cfg.link)
     fused = algorithms.may_fuse(x, cfg, target, n_ranks)
-    choice = _chosen("all_reduce", x, cfg, target, n_ranks, fused)
+    choice = _chosen("all_reduce", x, axis_name, cfg, target, n_ranks, fused)
     if not choice.compress:
         return _plain(lax.psum(x, axis_name), cfg, nbytes)
     compressed = functools.partial(
@@ -184,7 +187,7 @@ def _reduce_scatter(x: jax.Array, axis_name: AxisName, dim: int, tiled: bool, cf
     target = platform.probe(axis_name, cfg.link)
     fused = algorithms.may_fuse(x, cfg, target, n_ranks)
     exact = functools.partial(psum_scatter, axis_name=axis_name, dim=dim, tiled=tiled)
-    if not _chosen("reduce_scatter", x, cfg, target, n_ranks, fused).compress:
+    if not _chosen("reduce_scatter", x, axis_name, cfg, target, n_ranks, fused).compress:
         return _plain(exact(x), cfg, nbytes)
     compressed = functools.partial(
         algorithms.reduce_scatter,
@@ -210,7 +213,7 @@ def _all_gather(x: jax.Array, axis_name: AxisName, axis: int, tiled: bool, cfg: 
     target = platform.probe(axis_name, cfg.link)
     fused = algorithms.may_fuse(x, cfg, target, n_ranks)
     # The policy reads the all-gather's output size (the sequence-parallel pair's message).
-    if not _chosen("all_gather", x, cfg, target, n_ranks, fused, scale=n_ranks).compress:
+    if not _chosen("all_gather", x, axis_name, cfg, target, n_ranks, fused, scale=n_ranks).compress:
         return _plain(exact(x), cfg, nbytes)
     compressed = functools.partial(
         algorithms.all_gather,
@@ -246,7 +249,8 @@ def _at_site(collective, x: jax.Array, cfg: CommConfig, site: str, layer, axis_n
     `cfg.site_codecs`. Where the layer is traced and some layers' codecs differ, a
     `lax.switch` on the layer picks the codec (one branch per codec). The statistics are each
     rank's (`taco_jax.telemetry.per_rank`)."""
-    out, stats = _site_collective(collective, x, cfg, site, layer)
+    with policy.call_scope():  # ties the traced program to `policy.choose`'s record
+        out, stats = _site_collective(collective, x, cfg, site, layer)
     return out, telemetry.per_rank(stats, axis_name)
 
 

@@ -39,7 +39,9 @@ class Target:
     real_link: the op's axis is a `jax.shard_map` mesh axis of GPUs, so bytes really move (not a
       `jax.vmap` axis, where a TP group is emulated on one device).
     link: where `real_link`, the link those bytes move over ("nvlink", "shm", "socket": the
-      collectives' `link` option, or what "auto" found, `taco_jax.policy.resolve_link`).
+      collectives' `link` option, or what "auto" found, `taco_jax.policy.resolve_link`); on a
+      mesh axis of other devices (the CPU's) too, where a table measured on this machine may
+      be read (`taco_jax.policy.reads_link_off_gpu`); else None.
     peer_stores: a kernel may store into the peers' memory along the axis: one mesh axis of GPUs
       joined by NVLink, driven by one process, not PCIe cards, in a mesh whose devices are in
       row-major order where that is known (Mosaic GPU's rule). Over shared memory or sockets
@@ -115,7 +117,7 @@ def probe(axis_name=None, link: str = "auto", *, mesh: jax.sharding.Mesh | None 
     hopper = fact("hopper", lambda: backend == "gpu" and _hopper_device())
     triton_missing = fact("triton_missing", _triton_missing)
     real = fact("real_link", lambda: backend == "gpu" and _mesh_axis(axis_name, mesh))
-    found = fact("link", lambda: _resolve_link(link, axis_name, mesh) if real else None)
+    found = fact("link", lambda: _link(link, axis_name, mesh, real))
     peers = fact(
         "peer_stores", lambda: real and found == "nvlink" and _peers_reachable(axis_name, mesh)
     )
@@ -146,6 +148,13 @@ def _mesh_axis(axis_name, mesh) -> bool:
         return False
     axes = mesh.axis_names if mesh is not None else jax.sharding.get_abstract_mesh().manual_axes
     return all(name in axes for name in _names(axis_name))
+
+
+def _link(link: str, axis_name, mesh, real: bool) -> str | None:
+    """`Target.link`: found on a real link, and on another mesh axis where a table measured on
+    this machine may be read (elsewhere no choice reads it: nothing to find or log)."""
+    off_gpu = not real and _mesh_axis(axis_name, mesh) and policy.reads_link_off_gpu()
+    return _resolve_link(link, axis_name, mesh) if real or off_gpu else None
 
 
 def _resolve_link(link: str, axis_name, mesh) -> str:

@@ -228,6 +228,13 @@ def in_program(fn, inputs: Sequence[tuple], calls: int, **batch) -> Sampler:
     `batched` calls of the program, divided by `calls`.
     """
     args = [a for (a,) in inputs]
+    return batched(jax.jit(chained(fn, calls)), [tuple(args)], per=calls, **batch)
+
+
+def chained(fn, calls: int):
+    """The straight-line program of `in_program`, not jitted (a caller may map it over devices
+    first): `program(*xs)` -> the outputs of `calls` calls of `fn`, the i-th on `xs[i % len]`
+    passed through an optimization barrier with the previous output."""
 
     def program(*xs):
         outs = [fn(xs[0])]
@@ -236,4 +243,4 @@ def in_program(fn, inputs: Sequence[tuple], calls: int, **batch) -> Sampler:
             outs.append(fn(x))
         return outs
 
-    return batched(jax.jit(program), [tuple(args)], per=calls, **batch)
+    return program

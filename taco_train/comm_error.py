@@ -423,8 +423,11 @@ def checkpoint_metadata(
 
 
 def _settings(compression) -> dict[str, Any]:
-    """`compression` as a checkpoint's metadata holds it (JSON values)."""
-    return json.loads(json.dumps(dataclasses.asdict(compression)))
+    """`compression` as a checkpoint's metadata holds it (JSON values), without `tune`, which
+    says only when to time the collectives, not what they compute."""
+    settings = json.loads(json.dumps(dataclasses.asdict(compression)))
+    settings.pop("tune", None)
+    return settings
 
 
 def resumed_fallbacks(

@@ -115,6 +115,7 @@ class CompressionConfig(Section):
     # SDP4Bit's codecs of the sharded optimizer's gradient reduce-scatter / parameter all-gather.
     dp_grad: str = field("none", one_of=zero.GRAD_CODECS)
     dp_param: str = field("none", one_of=zero.PARAM_CODECS)
+    tune: str = field("auto", one_of=("auto", "off", "force"))  # when TP is timed (tuning.py)
 
     def __post_init__(self):
         super().__post_init__()

@@ -32,7 +32,7 @@ from taco_models.parallel import (
     make_mesh,
     weight_decay_mask,
 )
-from taco_train import comm_error, data, metrics, optim
+from taco_train import comm_error, data, metrics, optim, tuning
 from taco_train.checkpointing import (
     Checkpointer,
     abstract_state,
@@ -101,6 +101,7 @@ class _Run:
         self.val_batches = data.Batches(self.dataset.val, b, t, seed, "validation split")
         self.schedule = optim.lr_schedule(cfg.optimizer, cfg.run.steps)
         self.links = resolve_links(cfg)
+        self.prediction = None  # the step's predicted collective time (`taco_train.tuning`)
         self.over_budget: dict[str, list[int]] = {}  # the error budget's `comm_error.tally`
         self.build({})
         self.n_devices = self.steps.mesh.devices.size
@@ -476,17 +477,21 @@ def _write_config(cfg: TrainConfig, out: Path) -> None:
 
 def _say_policy(cfg: TrainConfig, out: Path, link: str = "auto") -> None:
     """Where the collectives' "auto" policy compresses on this machine's link, when it decides
-    (TP over real GPUs with min_compress_bytes unset, docs/method.md "The auto policy"):
+    (TP over real GPUs with min_compress_bytes unset, docs/method.md "The auto policy"), from
+    which table (this machine's tuned one, or the shipped one), "fused" only where its kernel
+    runs on this machine's TP groups (`taco_jax.algorithms.fused_kernel_runs` of their target):
     printed, and kept in `collectives_policy.txt` beside the run's config, so a run recorded as
-    `taco` says where it really compressed, the fused exchange only where it runs on this
-    machine's TP groups. link: the TP link (`resolve_links`'s, or the config's)."""
+    `taco` says where it really compressed. link: the TP link (`resolve_links`'s, or the
+    config's)."""
     comp = cfg.compression
     real_tp = cfg.parallel.tp > 1 and cfg.parallel.mode == "shard_map"
     if not real_tp or comp.min_compress_bytes is not None:
         return
     tp = taco_jax.target.probe("tp", link, mesh=make_mesh(cfg.parallel))
     if tp.real_link:  # GPUs: the policy decides from its table (elsewhere it compresses all)
-        text = taco_jax.policy.summary(tp.link, cfg.parallel.tp, fused=tp.fused_exchange_possible)
+        codec = taco_jax.collectives.collective_codec(comp.fwd, comp.group_size)
+        fused = taco_jax.algorithms.fused_kernel_runs(tp, codec, comp.impl)
+        text = taco_jax.policy.summary(tp.link, cfg.parallel.tp, codec=codec, fused=fused)
         _say(
             "collectives (auto policy, by message bytes per rank; set "
             "compression.min_compress_bytes=0 to compress every one):\n" + text
@@ -533,8 +538,10 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
         f"{run.dataset.train.size:,} | steps {start} -> {cfg.run.steps} | out {run.out}"
     )
     _say_links(run.links)
-    _say_policy(cfg, run.out, run.links["link"].name if "link" in run.links else comp.link)
     end = cfg.run.steps if cfg.run.stop_at is None else cfg.run.stop_at
+    if start < end:  # before the steps are traced: the table the policy reads is then final
+        run.prediction = tuning.start_up(run, state, build_steps)
+    _say_policy(cfg, run.out, run.links["link"].name if "link" in run.links else comp.link)
     if start >= end:
         _say(
             f"the run in {run.out} is at step {start}, the end of this one ({end}): nothing to "
@@ -555,6 +562,7 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
     finally:  # Also after a non-finite loss: the plot shows where it went wrong.
         ckpt.close()
         writer.close()
+        tuning.finish()
         if lead:
             records = metrics.read_jsonl(run.out / "metrics.jsonl")
             metrics.plot_losses(records, run.out / "loss.png", str(run.out))
@@ -695,6 +703,7 @@ def _steps(run: _Run, state, start, end, ckpt, writer, bar, profiler, stops) -> 
             last["timed"] = (timed[0] + steps_since, timed[1] + seconds)  # for the summary
             t_mark, steps_since = time.perf_counter(), 0
             last["train"] = _emit(record, writer, bar)
+            tuning.measured(run, record, writer, bar)  # after warm-up: beside the prediction
             skips.check(record, bar)
         evaluate = done % cfg.eval_every == 0 or done == cfg.steps
         if evaluate:

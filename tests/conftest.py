@@ -42,11 +42,16 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # a cache of the user's own i
     _JIT_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="taco-jit-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+# The tuned policy file "auto" reads (`taco_jax._tuned`): one in a fresh directory per session,
+# so that no table of the user's decides a test; every process a test starts inherits it.
+_POLICY_CACHE = tempfile.mkdtemp(prefix="taco-policy-")
+os.environ["TACO_JAX_POLICY_FILE"] = os.path.join(_POLICY_CACHE, "policy.json")
 
 
 def pytest_sessionfinish(session, exitstatus):
     if _JIT_CACHE is not None:
         shutil.rmtree(_JIT_CACHE, ignore_errors=True)
+    shutil.rmtree(_POLICY_CACHE, ignore_errors=True)
 
 
 @pytest.fixture

@@ -173,6 +173,17 @@ def test_real_link_only_under_shard_map_on_gpu(gpu):
         assert not _probed(mode="shard_map").real_link
 
 
+def test_a_cpu_mesh_axis_has_a_link_only_where_a_tuned_table_may_be_read():
+    """On the CPU no shipped table applies: the probe finds no link (nothing to find or log)
+    unless this machine's tuned table may be read (`policy.reads_link_off_gpu`: one is
+    installed, or the collectives are being recorded for pricing); under vmap never."""
+    assert _probed(mode="shard_map").link is None
+    with policy.recording():
+        assert _probed(mode="shard_map").link == "shm"  # two CPU devices of one process
+        assert _probed(mode="vmap").link is None
+        assert not _probed(mode="shard_map").real_link
+
+
 def _lowered(fn, nbytes: int, tp: int = 2, hopper: bool = False) -> str:
     """The lowered text of `fn` per rank under shard_map on a bf16 message of `nbytes`/rank;
     for a Hopper GPU, whose Mosaic GPU kernels lower for CUDA only, the traced program's."""
@@ -247,7 +258,7 @@ def test_no_real_link_compresses_everything():
 def test_summary_names_every_op_and_size():
     text = policy.summary("socket")
     assert text.count("\n") == len(policy.TABLE_OPS) - 1
-    assert "all_reduce on socket, N = 2: 1 MiB plain" in text
+    assert "all_reduce on socket, N = 2 (shipped): 1 MiB plain" in text
 
 
 def test_summary_says_fused_only_where_its_kernel_runs():

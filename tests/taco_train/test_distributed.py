@@ -69,14 +69,21 @@ def _launch(commands: list[tuple[dict[str, str], list[str]]], devices: int = 1) 
     return outputs
 
 
-def _run_two_processes(out_dir, cache_dir, *extra: str) -> list[str]:
-    """configs/tiny.toml with `extra`, as two CPU processes of one device each."""
-    port = _free_port()
+def _run_two_processes(out_dir, cache_dir, *extra: str, env=None) -> list[str]:
+    """configs/tiny.toml with `extra`, as two CPU processes of one device each (`env`: more
+    environment)."""
     argv = [sys.executable, "-m", "taco_train", "--config", TINY]
     for o in tiny_overrides(out_dir, cache_dir, *extra):
         argv += ["--set", o]
-    env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2"}
-    return _launch([({**env, "JAX_PROCESS_ID": str(rank)}, argv) for rank in range(2)])
+    return _launch(_on_processes(2, argv, env or {}))
+
+
+def _on_processes(n: int, argv: list[str], env: dict[str, str]) -> list[tuple[dict, list[str]]]:
+    """(environment, argv) of each of `n` processes of one `jax.distributed` run."""
+    env = {**env, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}"}
+    return [
+        ({**env, "JAX_NUM_PROCESSES": str(n), "JAX_PROCESS_ID": str(r)}, argv) for r in range(n)
+    ]
 
 
 def _doc_block(after: str) -> str:
@@ -394,3 +401,70 @@ def test_processes_that_see_a_checkpoint_differently_take_one_verdict(tmp_path, 
     ]
     aside = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if "unusable" in p.name)
     assert aside == ([] if disagreeing == 1 else ["2.unusable"])
+
+
+# `python -m taco_jax.tune` over CPU processes of one device each: a TP group across processes
+# (link "socket"), one size, a short budget (each comparison still runs its minimum rounds).
+TUNE = [sys.executable, "-m", "taco_jax.tune", "--sizes-mib", "0.0625", "--budget-s", "4"]
+TP_ACROSS = ("parallel.mode='shard_map'", "parallel.tp=2", "run.steps=2", "run.eval_every=2")
+
+
+def _comparisons(entry: dict) -> list[dict]:
+    return [c for sizes in entry["ops"].values() for cell in sizes.values() for c in cell.values()]
+
+
+@pytest.mark.slow
+def test_four_processes_tune_n2_and_n4_and_agree(tmp_path):
+    """Four processes tune N = 2 and N = 4 together, each writing its own file: the four files
+    hold the same measurements (every sample is the slowest process's, so every
+    process stops after the same rounds and decides alike), with both group sizes, every op,
+    and intervals beside the A/A control's; process 0 alone says its progress."""
+    commands = _on_processes(4, [*TUNE, "--tp", "2", "4"], {})
+    for rank, (env, _) in enumerate(commands):
+        env["TACO_JAX_POLICY_FILE"] = str(tmp_path / f"policy{rank}.json")
+    outputs = _launch(commands)
+    tables = [json.loads((tmp_path / f"policy{r}.json").read_text()) for r in range(4)]
+    assert all(t["entries"] == tables[0]["entries"] for t in tables)
+    entries = {(e["n_ranks"], e["link"]): e for e in tables[0]["entries"]}
+    assert set(entries) == {(2, "socket"), (4, "socket")}
+    for entry in entries.values():
+        assert set(entry["ops"]) == {"all_reduce", "reduce_scatter", "all_gather"}
+        for comparison in _comparisons(entry):
+            assert comparison["repeats"] >= 6 and len(comparison["aa"]) == 2
+            for stats in comparison["variants"].values():
+                lo, hi = stats["interval"]
+                assert lo <= stats["median"] <= hi and stats["verdict"] != "wrong"
+    assert "[3/3] N = 4 socket all_gather 64 KiB" in outputs[0] and "wrote" in outputs[0]
+    assert all("[1/3]" not in out for out in outputs[1:])
+
+
+@pytest.mark.slow
+def test_the_trainer_names_the_table_two_processes_tuned(tmp_path, cache):
+    """`python -m taco_jax.tune --tp 2` on two processes writes this machine's table; a run of
+    TP = 2 across the same two processes then names it at start-up (its sizes, 32 KiB and
+    512 B, lie below the tuned 64 KiB: those collectives run plain). Another machine's file or
+    a damaged one is ignored in one line, the run then says it has no tuned table, as it does
+    with the file removed (on the CPU: every message compressed)."""
+    policy_dir = tmp_path / "policy"  # the cache directory, the file named by the machine
+    env = {"TACO_JAX_CACHE": str(policy_dir), "TACO_JAX_POLICY_FILE": ""}
+    tuned = _launch(_on_processes(2, [*TUNE, "--tp", "2"], env))
+    (path,) = policy_dir.glob("policy-*.json")
+    assert f"wrote {path}" in tuned[0]
+    data = json.loads(path.read_text())
+    assert data["fingerprint"]["processes"] == 2 and len(data["entries"]) == 1
+    outputs = _run_two_processes(tmp_path / "tuned", cache, *TP_ACROSS, env=env)
+    assert f"the TP collectives' policy: this machine's tuned table {path}" in outputs[0]
+    none_line = "the TP collectives' policy: no tuned table for N = 2 on socket"
+    foreign = {**data, "fingerprint": {**data["fingerprint"], "device_kind": "another"}}
+    for spoiled, why in ((json.dumps(foreign), "foreign"), ("{", "damaged"), (None, None)):
+        if spoiled is None:
+            path.unlink()
+        else:
+            path.write_text(spoiled)
+        outputs = _run_two_processes(tmp_path / str(why), cache, *TP_ACROSS, env=env)
+        said = [line for out in outputs for line in out.splitlines() if "ignoring" in line]
+        if why is None:
+            assert said == []
+        else:
+            assert len(said) == 1 and f"{path}: {why}" in said[0], said
+        assert none_line in outputs[0]

@@ -161,15 +161,23 @@ def test_divergence_stops_in_one_line_and_saves_no_nonfinite_state(cache, tmp_pa
 @pytest.mark.parametrize("mode,written", [("shard_map", True), ("vmap", False)])
 def test_auto_policy_is_printed_and_kept_for_real_tp_on_gpus(tmp_path, capsys, mode, written):
     """TP over real GPUs with the defaults: the policy's choices go to stderr and to
-    collectives_policy.txt (the backend is declared a GPU here; nothing runs on it)."""
-    cfg = load_config(TINY, ["parallel.tp=2", f"parallel.mode={mode!r}"])
+    collectives_policy.txt (the backend is declared a GPU here; nothing runs on it), from the
+    shipped table (no tuned one), and on NVLink "fused" only where its kernel runs (a Hopper
+    GPU's target), though the shipped NVLink table measured it fastest from 16 MiB."""
+    cfg = load_config(
+        TINY, ["parallel.tp=2", f"parallel.mode={mode!r}", "compression.link='nvlink'"]
+    )
     with taco_jax.target.assume(backend="gpu"):
-        trainer._say_policy(cfg, tmp_path)
+        trainer._say_policy(cfg, tmp_path, "nvlink")
     kept = tmp_path / "collectives_policy.txt"
     assert kept.exists() == written
     if written:
-        assert kept.read_text() == taco_jax.policy.summary("auto", 2) + "\n"
-        assert "all_reduce on" in capsys.readouterr().err
+        assert kept.read_text() == taco_jax.policy.summary("nvlink", 2, fused=False) + "\n"
+        assert "all_reduce on nvlink, N = 2 (shipped)" in capsys.readouterr().err
+        assert "fused" not in kept.read_text()
+        with taco_jax.target.assume(backend="gpu", hopper=True):
+            trainer._say_policy(cfg, tmp_path, "nvlink")
+        assert "16 MiB fused" in kept.read_text()
 
 
 def test_auto_links_are_found_from_the_run_mesh_and_built_into_its_steps(monkeypatch):
