@@ -2,13 +2,14 @@
 checkpoints.md).
 
 Runs `python -m taco_train` twice in the repository, `run.async_checkpoint=false` then `true`:
-GPT-1.3B on one device, 8 x 2048 tokens a step, bf16 compute with fp32 weights and Adam moments
-(~15.6 GB saved), saves at steps 45 and 90, the byte tokenizer on docs/*.md. It records each
-save's "checkpoint" record of metrics.jsonl: `blocked_s`, the loop's pause, and of it
-`finite_s` (the check that the state is finite) and `previous_s` (waiting for the save before);
-the rest is orbax's save call (asynchronous: the copy of the state to host memory, what still
-blocks), with each run's wall time as its end-of-run line prints it. The asynchronous run's
-end waits for its last save: orbax's line saying how long is kept (`printed_note`).
+GPT-1.3B on one device, 8 x 2048 tokens a step (`--batch-size 4` fits an 80 GB GPU), bf16
+compute with fp32 weights and Adam moments (~15.6 GB saved), saves at steps 45 and 90, the byte
+tokenizer on docs/*.md. It records each save's "checkpoint" record of metrics.jsonl:
+`blocked_s`, the loop's pause, and of it `finite_s` (the check that the state is finite) and
+`previous_s` (waiting for the save before); the rest is orbax's save call (asynchronous: the
+copy of the state to host memory, what still blocks), with each run's wall time as its
+end-of-run line prints it. The asynchronous run's end waits for its last save: orbax's line
+saying how long is kept (`printed_note`).
 
     python -m benchmarks.checkpoint_pause --out $OUT               # the record (one GPU)
     python -m benchmarks.checkpoint_pause --smoke --out /tmp/pause # CPU check: tiny GPT, 4 steps
@@ -83,8 +84,12 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="directory of the JSON record")
     parser.add_argument("--smoke", action="store_true", help="CPU check: tiny GPT, 4 steps")
     parser.add_argument("--suffix", default="")
+    parser.add_argument(  # the saved state does not depend on it; the activations do
+        "--batch-size", type=int, default=None, help="sequences a step (default 8; 4 fits 80 GB)"
+    )
     args = parser.parse_args()
     overrides = SMOKE if args.smoke else RUN
+    overrides += (f"data.batch_size={args.batch_size}",) if args.batch_size else ()
     results = {}
     with tempfile.TemporaryDirectory(prefix="checkpoint_pause-") as scratch:
         for mode, asynchronous in MODES.items():

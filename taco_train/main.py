@@ -93,7 +93,8 @@ def bundled_configs() -> list[str]:
 
 
 def config_file(name: str):
-    """The TOML file `--config name` means: `name` where it is a file (a path, as given), else
+    """The TOML file `--config name` means: `name` where it names a file (a path, as given;
+    `/dev/null` or a pipe too: no overrides), else
     the bundled config of that name (`tiny` or `tiny.toml`: `taco_train.configs/tiny.toml`);
     ConfigError naming the bundled ones where it is neither."""
     import os
@@ -102,7 +103,7 @@ def config_file(name: str):
 
     from taco_train.config import ConfigError
 
-    if os.path.isfile(name):
+    if os.path.exists(name) and not os.path.isdir(name):
         return Path(name)
     if os.sep in name:
         raise ConfigError(f"config file {name!r} does not exist")
