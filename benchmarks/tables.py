@@ -39,11 +39,12 @@ BLOCK = re.compile(r"(<!-- table: (\S+) -->)(.*?)(<!-- /table -->)", re.S)
 FROZEN = "\n## Earlier measurements"  # BENCHMARKS.md's static section, to its end
 
 # The records of each kind, one line each.
-KERNELS = ("kernels-2026-12-05-headline.json",)
-COLLECTIVES = ("collectives-2026-12-05-headline-vmap.json",)
+KERNELS = ("kernels-2026-12-06-headline.json",)
+LOWERINGS = ("kernels-2026-12-06-per-device.json",)  # both lowerings at a TP step's sizes
+COLLECTIVES = ("collectives-2026-12-06-headline-vmap.json",)
 STEPS = (
-    "train_step-2026-12-05-headline-tp2-vmap.json",
-    "train_step-2026-12-05-headline-tp4-vmap.json",
+    "train_step-2026-12-06-headline-tp2-vmap.json",
+    "train_step-2026-12-06-headline-tp4-vmap.json",
     "train_step-2026-12-05-pp2-emulate.json",
 )
 CONVERGENCE = (  # a 30M GPT; a seed pairs once, in the first record that holds it
@@ -54,6 +55,11 @@ CONVERGENCE = (  # a 30M GPT; a seed pairs once, in the first record that holds 
     "convergence-2026-11-30-dp-pp.json",
     "convergence-2026-11-30-pp-grads.json",
     "convergence-2026-12-01-3d.json",
+)
+CHECKPOINT_SAVES = (  # GPT-1.3B, fp32 weights and Adam moments: ~15.6 GB a save
+    "checkpoint_pause-2026-12-02.json",
+    "checkpoint_pause-2026-12-06-r1.json",
+    "checkpoint_pause-2026-12-06-r2.json",
 )
 CONVERGENCE_91M = ("convergence-2026-12-01-3d-91m.json",)  # the 3D layout, a 91.5M GPT
 
@@ -210,16 +216,36 @@ def kernel_sizes(records: list[dict], baseline: str | None = None) -> list[dict]
 
 
 def lowerings(records: list[dict], baseline: str | None) -> list[dict]:
-    """Per size, peer count and op timed on both lowerings: Triton's time over Mosaic's."""
+    """Per size and peer count timed on both lowerings, each op: Triton's and Mosaic's % of the
+    copy, and Mosaic's speedup over Triton with its verdict against the row's A/A control."""
+    return [row | {f"{op}_versus": versus(row, op) for op in OPS} for row in kernel_sizes(records)]
+
+
+def versus(row: dict, op: str) -> str:
+    times, b = row["c"]["times_s"], row["b"]
+    triton, mosaic = f"{op}_triton", f"{op}_mosaic"
+    if triton not in times or mosaic not in times:
+        return "-"
+    r = timing.ratio(times, triton, mosaic, row["aa_summary"])
+    percent = f"{b[triton]['in_program_of_copy']:.0%}/{b[mosaic]['in_program_of_copy']:.0%}"
+    return f"{percent} {r['median']:.2f}x {r['verdict']}"
+
+
+def checkpoint_saves(records: list[dict], baseline: str | None) -> list[dict]:
+    """Per record and mode: how long each save held up the loop, of it the wait for the save
+    before (where recorded), and the run's wall time."""
     rows = []
-    for row in kernel_sizes(records):
-        times, b = row["c"]["times_s"], row["b"]
-        for op in (op for op in OPS if f"{op}_triton" in times and f"{op}_mosaic" in times):
-            ratio = timing.ratio(times, f"{op}_triton", f"{op}_mosaic", row["aa_summary"])
+    for record in records:
+        batch = re.findall(r"data.batch_size=(\d+)", " ".join(record.get("overrides", [])))
+        for mode, runs in record["runs"].items():
+            saves = [r for r in runs if r["kind"] == "checkpoint"]
+            waits = [s["previous_s"] for s in saves if "previous_s" in s]
             rows.append(
-                row
-                | dict(op=OPS[op], chosen=row["registry"][op], ratio=judged(ratio))
-                | dict(triton=of_copy(b[f"{op}_triton"]), mosaic=of_copy(b[f"{op}_mosaic"]))
+                dict(record=record, mode=f"`run.async_checkpoint={mode == 'async'}`".lower())
+                | dict(batch=batch[-1] if batch else 8)
+                | dict(held=" and ".join(f"{s['blocked_s']:.1f} s" for s in saves))
+                | dict(waited=" and ".join(f"{w:.1f} s" for w in waits) if waits else "-")
+                | dict(wall=f"{record['wall_s_printed'][mode]:.1f} s")
             )
     return rows
 
@@ -336,12 +362,11 @@ TABLES = {
         | {"copy TB/s": "{copy}", "copy A/A": "{aa}", "record": "{source}"},
     ),
     "lowerings": Table(
-        KERNELS,
+        LOWERINGS,
         lowerings,
-        {"codec, peers, message, op": "`{codec}`, {peers}, {size}, {op}"}
-        | {"Triton, % of copy": "{triton}", "Mosaic, % of copy": "{mosaic}"}
-        | {"Mosaic: speedup [interval] verdict": "{ratio}", "registry": "{chosen}"}
-        | {"record": "{source}"},
+        {"codec, peers, message (registry)": "`{codec}`, {peers}, {size} ({kernels})"}
+        | {name: f"{{{op}_versus}}" for op, name in OPS.items()}
+        | {"copy A/A": "{aa}", "record": "{source}"},
     ),
     "collectives": Table(
         COLLECTIVES,
@@ -360,6 +385,13 @@ TABLES = {
     ),
     "convergence": Table(CONVERGENCE, convergence_rows, CONVERGENCE_COLUMNS, baseline="none"),
     "convergence_91m": Table(CONVERGENCE_91M, convergence_rows, CONVERGENCE_COLUMNS, "none"),
+    "checkpoint_saves": Table(
+        CHECKPOINT_SAVES,
+        checkpoint_saves,
+        {"device, sequences a step": "{record[device]}, {batch}", "saves": "{mode}"}
+        | {"training held up (steps 45, 90)": "{held}", "of it, the save before": "{waited}"}
+        | {"run": "{wall}", "record": "{source}"},
+    ),
     "codec_error": Table(
         ("codec_error-2026-11-30.json",),
         codec_errors,

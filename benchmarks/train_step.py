@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import os
 import statistics
+import sys
 import time
 import traceback
 
@@ -414,6 +415,9 @@ def main(argv=None) -> None:
             comparisons=comparisons,
         )
         jax.clear_caches()
+    failed = [r["label"] for r in rows if "error" in r]
+    if failed:  # recorded with their errors; the exit status tells a caller (the headline)
+        sys.exit(f"{len(failed)} of {len(rows)} cases failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
