@@ -40,7 +40,10 @@ FROZEN = "\n## Earlier measurements"  # BENCHMARKS.md's static section, to its e
 
 # The records of each kind, one line each.
 KERNELS = ("kernels-2026-12-06-headline.json",)
-LOWERINGS = ("kernels-2026-12-06-per-device.json",)  # both lowerings at a TP step's sizes
+LOWERINGS = (  # both lowerings at a TP step's sizes
+    "kernels-2026-12-06-per-device.json",
+    "kernels-2026-12-06-per-device-16-32.json",
+)
 COLLECTIVES = ("collectives-2026-12-06-headline-vmap.json",)
 STEPS = (
     "train_step-2026-12-06-headline-tp2-vmap.json",
