@@ -84,9 +84,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="directory of the JSON record")
     parser.add_argument("--smoke", action="store_true", help="CPU check: tiny GPT, 4 steps")
     parser.add_argument("--suffix", default="")
-    parser.add_argument(  # the saved state does not depend on it; the activations do
-        "--batch-size", type=int, default=None, help="sequences a step (default 8; 4 fits 80 GB)"
-    )
+    parser.add_argument("--batch-size", type=int, help="sequences a step (default 8; 4 fits 80 GB)")
     args = parser.parse_args()
     overrides = SMOKE if args.smoke else RUN
     overrides += (f"data.batch_size={args.batch_size}",) if args.batch_size else ()

@@ -400,13 +400,12 @@ def build_config(tree: Mapping[str, Any]) -> TrainConfig:
             f"model.init_from={init_from!r} and model.preset={model['preset']!r} both name the "
             "model; the checkpoint's config.json gives its geometry: set only one"
         )
-    others = sorted(set(model) - {"init_from", "seq_len"})
-    _check(
-        not others,
-        f"model.{others[0] if others else ''} cannot be set with model.init_from="
-        f"{init_from!r} (the checkpoint's config.json gives the geometry; only "
-        "model.seq_len, the training length, may be set)",
-    )
+    if others := sorted(set(model) - {"init_from", "seq_len"}):
+        raise ConfigError(
+            f"model.{others[0]} cannot be set with model.init_from={init_from!r} (the "
+            "checkpoint's config.json gives the geometry; only model.seq_len, the training "
+            "length, may be set)"
+        )
     _check(seq_len is None or seq_len >= 1, f"model.seq_len={seq_len} must be >= 1")
     sections = {s: _built(s, values) for s, values in tree.items()}
     return resolve_model(TrainConfig(None, init_from=init_from, seq_len=seq_len, **sections))
@@ -446,18 +445,20 @@ def from_saved(tree: dict[str, dict[str, Any]]) -> TrainConfig:
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """Reads a TOML file of overrides (or none), applies `section.key=value` overrides, builds;
-    an error about a name, type or value the file holds (no override replaces) names the file."""
+    """Reads a TOML file (or none), applies `section.key=value` overrides (model.preset or
+    model.init_from replaces the file's [model]), builds; an error in the file's values names it."""
     where, tree = f"config file {str(path)!r}", {}
     try:
         if path is not None:
-            with open(path, "rb") as f:
-                tree = tomllib.load(f)
+            tree = tomllib.loads(Path(path).read_bytes().decode())  # as tomllib.load reads
             _typed(tree)
     except FileNotFoundError:
         raise ConfigError(f"{where} does not exist") from None
     except (tomllib.TOMLDecodeError, ConfigError) as error:
         raise ConfigError(f"{where}: {error}") from None
+    named = [o for o in overrides if apply_override({}, o) in ("model.preset", "model.init_from")]
+    if named and tree.pop("model", None) is not None:  # the file's own model (docs/training.md)
+        where += f" (its [model] replaced: --set {named[-1]} names the model)"
     set_by = {apply_override(tree, override): override for override in overrides}  # the last
     from_file = {f"{s}.{k}" for s, values in tree.items() for k in values} - set(set_by)
     try:
@@ -473,8 +474,7 @@ def _blamed(error: ConfigError, where: str, from_file: set[str], set_by: dict[st
     if first is None or first.group(1) not in from_file:
         return error
     named = {f"{s}.{k}" for s, k in re.findall(r"\b(\w+)\.(\w+)\b", str(error)) if s in SECTIONS}
-    conflicting = [set_by[key] for key in sorted(named) if key in set_by]
-    if conflicting:
+    if conflicting := [set_by[key] for key in sorted(named) if key in set_by]:
         sets = " ".join(f"--set {override}" for override in conflicting)
         return ConfigError(f"{sets} conflicts with {where}: {error}")
     return ConfigError(f"{where}: {error}")

@@ -94,9 +94,9 @@ def bundled_configs() -> list[str]:
 
 def config_file(name: str):
     """The TOML file `--config name` means: `name` where it names a file (a path, as given;
-    `/dev/null` or a pipe too: no overrides), else
-    the bundled config of that name (`tiny` or `tiny.toml`: `taco_train.configs/tiny.toml`);
-    ConfigError naming the bundled ones where it is neither."""
+    `/dev/null` or a pipe too: no overrides), else the bundled config of that name (`tiny` or
+    `tiny.toml`: `taco_train.configs/tiny.toml`); ConfigError naming a directory as such, else
+    naming the bundled configs, where it is neither."""
     import os
     from importlib import resources
     from pathlib import Path
@@ -105,12 +105,14 @@ def config_file(name: str):
 
     if os.path.exists(name) and not os.path.isdir(name):
         return Path(name)
-    if os.sep in name:
-        raise ConfigError(f"config file {name!r} does not exist")
     bundled = bundled_configs()
     stem = name.removesuffix(".toml")
-    if stem in bundled:
+    if os.sep not in name and stem in bundled:
         return resources.files("taco_train.configs") / f"{stem}.toml"
+    if os.path.isdir(name):
+        raise ConfigError(f"--config {name!r} is a directory, not a TOML file")
+    if os.sep in name:
+        raise ConfigError(f"config file {name!r} does not exist")
     raise ConfigError(
         f"--config {name!r}: no such file, and no bundled config of that name (bundled: "
         f"{', '.join(bundled)})"

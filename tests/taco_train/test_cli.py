@@ -1,13 +1,15 @@
 """Configuration and usage mistakes: one line on stderr, exit status 2, nothing prepared."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 from train_testing import REPO, TINY, subprocess_env
 
-from taco_train.config import load_config
+from taco_models.config import ModelConfig
+from taco_train.config import DEFAULT_PRESET, RunConfig, TrainConfig, load_config
 from taco_train.main import bundled_configs, main
 
 NOWHERE = "data.corpus='/nonexistent/corpus'"  # reached only if a check came too late
@@ -104,6 +106,43 @@ def test_missing_config_file_is_one_line(capsys, tmp_path):
     assert (
         capsys.readouterr().err
         == f"taco-train: error: config file {str(tmp_path / 'nope.toml')!r} does not exist\n"
+    )
+
+
+def test_dev_null_or_a_pipe_as_config_is_the_defaults_and_the_sets(capsys):
+    """`--config /dev/null` (as benchmarks/checkpoint_pause.py passes) overrides nothing: the
+    dataclass defaults plus the --set values; a pipe (`<(...)`) is read as a file."""
+    main(["--config", "/dev/null", "--set", "run.steps=7", "--print-config"])
+    defaults = TrainConfig(ModelConfig.preset(DEFAULT_PRESET), run=RunConfig(steps=7))
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(defaults.to_dict()))
+    read, write = os.pipe()
+    os.write(write, b"[run]\nsteps = 5\n")
+    os.close(write)
+    try:
+        main(["--config", f"/dev/fd/{read}", "--set", "optimizer.lr=1e-3", "--print-config"])
+    finally:
+        os.close(read)
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["run"]["steps"] == 5 and printed["optimizer"]["lr"] == 1e-3
+    assert printed["model"] == json.loads(json.dumps(defaults.to_dict()["model"]))
+
+
+def test_a_directory_as_config_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    """A directory is not read as a config: one line naming it, whether given as a path or a
+    bare name; a directory named like a bundled config does not hide it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "tiny").mkdir()
+    for name in (str(tmp_path), "mine", f"mine{os.sep}"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--config", name])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err == (
+            f"taco-train: error: --config {name!r} is a directory, not a TOML file\n"
+        )
+    main(["--config", "tiny", "--print-config"])
+    assert json.loads(capsys.readouterr().out) == json.loads(
+        json.dumps(load_config(TINY).to_dict())
     )
 
 

@@ -1,12 +1,13 @@
 """Config files, command-line overrides and validation errors."""
 
+import dataclasses
 import json
 import re
 from pathlib import Path
 
 import pytest
 
-from taco_models.config import RopeScaling
+from taco_models.config import ModelConfig, RopeScaling
 from taco_train.config import (
     CompressionConfig,
     ConfigError,
@@ -72,6 +73,58 @@ def test_override_beats_file(tmp_path):
     assert load_config(path).optimizer.lr == 1e-3
     assert load_config(path, ["optimizer.lr=2e-3"]).optimizer.lr == 2e-3
     assert load_config(path).model.d_model == 64  # gpt_tiny
+
+
+DEFAULT = Path(__file__).parents[2] / "configs" / "default.toml"  # a preset and its geometry
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["model.preset='gpt_125m'"], ["model.seq_len=256", "model.preset=gpt_125m"]],
+    ids=["preset", "seq_len_before_preset"],
+)
+def test_a_preset_set_on_the_command_line_is_that_preset(overrides):
+    """`--set model.preset` names the model: the file's [model] (gpt_small_cpu narrowed to 192
+    wide, 4096 tokens, 128 long) is dropped, the command line's model keys apply on top in any
+    order, and the file's other sections stay."""
+    cfg = load_config(DEFAULT, overrides)
+    seq_len = dict(o.split("=") for o in overrides).get("model.seq_len")
+    expected = ModelConfig.preset("gpt_125m", **({"seq_len": int(seq_len)} if seq_len else {}))
+    assert cfg.model == expected and cfg.model.d_model == 768 and cfg.model.n_layers == 12
+    assert cfg.parallel.tp == load_config(DEFAULT).parallel.tp == 4
+
+
+def test_model_keys_without_a_preset_apply_over_the_files_model():
+    base = load_config(DEFAULT).model
+    assert base.d_model == 192 and base.vocab_size == 4096  # the file's, not gpt_small_cpu's 256
+    cfg = load_config(DEFAULT, ["model.d_model=256"])
+    assert cfg.model == dataclasses.replace(base, d_model=256)
+
+
+def test_init_from_in_the_file_gives_way_to_a_preset_set_on_the_command_line():
+    """The file names a checkpoint (and its training length); --set model.preset names another
+    model: the preset's geometry, no checkpoint. The file's data.tokenizer='hf' read that
+    checkpoint's tokenizer: without it, an error saying the file's model was replaced."""
+    path = Path(__file__).parents[2] / "configs" / "finetune_qwen25_0p5b.toml"
+    cfg = load_config(path, ["model.preset=gpt_tiny", "data.tokenizer=byte"])
+    assert cfg.init_from is None and cfg.model == ModelConfig.preset("gpt_tiny")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["model.preset=gpt_tiny"])
+    assert str(info.value) == (
+        f"config file {str(path)!r} (its [model] replaced: --set model.preset=gpt_tiny names the "
+        "model): data.tokenizer='hf' reads the tokenizer.json of model.init_from, which is not set"
+    )
+
+
+def test_a_preset_and_init_from_in_one_place_both_name_the_model(tmp_path):
+    both = "both name the model; the checkpoint's config.json gives its geometry: set only one"
+    with pytest.raises(ConfigError, match=re.escape(both)):
+        load_config(None, ["model.preset=gpt_tiny", "model.init_from='ckpt'"])
+    path = tmp_path / "mine.toml"
+    path.write_text('[model]\npreset = "gpt_tiny"\ninit_from = "ckpt"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"config file {str(path)!r}: ") and both in str(info.value)
 
 
 def test_int_widens_to_float_and_strings_parse():

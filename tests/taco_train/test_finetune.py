@@ -34,19 +34,9 @@ LLAMA3 = str(FIXTURES / "llama3_untied")  # rope_scaling "llama3", untied head, 
 
 
 def _config(tmp_path, cache, *extra, init_from=QWEN):
+    """configs/tiny.toml, the model its --set model.init_from (which replaces the file's)."""
     overrides = tiny_overrides(tmp_path / "run", cache, f"model.init_from={init_from!r}", *extra)
-    return load_config(_tiny_toml(tmp_path), overrides)
-
-
-def _tiny_toml(tmp_path: Path) -> Path:
-    """configs/tiny.toml without its model section (a preset beside init_from is an error)."""
-    section = '[model]\npreset = "gpt_tiny"\n'
-    text = Path(TINY).read_text()
-    assert section in text, "configs/tiny.toml's model section changed: update this helper"
-    text = text.replace(section, "")
-    path = tmp_path / "tiny_no_preset.toml"
-    path.write_text(text)
-    return path
+    return load_config(TINY, overrides)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,13 +49,23 @@ def test_geometry_comes_from_the_checkpoint(tmp_path, cache):
     assert cfg.to_dict()["model"]["init_from"] == QWEN
 
 
-def test_preset_beside_init_from_names_both(tmp_path):
+def test_init_from_set_on_the_command_line_replaces_the_files_model():
+    """--set model.init_from names the model: configs/default.toml's [model] (a preset and its
+    geometry, seq_len=128) is dropped for the checkpoint's geometry and length; a --set
+    model.seq_len, before or after, still sets the training length."""
+    default, byte = REPO / "configs" / "default.toml", "data.tokenizer=byte"
+    cfg = load_config(default, [f"model.init_from={QWEN!r}", byte])
+    assert cfg.model == hf.load_config(QWEN) and cfg.model.seq_len == 64 and cfg.init_from == QWEN
+    cfg = load_config(default, ["model.seq_len=16", f"model.init_from={QWEN!r}", byte])
+    assert cfg.model == dataclasses.replace(hf.load_config(QWEN), seq_len=16)
+
+
+def test_a_preset_beside_init_from_on_the_command_line_names_both():
     with pytest.raises(
         ConfigError,
-        match=r"model\.init_from='.*qwen2_tied' and "
-        r"model\.preset='gpt_tiny' both name",
+        match=r"model\.init_from='.*qwen2_tied' and model\.preset='gpt_tiny' both name",
     ):
-        load_config(TINY, [f"model.init_from={QWEN!r}"])
+        load_config(TINY, ["model.preset=gpt_tiny", f"model.init_from={QWEN!r}"])
 
 
 def test_geometry_beside_init_from_is_refused(tmp_path, cache):
@@ -149,7 +149,7 @@ def test_finetune_config_parses_without_the_checkpoint(name, tp, geometry):
 def test_cli_error_for_a_missing_checkpoint_is_one_line(tmp_path, cache, capsys):
     absent = str(tmp_path / "absent")
     overrides = tiny_overrides(tmp_path / "run", cache, f"model.init_from={absent!r}")
-    args = ["--config", str(_tiny_toml(tmp_path))]
+    args = ["--config", TINY]
     for override in overrides:
         args += ["--set", override]
     with pytest.raises(SystemExit) as info:

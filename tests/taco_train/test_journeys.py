@@ -48,21 +48,11 @@ SHORT = (
 )
 
 
-def _no_preset_config(tmp_path: Path) -> Path:
-    """configs/tiny.toml without its model preset (model.init_from names the model)."""
-    text = Path(TINY).read_text()
-    section = '[model]\npreset = "gpt_tiny"\n'
-    assert section in text, "configs/tiny.toml's model section changed: update this helper"
-    path = tmp_path / "tiny_from_checkpoint.toml"
-    path.write_text(text.replace(section, ""))
-    return path
-
-
 def _cli(tmp_path: Path, cache: Path, out: Path, *extra: str) -> None:
     """Runs the trainer's command line on the fixture corpus (tests read its output with
     capsys)."""
     jax.clear_caches()  # each run lowers its programs as a fresh process would
-    args = ["--config", str(_no_preset_config(tmp_path))]
+    args = ["--config", TINY]  # its model replaced by the --set model.init_from of each test
     for override in tiny_overrides(out, cache, *extra):
         args += ["--set", override]
     main(args)
