@@ -32,6 +32,7 @@ ENV_PREFIXES = ("NCCL_", "XLA_", "CUDA_VISIBLE_DEVICES", "JAX_", "TACO_JAX_")
 REPO = pathlib.Path(__file__).resolve().parents[1]
 KERNELS = REPO / "pallas_kernels"
 RESULTS = REPO / "benchmarks" / "results"
+MiB = 1 << 20
 COMMIT_ENV = "TACO_JAX_COMMIT"  # names the commit where the tree has no .git (a copied tree)
 
 

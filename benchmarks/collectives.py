@@ -29,12 +29,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from benchmarks._common import compare_options, timed_script_options, tp_mesh, write_record
+from benchmarks._common import MiB, compare_options, timed_script_options, tp_mesh, write_record
 from pallas_kernels import registry
 from taco_jax import target, timing
 from taco_jax.telemetry import relative_error
 
-MiB = 1 << 20
 OPS = {"all_reduce": "all_reduce", "pair": "reduce_scatter+all_gather"}
 
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from benchmarks._common import compare_options, timed_script_options, write_record
+from benchmarks._common import MiB, compare_options, timed_script_options, write_record
 from pallas_kernels import (
     decode_kernel,
     decode_mosaic,
@@ -42,7 +42,6 @@ from pallas_kernels import (
 )
 from taco_jax import codecs, target, timing
 
-MiB = 1 << 20
 L2_FLUSH_BYTES = 256 * MiB  # > 4x the H200's 60 MB L2
 IN_PROGRAM_CALLS = 16  # dependent calls per program from 1 MiB (inputs rotate)
 LATENCY_CALLS = 200  # below 1 MiB (one input, in L2)

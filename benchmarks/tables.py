@@ -27,13 +27,10 @@ import sys
 import textwrap
 from collections.abc import Callable
 
-from benchmarks._common import kernels_fingerprint
+from benchmarks._common import REPO, RESULTS, MiB, kernels_fingerprint
 from taco_jax import timing
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 DOCS = ("BENCHMARKS.md", "README.md")
-MiB = 1 << 20
 CHANGED = "\u2021"
 BLOCK = re.compile(r"(<!-- table: (\S+) -->)(.*?)(<!-- /table -->)", re.S)
 FROZEN = "\n## Earlier measurements"  # BENCHMARKS.md's static section, to its end
