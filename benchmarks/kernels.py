@@ -22,10 +22,10 @@ kernels compute the references' functions is the GPU tier's (tests/pallas_kernel
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import statistics
 import time
+from dataclasses import asdict
 
 import jax
 import jax.numpy as jnp
@@ -162,6 +162,7 @@ def _row(size: int, peers: int, codec, ops, result, interpret: bool) -> dict:
     times, summary = result["times_s"], result["summary"]
     median = lambda name: statistics.median(times[name])  # noqa: E731
     n = size // 2 // peers
+    sums = functools.partial(decode_sum_kernel.default_config, codec, peers, n)
     row = dict(
         bytes=size,
         peers=peers,
@@ -170,16 +171,10 @@ def _row(size: int, peers: int, codec, ops, result, interpret: bool) -> dict:
         aa=summary[timing.AA_RATIO],
         registry={op: _registry_kernel(op, codec, n, peers, interpret) for op in registry.OPS},
         triton_launches={
-            op: dataclasses.asdict(launch)
-            for op, launch in (
-                ("encode", encode_kernel.default_config(codec, n)),
-                ("decode", decode_kernel.default_config(codec, n)),
-                ("decode_sum", decode_sum_kernel.default_config(codec, peers, n)),
-                (
-                    "decode_sum_reencode",
-                    decode_sum_kernel.default_config(codec, peers, n, reencode=True),
-                ),
-            )
+            "encode": asdict(encode_kernel.default_config(codec, n)),
+            "decode": asdict(decode_kernel.default_config(codec, n)),
+            "decode_sum": asdict(sums()),
+            "decode_sum_reencode": asdict(sums(reencode=True)),
         },
     )
     for name, (_, _, io) in ops.items():
