@@ -250,10 +250,14 @@ def checkpoint_saves(records: list[dict], baseline: str | None) -> list[dict]:
 # Convergence: each run against the bf16 run of its seed in its record -----------------------
 
 
+def layout_of(run: dict) -> str:
+    """A convergence run's layout, e.g. "tp4" (records before the dp and pp layouts hold "tp")."""
+    return run.get("layout") or f"tp{run['tp']}"
+
+
 def runs_of(records: list[dict]) -> list[dict]:
-    layout = lambda run: run.get("layout") or f"tp{run['tp']}"  # noqa: E731
     return [
-        run | {"record": r["name"], "layout": layout(run)} for r in records for run in r["runs"]
+        run | {"record": r["name"], "layout": layout_of(run)} for r in records for run in r["runs"]
     ]
 
 
