@@ -109,8 +109,8 @@ def _ops(codec, peers: int, backends=("auto",), reference=False, interpret=False
 
 def _registry_kernel(op: str, codec, n: int, peers: int, interpret: bool) -> str:
     """The kernel the registry runs `op` of bf16 rows [peers, n] with, here."""
-    impl, dtype = "pallas_interpret" if interpret else "auto", jnp.bfloat16
-    dtype = None if op == "decode_sum_reencode" else dtype
+    impl = "pallas_interpret" if interpret else "auto"
+    dtype = None if op == "decode_sum_reencode" else jnp.bfloat16
     where = target.probe()
     return registry.select(op, codec, impl=impl, target=where, n=n, rows=peers, dtype=dtype).name
 

@@ -157,9 +157,8 @@ def render_table(table: Table, records: Records) -> str:
     lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
     for row in rows:
         source = records.source(row["record"])
-        lines.append(
-            "| " + " | ".join(f.format(**row, source=source) for f in table.columns.values()) + " |"
-        )
+        cells = (f.format(**row, source=source) for f in table.columns.values())
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) if rows else "(no record yet)"
 
 
