@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import datetime
 import functools
 import gzip
@@ -32,12 +33,8 @@ ENV_PREFIXES = ("NCCL_", "XLA_", "CUDA_VISIBLE_DEVICES", "JAX_", "TACO_JAX_")
 REPO = pathlib.Path(__file__).resolve().parents[1]
 KERNELS = REPO / "pallas_kernels"
 RESULTS = REPO / "benchmarks" / "results"
+MiB = 1 << 20
 COMMIT_ENV = "TACO_JAX_COMMIT"  # names the commit where the tree has no .git (a copied tree)
-
-
-def today() -> str:
-    """The date that names and heads a record (ISO, local time)."""
-    return datetime.date.today().isoformat()
 
 
 def commit() -> str | None:
@@ -101,18 +98,16 @@ def device_time_by_kernel(call: Callable[[], object], steps: int, top: int = 100
         for e in events
         if e.get("ph") == "M" and e.get("name") == "process_name"
     }
-    threads: dict[str, float] = {}
-    kinds: dict[str, float] = {}
+    threads, kinds = collections.Counter(), collections.Counter()
     for e in events:
         if e.get("ph") != "X" or "GPU" not in processes.get(e["pid"], ""):
             continue
-        thread = names.get((e["pid"], e.get("tid")), "?")
-        threads[thread] = threads.get(thread, 0.0) + e.get("dur", 0.0) / steps
+        thread, us = names.get((e["pid"], e.get("tid")), "?"), e.get("dur", 0.0) / steps
+        threads[thread] += us
         if thread.startswith("Stream"):
-            kind = re.sub(r"([._]\d+)+$", "", e["name"])
-            kinds[kind] = kinds.get(kind, 0.0) + e.get("dur", 0.0) / steps
+            kinds[re.sub(r"([._]\d+)+$", "", e["name"])] += us
     ranked = dict(sorted(kinds.items(), key=lambda kv: -kv[1])[:top])
-    return {"us_per_step": sum(kinds.values()), "by_kind_us": ranked, "by_thread_us": threads}
+    return {"us_per_step": sum(kinds.values()), "by_kind_us": ranked, "by_thread_us": dict(threads)}
 
 
 def write_record(
@@ -123,7 +118,7 @@ def write_record(
     A field named like a header field (e.g. `device`) replaces it.
     """
     record = {
-        "date": today(),
+        "date": datetime.date.today().isoformat(),  # local time
         "commit": commit(),
         "kernels": kernels_fingerprint(),
         "device": f"{jax.device_count()} x {jax.devices()[0].device_kind} ({platform.machine()})",

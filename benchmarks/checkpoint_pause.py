@@ -94,6 +94,7 @@ def main() -> None:
             results[mode] = run(overrides, asynchronous, Path(scratch) / mode)
             pauses = ", ".join(f"{s['blocked_s']:.2f} s" for s in results[mode]["saves"])
             print(f"{mode}: saves blocked the loop {pauses}; run {results[mode]['wall_s']} s")
+    waited = results["async"]["orbax_wait"]
     _common.write_record(
         "checkpoint_pause",
         args.out,
@@ -106,9 +107,7 @@ def main() -> None:
         overrides=list(overrides),
         runs={mode: r["saves"] for mode, r in results.items()},
         wall_s_printed={mode: r["wall_s"] for mode, r in results.items()},
-        printed_note=f"async run's end: orbax '{results['async']['orbax_wait']}'"
-        if results["async"]["orbax_wait"]
-        else "",
+        printed_note=f"async run's end: orbax '{waited}'" if waited else "",
     )
 
 

@@ -75,16 +75,11 @@ def measure(codec: str, x: jax.Array, mesh) -> dict[str, float]:
 
 def stage_candidates() -> dict[str, tuple[object, object]]:
     """label -> (stage codec, its module): fixed 8 and 4 bits, and the 3/4-bit allocations."""
-    out = {
-        name: (tahquant.get_stage_codec(name), tahquant) for name in ("tahquant_sym", "tahquant4")
-    }
+    fixed, adaptive = ("tahquant_sym", "tahquant4"), tahquant_adaptive.AdaptiveTahQuant
+    out = {name: (tahquant.get_stage_codec(name), tahquant) for name in fixed}
     for allocation in tahquant_adaptive.ALLOCATIONS:
-        codec = tahquant_adaptive.AdaptiveTahQuant(allocation=allocation)
-        out[f"adaptive 3.5 ({allocation})"] = (codec, tahquant_adaptive)
-    out["fixed 3-bit (budget 3)"] = (
-        tahquant_adaptive.AdaptiveTahQuant(budget=3.0),
-        tahquant_adaptive,
-    )
+        out[f"adaptive 3.5 ({allocation})"] = (adaptive(allocation=allocation), tahquant_adaptive)
+    out["fixed 3-bit (budget 3)"] = (adaptive(budget=3.0), tahquant_adaptive)
     return out
 
 

@@ -29,25 +29,20 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from benchmarks._common import compare_options, timed_script_options, tp_mesh, write_record
+from benchmarks._common import MiB, compare_options, timed_script_options, tp_mesh, write_record
 from pallas_kernels import registry
 from taco_jax import target, timing
 from taco_jax.telemetry import relative_error
 
-MiB = 1 << 20
 OPS = {"all_reduce": "all_reduce", "pair": "reduce_scatter+all_gather"}
-
-
-def _forced(algorithm: str) -> dict:
-    """Rows that name an algorithm compress every message (the policy's own choice is the
-    "auto" row's)."""
-    return {"min_compress_bytes": None if algorithm == "auto" else 0}
 
 
 def _op(op: str, codec: str, slices: int, algorithm: str):
     """One collective over "tp" of a rank's block, keeping its shape (so that it can loop)."""
     exchange = "one_shot" if algorithm == "-" else algorithm  # "-": the pair through NCCL
-    options = dict(codec=codec, slices=slices, algorithm=exchange, **_forced(algorithm))
+    # A named algorithm compresses every message (the policy's own choice is the "auto" row's).
+    forced = None if algorithm == "auto" else 0
+    options = dict(codec=codec, slices=slices, algorithm=exchange, min_compress_bytes=forced)
 
     def all_reduce(v):
         if codec == "lax":
@@ -72,15 +67,10 @@ def _on_ranks(fn, mesh):
     return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
 
-def _looped(op, inner: int, mesh):
-    """`inner` dependent applications of `op` in one `fori_loop`: nothing is elided, one
-    dispatch covers them all."""
-    return _on_ranks(lambda x: lax.fori_loop(0, inner, lambda _, v: op(v), x), mesh)
-
-
 def _sampler(op, x: jax.Array, inner: int, mesh) -> timing.Sampler:
-    """Seconds of one `op` on `x`, from one jitted loop of `inner` of them."""
-    looped = _looped(op, inner, mesh)
+    """Seconds of one `op` on `x`, from one jitted `fori_loop` of `inner` dependent ones:
+    nothing is elided, one dispatch covers them all."""
+    looped = _on_ranks(lambda v: lax.fori_loop(0, inner, lambda _, u: op(u), v), mesh)
     return timing.wall(lambda: looped(x), per=inner)
 
 
@@ -126,11 +116,8 @@ def _message(tp: int, size: int, mesh) -> jax.Array:
 
 def run(args) -> dict:
     sizes = [int(s * MiB) for s in args.sizes_mib]
-    if args.emulate:
-        groups = [(args.emulate, None)]
-    else:
-        sizes_tp = args.tp or [tp for tp in (2, 4, 8) if tp <= jax.device_count()]
-        groups = [(tp, tp_mesh(tp)) for tp in sizes_tp]
+    sizes_tp = args.tp or [tp for tp in (2, 4, 8) if tp <= jax.device_count()]
+    groups = [(args.emulate, None)] if args.emulate else [(tp, tp_mesh(tp)) for tp in sizes_tp]
     rows, comparisons = [], []
     variants = [(c, s, a) for c in args.codecs for s in args.slices for a in args.algorithms]
     for tp, mesh in groups:
@@ -174,16 +161,8 @@ def _rows(tp, size, op, variants, checks, result, mesh) -> list[dict]:
     for codec, slices, algorithm in [("lax", 1, "-"), *variants]:
         name = "lax" if codec == "lax" else variant_name(codec, algorithm, slices)
         seconds = sorted(times[name])[len(times[name]) // 2]
-        row = dict(
-            tp=tp,
-            bytes=size,
-            op=op,
-            codec=codec,
-            slices=slices,
-            seconds=seconds,
-            algbw_gbs=size / seconds / 1e9,
-            busbw_gbs=size * bus_factor / seconds / 1e9,
-        )
+        row = dict(tp=tp, bytes=size, op=op, codec=codec, slices=slices, seconds=seconds)
+        row.update(algbw_gbs=size / seconds / 1e9, busbw_gbs=size * bus_factor / seconds / 1e9)
         if codec == "lax":
             row.update(algorithm="-", speedup=1.0, aa=summary[timing.AA_RATIO])
         else:

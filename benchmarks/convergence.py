@@ -55,11 +55,6 @@ DEFAULT_CODECS = ["none", "taco", "fp8", "taco_no_ds", "int8", "int8_hadamard", 
 PAPER = {"taco": 0.25, "tah_quant_path": 2.9}
 
 
-# Which traffic a study compresses, by the mesh dimension it names: "tp" (TP emulated with
-# vmap, the codec on every TP collective), "dp" (dp GPUs under shard_map, ZeRO-1; codec "sdp4bit"
-# is TLq-HS on the gradients and qWD on the weights) or "pp" (pp GPUs under shard_map; the
-# codec on the stage sends).
-DIMS = ("tp", "dp", "pp", "3d")
 DP_CODECS = {"none": ("none", "none"), "sdp4bit": ("tlq_hs", "qwd")}
 PP_MICROBATCHES = 4
 # Measuring steps (`run.comm_error_every`): each codec's error per op, beside its loss.
@@ -76,17 +71,11 @@ def unique_runs(runs: list[dict]) -> list[dict]:
     each); raises if two copies of one run differ."""
     kept = {}
     for r in runs:
-        key = run_key(r["codec"], layout_of(r), r["seed"])
+        key = run_key(r["codec"], tables.layout_of(r), r["seed"])
         if key in kept and kept[key] != r:
             raise SystemExit(f"two different results for {key} in the merged records")
         kept.setdefault(key, r)
     return list(kept.values())
-
-
-def layout_of(run: dict) -> str:
-    """The run's layout, e.g. "tp4", "dp2", "pp2" (records written before the dp and pp
-    layouts hold only "tp")."""
-    return run.get("layout") or f"tp{run['tp']}"
 
 
 def three_d_layout(dp: int, pp: int, tp: int) -> str:
@@ -214,7 +203,7 @@ def report(runs: list[dict]) -> None:
     finished = [r for r in runs if not r.get("diverged")]
     runs_of = tables.runs_of([{"name": "this study", "runs": finished}])
     for r in (r for r in runs if r.get("diverged")):
-        print(f"{layout_of(r)} {r['codec']:14s} seed {r['seed']} diverged")
+        print(f"{tables.layout_of(r)} {r['codec']:14s} seed {r['seed']} diverged")
     for layout, codec in sorted({(r["layout"], r["codec"]) for r in runs_of}):
         if codec != "none" and tables.pairs(runs_of, layout, codec):
             p = tables.paired(runs_of, layout, codec)
@@ -271,19 +260,15 @@ def main() -> None:
         | ({"sources": record["sources"]} if record.get("sources") else {})
         for path, record in merged.items()
     ]
-    done = {run_key(r["codec"], layout_of(r), r["seed"]) for r in runs}
-    sizes = {
-        "tp": args.tp,
-        "dp": args.dp,
-        "pp": args.pp,
-        "3d": [three_d_layout(*args.emulate_3d)] if args.emulate_3d else [],
-    }
+    done = {run_key(r["codec"], tables.layout_of(r), r["seed"]) for r in runs}
+    three_d = [three_d_layout(*args.emulate_3d)] if args.emulate_3d else []
+    sizes = {"tp": args.tp, "dp": args.dp, "pp": args.pp, "3d": three_d}
     if not any(sizes.values()):
         sizes["tp"] = [4]
     plan = [
         (c, dim, size, s)
-        for dim in DIMS
-        for size in sizes[dim]
+        for dim, layouts in sizes.items()
+        for size in layouts
         for c in args.codecs
         for s in (args.baseline_seeds if c == "none" else [args.seed])
         if not args.report_only and run_key(c, f"{dim}{size}", s) not in done

@@ -108,9 +108,8 @@ def run_parts(parts: list[Part], out: pathlib.Path, budget_s: float, dry: bool) 
     end = time.time() + budget_s
     status = {}
     for i, part in enumerate(parts):
-        deadline = time.time() + (end - time.time()) * part.weight / sum(
-            p.weight for p in parts[i:]
-        )
+        share = part.weight / sum(p.weight for p in parts[i:])
+        deadline = time.time() + (end - time.time()) * share
         argv = [*part.argv, "--out", str(out), "--deadline", f"{deadline:.0f}"]
         argv += [*DRY_TIMING, "--warmup", "1"] if dry and part.script == "train_step" else []
         argv += DRY_TIMING if dry and part.script != "train_step" else []

@@ -22,16 +22,16 @@ kernels compute the references' functions is the GPU tier's (tests/pallas_kernel
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import statistics
 import time
+from dataclasses import asdict
 
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from benchmarks._common import compare_options, timed_script_options, write_record
+from benchmarks._common import MiB, compare_options, timed_script_options, write_record
 from pallas_kernels import (
     decode_kernel,
     decode_mosaic,
@@ -42,7 +42,6 @@ from pallas_kernels import (
 )
 from taco_jax import codecs, target, timing
 
-MiB = 1 << 20
 L2_FLUSH_BYTES = 256 * MiB  # > 4x the H200's 60 MB L2
 IN_PROGRAM_CALLS = 16  # dependent calls per program from 1 MiB (inputs rotate)
 LATENCY_CALLS = 200  # below 1 MiB (one input, in L2)
@@ -110,8 +109,8 @@ def _ops(codec, peers: int, backends=("auto",), reference=False, interpret=False
 
 def _registry_kernel(op: str, codec, n: int, peers: int, interpret: bool) -> str:
     """The kernel the registry runs `op` of bf16 rows [peers, n] with, here."""
-    impl, dtype = "pallas_interpret" if interpret else "auto", jnp.bfloat16
-    dtype = None if op == "decode_sum_reencode" else dtype
+    impl = "pallas_interpret" if interpret else "auto"
+    dtype = None if op == "decode_sum_reencode" else jnp.bfloat16
     where = target.probe()
     return registry.select(op, codec, impl=impl, target=where, n=n, rows=peers, dtype=dtype).name
 
@@ -163,6 +162,7 @@ def _row(size: int, peers: int, codec, ops, result, interpret: bool) -> dict:
     times, summary = result["times_s"], result["summary"]
     median = lambda name: statistics.median(times[name])  # noqa: E731
     n = size // 2 // peers
+    sums = functools.partial(decode_sum_kernel.default_config, codec, peers, n)
     row = dict(
         bytes=size,
         peers=peers,
@@ -171,16 +171,10 @@ def _row(size: int, peers: int, codec, ops, result, interpret: bool) -> dict:
         aa=summary[timing.AA_RATIO],
         registry={op: _registry_kernel(op, codec, n, peers, interpret) for op in registry.OPS},
         triton_launches={
-            op: dataclasses.asdict(launch)
-            for op, launch in (
-                ("encode", encode_kernel.default_config(codec, n)),
-                ("decode", decode_kernel.default_config(codec, n)),
-                ("decode_sum", decode_sum_kernel.default_config(codec, peers, n)),
-                (
-                    "decode_sum_reencode",
-                    decode_sum_kernel.default_config(codec, peers, n, reencode=True),
-                ),
-            )
+            "encode": asdict(encode_kernel.default_config(codec, n)),
+            "decode": asdict(decode_kernel.default_config(codec, n)),
+            "decode_sum": asdict(sums()),
+            "decode_sum_reencode": asdict(sums(reencode=True)),
         },
     )
     for name, (_, _, io) in ops.items():

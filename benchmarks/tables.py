@@ -27,13 +27,10 @@ import sys
 import textwrap
 from collections.abc import Callable
 
-from benchmarks._common import kernels_fingerprint
+from benchmarks._common import REPO, RESULTS, MiB, kernels_fingerprint
 from taco_jax import timing
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 DOCS = ("BENCHMARKS.md", "README.md")
-MiB = 1 << 20
 CHANGED = "\u2021"
 BLOCK = re.compile(r"(<!-- table: (\S+) -->)(.*?)(<!-- /table -->)", re.S)
 FROZEN = "\n## Earlier measurements"  # BENCHMARKS.md's static section, to its end
@@ -163,9 +160,8 @@ def render_table(table: Table, records: Records) -> str:
     lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
     for row in rows:
         source = records.source(row["record"])
-        lines.append(
-            "| " + " | ".join(f.format(**row, source=source) for f in table.columns.values()) + " |"
-        )
+        cells = (f.format(**row, source=source) for f in table.columns.values())
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) if rows else "(no record yet)"
 
 
@@ -256,10 +252,14 @@ def checkpoint_saves(records: list[dict], baseline: str | None) -> list[dict]:
 # Convergence: each run against the bf16 run of its seed in its record -----------------------
 
 
+def layout_of(run: dict) -> str:
+    """A convergence run's layout, e.g. "tp4" (records before the dp and pp layouts hold "tp")."""
+    return run.get("layout") or f"tp{run['tp']}"
+
+
 def runs_of(records: list[dict]) -> list[dict]:
-    layout = lambda run: run.get("layout") or f"tp{run['tp']}"  # noqa: E731
     return [
-        run | {"record": r["name"], "layout": layout(run)} for r in records for run in r["runs"]
+        run | {"record": r["name"], "layout": layout_of(run)} for r in records for run in r["runs"]
     ]
 
 

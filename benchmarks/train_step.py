@@ -58,6 +58,8 @@ from taco_train import metrics as run_metrics
 from taco_train.steps import make_steps
 from taco_train.zero import ZeroConfig
 
+EMULATED_ALGORITHMS = ("auto", "one_shot", "two_shot")  # of the emulated-TP all-reduces
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -276,11 +278,10 @@ def run_group(group: list[Case], args) -> tuple[list[dict], dict | None]:
     for b in built:
         profile = device_time_by_kernel(b.step, args.profile_steps) if args.profile_steps else None
         row = rows[b.case.label] = row_of(b, result, profile)
-        ratio = row["vs_baseline"]
-        lo, hi = ratio["interval"] if ratio else (0, 0)
-        versus = (
-            f", {ratio['median']:.3f}x [{lo:.3f}, {hi:.3f}] {ratio['verdict']}" if ratio else ""
-        )
+        ratio, versus = row["vs_baseline"], ""
+        if ratio:
+            lo, hi = ratio["interval"]
+            versus = f", {ratio['median']:.3f}x [{lo:.3f}, {hi:.3f}] {ratio['verdict']}"
         print(f"  {b.case.label}: {1e3 * row['median_step_s']:.1f} ms{versus}", flush=True)
     return [rows[c.label] for c in group if c.label in rows], result
 
@@ -295,6 +296,7 @@ def row_of(b: Built, result: dict, profile: dict | None) -> dict:
     devices = case.parallel.num_devices if case.parallel.mode == "shard_map" else 1
     peak = peak_flops() * devices if peak_flops() else None
     summary = result["summary"].get(case.label)
+    memory = jax.devices()[0].memory_stats() or {}
     return {
         **b.info,
         "label": case.label,
@@ -317,9 +319,7 @@ def row_of(b: Built, result: dict, profile: dict | None) -> dict:
         "mfu": flops_per_step / median / peak if peak else None,
         "final_loss": float(b.carry["metrics"]["loss"]),
         # The allocator's peak since the process started: an upper bound for this case's.
-        "peak_bytes_in_use_so_far": (jax.devices()[0].memory_stats() or {}).get(
-            "peak_bytes_in_use"
-        ),
+        "peak_bytes_in_use_so_far": memory.get("peak_bytes_in_use"),
         "device_time": profile,
     }
 
@@ -359,12 +359,7 @@ def parser() -> argparse.ArgumentParser:
     arg("--emulate-tp", type=int, default=4, help="TP of the emulated-TP runs")
     arg("--batch-tp", type=int, default=8, help="batch of the emulated-TP runs")
     arg("--emulate-attention", nargs="+", default=["auto"], choices=("auto", "xla", "cudnn"))
-    arg(
-        "--emulate-algorithms",
-        nargs="+",
-        default=["auto"],
-        choices=("auto", "one_shot", "two_shot"),
-    )
+    arg("--emulate-algorithms", nargs="+", default=["auto"], choices=EMULATED_ALGORITHMS)
     arg("--pp-preset", default="gpt_1p3b", help="model of the pipelined runs")
     arg("--pp-batch", type=int, default=8, help="batch of the pipelined runs")
     arg("--microbatches", type=int, nargs="+", default=[8], help="of the pipelined runs, each")
