@@ -554,7 +554,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "a TP link needs two GPUs (devices): this machine has one, so no link is measured; "
             "timing the codec's cost beside the plain collective with the ranks under vmap"
         )
-    groups = groups_of(args.tp or [n for n in (2, 4, 8) if n <= devices] or [2], args.emulate)
+    groups = groups_of(args.tp or [n for n in (2, 4, 8) if devices % n == 0] or [2], args.emulate)
     sizes = {op: [int(s * MiB) for s in args.sizes_mib] for op in args.ops}
     entries = {}
     for group in groups:
