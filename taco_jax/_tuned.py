@@ -41,9 +41,11 @@ LOG = logging.getLogger("taco_jax.policy")
 EMULATED = "vmap"  # the link of an entry measured under vmap on one device: the codec's cost
 
 
-def codec_key(codec) -> str:
-    """The name of a codec with its group size (a `Codec` or a `TahQuant`): "taco@128"."""
-    return f"{codec.name}@{codec.group_size}"
+def codec_key(codec, impl: str = "auto") -> str:
+    """The name of a codec with its group size (a `Codec` or a `TahQuant`): "taco@128"; with
+    `impl` where it times other code than the kernels ("auto" and "pallas" run the same ones):
+    "taco@128/xla", so that a run of the jnp reference neither reads nor writes their times."""
+    return f"{codec.name}@{codec.group_size}" + ("" if impl in ("auto", "pallas") else f"/{impl}")
 
 
 def library_version() -> str:

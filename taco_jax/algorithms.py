@@ -121,7 +121,7 @@ def may_fuse(x: jax.Array, cfg: CommConfig, target: Target, n_ranks: int):
         return None
     fused = fused_exchange("all_gather", cfg, target, dtype=x.dtype)
     if fused is not None and cfg.algorithm == "auto":
-        return fused if policy.fused_in_auto(n_ranks, target.link, cfg.codec) else None
+        return fused if policy.fused_in_auto(n_ranks, target.link, cfg.codec, cfg.impl) else None
     return fused
 
 

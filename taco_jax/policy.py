@@ -438,7 +438,7 @@ class Call:
 
     @property
     def codec(self) -> str:
-        return _tuned.codec_key(self.cfg.codec)
+        return _tuned.codec_key(self.cfg.codec, self.cfg.impl)
 
     @property
     def link(self) -> str | None:
@@ -521,7 +521,7 @@ def decide(cfg, op: str, nbytes: int, n_ranks: int, target, fused_available: boo
     measured = None
     # An identity codec runs plain whatever the tables say: none is read (nor said) for it.
     if asks_policy and target.link is not None and not cfg.codec.is_identity:
-        codec = _tuned.codec_key(cfg.codec)
+        codec = _tuned.codec_key(cfg.codec, cfg.impl)
         measured = tuned_choice(op, target.link, n_ranks, nbytes, codec, fused_available)
         if measured is None and target.real_link:
             _say_shipped(n_ranks, target.link, codec)
@@ -551,7 +551,7 @@ def redecide(call: Call) -> Choice:
     return decide(call.cfg, call.op, call.nbytes, call.n_ranks, call.target, call.fused_available)
 
 
-def fused_in_auto(n_ranks: int, link: str | None, codec) -> bool:
+def fused_in_auto(n_ranks: int, link: str | None, codec, impl: str = "auto") -> bool:
     """Whether "auto" may exchange through the fused kernels for a group of `n_ranks`: only
     where a table measured them for that group size (the shipped one at N = 2, this machine's
     tuned table at any N)."""
@@ -559,7 +559,7 @@ def fused_in_auto(n_ranks: int, link: str | None, codec) -> bool:
         return True
     table = _tuned.current()
     entry = table.entry(n_ranks, link) if table is not None else None
-    key = _tuned.codec_key(codec)
+    key = _tuned.codec_key(codec, impl)
     return entry is not None and any(
         "fused" in cell[key]["variants"]
         for sizes in entry.values()
@@ -575,20 +575,22 @@ def describe_choice(choice: Choice) -> str:
     return "compressed" if choice.algorithm == "-" else choice.algorithm
 
 
-def summary(link: str = "auto", n_ranks: int = 2, *, codec="taco", fused: bool = False) -> str:
+def summary(
+    link: str = "auto", n_ranks: int = 2, *, codec="taco", fused: bool = False, impl: str = "auto"
+) -> str:
     """One line per op: how "auto" decides each measured message size on `link` for a group of
     `n_ranks` with `codec`, and from which table: this machine's tuned one where it measured
     them ("tuned"), else the shipped one ("shipped"). `fused`: whether the fused exchange's
     kernel runs for the group (`taco_jax.algorithms.fused_kernel_runs` of its target); "fused"
-    is never named, nor its rows read, where it does not."""
+    is never named, nor its rows read, where it does not. `impl`: the run's (`codec_key`)."""
     link = resolve_link(link)
     codec = codecs.get_codec(codec) if isinstance(codec, str) else codec
-    may_fuse = fused and fused_in_auto(n_ranks, link, codec)
-    return "\n".join(_summary_line(op, link, n_ranks, codec, may_fuse) for op in TABLE_OPS)
+    may_fuse = fused and fused_in_auto(n_ranks, link, codec, impl)
+    key = _tuned.codec_key(codec, impl)
+    return "\n".join(_summary_line(op, link, n_ranks, key, may_fuse) for op in TABLE_OPS)
 
 
-def _summary_line(op: str, link: str, n_ranks: int, codec, fused: bool) -> str:
-    key = _tuned.codec_key(codec)
+def _summary_line(op: str, link: str, n_ranks: int, key: str, fused: bool) -> str:
     table = _tuned.current()
     entry = (table.entry(n_ranks, link) if table is not None else None) or {}
     sizes = sorted(size for size, cell in entry.get(op, {}).items() if key in cell)

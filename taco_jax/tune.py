@@ -254,7 +254,7 @@ def _compare(group, op, size, codec_list, impl, budget_s, calls, clock) -> dict:
     x = _message(group, _elements(op, size, group.n_ranks), seed=size % (1 << 31))
     calls = calls or int(np.clip(CALL_BYTES // max(size, 1), MIN_CALLS, MAX_CALLS))
     programs = _programs(group, op, codec_list, impl, calls)
-    return _checked_times(programs, x, codec_list, calls, budget_s, clock)
+    return _checked_times(programs, x, codec_list, calls, budget_s, clock, impl)
 
 
 def _programs(group, op, codec_list, impl, calls) -> dict:
@@ -264,17 +264,17 @@ def _programs(group, op, codec_list, impl, calls) -> dict:
     for codec in (c for c in codec_list if not c.is_identity):
         for algorithm in variants(op, group, codec, impl):
             fn = _op(op, group.axis, codec, algorithm, impl)
-            programs[(_tuned.codec_key(codec), algorithm)] = _program(fn, group, calls)
+            programs[(_tuned.codec_key(codec, impl), algorithm)] = _program(fn, group, calls)
     return programs
 
 
-def _checked_times(programs, x, codec_list, calls, budget_s, clock) -> dict:
+def _checked_times(programs, x, codec_list, calls, budget_s, clock, impl="auto") -> dict:
     """{codec key: comparison} of `programs` (`_programs`) on x: each timed against "plain"
     with an A/A control, and its result checked against plain's (`_comparisons`)."""
     exact = programs["plain"](x)[0]
     errors = {key: _scalar(_error(p(x)[0], exact)) for key, p in programs.items() if key != "plain"}
     roundtrip = {
-        _tuned.codec_key(c): _roundtrip_error(c, x) for c in codec_list if not c.is_identity
+        _tuned.codec_key(c, impl): _roundtrip_error(c, x) for c in codec_list if not c.is_identity
     }
     samplers = {
         _name(key): _agreed(timing.wall(lambda p=p: p(x), per=calls)) for key, p in programs.items()
@@ -282,7 +282,7 @@ def _checked_times(programs, x, codec_list, calls, budget_s, clock) -> dict:
     result = timing.compare(
         samplers, "plain", budget_s=budget_s, max_repeats=30, precision=0.02, clock=clock
     )
-    keys = [_tuned.codec_key(c) for c in codec_list]
+    keys = [_tuned.codec_key(c, impl) for c in codec_list]
     return _comparisons(result, keys, errors, roundtrip)
 
 

@@ -489,9 +489,12 @@ def _say_policy(cfg: TrainConfig, out: Path, link: str = "auto") -> None:
         return
     tp = taco_jax.target.probe("tp", link, mesh=make_mesh(cfg.parallel))
     if tp.real_link:  # GPUs: the policy decides from its table (elsewhere it compresses all)
-        codec = taco_jax.collectives.collective_codec(comp.fwd, comp.group_size)
+        name = comp.fwd if comp.fwd != "none" else comp.bwd  # as the tuning's line names it
+        codec = taco_jax.collectives.collective_codec(name, comp.group_size)
         fused = taco_jax.algorithms.fused_kernel_runs(tp, codec, comp.impl)
-        text = taco_jax.policy.summary(tp.link, cfg.parallel.tp, codec=codec, fused=fused)
+        text = taco_jax.policy.summary(
+            tp.link, cfg.parallel.tp, codec=codec, fused=fused, impl=comp.impl
+        )
         _say(
             "collectives (auto policy, by message bytes per rank; set "
             "compression.min_compress_bytes=0 to compress every one):\n" + text

@@ -144,7 +144,7 @@ def _policy_line(run, link: str, real: bool) -> str:
     """Which table the TP collectives' policy reads (`policy.source`); `real`: TP over GPUs."""
     comp = run.cfg.compression
     codec = comp.fwd if comp.fwd != "none" else comp.bwd
-    key = _tuned.codec_key(collectives.collective_codec(codec, comp.group_size))
+    key = _tuned.codec_key(collectives.collective_codec(codec, comp.group_size), comp.impl)
     where = policy.source(run.cfg.parallel.tp, link, key, real_link=real)
     return f"compression.tune={comp.tune}: the TP collectives' policy: {where}"
 

@@ -139,6 +139,18 @@ def test_between_measured_sizes_both_must_pay_and_n4_is_measured(installed):
     assert policy.tuned_choice("all_reduce", "nvlink", 4, 4 * MiB, "int6_hadamard@128") is None
 
 
+def test_times_of_the_kernels_are_not_read_for_the_jnp_reference(installed):
+    """A table timed with the kernels ("auto", "pallas": one key) decides for them only: a run
+    of the jnp reference (impl="xla") finds no cell of its own and compresses as untuned."""
+    assert _tuned.codec_key(collectives.collective_codec("taco"), "pallas") == TACO
+    assert _tuned.codec_key(collectives.collective_codec("taco"), "xla") == f"{TACO}/xla"
+    level = comparison(one_shot=variant(1.0, 0.97, 1.03), two_shot=variant(0.9, 0.87, 0.93))
+    installed({(2, "shm"): {"all_reduce": {MiB: {TACO: level}}}})
+    for impl, compress in (("auto", False), ("pallas", False), ("xla", True)):
+        cfg = tj.comm_config("taco", link="shm", impl=impl)
+        assert policy.decide(cfg, "all_reduce", MiB, 2, Target(link="shm")).compress is compress
+
+
 def _lowered(fn, nbytes: int, tp: int = 2) -> str:
     mesh = tp_mesh(tp)
     mapped = jax.shard_map(fn, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False)
