@@ -233,8 +233,8 @@ def measure(
     """{op: {bytes: {codec_key: comparison}}} of `group` (see `_tuned`) for `sizes` ({op:
     message bytes per rank, as `policy.choose` counts them}) and each codec of `codec_list`
     (names or codecs; for the identity codec only the plain collective is timed). The rounds of
-    all comparisons share `budget_s` (each at least `timing.MIN_REPEATS` rounds; compiling is
-    not counted);
+    all comparisons share `budget_s`, their compiles included (each runs at least
+    `timing.MIN_REPEATS` rounds, so a budget spent early still times the later ones);
     `calls`: the op's calls per timed program (default: by size, `MIN_CALLS`..`MAX_CALLS`).
     `say`: a progress line per comparison, on process 0."""
     codec_list = list(dict.fromkeys(collectives.collective_codec(c) for c in codec_list))
