@@ -3,27 +3,16 @@ blocking the loop, then in the background) end to end on the CPU, and the record
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
+from process_testing import run_module
 
-from benchmarks import _common, checkpoint_pause
+from benchmarks import checkpoint_pause
 
 
 @pytest.mark.slow  # two trainer processes: ~35 s on two CPU cores
 def test_smoke_runs_the_trainer_twice_and_records_each_save(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.checkpoint_pause", "--smoke", "--out", str(tmp_path)],
-        cwd=_common.REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_module("benchmarks.checkpoint_pause", "--smoke", "--out", str(tmp_path), timeout=600)
     (path,) = tmp_path.glob("checkpoint_pause-*-smoke.json")
     record = json.loads(path.read_text())
     assert record["overrides"] == list(checkpoint_pause.SMOKE)

@@ -2,11 +2,9 @@
 devices, tiny sizes, two rounds), its records, and the tables it previews with them."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+from process_testing import run_module
 
 from benchmarks import headline, tables
 
@@ -31,16 +29,7 @@ def test_dry_plan_names_every_part():
 
 @pytest.mark.slow
 def test_dry_run_end_to_end(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.headline", "--dry", "--out", str(tmp_path)],
-        cwd=tables.REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_module("benchmarks.headline", "--dry", "--out", str(tmp_path), timeout=900)
     records = {}
     for part, pattern in PARTS.items():
         (path,) = tmp_path.glob(pattern)

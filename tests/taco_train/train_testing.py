@@ -3,6 +3,8 @@
 import os
 from pathlib import Path
 
+from process_testing import subprocess_env  # noqa: F401 (the training tests import it from here)
+
 FIXTURE_CORPUS = Path(__file__).parent / "fixtures" / "tiny_corpus"
 # A Python with torch and transformers (not project dependencies), for the tests that
 # transformers loads an export; unset, those tests skip that check.
@@ -71,25 +73,6 @@ def tiny_overrides(out_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
         "run.progress=false",
         *extra,
     ]
-
-
-# The test session's compilation cache and compile flags (tests/conftest.py) stay out of the
-# processes tests start.
-_SESSION_ONLY = (
-    "JAX_COMPILATION_CACHE_DIR",
-    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",
-    "TACO_TEST_USER_XLA_FLAGS",
-)
-
-
-def subprocess_env(**updates: str) -> dict[str, str]:
-    """os.environ for a process a test starts, without the session's compilation cache and with
-    the user's XLA_FLAGS (without the session's fast-compile flag)."""
-    env = {k: v for k, v in os.environ.items() if k not in _SESSION_ONLY}
-    if "TACO_TEST_USER_XLA_FLAGS" in os.environ:
-        env["XLA_FLAGS"] = os.environ["TACO_TEST_USER_XLA_FLAGS"]
-    return env | updates
 
 
 # A text with words, punctuation and a newline, for tokenizers to agree on.
