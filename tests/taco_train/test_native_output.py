@@ -5,7 +5,7 @@ import sys
 
 from train_testing import REPO, subprocess_env
 
-from taco_train.native_output import is_gloo_connected
+from taco_train.native_output import is_gloo_connected, without_connected
 
 CONNECTED = (
     "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
@@ -45,3 +45,17 @@ def test_only_gloo_lines_of_fully_connected_groups_are_dropped():
         check=True,
     )
     assert done.stdout == f"step      1 | loss 2.0000\n{MISSING}\ndone\nafter\n"
+
+
+def test_a_gloo_line_started_inside_another_is_dropped_with_its_rest():
+    """Gloo's threads write at once: a line starts inside another, its rest on the next line
+    (as seen on two processes of 8 CPU devices each); both go, the text around them stays."""
+    head, tail = CONNECTED.split("to ")
+    first = f"{head}to {CONNECTED}\n".encode()
+    passed, waiting = without_connected(first)
+    assert (passed, waiting) == (b"", f"{head}to ".encode())
+    assert without_connected(waiting + f"{tail}\n".encode()) == (b"", b"")
+    mixed = f"model 1M params\n{CONNECTED}\n{MISSING}\n".encode()
+    assert without_connected(mixed) == (f"model 1M params\n{MISSING}\n".encode(), b"")
+    # A fragment whose rest never comes passes on with what follows, nothing dropped.
+    assert without_connected(waiting + b"step 2\n") == (waiting + b"step 2\n", b"")
