@@ -11,10 +11,11 @@ Tolerances (derivations):
   on the bias-corrected weights), plus the rounding of p + u, 2^-24 |p|. Per value:
   |dp| <= steps 2^-24 (17 lr + 3 |p|) (wd = 0.1).
 - clipping at dp = 4: the global norm sums squares in another order (relative error
-  <= n 2^-24 for n squares), so every clipped gradient differs by a common factor 1 + d; Adam's
-  step m / (sqrt(v) + eps) does not change under a common factor except through eps, and the
-  decayed weights not at all: |dp| <= steps * lr * (n + 4) 2^-24 per value, plus the
-  compilation term above.
+  <= n 2^-24 for n squares), so step t's clipped gradients differ by a factor 1 + d_t,
+  |d_t| <= n 2^-24, another each step: Adam's m^ / sqrt(v^) moves by at most 2 C |d| / (1 - |d|)
+  with C = max_t sqrt(sum_k a_k^2 / b_k) over the bias-corrected weights a_k of m and b_k of v
+  (C <= 1.004 for t <= 3, Cauchy-Schwarz), eps and the decayed weights not at all:
+  |dp| <= steps * lr * (2.01 n + 4) 2^-24 per value, plus the compilation term above.
 - qWD: the replica moves by the decoded difference, within one step s = absmax / 7 of its
   group of 2048 of the exact new master minus the old replica, then rounds to bf16 (half an
   ulp: 2^-8 of the value): |replica - master| <= s + 2^-8 (|master| + s).
@@ -178,7 +179,9 @@ def test_clipping_uses_the_global_norm_of_the_mean_gradient(shape, axes):
     assert want_norms[0] < clip < want_norms[1]
     cfg = zero.ZeroConfig(dp_axes=axes, grad_clip=clip)
     master, _, _, norms = _sharded(params, cfg, "shard_map", shape)
-    _assert_within_step_rounding(zero.unshard_leaves(master, params), want, LR * (N_PARAMS + 4))
+    _assert_within_step_rounding(
+        zero.unshard_leaves(master, params), want, LR * (2.01 * N_PARAMS + 4)
+    )
     _assert_norms(norms, want_norms)
 
 
