@@ -454,7 +454,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             _typed(tree)
     except FileNotFoundError:
         raise ConfigError(f"{where} does not exist") from None
-    except (tomllib.TOMLDecodeError, ConfigError) as error:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, ConfigError) as error:
         raise ConfigError(f"{where}: {error}") from None
     named = [o for o in overrides if apply_override({}, o) in ("model.preset", "model.init_from")]
     if named and tree.pop("model", None) is not None:  # the file's own model (docs/training.md)

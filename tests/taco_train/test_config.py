@@ -294,6 +294,16 @@ def test_errors_in_a_config_file_name_the_file(toml, message, tmp_path):
     assert str(info.value).startswith(f"config file {str(path)!r}: ") and message in str(info.value)
 
 
+def test_a_config_file_not_in_utf8_is_one_error_naming_the_file(tmp_path):
+    """TOML is UTF-8: a Latin-1 byte is the file's error, not a traceback."""
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b"[run]\nout_dir = 'caf\xe9'\n")
+    with pytest.raises(ValueError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"config file {str(path)!r}: ")
+    assert "can't decode byte 0xe9" in str(info.value)
+
+
 def test_a_bad_value_given_by_an_override_does_not_blame_the_file(tmp_path):
     path = tmp_path / "mine.toml"
     path.write_text("[optimizer]\nlr = 1e-3\n")
