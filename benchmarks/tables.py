@@ -235,13 +235,14 @@ def checkpoint_saves(records: list[dict], baseline: str | None) -> list[dict]:
     before (where recorded), and the run's wall time."""
     rows = []
     for record in records:
-        batch = re.findall(r"data.batch_size=(\d+)", " ".join(record.get("overrides", [])))
+        settings = " ".join(record.get("overrides", [])) or record["command"]  # the last wins
+        batch = re.findall(r"data.batch_size=(\d+)", settings)
         for mode, runs in record["runs"].items():
             saves = [r for r in runs if r["kind"] == "checkpoint"]
             waits = [s["previous_s"] for s in saves if "previous_s" in s]
             rows.append(
                 dict(record=record, mode=f"`run.async_checkpoint={mode == 'async'}`".lower())
-                | dict(batch=batch[-1] if batch else 8)
+                | dict(batch=batch[-1] if batch else "?")
                 | dict(held=" and ".join(f"{s['blocked_s']:.1f} s" for s in saves))
                 | dict(waited=" and ".join(f"{w:.1f} s" for w in waits) if waits else "-")
                 | dict(wall=f"{record['wall_s_printed'][mode]:.1f} s")
