@@ -9,7 +9,8 @@ tokenizer on docs/*.md. It records each save's "checkpoint" record of metrics.js
 `previous_s` (waiting for the save before); the rest is orbax's save call (asynchronous: the
 copy of the state to host memory, what still blocks), with each run's wall time as its
 end-of-run line prints it. The asynchronous run's end waits for its last save: orbax's line
-saying how long is kept (`printed_note`).
+saying how long is kept (`printed_note`), and so is its start-up line on pinning host memory for
+the saves beside the compiles (`pinned_printed`; GPUs only).
 
     python -m benchmarks.checkpoint_pause --out $OUT               # the record (one GPU)
     python -m benchmarks.checkpoint_pause --smoke --out /tmp/pause # CPU check: tiny GPT, 4 steps
@@ -58,6 +59,7 @@ SMOKE = RUN + (
 MODES = {"sync": "false", "async": "true"}
 WALL = re.compile(r"\| wall ([\d.]+) s \|")
 ORBAX_WAIT = re.compile(r"Waiting for previous save to complete took [\d.]+ seconds")
+PINNED = re.compile(r"(?:pinned|host memory for checkpoints not pinned)[^\n]*")
 
 
 def run(overrides: tuple[str, ...], asynchronous: str, out_dir: Path) -> dict:
@@ -72,10 +74,12 @@ def run(overrides: tuple[str, ...], asynchronous: str, out_dir: Path) -> dict:
     shutil.rmtree(out_dir)  # GPT-1.3B's checkpoints are ~16 GB each: free the disk for the next
     wall = WALL.search(done.stderr)
     waited = ORBAX_WAIT.search(done.stderr)
+    pinned = PINNED.search(done.stderr)
     return {
         "saves": [r for r in records if r["kind"] == "checkpoint"],
         "wall_s": float(wall[1]) if wall else None,
         "orbax_wait": waited[0] if waited else None,
+        "pinned": pinned[0] if pinned else None,
     }
 
 
@@ -108,6 +112,7 @@ def main() -> None:
         runs={mode: r["saves"] for mode, r in results.items()},
         wall_s_printed={mode: r["wall_s"] for mode, r in results.items()},
         printed_note=f"async run's end: orbax '{waited}'" if waited else "",
+        pinned_printed=results["async"]["pinned"],
     )
 
 

@@ -557,7 +557,10 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
             "run.peak_tflops)"
         )
     if start < end:
+        ckpt.reserve_host_memory(state)  # beside the compiles
         run.compile_ahead(state)
+        if reserved := ckpt.host_memory_reserved():
+            _say(reserved)
         _say_reference_ops()
     try:
         with StopRequests() as stops:

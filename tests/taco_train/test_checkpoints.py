@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from train_testing import (
     REPO,
     assert_same_state,
@@ -188,6 +190,53 @@ def test_an_async_save_keeps_the_state_of_its_step_when_the_next_step_donates_it
         state = step(state)
     ckpt.close()
     np.testing.assert_array_equal(final_state(tmp_path, 1)["x"], np.arange(1024.0))
+
+
+def test_pinning_host_memory_ahead_copies_each_saved_shard_once_and_leaves_the_state(tmp_path):
+    """`reserve_host_memory` copies replica 0's shards (what this process saves) to pinned host
+    memory on a thread: a leaf replicated over 8 devices counts once, a sharded one whole; the
+    state is then donated and saved as usual, with the values of its step."""
+    mesh = jax.make_mesh((8,), ("d",))
+    sharded = jax.device_put(jnp.arange(1024.0), NamedSharding(mesh, P("d")))
+    replicated = jax.device_put(jnp.arange(256, dtype=jnp.int32), NamedSharding(mesh, P()))
+    state = {"sharded": sharded, "replicated": replicated}
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=1, asynchronous=True, pinned_copy=True)
+    ckpt.reserve_host_memory(state)
+    said = ckpt.host_memory_reserved()
+    assert said.startswith(f"pinned {(1024 * 4 + 256 * 4) / 2**30:.2f} GiB of host memory"), said
+    assert checkpointing.pin_host_copy(state) == 1024 * 4 + 256 * 4
+    assert ckpt.host_memory_reserved() is None  # once
+    state = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)(state)
+    ckpt.save(1, state)
+    ckpt.close()
+    np.testing.assert_array_equal(final_state(tmp_path, 1)["sharded"], np.arange(1024.0) + 1)
+
+
+def test_host_memory_is_pinned_ahead_only_for_asynchronous_pinned_copies(tmp_path):
+    state = {"x": jnp.arange(4.0)}
+    for asynchronous, pinned in [(False, True), (True, False)]:
+        ckpt = Checkpointer(tmp_path / f"{asynchronous}{pinned}", 1, asynchronous, pinned)
+        ckpt.reserve_host_memory(state)
+        assert ckpt.host_memory_reserved() is None
+        ckpt.close()
+
+
+def test_a_failed_pinning_is_one_line_and_saves_still_work(tmp_path):
+    """Pinning ahead only saves the first save's pause: where it fails, the run goes on."""
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=1, asynchronous=True, pinned_copy=True)
+    ckpt.reserve_host_memory({"x": jnp.arange(4.0), "gone": _deleted_array()})
+    said = ckpt.host_memory_reserved()
+    assert said.startswith("host memory for checkpoints not pinned ahead (RuntimeError: "), said
+    assert "\n" not in said
+    ckpt.save(1, {"x": jnp.arange(4.0)})
+    ckpt.close()
+    assert checkpoint_steps(tmp_path / "checkpoints") == [1]
+
+
+def _deleted_array() -> jax.Array:
+    array = jnp.arange(4.0)
+    array.delete()
+    return array
 
 
 @pytest.mark.slow  # `finished`
