@@ -9,8 +9,8 @@ tokenizer on docs/*.md. It records each save's "checkpoint" record of metrics.js
 `previous_s` (waiting for the save before); the rest is orbax's save call (asynchronous: the
 copy of the state to host memory, what still blocks), with each run's wall time as its
 end-of-run line prints it. The asynchronous run's end waits for its last save: orbax's line
-saying how long is kept (`printed_note`), and so is its start-up line on pinning host memory for
-the saves beside the compiles (`pinned_printed`; GPUs only).
+saying how long is kept (`printed_note`), and so is each run's start-up line on pinning host
+memory for the saves beside the compiles (`pinned_printed`; GPUs only).
 
     python -m benchmarks.checkpoint_pause --out $OUT               # the record (one GPU)
     python -m benchmarks.checkpoint_pause --smoke --out /tmp/pause # CPU check: tiny GPT, 4 steps
@@ -112,7 +112,7 @@ def main() -> None:
         runs={mode: r["saves"] for mode, r in results.items()},
         wall_s_printed={mode: r["wall_s"] for mode, r in results.items()},
         printed_note=f"async run's end: orbax '{waited}'" if waited else "",
-        pinned_printed=results["async"]["pinned"],
+        pinned_printed={mode: r["pinned"] for mode, r in results.items()},
     )
 
 

@@ -212,12 +212,14 @@ def test_pinning_host_memory_ahead_copies_each_saved_shard_once_and_leaves_the_s
     np.testing.assert_array_equal(final_state(tmp_path, 1)["sharded"], np.arange(1024.0) + 1)
 
 
-def test_host_memory_is_pinned_ahead_only_for_asynchronous_pinned_copies(tmp_path):
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_host_memory_is_pinned_ahead_only_where_saves_copy_through_it(asynchronous, tmp_path):
     state = {"x": jnp.arange(4.0)}
-    for asynchronous, pinned in [(False, True), (True, False)]:
-        ckpt = Checkpointer(tmp_path / f"{asynchronous}{pinned}", 1, asynchronous, pinned)
+    for pinned in (False, True):
+        ckpt = Checkpointer(tmp_path / str(pinned), 1, asynchronous, pinned_copy=pinned)
         ckpt.reserve_host_memory(state)
-        assert ckpt.host_memory_reserved() is None
+        said = ckpt.host_memory_reserved()
+        assert (said is not None and said.startswith("pinned ")) == pinned, said
         ckpt.close()
 
 
