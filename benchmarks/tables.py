@@ -60,6 +60,9 @@ CHECKPOINT_SAVES = (  # GPT-1.3B, fp32 weights and Adam moments: ~15.6 GB a save
     "checkpoint_pause-2026-12-02.json",
     "checkpoint_pause-2026-12-06-r1.json",
     "checkpoint_pause-2026-12-06-r2.json",
+    "checkpoint_pause-2026-12-06-r3.json",
+    "checkpoint_pause-2026-12-06-r4.json",
+    "checkpoint_pause-2026-12-06-r5.json",
 )
 CONVERGENCE_91M = ("convergence-2026-12-01-3d-91m.json",)  # the 3D layout, a 91.5M GPT
 
