@@ -57,10 +57,6 @@ CONVERGENCE = (  # a 30M GPT; a seed pairs once, in the first record that holds 
     "convergence-2026-12-01-3d.json",
 )
 CHECKPOINT_SAVES = (  # GPT-1.3B, fp32 weights and Adam moments: ~15.6 GB a save
-    "checkpoint_pause-2026-12-02.json",
-    "checkpoint_pause-2026-12-06-r1.json",
-    "checkpoint_pause-2026-12-06-r2.json",
-    "checkpoint_pause-2026-12-06-r3.json",
     "checkpoint_pause-2026-12-06-r4.json",
     "checkpoint_pause-2026-12-06-r5.json",
 )
