@@ -13,10 +13,12 @@ them), "triton", "mosaic" (Hopper, the codecs the Mosaic kernels take; the sums 
 peers with peer steps, as the registry runs them). Each is timed as one call in a jitted program
 of dependent calls (`timing.in_program`: 16 calls rotating over inputs of >= 256 MiB from 1 MiB,
 so that nothing is served from L2; below, 200 calls on one input, in L2 as a fresh activation
-would be), all interleaved with an A/A control of the copy (`timing.compare`); the record keeps
-the raw times. Bandwidth is logical IO: bytes read + bytes written, once each; "of copy" is an
-op's bandwidth over the copy's (the median of the paired ratios, with its interval). That the
-kernels compute the references' functions is the GPU tier's (tests/pallas_kernels).
+would be), all interleaved with an A/A control of the copy and a placement control, the copy
+on inputs of its own (`timing.compare`: the ops run on other buffers than the copy's, which
+alone can move a time ~20%); the record keeps the raw times. Bandwidth is logical IO: bytes
+read + bytes written, once each; "of copy" is an op's bandwidth over the copy's (the median of
+the paired ratios, with its interval). That the kernels compute the references' functions is
+the GPU tier's (tests/pallas_kernels).
 """
 
 from __future__ import annotations
@@ -144,11 +146,14 @@ def bench(key, args):
             elements, rotate = size // 2, size >= MiB
             calls_here = args.calls or (IN_PROGRAM_CALLS if rotate else LATENCY_CALLS)
             inputs = {k: _inputs(codec, p, elements, key, k, rotate) for k in ("x", "wire")}
-            samplers = {"copy": timing.in_program(lambda x: -x, inputs["x"], calls_here)}
+            copy = lambda x: -x  # noqa: E731 - the baseline
+            samplers = {"copy": timing.in_program(copy, inputs["x"], calls_here)}
+            own = _inputs(codec, p, elements, jax.random.fold_in(key, 1), "x", rotate)
             for name, (fn, kind, _) in ops.items():
                 if "_mosaic" not in name or encode_mosaic.unsupported(codec, elements // p) is None:
                     samplers[name] = timing.in_program(fn, inputs[kind], calls_here)
-            result = timing.compare(samplers, "copy", **compare_options(args))
+            placement = timing.in_program(copy, own, calls_here)
+            result = timing.compare(samplers, "copy", placement=placement, **compare_options(args))
             comparisons.append(dict(bytes=size, peers=p, calls=calls_here, **result))
             rows.append(_row(size, p, codec, ops, result, interpret))
             print(f"{p} peers, {size / MiB:g} MiB, % of the copy:", _shares(rows[-1]), flush=True)

@@ -173,8 +173,8 @@ def ratios(records: list[dict], baseline: str | None) -> list[dict]:
         for c in record["comparisons"]:
             times = c["times_s"]
             base = baseline or next(iter(times))
-            aa = timing.summarize(times)[timing.AA_RATIO]
-            for name in (n for n in times if n not in (base, timing.AA)):
+            aa = timing.noise_floor(timing.summarize(times))
+            for name in (n for n in times if n not in (base, timing.AA, timing.PLACED)):
                 ratio = judged(timing.ratio(times, base, name, aa))
                 words = [w for w, v in zip(name.split(), base.split(), strict=False) if w == v]
                 shared = " ".join(words) if name.startswith(" ".join(words)) else ""
@@ -197,12 +197,12 @@ OPS["decode_sum_reencode"] = "re-encode"
 
 def kernel_sizes(records: list[dict], baseline: str | None = None) -> list[dict]:
     """Per message size and peer count of each kernels record (`bench` and its `comparisons`,
-    in one order): each op's bandwidth over the copy's, the copy's, its A/A control."""
+    in one order): each op's bandwidth over the copy's, the copy's, its noise floor."""
     rows = []
     for record in records:
         for b, c in zip(record["bench"], record["comparisons"], strict=True):
             registry = b.get("registry") or record["registry"]  # per peer count, where several
-            aa = timing.summarize(c["times_s"])[timing.AA_RATIO]
+            aa = timing.noise_floor(timing.summarize(c["times_s"]))
             rows.append(
                 dict(record=record, b=b, c=c, codec=record["codec"], registry=registry)
                 | dict(peers=b.get("peers", record.get("peers")), size=size(b["bytes"]))
@@ -215,7 +215,7 @@ def kernel_sizes(records: list[dict], baseline: str | None = None) -> list[dict]
 
 def lowerings(records: list[dict], baseline: str | None) -> list[dict]:
     """Per size and peer count timed on both lowerings, each op: Triton's and Mosaic's % of the
-    copy, and Mosaic's speedup over Triton with its verdict against the row's A/A control."""
+    copy, and Mosaic's speedup over Triton with its verdict against the row's noise floor."""
     return [row | {f"{op}_versus": versus(row, op) for op in OPS} for row in kernel_sizes(records)]
 
 
@@ -362,14 +362,14 @@ TABLES = {
         kernel_sizes,
         {"codec, peers, message (kernels)": "`{codec}`, {peers}, {size} ({kernels})"}
         | {name: f"{{{op}}}" for op, name in OPS.items()}
-        | {"copy TB/s": "{copy}", "copy A/A": "{aa}", "record": "{source}"},
+        | {"copy TB/s": "{copy}", "noise floor": "{aa}", "record": "{source}"},
     ),
     "lowerings": Table(
         LOWERINGS,
         lowerings,
         {"codec, peers, message (registry)": "`{codec}`, {peers}, {size} ({kernels})"}
         | {name: f"{{{op}_versus}}" for op, name in OPS.items()}
-        | {"copy A/A": "{aa}", "record": "{source}"},
+        | {"noise floor": "{aa}", "record": "{source}"},
     ),
     "collectives": Table(
         COLLECTIVES,

@@ -16,8 +16,13 @@ interval is the distribution-free confidence interval of a median from order sta
 k-th smallest and k-th largest of n values cover the true median with probability
 1 - 2 P(Binomial(n, 1/2) < k) (Conover, Practical Nonparametric Statistics, 3rd ed., 3.2),
 k the largest that keeps it >= `CONFIDENCE`; 6 rounds are the fewest that reach 95%. The A/A
-ratio (A over A' in each round) is the run's noise floor. The verdict: "faster" when the
-interval lies above 1 and above the A/A interval, "slower" when below both, else "level".
+ratio (A over A' in each round) is the run's noise floor. It is the floor of one program on one
+set of buffers: the same computation on buffers of its own can run up to ~20% apart, steadily
+(on an H100 at 8-64 MiB, docs/decisions/033-placement-control.md), which A/A cannot see. Where
+the variants run on buffers other than the baseline's, `compare(..., placement=...)` times the
+baseline's computation on buffers of its own in every round too, and the floor (`noise_floor`)
+spans the A/A interval, that control's and its reciprocal. The verdict: "faster" when the interval
+lies above 1 and above the floor, "slower" when below both, else "level".
 
 The record of a comparison keeps the raw per-round seconds (`times_s`) with the summary;
 `summarize` recomputes the summary from them, which the tables of BENCHMARKS.md do.
@@ -41,6 +46,8 @@ CONFIDENCE = 0.95
 MIN_REPEATS = 6  # the fewest rounds whose order-statistic interval covers >= 95%
 AA = "A'"  # the baseline's second timing in each round, in `times_s`
 AA_RATIO = "A/A"  # the control ratio's name in a summary
+PLACED = "A, other buffers"  # the placement control's timing in each round, in `times_s`
+PLACED_RATIO = "A/A, other buffers"  # its ratio's name in a summary
 
 Sampler = Callable[[], float]
 
@@ -95,7 +102,7 @@ def _round_times(times_s: dict[str, list[float]], name: str) -> list[float]:
 
 def ratio(times_s: dict[str, list[float]], reference: str, name: str, aa: dict) -> dict:
     """`reference` time / `name` time: median, interval, coverage and the verdict against the
-    A/A summary `aa` (`summarize(...)[AA_RATIO]`); "level" where either interval covers less
+    noise floor `aa` (`noise_floor(summarize(...))`); "level" where either interval covers less
     than `CONFIDENCE` (too few rounds)."""
     out = median_interval(round_ratios(times_s, reference, name))
     enough = min(out["coverage"], aa["coverage"]) >= CONFIDENCE
@@ -104,14 +111,30 @@ def ratio(times_s: dict[str, list[float]], reference: str, name: str, aa: dict) 
 
 def summarize(times_s: dict[str, list[float]]) -> dict[str, dict]:
     """The summary of a comparison's raw times (the first series is the baseline's, `AA` its
-    second timing): the A/A ratio, then every variant's ratio to the baseline."""
+    second timing, `PLACED` the placement control's where timed): the A/A ratio, the placement
+    control's ratio, then every variant's ratio to the baseline, judged against `noise_floor`."""
     baseline = next(iter(times_s))
-    aa = median_interval([a / b for a, b in zip(times_s[baseline], times_s[AA], strict=True)])
-    out = {AA_RATIO: aa}
+    pairs = zip(times_s[baseline], times_s[AA], strict=True)
+    out = {AA_RATIO: median_interval([a / b for a, b in pairs])}
+    if PLACED in times_s:
+        out[PLACED_RATIO] = median_interval(round_ratios(times_s, baseline, PLACED))
+    floor = noise_floor(out)
     for name in times_s:
-        if name not in (baseline, AA):
-            out[name] = ratio(times_s, baseline, name, aa)
+        if name not in (baseline, AA, PLACED):
+            out[name] = ratio(times_s, baseline, name, floor)
     return out
+
+
+def noise_floor(summary: dict[str, dict]) -> dict:
+    """The interval a verdict must clear: the A/A control's, widened where the summary has a
+    placement control to its interval and that interval's reciprocal (which of two sets of
+    buffers is the baseline's is arbitrary); its coverage the lower of the two."""
+    aa = summary[AA_RATIO]
+    bounds = list(aa["interval"])
+    if placed := summary.get(PLACED_RATIO):
+        bounds += [*placed["interval"], *(1 / bound for bound in placed["interval"])]
+    coverage = min(aa["coverage"], placed["coverage"]) if placed else aa["coverage"]
+    return {"median": aa["median"], "interval": [min(bounds), max(bounds)], "coverage": coverage}
 
 
 def _stable(times_s: dict[str, list[float]], precision: float) -> bool:
@@ -134,8 +157,12 @@ def compare(
     warmup: int = 1,
     deadline: float | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    placement: Sampler | None = None,
 ) -> dict:
     """Times `samplers` in interleaved rounds with an A/A control (see the module doc).
+
+    placement: the baseline's computation on buffers (and a program) of its own, timed in every
+    round after A' as `PLACED`: the placement control, for variants that run on other buffers.
 
     Returns {"baseline", "repeats", "stopped" ("stable", "budget" or "max_repeats"),
     "elapsed_s", "times_s" (per name, one sample per round: the baseline first, then `AA`,
@@ -145,16 +172,20 @@ def compare(
     """
     if baseline not in samplers:
         raise ValueError(f"{baseline=} is not one of the samplers {sorted(samplers)}")
-    if AA in samplers:
-        raise ValueError(f"{AA!r} names the A/A control; rename that sampler")
+    for control in (AA, PLACED):
+        if control in samplers:
+            raise ValueError(f"{control!r} names a control; rename that sampler")
     if not 1 <= min_repeats <= max_repeats:
         raise ValueError(f"need 1 <= {min_repeats=} <= {max_repeats=}")
     variants = [name for name in samplers if name != baseline]
+    samplers = samplers | ({PLACED: placement} if placement else {})
     forward = [(baseline, baseline), *((v, v) for v in variants), (AA, baseline)]
+    forward += [(PLACED, PLACED)] if placement else []
     for _ in range(warmup):
         for _, name in forward:
             samplers[name]()
     times_s: dict[str, list[float]] = {baseline: [], AA: [], **{v: [] for v in variants}}
+    times_s |= {PLACED: []} if placement else {}
     start = clock()
     stopped = "max_repeats"
     for repeat in range(max_repeats):

@@ -7,6 +7,7 @@ import pytest
 from process_testing import run_module
 
 from benchmarks import headline, tables
+from taco_jax import timing
 
 PARTS = {  # record written by each part of the dry run
     "collectives-nvlink": "collectives-*-headline-nvlink.json",
@@ -35,6 +36,8 @@ def test_dry_run_end_to_end(tmp_path):
         (path,) = tmp_path.glob(pattern)
         records[part] = json.loads(path.read_text())
         assert records[part]["comparisons"], part  # the harness's raw times
+    # The kernels ran on buffers other than the copy's: their rounds timed a placement control.
+    assert all(timing.PLACED in c["times_s"] for c in records["kernels"]["comparisons"])
     # Each link's process ran with that link's NCCL variables.
     assert records["collectives-socket"]["env"]["NCCL_SHM_DISABLE"] == "1"
     assert records["step-shm"]["env"]["NCCL_P2P_DISABLE"] == "1"

@@ -131,3 +131,63 @@ def test_summary_recomputes_from_the_raw_times():
 def test_compare_names_a_wrong_baseline():
     with pytest.raises(ValueError, match="baseline='nope'"):
         timing.compare({"a": lambda: 1.0}, "nope")
+
+
+def with_placement(speedup: float, placed: float, seed: int, rounds: int = 20) -> dict:
+    """`synthetic` at 1% noise, with a placement control: the baseline's computation taking
+    1 / `placed` s (on buffers of its own)."""
+    samplers = synthetic(speedup, 0.01, seed)
+    placement = synthetic(placed, 0.01, seed + 1000)["variant"]
+    return timing.compare(
+        samplers, "base", placement=placement, min_repeats=rounds, max_repeats=rounds, warmup=0
+    )
+
+
+def test_the_placement_control_is_timed_every_round_after_the_a_a():
+    calls = []
+    samplers = {name: (lambda n=name: calls.append(n) or 1.0) for name in ("a", "b")}
+    out = timing.compare(
+        samplers, "a", placement=lambda: calls.append("p") or 1.0, min_repeats=2, warmup=0
+    )
+    assert calls[:8] == ["a", "b", "a", "p", "p", "a", "b", "a"]
+    assert list(out["times_s"]) == ["a", timing.AA, "b", timing.PLACED]
+    assert set(out["summary"]) == {timing.AA_RATIO, timing.PLACED_RATIO, "b"}
+
+
+@pytest.mark.parametrize("speedup", [1.10, 1 / 1.10])
+def test_a_difference_the_placement_control_shows_is_level(speedup):
+    """1% noise a sample: 20 rounds give each ratio an interval of about +-0.7%, so a variant
+    10% faster or slower is "faster" or "slower" against the A/A control alone. When the same
+    computation on buffers of its own runs 15% slower (a ratio of 0.85, its reciprocal 1.18),
+    the floor spans [~0.84, ~1.19], which 1.10 and 0.91 do not clear; in every one of 20 seeds."""
+    alone = "faster" if speedup > 1 else "slower"
+    for seed in range(20):
+        assert verdict_of(speedup, 0.01, seed)[0] == alone
+        out = with_placement(speedup, 0.85, seed)
+        floor = timing.noise_floor(out["summary"])
+        assert floor["interval"][0] < 0.86 and floor["interval"][1] > 1 / 0.86, floor
+        assert out["summary"]["variant"]["verdict"] == "level", out["summary"]
+
+
+def test_a_placement_control_like_its_a_a_leaves_verdicts_alone():
+    """A placement control that reads like the A/A (same buffers' speed, 1% noise) widens the
+    floor by the control's own interval only: a 5% difference stays "faster"."""
+    for seed in range(20):
+        out = with_placement(1.05, 1.0, seed)
+        assert out["summary"]["variant"]["verdict"] == "faster", out["summary"]
+
+
+def test_the_floor_without_a_placement_control_is_the_a_a():
+    out = timing.compare(synthetic(1.2, 0.05, 3), "base", min_repeats=8, max_repeats=8)
+    assert timing.noise_floor(out["summary"]) == out["summary"][timing.AA_RATIO]
+
+
+def test_a_summary_with_a_placement_control_recomputes_from_the_raw_times():
+    out = with_placement(1.2, 0.9, 3, rounds=8)
+    assert timing.summarize(out["times_s"]) == out["summary"]
+
+
+@pytest.mark.parametrize("name", [timing.AA, timing.PLACED])
+def test_a_sampler_may_not_take_a_control_s_name(name):
+    with pytest.raises(ValueError, match="names a control"):
+        timing.compare({"a": lambda: 1.0, name: lambda: 1.0}, "a")
