@@ -59,7 +59,7 @@ SMOKE = RUN + (
 MODES = {"sync": "false", "async": "true"}
 WALL = re.compile(r"\| wall ([\d.]+) s \|")
 ORBAX_WAIT = re.compile(r"Waiting for previous save to complete took [\d.]+ seconds")
-PINNED = re.compile(r"(?:pinned|host memory for checkpoints not pinned)[^\n]*")
+PINNED = re.compile(r"^(?:pinned [\d.]+ GiB of|host memory for checkpoints not pinned).*$", re.M)
 
 
 def run(overrides: tuple[str, ...], asynchronous: str, out_dir: Path) -> dict:

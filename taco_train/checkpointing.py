@@ -23,9 +23,9 @@ Beside the state a checkpoint holds a little JSON (orbax's custom metadata, in a
 that the manifest covers): the error budget's fallbacks, which a resumed run keeps.
 
 A save copies the state to pinned host memory first (orbax's default on GPUs), which the
-runtime pins the first time it is needed and keeps for later copies: pinning takes seconds per
-gigabyte, so `reserve_host_memory` pins it beside the start-up compiles, not in the first save's
-pause (decision 018).
+runtime pins the first time it is needed and keeps for later copies: pinning takes about half
+a second per GiB, so `reserve_host_memory` pins it beside the start-up compiles, not in the first
+save's pause (decision 018).
 
 Restoring uses an abstract state carrying the target shardings, so each process reads only its
 shards and the restored arrays are placed exactly where `train_step` expects them.
@@ -83,18 +83,32 @@ def _file_hashes(step_dir: Path) -> dict[str, str]:
 
 
 def pin_host_copy(state: Any) -> int:
-    """Copies every shard of `state` that this process saves (replica 0's) to pinned host
-    memory and lets the copies go; returns their bytes. The runtime keeps the pinned memory for
-    the next copies of that size, so a save's copy then finds it pinned."""
+    """Copies to pinned host memory what an orbax save of this process copies there (`_saved`)
+    and lets the copies go; returns their bytes. The runtime keeps the pinned memory for the
+    next copies of that size, so a save's copy then finds it pinned."""
     copies = [
-        jax.device_put(shard.data, SingleDeviceSharding(shard.device, memory_kind="pinned_host"))
+        jax.device_put(part, SingleDeviceSharding(part.device, memory_kind="pinned_host"))
         for leaf in jax.tree.leaves(state)
         if isinstance(leaf, jax.Array)
-        for shard in leaf.addressable_shards
-        if shard.replica_id == 0
+        for part in _saved(leaf)
     ]
     jax.block_until_ready(copies)
     return sum(copy.nbytes for copy in copies)
+
+
+def _saved(leaf: jax.Array) -> list[jax.Array]:
+    """The device arrays of `leaf` an orbax save of this process copies to host memory. orbax
+    chooses them (replica 0; a replicated array split between its replicas, unless
+    JAX_PLATFORMS names a GPU): its own choice where its (private) function is as in 0.12, else
+    replica 0's shards."""
+    try:
+        from orbax.checkpoint._src.serialization import jax_array_handlers, replica_slices
+
+        parallel = jax_array_handlers._get_default_use_replica_parallel()
+        chosen = replica_slices.get_replica_slices(leaf, 0, parallel).replica_slices
+        return [part.data() for part in chosen]
+    except (ImportError, AttributeError, TypeError):
+        return [shard.data for shard in leaf.addressable_shards if shard.replica_id == 0]
 
 
 def damage(step_dir: Path) -> str | None:
@@ -211,16 +225,16 @@ class Checkpointer:
         directory: str | Path,
         keep: int,
         asynchronous: bool = True,
-        pinned_copy: bool | None = None,
+        pin_ahead: bool | None = None,
     ):
-        """`pinned_copy`: whether a save copies the state to pinned host memory
-        (None: orbax's default, on GPUs); only `reserve_host_memory` reads it."""
+        """`pin_ahead`: whether `reserve_host_memory` pins host memory (None: where orbax's
+        saves copy through pinned host memory, on GPUs)."""
         self.directory = Path(directory).absolute()
         self.keep = keep
         self.asynchronous = asynchronous
-        if pinned_copy is None:
-            pinned_copy = jax.default_backend() == "gpu"
-        self.pinned_copy = pinned_copy
+        if pin_ahead is None:
+            pin_ahead = jax.default_backend() == "gpu"
+        self.pin_ahead = pin_ahead
         self._reserving: concurrent.futures.Future | None = None
         # Deletion is this class's (only of good checkpoints' elders), never orbax's own.
         options = ocp.CheckpointManagerOptions(
@@ -240,7 +254,7 @@ class Checkpointer:
         (`pin_host_copy`), so that the first save does not pin it in the loop's pause (6-10 s
         for a GPT-1.3B state on one H100). `host_memory_reserved` must be called before
         `state` is donated (the first train step): the thread reads it."""
-        if self.pinned_copy:
+        if self.pin_ahead:
             pool = concurrent.futures.ThreadPoolExecutor(1, "pin host memory")
             self._reserving = pool.submit(_timed, pin_host_copy, state)
             pool.shutdown(wait=False)

@@ -558,8 +558,11 @@ def train_and_evaluate(cfg: TrainConfig) -> dict[str, Any]:
         )
     if start < end:
         ckpt.reserve_host_memory(state)  # beside the compiles
-        run.compile_ahead(state)
-        if reserved := ckpt.host_memory_reserved():
+        try:
+            run.compile_ahead(state)
+        finally:  # before the first step donates the state the thread reads
+            reserved = ckpt.host_memory_reserved()
+        if reserved:
             _say(reserved)
         _say_reference_ops()
     try:

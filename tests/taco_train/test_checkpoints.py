@@ -192,19 +192,25 @@ def test_an_async_save_keeps_the_state_of_its_step_when_the_next_step_donates_it
     np.testing.assert_array_equal(final_state(tmp_path, 1)["x"], np.arange(1024.0))
 
 
-def test_pinning_host_memory_ahead_copies_each_saved_shard_once_and_leaves_the_state(tmp_path):
-    """`reserve_host_memory` copies replica 0's shards (what this process saves) to pinned host
-    memory on a thread: a leaf replicated over 8 devices counts once, a sharded one whole; the
-    state is then donated and saved as usual, with the values of its step."""
-    mesh = jax.make_mesh((8,), ("d",))
-    sharded = jax.device_put(jnp.arange(1024.0), NamedSharding(mesh, P("d")))
-    replicated = jax.device_put(jnp.arange(256, dtype=jnp.int32), NamedSharding(mesh, P()))
+def test_pinning_ahead_copies_what_a_save_copies_and_leaves_the_state(tmp_path, monkeypatch):
+    """`reserve_host_memory` copies to pinned host memory what this process's save copies, on
+    a thread: a leaf sharded over 8 devices whole; a leaf sharded over tp = 4 and replicated over
+    dp = 2 once, half from each replica's devices (orbax splits a replicated array between its
+    replicas: with every process pinning its share, none pins in its first save). The state is
+    then donated and saved as usual, with the values of its step."""
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # orbax's replica-parallel default on
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+    sharded = jax.device_put(jnp.arange(1024.0), NamedSharding(mesh, P(("dp", "tp"))))
+    replicated = jax.device_put(jnp.ones((64, 256)), NamedSharding(mesh, P(None, "tp")))
     state = {"sharded": sharded, "replicated": replicated}
-    ckpt = Checkpointer(tmp_path / "checkpoints", keep=1, asynchronous=True, pinned_copy=True)
+    parts = checkpointing._saved(replicated)
+    assert sorted(part.device.id for part in parts) == list(range(8))
+    assert {part.shape for part in parts} == {(32, 64)}
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=1, asynchronous=True, pin_ahead=True)
     ckpt.reserve_host_memory(state)
     said = ckpt.host_memory_reserved()
-    assert said.startswith(f"pinned {(1024 * 4 + 256 * 4) / 2**30:.2f} GiB of host memory"), said
-    assert checkpointing.pin_host_copy(state) == 1024 * 4 + 256 * 4
+    assert said.startswith("pinned 0.00 GiB of host memory for checkpoints in "), said
+    assert checkpointing.pin_host_copy(state) == (1024 + 64 * 256) * 4
     assert ckpt.host_memory_reserved() is None  # once
     state = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)(state)
     ckpt.save(1, state)
@@ -213,19 +219,24 @@ def test_pinning_host_memory_ahead_copies_each_saved_shard_once_and_leaves_the_s
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
-def test_host_memory_is_pinned_ahead_only_where_saves_copy_through_it(asynchronous, tmp_path):
+def test_host_memory_is_pinned_ahead_for_either_kind_of_save(asynchronous, tmp_path):
+    """Synchronous saves copy through pinned host memory too: `asynchronous` changes nothing."""
     state = {"x": jnp.arange(4.0)}
-    for pinned in (False, True):
-        ckpt = Checkpointer(tmp_path / str(pinned), 1, asynchronous, pinned_copy=pinned)
+    for pin in (False, True):
+        ckpt = Checkpointer(tmp_path / str(pin), 1, asynchronous, pin_ahead=pin)
         ckpt.reserve_host_memory(state)
         said = ckpt.host_memory_reserved()
-        assert (said is not None and said.startswith("pinned ")) == pinned, said
+        assert (said is not None and said.startswith("pinned ")) == pin, said
         ckpt.close()
+
+
+def test_pinning_ahead_is_off_where_saves_do_not_pin(tmp_path):
+    assert not Checkpointer(tmp_path, 1).pin_ahead  # a CPU backend
 
 
 def test_a_failed_pinning_is_one_line_and_saves_still_work(tmp_path):
     """Pinning ahead only saves the first save's pause: where it fails, the run goes on."""
-    ckpt = Checkpointer(tmp_path / "checkpoints", keep=1, asynchronous=True, pinned_copy=True)
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=1, asynchronous=True, pin_ahead=True)
     ckpt.reserve_host_memory({"x": jnp.arange(4.0), "gone": _deleted_array()})
     said = ckpt.host_memory_reserved()
     assert said.startswith("host memory for checkpoints not pinned ahead (RuntimeError: "), said
