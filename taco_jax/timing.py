@@ -17,12 +17,14 @@ k-th smallest and k-th largest of n values cover the true median with probabilit
 1 - 2 P(Binomial(n, 1/2) < k) (Conover, Practical Nonparametric Statistics, 3rd ed., 3.2),
 k the largest that keeps it >= `CONFIDENCE`; 6 rounds are the fewest that reach 95%. The A/A
 ratio (A over A' in each round) is the run's noise floor. It is the floor of one program on one
-set of buffers: the same computation on buffers of its own can run up to ~20% apart, steadily
-(on an H100 at 8-64 MiB, docs/decisions/033-placement-control.md), which A/A cannot see. Where
-the variants run on buffers other than the baseline's, `compare(..., placement=...)` times the
+set of buffers: the same computation on buffers of its own ran 0.81x of itself, steadily, on an
+H100 at 8-64 MiB (docs/decisions/033-placement-control.md), which A/A cannot see. Where the
+variants run on buffers other than the baseline's, `compare(..., placement=...)` times the
 baseline's computation on buffers of its own in every round too, and the floor (`noise_floor`)
-spans the A/A interval, that control's and its reciprocal. The verdict: "faster" when the interval
-lies above 1 and above the floor, "slower" when below both, else "level".
+spans the A/A interval, that control's and its reciprocal. That control is one draw of the
+baseline's placement; each variant's is another, so a choice that rests on a verdict near the
+floor wants a second run on other buffers. The verdict: "faster" when the interval lies above 1
+and above the floor, "slower" when below both, else "level".
 
 The record of a comparison keeps the raw per-round seconds (`times_s`) with the summary;
 `summarize` recomputes the summary from them, which the tables of BENCHMARKS.md do.
@@ -76,11 +78,11 @@ def _binomial_cdf(k: int, n: int) -> float:
     return sum(math.comb(n, i) for i in range(k + 1)) / 2**n
 
 
-def verdict(interval: Sequence[float], aa_interval: Sequence[float]) -> str:
+def verdict(interval: Sequence[float], floor: Sequence[float]) -> str:
     """ "faster" / "slower" where `interval` (of a baseline / variant ratio) excludes 1 and lies
-    outside the A/A control's interval on the same side, else "level"."""
+    outside the noise floor's interval (`noise_floor`) on the same side, else "level"."""
     lo, hi = interval
-    aa_lo, aa_hi = aa_interval
+    aa_lo, aa_hi = floor
     if lo > 1 and lo > aa_hi:
         return "faster"
     if hi < 1 and hi < aa_lo:
@@ -100,13 +102,13 @@ def _round_times(times_s: dict[str, list[float]], name: str) -> list[float]:
     return times_s[name]
 
 
-def ratio(times_s: dict[str, list[float]], reference: str, name: str, aa: dict) -> dict:
+def ratio(times_s: dict[str, list[float]], reference: str, name: str, floor: dict) -> dict:
     """`reference` time / `name` time: median, interval, coverage and the verdict against the
-    noise floor `aa` (`noise_floor(summarize(...))`); "level" where either interval covers less
-    than `CONFIDENCE` (too few rounds)."""
+    noise floor `floor` (`noise_floor(summarize(...))`); "level" where either interval covers
+    less than `CONFIDENCE` (too few rounds)."""
     out = median_interval(round_ratios(times_s, reference, name))
-    enough = min(out["coverage"], aa["coverage"]) >= CONFIDENCE
-    return out | {"verdict": verdict(out["interval"], aa["interval"]) if enough else "level"}
+    enough = min(out["coverage"], floor["coverage"]) >= CONFIDENCE
+    return out | {"verdict": verdict(out["interval"], floor["interval"]) if enough else "level"}
 
 
 def summarize(times_s: dict[str, list[float]]) -> dict[str, dict]:
@@ -166,9 +168,9 @@ def compare(
 
     Returns {"baseline", "repeats", "stopped" ("stable", "budget" or "max_repeats"),
     "elapsed_s", "times_s" (per name, one sample per round: the baseline first, then `AA`,
-    then the variants), "summary" (`summarize`)}. `warmup` untimed rounds come first
-    (compilation, caches); the budget counts from the first timed round; `deadline` (a
-    `time.time()`) ends the rounds too, once `min_repeats` ran.
+    then the variants, then `PLACED` where timed), "summary" (`summarize`)}. `warmup` untimed
+    rounds come first (compilation, caches); the budget counts from the first timed round;
+    `deadline` (a `time.time()`) ends the rounds too, once `min_repeats` ran.
     """
     if baseline not in samplers:
         raise ValueError(f"{baseline=} is not one of the samplers {sorted(samplers)}")
