@@ -14,11 +14,11 @@ peers with peer steps, as the registry runs them). Each is timed as one call in 
 of dependent calls (`timing.in_program`: 16 calls rotating over inputs of >= 256 MiB from 1 MiB,
 so that nothing is served from L2; below, 200 calls on one input, in L2 as a fresh activation
 would be), all interleaved with an A/A control of the copy and a placement control, the copy
-on inputs of its own (`timing.compare`: the ops run on other buffers than the copy's, which
-alone can move a time ~20%); the record keeps the raw times. Bandwidth is logical IO: bytes
-read + bytes written, once each; "of copy" is an op's bandwidth over the copy's (the median of
-the paired ratios, with its interval). That the kernels compute the references' functions is
-the GPU tier's (tests/pallas_kernels).
+on inputs of its own (`timing.compare`: the ops run on other buffers than the copy's, and other
+buffers alone ran a kernel at 0.81x of itself, docs/decisions/033); the record keeps the raw
+times. Bandwidth is logical IO: bytes read + bytes written, once each; "of copy" is an op's
+bandwidth over the copy's (the median of the paired ratios, with its interval). That the kernels
+compute the references' functions is the GPU tier's (tests/pallas_kernels).
 """
 
 from __future__ import annotations
