@@ -59,6 +59,7 @@ CONVERGENCE = (  # a 30M GPT; a seed pairs once, in the first record that holds 
 CHECKPOINT_SAVES = (  # GPT-1.3B, fp32 weights and Adam moments: ~15.6 GB a save
     "checkpoint_pause-2026-12-06-r4.json",
     "checkpoint_pause-2026-12-06-r5.json",
+    "checkpoint_pause-2026-12-06-r6.json",
 )
 CONVERGENCE_91M = ("convergence-2026-12-01-3d-91m.json",)  # the 3D layout, a 91.5M GPT
 
