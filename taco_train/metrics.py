@@ -3,9 +3,12 @@ throughput and MFU."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +38,10 @@ class MetricsWriter:
     and figures as TensorBoard images (`write_figure`).
 
     On resume from `start_step`, records of later steps (written after the checkpoint the run
-    resumes from) are dropped, so the file reads like one uninterrupted run; TensorBoard is told
-    the same (`purge_step`), so it hides the events of those steps.
+    resumes from) and lines that do not parse (one a killed process was writing) move to
+    `<name>.after-step-<start_step>.jsonl` beside it, said in one line, so the file reads like
+    one uninterrupted run and nothing is lost; TensorBoard is told the same (`purge_step`), so
+    it hides the events of those steps.
     """
 
     def __init__(
@@ -51,10 +56,20 @@ class MetricsWriter:
         self._board = None
         if not enabled:
             return
-        kept = [r for r in read_jsonl(path) if r.get("step", 0) <= start_step]
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
+        kept, later = _split_at(path, start_step)
+        if later:
+            aside = _unused(path.with_name(f"{path.stem}.after-step-{start_step}{path.suffix}"))
+            aside.write_text("".join(later))
+            print(
+                f"resuming at step {start_step}: {len(later)} lines of {path.name} from later "
+                f"steps (or unreadable) moved to {aside.name}",
+                file=sys.stderr,
+                flush=True,
+            )
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text("".join(kept))
+        os.replace(partial, path)  # the file whole, never cut short by a kill here
         if tensorboard_dir is not None:
             from tensorboardX import SummaryWriter
 
@@ -102,6 +117,26 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
             continue
         out[key if "/" in key else f"{record['kind']}/{key}"] = float(value)
     return out
+
+
+def _split_at(path: Path, step: int) -> tuple[list[str], list[str]]:
+    """The lines of `path` (JSONL) of records up to `step`, and the others: records of later
+    steps and lines that do not parse."""
+    kept, later = [], []
+    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+    for line in filter(str.strip, lines):
+        try:
+            up_to = json.loads(line).get("step", 0) <= step
+        except (json.JSONDecodeError, AttributeError, TypeError):
+            up_to = False
+        (kept if up_to else later).append(line if line.endswith("\n") else line + "\n")
+    return kept, later
+
+
+def _unused(path: Path) -> Path:
+    """`path`, or the first of `<stem>.1<suffix>`, `.2`, ... that does not exist."""
+    candidates = (path.with_name(f"{path.stem}.{n}{path.suffix}") for n in itertools.count(1))
+    return path if not path.exists() else next(c for c in candidates if not c.exists())
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

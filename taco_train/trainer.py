@@ -386,6 +386,7 @@ RUN_OUTPUTS = (
     "config.json",
     "config_history.jsonl",
     "metrics.jsonl",
+    "metrics.after-step-*.jsonl",  # a resume's records of later steps (`metrics.MetricsWriter`)
     "loss.png",
     "checkpoints",
     "tensorboard",
@@ -397,9 +398,9 @@ RUN_OUTPUTS = (
 
 
 def archive_previous_run(out: Path) -> Path | None:
-    """Moves the outputs of an earlier run in `out` (`RUN_OUTPUTS`) into
+    """Moves the outputs of an earlier run in `out` (`RUN_OUTPUTS`, names or patterns) into
     `out/archive/<UTC time>/`; returns that folder, or None when there was nothing to move."""
-    present = [out / name for name in RUN_OUTPUTS if (out / name).exists()]
+    present = [path for name in RUN_OUTPUTS for path in sorted(out.glob(name))]
     if not present:
         return None
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")

@@ -267,6 +267,11 @@ def test_damaged_newest_checkpoint_falls_back_in_one_line(harm, finished, cache,
     ours = untimed(metrics.read_jsonl(run / "metrics.jsonl"))
     assert ours == untimed(metrics.read_jsonl(finished / "metrics.jsonl"))
     assert damage(run / "checkpoints" / "6") is None  # saved again, good
+    # ... and the first run's records of steps 4-6 were moved aside, not lost.
+    first = (finished / "metrics.jsonl").read_text().splitlines(keepends=True)
+    later = [line for line in first if json.loads(line).get("step", 0) > 3]
+    assert later and (run / "metrics.after-step-3.jsonl").read_text() == "".join(later)
+    assert "lines of metrics.jsonl from later steps" in err, err
 
 
 @pytest.mark.slow  # `finished`
@@ -487,18 +492,14 @@ def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
 def test_archiving_moves_every_output_of_the_earlier_run_and_nothing_else(tmp_path):
     """The files a run writes move into archive/<UTC time>/ whole; other files stay; two
     archives within one second get distinct folders."""
-    for name in ("config.json", "metrics.jsonl", "loss.png", "notes.txt"):
+    moved = ("config.json", "metrics.jsonl", "metrics.after-step-3.jsonl", "loss.png")
+    for name in (*moved, "notes.txt"):
         (tmp_path / name).write_text(name)
     (tmp_path / "checkpoints" / "3").mkdir(parents=True)
     first = trainer.archive_previous_run(tmp_path)
     assert first.parent == tmp_path / "archive"
     assert re.fullmatch(r"\d{8}T\d{6}Z", first.name), first.name
-    assert sorted(p.name for p in first.iterdir()) == [
-        "checkpoints",
-        "config.json",
-        "loss.png",
-        "metrics.jsonl",
-    ]
+    assert sorted(p.name for p in first.iterdir()) == sorted((*moved, "checkpoints"))
     assert (first / "checkpoints" / "3").is_dir() and (first / "loss.png").read_text() == "loss.png"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["archive", "notes.txt"]
     assert trainer.archive_previous_run(tmp_path) is None  # nothing left to move
