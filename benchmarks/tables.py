@@ -174,9 +174,9 @@ def ratios(records: list[dict], baseline: str | None) -> list[dict]:
         for c in record["comparisons"]:
             times = c["times_s"]
             base = baseline or next(iter(times))
-            aa = timing.noise_floor(timing.summarize(times))
+            floor = timing.noise_floor(timing.summarize(times))
             for name in (n for n in times if n not in (base, timing.AA, timing.PLACED)):
-                ratio = judged(timing.ratio(times, base, name, aa))
+                ratio = judged(timing.ratio(times, base, name, floor))
                 words = [w for w, v in zip(name.split(), base.split(), strict=False) if w == v]
                 shared = " ".join(words) if name.startswith(" ".join(words)) else ""
                 pair = dict(shared=shared, ours=name[len(shared) :], theirs=base[len(shared) :])
@@ -185,7 +185,7 @@ def ratios(records: list[dict], baseline: str | None) -> list[dict]:
                     dict(record=record, c=c, base=base, name=name, ratio=ratio)
                     | dict(where=where(record, mode))
                     | {k: v.strip() for k, v in pair.items()}
-                    | dict(aa=interval(aa), size=size(c.get("bytes", 0)))
+                    | dict(aa=interval(floor), size=size(c.get("bytes", 0)))
                     | dict(base_s=seconds(statistics.median(times[base])))
                     | step_fields(labelled.get(name, {}), labelled.get(base, {}))
                 )

@@ -82,10 +82,10 @@ def verdict(interval: Sequence[float], floor: Sequence[float]) -> str:
     """ "faster" / "slower" where `interval` (of a baseline / variant ratio) excludes 1 and lies
     outside the noise floor's interval (`noise_floor`) on the same side, else "level"."""
     lo, hi = interval
-    aa_lo, aa_hi = floor
-    if lo > 1 and lo > aa_hi:
+    floor_lo, floor_hi = floor
+    if lo > 1 and lo > floor_hi:
         return "faster"
-    if hi < 1 and hi < aa_lo:
+    if hi < 1 and hi < floor_lo:
         return "slower"
     return "level"
 
